@@ -1,0 +1,1 @@
+"""triton-vlm: vision-language models on Triton Inference Server."""

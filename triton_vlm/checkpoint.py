@@ -1,0 +1,57 @@
+"""`triton-vlm demo-checkpoint`: random-weight checkpoints that transformers loads offline.
+
+The tokenizer is a byte-level BPE trained here on generated text, with the family's special
+tokens as single ids, so no model hub is needed for tests or the demo.
+"""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from triton_vlm.families import get_family
+from triton_vlm.families.base import Family
+
+_WORDS = (
+    "the a an image video picture frame scene shows describe what is in this of and to with on at "
+    "red green blue yellow black white cat dog person car tree house sky road water light dark left "
+    "right top bottom small large two three many one moving still second first next answer question "
+    "color shape number count where who how why when please tell me about it there are see you can "
+    "0 1 2 3 4 5 6 7 8 9 , . ? ! : ; ( ) - ' \" \n"
+).split(" ")
+
+
+def _corpus(n_lines: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 24))) for _ in range(n_lines)]
+
+
+def train_tokenizer(family: Family, vocab_size: int, seed: int = 0):
+    """A byte-level BPE with the family's special tokens, wrapped as a transformers tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(family.special_tokens),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    bpe.train_from_iterator(_corpus(4000, seed), trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token=family.special_tokens[2] if len(family.special_tokens) > 2 else None,
+        pad_token=family.special_tokens[0], extra_special_tokens=dict(family.named_special_tokens))
+    for token in family.special_tokens:
+        ids = tokenizer.encode(token, add_special_tokens=False)
+        if len(ids) != 1:
+            raise RuntimeError(f"special token {token} encodes to {ids}, not one id")
+    return tokenizer
+
+
+def write_demo_checkpoint(family_name: str, out: str | Path, size: str = "tiny", seed: int = 0) -> Path:
+    family = get_family(family_name)
+    if size not in family.demo_sizes:
+        raise ValueError(f"size must be one of {sorted(family.demo_sizes)}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(family, family.demo_sizes[size]["vocab_size"], seed)
+    family.write_demo(out, size, tokenizer, seed)
+    return out

@@ -1,0 +1,22 @@
+"""What every family provides. Shared mechanisms take a `Family` and never branch on its name."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    model_types: tuple[str, ...]
+    # Placeholder strings a prompt holds once per media item, as the HF processor accepts them.
+    image_placeholder: str
+    video_placeholder: str
+    # Special tokens the tokenizer must encode as single ids, and the named ones
+    # (`image_token`, `video_token`, ...) that HF processors read off the tokenizer.
+    special_tokens: tuple[str, ...]
+    named_special_tokens: dict[str, str]
+    # Builds the HF config / model / processor for a random-weight demo checkpoint.
+    demo_sizes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    write_demo: Callable[..., None] | None = None
+    chat_template: str = ""
