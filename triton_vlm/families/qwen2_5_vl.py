@@ -81,6 +81,12 @@ def write_demo(out: Path, size: str, tokenizer, seed: int) -> None:
     processor.save_pretrained(out)
 
 
+def encoder_dims(config: dict) -> tuple[int, int]:
+    vision = config["vision_config"]
+    patch_dim = vision.get("in_channels", 3) * vision["temporal_patch_size"] * vision["patch_size"] ** 2
+    return patch_dim, vision["out_hidden_size"]
+
+
 QWEN2_5_VL = Family(
     name="qwen2_5_vl",
     model_types=("qwen2_5_vl",),
@@ -89,6 +95,7 @@ QWEN2_5_VL = Family(
     special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>", VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD),
     named_special_tokens={"image_token": IMAGE_PAD, "video_token": VIDEO_PAD,
                           "vision_start_token": VISION_START, "vision_end_token": VISION_END},
+    encoder_dims=encoder_dims,
     demo_sizes=DEMO_SIZES,
     write_demo=write_demo,
     chat_template=CHAT_TEMPLATE,
