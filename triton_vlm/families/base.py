@@ -18,7 +18,7 @@ class Family:
     named_special_tokens: dict[str, str]
     # Builds the HF config / model / processor for a random-weight demo checkpoint.
     # (pixel_values row width, embedding width) from the checkpoint's config.json.
-    encoder_dims: Callable[[dict], tuple[int, int]] = lambda config: (0, 0)
+    encoder_dims: Callable[[dict], tuple[int, int]]
     demo_sizes: dict[str, dict[str, Any]] = field(default_factory=dict)
     write_demo: Callable[..., None] | None = None
     chat_template: str = ""
