@@ -1,0 +1,368 @@
+"""The `llm` engine against transformers' Qwen2.5-VL as the oracle (tiny random checkpoint, CPU).
+
+Inputs come from the HF processor; vision rows from `model.model.visual(...).pooler_output`;
+positions from `model.model.get_rope_index` (transformers' rule for text after a video: the engine
+takes positions as given, so whichever rule produced them, it must reproduce HF generate).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np
+import pytest
+import torch
+
+from triton_vlm.errors import InvalidInput
+from triton_vlm.llm import Engine, GenerationOutput, IncrementalDetokenizer, SamplingParams
+
+PROMPTS = {
+    "text": ("describe the red car on the road", [], []),
+    "image": ("<|vision_start|><|image_pad|><|vision_end|>what is in this image", ["img0"], []),
+    "video": ("<|vision_start|><|video_pad|><|vision_end|>what is moving in the video", [], ["vid0"]),
+    "image+video": ("<|vision_start|><|image_pad|><|vision_end|>two<|vision_start|><|video_pad|>"
+                    "<|vision_end|>tell me about the left one", ["img1"], ["vid1"]),
+}
+TIMEOUT = 60
+
+
+@pytest.fixture(scope="session")
+def ckpt(tmp_path_factory):
+    from triton_vlm.checkpoint import write_demo_checkpoint
+
+    return write_demo_checkpoint("qwen2_5_vl", tmp_path_factory.mktemp("qwen_tiny"), "tiny")
+
+
+@pytest.fixture(scope="session")
+def hf(ckpt):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model = AutoModelForImageTextToText.from_pretrained(ckpt).eval()
+    return model, AutoProcessor.from_pretrained(ckpt)
+
+
+@pytest.fixture(scope="session")
+def media():
+    from PIL import Image
+
+    rng = np.random.default_rng(1)
+    return {
+        "img0": Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)),
+        "img1": Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)),
+        "vid0": rng.integers(0, 256, (20, 56, 56, 3), dtype=np.uint8),   # 2 s at 10 fps
+        "vid1": rng.integers(0, 256, (40, 56, 84, 3), dtype=np.uint8),   # 4 s at 10 fps
+    }
+
+
+@pytest.fixture(scope="session")
+def requests(hf, media):
+    """Per prompt: HF processor inputs and the `llm` inputs made from them."""
+    from transformers.video_utils import VideoMetadata
+
+    model, proc = hf
+    out = {}
+    for name, (text, images, videos) in PROMPTS.items():
+        prompt = f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+        kwargs = {}
+        if images:
+            kwargs["images"] = [media[k] for k in images]
+        if videos:
+            frames = [media[k] for k in videos]
+            kwargs.update(videos=frames, do_sample_frames=True, fps=2,
+                          video_metadata=[VideoMetadata(total_num_frames=len(f), fps=10, width=f.shape[2],
+                                                        height=f.shape[1]) for f in frames])
+        inputs = proc(text=[prompt], return_tensors="pt", **kwargs)
+        with torch.no_grad():
+            rows = []  # prompt order: each prompt above has its image before its video
+            if "pixel_values" in inputs:
+                rows.append(model.model.visual(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"]).pooler_output)
+            if "pixel_values_videos" in inputs:
+                rows.append(model.model.visual(inputs["pixel_values_videos"],
+                                               grid_thw=inputs["video_grid_thw"]).pooler_output)
+            pos, delta = model.model.get_rope_index(
+                inputs["input_ids"], mm_token_type_ids=inputs["mm_token_type_ids"],
+                image_grid_thw=inputs.get("image_grid_thw"), video_grid_thw=inputs.get("video_grid_thw"),
+                second_per_grid_ts=inputs.get("second_per_grid_ts"))
+        emb = torch.cat(rows).numpy() if rows else np.zeros((0, model.config.text_config.hidden_size), np.float32)
+        out[name] = dict(
+            hf_inputs=inputs,
+            llm=dict(input_ids=inputs["input_ids"][0].numpy().astype(np.int32), embeddings=emb,
+                     mrope_position_ids=pos[:, 0].numpy().astype(np.int64),
+                     mrope_position_delta=delta[0].numpy().astype(np.int64)))
+    return out
+
+
+@pytest.fixture(scope="session")
+def engine(ckpt):
+    eng = Engine(ckpt)
+    yield eng
+    eng.shutdown()
+
+
+class Collector:
+    def __init__(self, on_emit=None):
+        self.outputs: list[GenerationOutput] = []
+        self.done = threading.Event()
+        self.on_emit = on_emit
+
+    def __call__(self, out: GenerationOutput) -> None:
+        assert not self.done.is_set(), "emit after the final output"
+        self.outputs.append(out)
+        if self.on_emit:
+            self.on_emit(self)
+        if out.finish_reason is not None:
+            self.done.set()
+
+    def wait(self) -> "Collector":
+        assert self.done.wait(TIMEOUT), "no final emit"
+        return self
+
+    @property
+    def ids(self) -> list[int]:
+        return [t for o in self.outputs for t in o.token_ids]
+
+    @property
+    def text(self) -> str:
+        return "".join(o.text for o in self.outputs)
+
+    @property
+    def finish_reason(self):
+        return self.outputs[-1].finish_reason
+
+
+def submit(engine, req, params, request_id, **kw) -> Collector:
+    col = Collector(kw.pop("on_emit", None))
+    engine.submit(request_id, **req["llm"], params=params, emit=col, **kw)
+    return col
+
+
+def hf_generate(hf, req, **kw) -> list[int]:
+    model, _ = hf
+    inputs = req["hf_inputs"]
+    with torch.no_grad():
+        out = model.generate(**inputs, **kw)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+# ---- equality with transformers -------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(PROMPTS))
+def test_prefill_logits_match_hf(hf, engine, requests, name):
+    model, _ = hf
+    req = requests[name]
+    with torch.no_grad():
+        ref = model(**req["hf_inputs"]).logits[0, -1]
+    llm = req["llm"]
+    logits, cache = engine.model.prefill(torch.from_numpy(llm["input_ids"]), torch.from_numpy(llm["embeddings"]),
+                                         torch.from_numpy(llm["mrope_position_ids"]))
+    cache.free()
+    assert torch.allclose(logits, ref, atol=1e-4, rtol=0), (logits - ref).abs().max()
+
+
+@pytest.mark.parametrize("name", list(PROMPTS))
+def test_greedy_matches_hf_generate(hf, engine, requests, name):
+    req = requests[name]
+    expected = hf_generate(hf, req, max_new_tokens=16, do_sample=False)
+    col = submit(engine, req, SamplingParams(max_tokens=16), f"greedy-{name}").wait()
+    assert col.ids == expected
+    assert all(o.finish_reason is None for o in col.outputs[:-1])
+    assert col.finish_reason == ("stop" if expected[-1] in engine.eos_token_ids else "length")
+    assert [len(o.token_ids) for o in col.outputs] == [1] * len(col.ids)
+    # streamed text pieces add up to the decoded ids; no piece but the last ends in a partial character
+    assert col.text == engine.tokenizer.decode(col.ids, skip_special_tokens=True)
+    assert not any(o.text.endswith("\ufffd") for o in col.outputs[:-1])
+
+
+def test_seeded_sampling_matches_hf(hf, engine, requests):
+    """Same seed for the global RNG (HF) and the request's generator: same multinomial draws."""
+    req = requests["image"]
+    torch.manual_seed(1234)
+    expected = hf_generate(hf, req, max_new_tokens=12, do_sample=True, temperature=0.7, top_k=40, top_p=0.9)
+    params = SamplingParams(max_tokens=12, temperature=0.7, top_k=40, top_p=0.9, seed=1234)
+    assert submit(engine, req, params, "seeded-hf").wait().ids == expected
+
+
+def test_eos_gives_stop(hf, ckpt, requests, tmp_path, engine):
+    """An eos id read from generation_config.json ends with "stop", the eos token included, as HF."""
+    req = requests["text"]
+    greedy = submit(engine, req, SamplingParams(max_tokens=16), "eos-probe").wait().ids
+    eos = greedy[3]
+    for f in os.listdir(ckpt):
+        (shutil.copy if f.endswith(".json") else os.symlink)(os.path.join(ckpt, f), tmp_path / f)
+    gen = json.loads((tmp_path / "generation_config.json").read_text())
+    gen["eos_token_id"] = [eos]
+    (tmp_path / "generation_config.json").write_text(json.dumps(gen))
+    eng = Engine(tmp_path)
+    try:
+        col = submit(eng, req, SamplingParams(max_tokens=16), "eos").wait()
+    finally:
+        eng.shutdown()
+    assert col.finish_reason == "stop"
+    assert col.ids == greedy[:greedy.index(eos) + 1]
+    assert col.ids == hf_generate(hf, req, max_new_tokens=16, do_sample=False, eos_token_id=[eos])
+
+
+def test_max_tokens_gives_length(engine, requests):
+    col = submit(engine, requests["video"], SamplingParams(max_tokens=3), "len3").wait()
+    ids16 = submit(engine, requests["video"], SamplingParams(max_tokens=16), "len16").wait().ids
+    if not set(ids16[:3]) & engine.eos_token_ids:
+        assert col.finish_reason == "length" and col.ids == ids16[:3]
+
+
+def test_stop_words(engine, requests):
+    req = requests["image+video"]
+    full = submit(engine, req, SamplingParams(max_tokens=16), "full").wait()
+    text = full.text.replace("\ufffd", "")
+    assert len(text) >= 4, text
+    word = text[len(text) // 2: len(text) // 2 + 2]
+    col = submit(engine, req, SamplingParams(max_tokens=16, stop_words=["\x00never", word]), "sw").wait()
+    assert col.finish_reason == "stop"
+    assert col.text == full.text[:full.text.index(word)]
+    assert col.ids == full.ids[:len(col.ids)] and len(col.ids) < 16
+
+
+# ---- concurrency, seeds, cancellation ---------------------------------------------------------------
+
+def test_concurrent_requests_match_alone(engine, requests):
+    jobs = []
+    for i, name in enumerate(PROMPTS):
+        jobs.append((name, SamplingParams(max_tokens=12)))
+        jobs.append((name, SamplingParams(max_tokens=12, temperature=1.0, top_p=0.95, seed=100 + i)))
+    alone = [submit(engine, requests[n], p, f"alone-{i}").wait().ids for i, (n, p) in enumerate(jobs)]
+    seen_running = []
+    cols = [submit(engine, requests[n], p, f"conc-{i}", on_emit=lambda c: seen_running.append(engine.num_running))
+            for i, (n, p) in enumerate(jobs)]
+    together = [c.wait().ids for c in cols]
+    assert together == alone
+    assert max(seen_running) > 1  # they really did run at the same time
+    again = [submit(engine, requests[n], p, f"again-{i}").wait().ids for i, (n, p) in enumerate(jobs)]
+    assert again == alone  # seeded sampling repeats
+
+
+def test_cancel_frees_cache(engine, requests):
+    stop_after = 3
+    col = submit(engine, requests["image"], SamplingParams(max_tokens=64), "cancel-me",
+                 is_cancelled=lambda: len(col.outputs) >= stop_after)
+    col.wait()
+    assert col.finish_reason == "cancelled"
+    assert len(col.ids) == stop_after and col.outputs[-1].token_ids == []
+    assert engine.kv_cache_bytes == 0 and engine.num_running == 0
+    # Engine.cancel() on a request that has not started yet
+    gate = threading.Event()
+    slow = submit(engine, requests["text"], SamplingParams(max_tokens=8), "slow",
+                  on_emit=lambda c: gate.wait(TIMEOUT))
+    waiting = submit(engine, requests["text"], SamplingParams(max_tokens=8), "waiting")
+    engine.cancel("waiting")
+    gate.set()
+    assert waiting.wait().finish_reason == "cancelled" and waiting.ids == []
+    assert slow.wait().finish_reason == "length"
+    assert engine.kv_cache_bytes == 0
+
+
+def test_error_inside_loop_ends_request_and_engine_survives(ckpt, requests):
+    eng = Engine(ckpt)
+    real = eng.model.decode
+    calls = {"n": 0}
+
+    def flaky(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("boom")
+        return real(*a, **k)
+
+    eng.model.decode = flaky
+    try:
+        col = submit(eng, requests["text"], SamplingParams(max_tokens=8), "err").wait()
+        assert col.finish_reason == "error" and col.outputs[-1].error
+        assert "boom" not in col.outputs[-1].error  # no internals leak to the client
+        ok = submit(eng, requests["text"], SamplingParams(max_tokens=4), "after").wait()
+        assert ok.finish_reason in ("length", "stop") and eng.kv_cache_bytes == 0
+        # an emit callback that raises does not kill the thread either
+        def bad_emit(out):
+            raise ValueError("client gone")
+        eng.submit("bad", **requests["text"]["llm"], params=SamplingParams(max_tokens=4), emit=bad_emit)
+        assert submit(eng, requests["text"], SamplingParams(max_tokens=2), "after2").wait().ids
+    finally:
+        eng.shutdown()
+
+
+def test_shutdown_ends_requests_in_flight(ckpt, requests):
+    eng = Engine(ckpt)
+    gate = threading.Event()
+    col = submit(eng, requests["text"], SamplingParams(max_tokens=50), "s", on_emit=lambda c: gate.wait(TIMEOUT))
+    queued = submit(eng, requests["text"], SamplingParams(max_tokens=5), "q")
+    threading.Timer(0.2, gate.set).start()
+    eng.shutdown()
+    assert col.wait().finish_reason == "cancelled" and queued.wait().finish_reason == "cancelled"
+
+
+# ---- validation -------------------------------------------------------------------------------------
+
+def test_over_context_rejected(engine, requests):
+    ctx = engine.context_length
+    ids = np.full(ctx + 10, requests["text"]["llm"]["input_ids"][-1], np.int32)
+    with pytest.raises(InvalidInput, match=f"prompt is {ctx + 10} tokens, context is {ctx}"):
+        engine.submit("long", ids, None, None, None, SamplingParams(max_tokens=1), emit=lambda o: None)
+    ids = ids[:ctx - 5]
+    with pytest.raises(InvalidInput, match=f"prompt is {ctx - 5} tokens and max_tokens is 10, context is {ctx}"):
+        engine.submit("long2", ids, None, None, None, SamplingParams(max_tokens=10), emit=lambda o: None)
+    assert engine.num_waiting == 0
+
+
+def test_embeddings_count_mismatch(engine, requests):
+    llm = dict(requests["image"]["llm"])
+    n = llm["embeddings"].shape[0]
+    llm["embeddings"] = llm["embeddings"][:-1]
+    with pytest.raises(InvalidInput, match=rf"embeddings: {n - 1} rows given, prompt has {n} "):
+        engine.submit("mismatch", **llm, params=SamplingParams(max_tokens=2), emit=lambda o: None)
+    with pytest.raises(InvalidInput, match="embeddings"):
+        engine.model.prefill(torch.from_numpy(llm["input_ids"]), torch.from_numpy(llm["embeddings"]),
+                             torch.from_numpy(llm["mrope_position_ids"]))
+    llm = dict(requests["image"]["llm"], mrope_position_ids=np.zeros((3, 2), np.int64))
+    with pytest.raises(InvalidInput, match="mrope_position_ids"):
+        engine.submit("badpos", **llm, params=SamplingParams(max_tokens=2), emit=lambda o: None)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_tokens=0), "max_tokens: must be >= 1, got 0"),
+    (dict(max_tokens=4, temperature=-1), "temperature: must be >= 0, got -1"),
+    (dict(max_tokens=4, temperature=float("nan")), "temperature"),
+    (dict(max_tokens=4, top_p=0.0), r"top_p: must be in \(0, 1\], got 0.0"),
+    (dict(max_tokens=4, top_p=1.5), "top_p"),
+    (dict(max_tokens=4, top_k=-1), "top_k: must be >= 0, got -1"),
+    (dict(max_tokens=4, seed=-1), "seed"),
+    (dict(max_tokens=4, seed=2 ** 64), "seed"),
+    (dict(max_tokens=4, stop_words="x"), "stop_words"),
+])
+def test_bad_sampling_values(kwargs, message):
+    with pytest.raises(InvalidInput, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_from_inputs():
+    p = SamplingParams.from_inputs({
+        "max_tokens": np.array([7], np.int32), "temperature": np.array([0.5], np.float32),
+        "top_p": np.array([0.8], np.float32), "top_k": np.array([5], np.int32),
+        "seed": np.array([2 ** 64 - 1], np.uint64), "stop_words": np.array([b"end", "é".encode()], object)})
+    assert (p.max_tokens, p.top_k, p.seed, p.stop_words) == (7, 5, 2 ** 64 - 1, ["end", "é"])
+    assert p.temperature == pytest.approx(0.5) and p.top_p == pytest.approx(0.8)
+    assert SamplingParams.from_inputs({"max_tokens": [3]}) == SamplingParams(max_tokens=3)
+    with pytest.raises(InvalidInput, match="max_tokens: required"):
+        SamplingParams.from_inputs({})
+    with pytest.raises(InvalidInput, match="temperature: must be >= 0"):
+        SamplingParams.from_inputs({"max_tokens": [3], "temperature": np.array([-2.0])})
+
+
+def test_incremental_detokenizer_never_emits_broken_utf8(engine):
+    tok = engine.tokenizer
+    text = "a é 🙂 cat 日本"
+    ids = tok.encode(text, add_special_tokens=False).ids
+    assert len(ids) > len(text.split())  # multi-byte characters span several byte tokens
+    detok = IncrementalDetokenizer(tok, [])
+    pieces = [detok.add(t) for t in ids] + [detok.flush()]
+    assert "".join(pieces) == tok.decode(ids) == text
+    assert not any("\ufffd" in p for p in pieces)
