@@ -1,0 +1,26 @@
+"""Vision towers, one module per family, and the generic ONNX Runtime encoder.
+
+A tower module provides: `FAMILY`, `INPUT_NAMES` / `METADATA_INPUTS` / `OUTPUT_NAME`,
+`vision_settings(config) -> dict`, `encoder_metadata(grid_thw, settings) -> dict[str, np.ndarray]`,
+`num_patches(grid_thw)`, `num_tokens(grid_thw, settings)`, `load_tower(checkpoint_dir, dtype)`,
+`read_vision_config(checkpoint_dir)`, `example_inputs(settings)`, `dynamic_axes()` and
+`FRAMES_INDEPENDENT` (whether each temporal grid step may be encoded on its own).
+"""
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+# family name -> module path; GLM / MiniCPM towers go next to qwen2_5_vl.
+_TOWERS = {"qwen2_5_vl": "triton_vlm.vision.qwen2_5_vl"}
+
+
+def get_tower(family: str) -> ModuleType:
+    try:
+        return importlib.import_module(_TOWERS[family])
+    except KeyError:
+        raise ValueError(f"no vision tower for family {family!r}; supported: {', '.join(_TOWERS)}") from None
+
+
+def supported_families() -> tuple[str, ...]:
+    return tuple(_TOWERS)

@@ -1,0 +1,125 @@
+"""Generic ONNX Runtime vision encoder: host metadata + one or more session runs.
+
+Family specifics (metadata, sizes, whether frames are independent) come from the tower module
+named in the ONNX file's metadata.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from triton_vlm.errors import InvalidInput
+from triton_vlm.vision import get_tower
+
+
+class VisionEncoder:
+    """Runs an ONNX vision tower written by `triton_vlm.vision.export.export_onnx`.
+
+    `max_patches_per_run` bounds one session run: items (and, where the family allows it,
+    video frames) of the same spatial size are run together up to that many patches, so groups
+    are never padded to a much larger item and attention memory stays bounded.
+    """
+
+    def __init__(self, onnx_path: str | Path, intra_op_threads: int = 2, max_patches_per_run: int = 16384,
+                 providers: list | None = None):
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.intra_op_num_threads = int(intra_op_threads)
+        options.inter_op_num_threads = 1
+        self.session = ort.InferenceSession(str(onnx_path), options,
+                                            providers=providers or ["CPUExecutionProvider"])
+        meta = self.session.get_modelmeta().custom_metadata_map
+        if "family" not in meta or "vision_config" not in meta:
+            raise ValueError(f"{onnx_path}: not a triton-vlm vision encoder (no family metadata)")
+        self.family = meta["family"]
+        self.dtype = meta.get("dtype", "float32")
+        self.tower = get_tower(self.family)
+        self.settings = json.loads(meta["vision_config"])
+        self.patch_dim = int(self.settings["patch_dim"])
+        self.out_hidden = int(self.settings["out_hidden_size"])
+        self.merge_unit = int(self.settings["spatial_merge_size"]) ** 2
+        self.max_patches_per_run = int(max_patches_per_run)
+        self._input_names = {i.name for i in self.session.get_inputs()}
+
+    # ---------------------------------------------------------------------------------------
+    def _validate(self, pixel_values, grid_thw) -> tuple[np.ndarray, np.ndarray]:
+        grid = np.asarray(grid_thw)
+        if grid.size == 0:
+            grid = grid.reshape(0, 3)
+        if grid.ndim != 2 or grid.shape[1] != 3:
+            raise InvalidInput(f"grid_thw: expected shape [items, 3], got {list(grid.shape)}")
+        if not np.issubdtype(grid.dtype, np.integer):
+            raise InvalidInput(f"grid_thw: expected integers, got {grid.dtype}")
+        grid = grid.astype(np.int64)
+        merge = int(self.settings["spatial_merge_size"])
+        for i, (t, h, w) in enumerate(grid.tolist()):
+            if t <= 0 or h <= 0 or w <= 0 or h % merge or w % merge:
+                raise InvalidInput(f"grid_thw[{i}]: [{t}, {h}, {w}] must be positive with h and w "
+                                   f"multiples of {merge}")
+        pixels = np.asarray(pixel_values)
+        if pixels.ndim != 2:
+            raise InvalidInput(f"pixel_values: expected shape [patches, {self.patch_dim}], got {list(pixels.shape)}")
+        expected = int(grid.prod(axis=1).sum())
+        if pixels.shape[0] != expected:
+            raise InvalidInput(f"pixel_values: {pixels.shape[0]} rows, but grid_thw describes {expected} patches")
+        if expected and pixels.shape[1] != self.patch_dim:
+            raise InvalidInput(f"pixel_values: rows are {pixels.shape[1]} wide, expected {self.patch_dim}")
+        if expected and not np.issubdtype(pixels.dtype, np.floating):
+            raise InvalidInput(f"pixel_values: expected floating point, got {pixels.dtype}")
+        return pixels, grid
+
+    def _plan(self, grid: np.ndarray) -> list[list[tuple[int, int, int, int, int]]]:
+        """Runs of pieces (patch_offset, token_offset, t, h, w) that share a spatial size."""
+        pieces: dict[tuple[int, int], list[tuple[int, int, int, int, int]]] = {}
+        patch_off = token_off = 0
+        for t, h, w in grid.tolist():
+            steps = [(f, 1) for f in range(t)] if self.tower.FRAMES_INDEPENDENT else [(0, t)]
+            for f, n in steps:
+                pieces.setdefault((h, w), []).append(
+                    (patch_off + f * h * w, token_off + f * h * w // self.merge_unit, n, h, w))
+            patch_off += t * h * w
+            token_off += t * h * w // self.merge_unit
+        runs = []
+        for group in pieces.values():
+            run, size = [], 0
+            for piece in group:
+                n = piece[2] * piece[3] * piece[4]
+                if run and size + n > self.max_patches_per_run:
+                    runs.append(run)
+                    run, size = [], 0
+                run.append(piece)
+                size += n
+            runs.append(run)
+        return runs
+
+    def _run(self, pixels: np.ndarray, grid: np.ndarray) -> np.ndarray:
+        feeds = {"pixel_values": np.ascontiguousarray(pixels, dtype=np.float32)}
+        for name, value in self.tower.encoder_metadata(grid, self.settings).items():
+            if name in self._input_names:  # the exporter drops inputs a graph does not use
+                feeds[name] = value
+        return self.session.run(None, feeds)[0]
+
+    def encode(self, pixel_values: np.ndarray, grid_thw: np.ndarray) -> np.ndarray:
+        """Embeddings float32 [tokens, out_hidden], one row per placeholder token, item order."""
+        pixels, grid = self._validate(pixel_values, grid_thw)
+        total_tokens = int(grid.prod(axis=1).sum()) // self.merge_unit
+        if total_tokens == 0:
+            return np.zeros((0, self.out_hidden), dtype=np.float32)
+        runs = self._plan(grid)
+        if len(runs) == 1 and sum(p[2] * p[3] * p[4] for p in runs[0]) == pixels.shape[0]:
+            return np.ascontiguousarray(self._run(pixels, grid), dtype=np.float32)
+        out = np.empty((total_tokens, self.out_hidden), dtype=np.float32)
+        for run in runs:
+            run_grid = np.array([[n, h, w] for _, _, n, h, w in run], dtype=np.int64)
+            run_pixels = np.concatenate([pixels[p:p + n * h * w] for p, _, n, h, w in run], axis=0)
+            emb = self._run(run_pixels, run_grid)
+            row = 0
+            for _, tok, n, h, w in run:
+                k = n * h * w // self.merge_unit
+                out[tok:tok + k] = emb[row:row + k]
+                row += k
+        return out
