@@ -22,3 +22,10 @@ class Family:
     demo_sizes: dict[str, dict[str, Any]] = field(default_factory=dict)
     write_demo: Callable[..., None] | None = None
     chat_template: str = ""
+    # Video frame sampling (`preprocess`): `sample_frames(metadata, *, fps, num_frames, min_frames,
+    # max_frames, temporal_patch_size) -> increasing frame indices`; videos are always sampled, at
+    # `default_video_fps` unless the request or the checkpoint's processor config says otherwise.
+    sample_frames: Callable[..., Any] | None = None
+    default_video_fps: float = 2.0
+    # M-RoPE temporal scale of a video: `video_t_factor(config_json, second_per_grid_ts)`.
+    video_t_factor: Callable[[dict, float], float] | None = None

@@ -1,6 +1,8 @@
-"""Qwen2.5-VL: placeholders, special tokens and the demo checkpoint's shapes."""
+"""Qwen2.5-VL: placeholders, special tokens, video sampling, M-RoPE scale, demo checkpoint shapes."""
 from __future__ import annotations
 
+import math
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +89,51 @@ def encoder_dims(config: dict) -> tuple[int, int]:
     return patch_dim, vision["out_hidden_size"]
 
 
+def sample_frames(metadata, *, fps: float | None = 2.0, num_frames: int | None = None, min_frames: int = 4,
+                  max_frames: int = 768, temporal_patch_size: int = 2):
+    """Frame indices kept from a video: transformers' `Qwen2VLVideoProcessor.sample_frames`.
+
+    Differences, where transformers fails: a video shorter than one temporal patch keeps all its
+    frames (the patchifier then repeats the last one) instead of dividing by zero, and a
+    `num_frames` that rounds to zero asks for one temporal patch. `num_frames` wins over `fps`.
+    """
+    import torch
+
+    from triton_vlm.errors import InvalidInput
+
+    total = int(metadata.total_num_frames)
+    if num_frames is not None:
+        wanted = round(num_frames / temporal_patch_size) * temporal_patch_size
+        if wanted <= 0:
+            wanted = temporal_patch_size
+        if wanted > total:
+            raise InvalidInput(f"num_frames={num_frames} asks for {wanted} frames but the video has {total}")
+    else:
+        max_frames = math.floor(min(max_frames, total) / temporal_patch_size) * temporal_patch_size
+        wanted = total / metadata.fps * fps
+        wanted = min(max(wanted, min_frames), max_frames, total)
+        wanted = math.floor(wanted / temporal_patch_size) * temporal_patch_size
+    if wanted <= 0:  # fewer frames than one temporal patch: keep them all
+        return torch.arange(total).numpy()
+    # Same float32 arithmetic as transformers, so the same frames are picked.
+    return torch.arange(0, total, total / wanted).int().numpy()
+
+
+def make_sampler(fps: float | None = 2.0, num_frames: int | None = None, min_frames: int = 4,
+                 max_frames: int = 768, temporal_patch_size: int = 2):
+    """A `media.decode_video` sampler with these options bound."""
+    if num_frames is not None:
+        fps = None
+    return partial(sample_frames, fps=fps, num_frames=num_frames, min_frames=min_frames,
+                   max_frames=max_frames, temporal_patch_size=temporal_patch_size)
+
+
+def video_t_factor(config: dict, second_per_grid_ts: float) -> float:
+    """Temporal M-RoPE scale of a video: second_per_grid_ts * vision_config.tokens_per_second."""
+    tokens_per_second = (config.get("vision_config") or {}).get("tokens_per_second", 1.0)
+    return second_per_grid_ts * tokens_per_second
+
+
 QWEN2_5_VL = Family(
     name="qwen2_5_vl",
     model_types=("qwen2_5_vl",),
@@ -99,4 +146,7 @@ QWEN2_5_VL = Family(
     demo_sizes=DEMO_SIZES,
     write_demo=write_demo,
     chat_template=CHAT_TEMPLATE,
+    sample_frames=sample_frames,
+    default_video_fps=2.0,
+    video_t_factor=video_t_factor,
 )

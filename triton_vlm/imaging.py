@@ -1,0 +1,145 @@
+"""Pixels into the vision tower's `pixel_values` rows, as the Hugging Face torchvision-backend
+processors (`Qwen2VLImageProcessor`, `Qwen2VLVideoProcessor`) compute them:
+
+resize on uint8 (torchvision BICUBIC, antialias), then float32 with the fused
+rescale + normalize (mean and std scaled by 1 / rescale_factor), then the patch layout
+`[grid_t * grid_h * grid_w, C * temporal_patch_size * patch * patch]`.
+
+The patch permutation and the normalisation are written straight into the caller's output
+buffer: one strided copy (uint8 to float32) plus one in-place normalisation, no float64.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+
+from triton_vlm.errors import InvalidInput
+
+# PIL resampling codes (as processor configs store them) to torchvision interpolation names.
+_RESAMPLE = {0: "NEAREST", 1: "LANCZOS", 2: "BILINEAR", 3: "BICUBIC", 4: "BOX", 5: "HAMMING"}
+
+
+@dataclass(frozen=True)
+class VisionSettings:
+    """One processor section (image or video) of a checkpoint's processor config."""
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+    image_mean: tuple[float, ...] = (0.48145466, 0.4578275, 0.40821073)
+    image_std: tuple[float, ...] = (0.26862954, 0.26130258, 0.27577711)
+    rescale_factor: float = 1 / 255
+    do_resize: bool = True
+    do_rescale: bool = True
+    do_normalize: bool = True
+    resample: int = 3
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+    @property
+    def row_size(self) -> int:
+        return 3 * self.temporal_patch_size * self.patch_size * self.patch_size
+
+
+def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 56 * 56,
+                 max_pixels: int = 14 * 14 * 4 * 1280, name: str = "input") -> tuple[int, int]:
+    """transformers' Qwen2-VL `smart_resize`; an aspect ratio over 200 raises `InvalidInput`."""
+    if height <= 0 or width <= 0:
+        raise InvalidInput(f"{name}: image has no pixels")
+    if max(height, width) / min(height, width) > 200:
+        raise InvalidInput(f"{name}: aspect ratio {max(height, width) / min(height, width):.1f} "
+                           f"exceeds max_aspect_ratio=200")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def target_size(height: int, width: int, settings: VisionSettings, name: str) -> tuple[int, int]:
+    """The (height, width) the frames are resized to."""
+    if not settings.do_resize:
+        f = settings.factor
+        if height % f or width % f:
+            raise InvalidInput(f"{name}: {width}x{height} is not a multiple of {f} and resizing is off")
+        return height, width
+    return smart_resize(height, width, settings.factor, settings.min_pixels, settings.max_pixels, name)
+
+
+def grid_thw(num_frames: int, size: tuple[int, int], settings: VisionSettings) -> tuple[int, int, int]:
+    """Patch grid of `num_frames` frames resized to `size` (frames padded to temporal_patch_size)."""
+    tps = settings.temporal_patch_size
+    return (num_frames + tps - 1) // tps, size[0] // settings.patch_size, size[1] // settings.patch_size
+
+
+def _interpolation(resample: int):
+    from torchvision.transforms.v2 import InterpolationMode
+
+    try:
+        return getattr(InterpolationMode, _RESAMPLE[int(resample)])
+    except (KeyError, AttributeError, ValueError, TypeError):
+        raise ValueError(f"unsupported resample {resample!r}") from None
+
+
+def _norm_tensors(settings: VisionSettings):
+    """Mean / std as the HF torchvision backend builds them (fused with the rescale factor)."""
+    import torch
+
+    if settings.do_rescale and settings.do_normalize:
+        mean = torch.tensor(settings.image_mean) * (1.0 / settings.rescale_factor)
+        std = torch.tensor(settings.image_std) * (1.0 / settings.rescale_factor)
+    else:
+        mean, std = torch.tensor(settings.image_mean), torch.tensor(settings.image_std)
+    return mean, std
+
+
+def write_pixel_values(frames: np.ndarray, size: tuple[int, int], settings: VisionSettings,
+                       out: np.ndarray) -> tuple[int, int, int]:
+    """Resize, normalise and patchify uint8 frames [T, H, W, 3] into `out` (float32, C-contiguous,
+    shape [grid_t * grid_h * grid_w, row_size]). Returns the grid (t, h, w)."""
+    import torch
+    import torchvision.transforms.v2.functional as tvF
+
+    p, m, tps = settings.patch_size, settings.merge_size, settings.temporal_patch_size
+    height, width = size
+    gt, gh, gw = grid_thw(frames.shape[0], size, settings)
+    if out.shape != (gt * gh * gw, settings.row_size) or out.dtype != np.float32:
+        raise ValueError("output buffer has the wrong shape or dtype")
+
+    # [T, C, H, W] uint8 view of the channels-last frames: torch's uint8 antialiased resize runs
+    # channels-last internally, so this gives transformers' values bit for bit, several times faster
+    # than making the tensor NCHW-contiguous first. Nothing writes to this view.
+    if frames.flags.writeable:
+        x = torch.from_numpy(frames)
+    else:  # decoded images are read-only views of Pillow's buffer; only read here
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            x = torch.from_numpy(frames)
+    x = x.permute(0, 3, 1, 2)
+    if settings.do_resize:
+        x = tvF.resize(x, [height, width], interpolation=_interpolation(settings.resample), antialias=True)
+    x = x.permute(0, 2, 3, 1)  # [T, H, W, C] again (contiguous after the resize)
+    if pad := -x.shape[0] % tps:  # repeat the last frame up to a whole temporal patch
+        x = torch.cat((x, x[-1:].expand(pad, -1, -1, -1)), dim=0)
+    channels = x.shape[3]
+    src = x.reshape(gt, tps, gh // m, m, p, gw // m, m, p, channels).permute(0, 2, 5, 3, 6, 8, 1, 4, 7)
+    dest = torch.from_numpy(out).view(gt, gh // m, gw // m, m, m, channels, tps, p, p)
+    dest.copy_(src)  # uint8 -> float32 in the patch layout, one pass
+    if settings.do_normalize:
+        mean, std = _norm_tensors(settings)
+        dest.sub_(mean.view(-1, 1, 1, 1)).div_(std.view(-1, 1, 1, 1))
+    elif settings.do_rescale:
+        dest.mul_(settings.rescale_factor)
+    return gt, gh, gw

@@ -1,0 +1,269 @@
+"""Request media items into pixels: raw / base64 / data: URL bytes, images (Pillow), videos (PyAV).
+
+Every failure raises `InvalidInput` naming the input (`images[1]: not a decodable image`), never
+with library details.
+"""
+from __future__ import annotations
+
+import binascii
+import io
+import math
+import urllib.parse
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from triton_vlm.errors import InvalidInput
+from triton_vlm.limits import DEFAULT_LIMITS, Limits
+
+_B64_CHARS = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/=-_ \t\r\n"
+
+
+def decode_item_bytes(raw: bytes | str, name: str = "input", limits: Limits = DEFAULT_LIMITS) -> bytes:
+    """The media file held by `raw`: the raw file itself, its base64 text, or a `data:` URL.
+
+    A raw media file is never valid base64 text (image and video containers start with bytes
+    outside the base64 alphabet), so anything made only of base64 characters is base64.
+    """
+    if isinstance(raw, str):
+        raw = raw.encode("utf-8", "surrogatepass")
+    elif not isinstance(raw, (bytes, bytearray, memoryview)):
+        raise InvalidInput(f"{name}: expected bytes")
+    raw = bytes(raw)
+    if len(raw) > limits.max_item_bytes * 4 // 3 + 1024:
+        raise InvalidInput(f"{name}: {len(raw)} bytes exceed max_item_bytes={limits.max_item_bytes}")
+    if not raw:
+        raise InvalidInput(f"{name}: empty item")
+    head = raw[:5].lower()
+    if head == b"data:":
+        comma = raw.find(b",")
+        if comma < 0:
+            raise InvalidInput(f"{name}: malformed data: URL")
+        meta, payload = raw[5:comma].lower(), raw[comma + 1:]
+        if meta.endswith(b";base64"):
+            data = _b64decode(payload, name)
+        else:
+            data = urllib.parse.unquote_to_bytes(payload)
+    elif not raw[:64].translate(None, _B64_CHARS) and not raw.translate(None, _B64_CHARS):
+        data = _b64decode(raw, name)
+    else:
+        data = raw
+    if len(data) > limits.max_item_bytes:
+        raise InvalidInput(f"{name}: {len(data)} bytes exceed max_item_bytes={limits.max_item_bytes}")
+    if not data:
+        raise InvalidInput(f"{name}: empty item")
+    return data
+
+
+def _b64decode(text: bytes, name: str) -> bytes:
+    text = text.translate(None, b" \t\r\n")
+    if b"-" in text or b"_" in text:
+        text = text.replace(b"-", b"+").replace(b"_", b"/")
+    text = text.rstrip(b"=")
+    text += b"=" * (-len(text) % 4)
+    try:
+        return binascii.a2b_base64(text, strict_mode=True)
+    except (binascii.Error, ValueError):
+        raise InvalidInput(f"{name}: invalid base64") from None
+
+
+# ---------------------------------------------------------------------------------------- images
+
+def decode_image(data: bytes, name: str, limits: Limits = DEFAULT_LIMITS) -> np.ndarray:
+    """Decode an image file to uint8 RGB [H, W, 3] (first frame of animated images).
+
+    RGB conversion follows transformers' `convert_to_rgb`: images with transparency are
+    composited onto white, everything else goes through Pillow's `convert("RGB")`. EXIF
+    orientation is applied as transformers' `load_image` does.
+    """
+    from PIL import Image, ImageOps
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            image = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError:
+        raise InvalidInput(f"{name}: image exceeds max_image_pixels={limits.max_image_pixels}") from None
+    except Exception:
+        raise InvalidInput(f"{name}: not a decodable image") from None
+    width, height = image.size
+    _check_frame_size(width, height, name, limits, "image")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            image.seek(0)
+            image.load()
+            if image.getexif().get(0x0112, 1) != 1:  # EXIF orientation, as transformers' load_image
+                image = ImageOps.exif_transpose(image)
+            has_alpha = "A" in image.getbands() or image.info.get("transparency") is not None
+            if has_alpha:
+                rgba = image.convert("RGBA")
+                background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+                image = Image.alpha_composite(background, rgba).convert("RGB")
+            elif image.mode != "RGB":
+                image = image.convert("RGB")
+            array = np.asarray(image)
+    except Exception:
+        raise InvalidInput(f"{name}: not a decodable image") from None
+    if array.ndim != 3 or array.shape[2] != 3 or array.dtype != np.uint8:
+        raise InvalidInput(f"{name}: not a decodable image")
+    return array
+
+
+def _check_frame_size(width: int, height: int, name: str, limits: Limits, what: str) -> None:
+    if width <= 0 or height <= 0:
+        raise InvalidInput(f"{name}: {what} has no pixels")
+    if width * height > limits.max_image_pixels:
+        raise InvalidInput(f"{name}: {what} of {width}x{height} pixels exceeds "
+                           f"max_image_pixels={limits.max_image_pixels}")
+    ratio = max(width, height) / min(width, height)
+    if ratio > limits.max_aspect_ratio:
+        raise InvalidInput(f"{name}: aspect ratio {ratio:.1f} of {width}x{height} exceeds "
+                           f"max_aspect_ratio={limits.max_aspect_ratio:g}")
+
+
+# ---------------------------------------------------------------------------------------- videos
+
+@dataclass
+class VideoMetadata:
+    """What transformers' `VideoMetadata` holds, for the decoded file and its sampled frames."""
+    total_num_frames: int
+    fps: float
+    width: int
+    height: int
+    duration: float
+    frames_indices: np.ndarray | None = None
+
+    @property
+    def sampled_fps(self) -> float:
+        """Frames per second of the sampled frames (transformers' `VideoMetadata.sampled_fps`)."""
+        if self.frames_indices is None or not self.total_num_frames:
+            return self.fps
+        return len(self.frames_indices) / self.total_num_frames * self.fps
+
+
+# A sampler gets the file's metadata and returns the frame indices to keep, increasing.
+Sampler = Callable[[VideoMetadata], np.ndarray]
+
+_FALLBACK_FPS = 24.0  # transformers' VideoMetadata.sampled_fps default when the rate is unknown
+
+
+def _open_container(data: bytes, name: str):
+    import av
+
+    try:
+        container = av.open(io.BytesIO(data), mode="r")
+    except Exception:
+        raise InvalidInput(f"{name}: not a decodable video") from None
+    if not container.streams.video:
+        container.close()
+        raise InvalidInput(f"{name}: no video stream")
+    return container
+
+
+def _stream_fps(stream, container, frames: int) -> float:
+    for rate in (stream.average_rate, stream.guessed_rate):
+        try:
+            value = float(rate) if rate is not None else 0.0
+        except (ZeroDivisionError, ValueError, TypeError):
+            value = 0.0
+        if value > 0 and math.isfinite(value):
+            return value
+    duration = 0.0
+    if stream.duration and stream.time_base:
+        duration = float(stream.duration * stream.time_base)
+    elif container.duration:
+        duration = container.duration / 1_000_000
+    if frames > 0 and duration > 0:
+        return frames / duration
+    return _FALLBACK_FPS
+
+
+def decode_video(data: bytes, name: str, sampler: Sampler | None = None,
+                 limits: Limits = DEFAULT_LIMITS) -> tuple[np.ndarray, VideoMetadata]:
+    """Decode the frames `sampler` keeps: uint8 [T, H, W, 3] and the file's metadata with
+    `frames_indices` set. The default sampler is Qwen2-VL's rule at 2 fps."""
+    if sampler is None:
+        from triton_vlm.families.qwen2_5_vl import make_sampler
+        sampler = make_sampler()
+    try:
+        container = _open_container(data, name)
+        try:
+            stream = container.streams.video[0]
+            width, height = stream.codec_context.width, stream.codec_context.height
+            _check_frame_size(width, height, name, limits, "video frame")
+            total = int(stream.frames or 0)
+            if total <= 0:  # container without a frame count: count by decoding
+                total = 0
+                for _ in container.decode(stream):
+                    total += 1
+                    if total > limits.max_video_source_frames:
+                        break
+                container.close()
+                container = _open_container(data, name)
+                stream = container.streams.video[0]
+            fps = _stream_fps(stream, container, total)
+            meta, frames, decoded = _decode_sampled(container, stream, total, fps, width, height,
+                                                    name, sampler, limits)
+        finally:
+            container.close()
+        if decoded < total:
+            # The header promised more frames than the stream holds: sample again from the real count.
+            container = _open_container(data, name)
+            try:
+                stream = container.streams.video[0]
+                meta, frames, redecoded = _decode_sampled(container, stream, decoded, fps, width, height,
+                                                          name, sampler, limits)
+            finally:
+                container.close()
+            if redecoded < decoded:
+                raise InvalidInput(f"{name}: not a decodable video")
+    except InvalidInput:
+        raise
+    except Exception:
+        raise InvalidInput(f"{name}: not a decodable video") from None
+    return frames, meta
+
+
+def _decode_sampled(container, stream, total, fps, width, height, name, sampler, limits):
+    """Decode up to the last sampled frame, converting only the sampled ones to RGB.
+
+    Returns (metadata, frames, frames decoded); frames decoded < total means the stream ended early.
+    """
+    if total <= 0:
+        raise InvalidInput(f"{name}: video has no decodable frames")
+    if total > limits.max_video_source_frames:
+        raise InvalidInput(f"{name}: {total} frames exceed max_video_source_frames="
+                           f"{limits.max_video_source_frames}")
+    meta = VideoMetadata(total_num_frames=total, fps=fps, width=width, height=height, duration=total / fps)
+    try:
+        indices = np.asarray(sampler(meta), dtype=np.int64)
+    except InvalidInput as e:
+        raise InvalidInput(f"{name}: {e}") from None
+    if indices.size == 0 or indices[0] < 0 or indices[-1] >= total or np.any(np.diff(indices) <= 0):
+        raise InvalidInput(f"{name}: no frames to sample")
+    if indices.size > limits.max_video_frames:
+        raise InvalidInput(f"{name}: {indices.size} frames exceed max_frames={limits.max_video_frames}")
+    meta.frames_indices = indices
+    stream.thread_type = "AUTO"
+    out = np.empty((indices.size, height, width, 3), dtype=np.uint8)
+    last, k, i = int(indices[-1]), 0, -1
+    wanted = int(indices[0])
+    for i, frame in enumerate(container.decode(stream)):
+        if i == wanted:
+            if frame.width != width or frame.height != height:
+                out[k] = frame.to_ndarray(format="rgb24", width=width, height=height)
+            else:
+                out[k] = frame.to_ndarray(format="rgb24")
+            k += 1
+            if i == last:
+                break
+            wanted = int(indices[k])
+    decoded = i + 1
+    if k < indices.size:  # stream shorter than the header said
+        if decoded <= 0:
+            raise InvalidInput(f"{name}: video has no decodable frames")
+        return meta, out[:k], decoded
+    return meta, out, max(decoded, total)

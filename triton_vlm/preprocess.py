@@ -1,0 +1,291 @@
+"""The `preprocess` step: prompt text + encoded media -> input_ids, pixel_values, grid_thw, M-RoPE.
+
+Built once per checkpoint from its own files (config.json, processor_config.json or the older
+preprocessor_config.json, tokenizer.json); each call is one request. Family rules come from the
+`Family` that `detect_family` returns; nothing here branches on a family's name.
+
+Outputs equal the Hugging Face processor's (`input_ids`, `pixel_values` / `pixel_values_videos`
+rows in prompt order, `image_grid_thw` / `video_grid_thw` rows in prompt order); positions follow
+the reference rule (see `triton_vlm.mrope`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from triton_vlm.errors import InvalidInput
+from triton_vlm.families import detect_family
+from triton_vlm.families.base import Family
+from triton_vlm.imaging import VisionSettings, grid_thw, target_size, write_pixel_values
+from triton_vlm.limits import DEFAULT_LIMITS, Limits
+from triton_vlm.media import decode_image, decode_item_bytes, decode_video
+from triton_vlm.mrope import MediaSpan, mrope_positions
+
+MM_OPTION_KEYS = ("min_pixels", "max_pixels", "fps", "num_frames", "max_frames")
+
+# transformers' class defaults where a processor config leaves a size out.
+_IMAGE_SIZE_DEFAULT = (56 * 56, 28 * 28 * 1280)
+_VIDEO_SIZE_DEFAULT = (128 * 28 * 28, 28 * 28 * 768)
+
+
+@dataclass
+class PreprocessOutput:
+    input_ids: np.ndarray            # int32 [S]
+    pixel_values: np.ndarray         # float32 [N, D]
+    grid_thw: np.ndarray             # int64 [M, 3], prompt order
+    mrope_position_ids: np.ndarray   # int64 [3, S]
+    mrope_position_delta: int
+    media_hashes: list[bytes] = field(default_factory=list)  # sha256 per item, prompt order
+
+
+@dataclass(frozen=True)
+class VideoSampling:
+    fps: float | None
+    num_frames: int | None
+    min_frames: int
+    max_frames: int
+    cap_pixels_per_frame: bool = False
+    max_video_tokens: int = 128000
+
+
+def _settings(section: dict, size_default: tuple[int, int]) -> VisionSettings:
+    size = section.get("size") or {}
+    min_pixels = section.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels") or size_default[0]
+    max_pixels = section.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels") or size_default[1]
+    base = VisionSettings()
+    values = {f.name: section[f.name] for f in dataclasses.fields(VisionSettings)
+              if section.get(f.name) is not None and f.name not in ("min_pixels", "max_pixels")}
+    for key in ("image_mean", "image_std"):
+        if key in values:
+            values[key] = tuple(float(v) for v in values[key])
+    return dataclasses.replace(base, min_pixels=int(min_pixels), max_pixels=int(max_pixels), **values)
+
+
+def load_processor_sections(checkpoint: Path) -> tuple[dict, dict]:
+    """(image section, video section) of a checkpoint's processor config, v5 nested layout
+    (`processor_config.json`) or the older separate files."""
+    image = video = None
+    nested = checkpoint / "processor_config.json"
+    if nested.is_file():
+        data = json.loads(nested.read_text())
+        image, video = data.get("image_processor"), data.get("video_processor")
+    if image is None and (checkpoint / "preprocessor_config.json").is_file():
+        image = json.loads((checkpoint / "preprocessor_config.json").read_text())
+    if video is None and (checkpoint / "video_preprocessor_config.json").is_file():
+        video = json.loads((checkpoint / "video_preprocessor_config.json").read_text())
+    image = image or {}
+    return image, (video if video is not None else dict(image))
+
+
+class Preprocessor:
+    """Turns one request (text, images, videos, mm_options) into the `preprocess` outputs."""
+
+    def __init__(self, checkpoint: str | Path, limits: Limits = DEFAULT_LIMITS):
+        from tokenizers import Tokenizer
+
+        checkpoint = Path(checkpoint)
+        self.family: Family = detect_family(checkpoint)
+        self.config: dict = json.loads((checkpoint / "config.json").read_text())
+        self.limits = limits
+        self.tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
+
+        image_section, video_section = load_processor_sections(checkpoint)
+        self.image_settings = _settings(image_section, _IMAGE_SIZE_DEFAULT)
+        self.video_settings = _settings(video_section, _VIDEO_SIZE_DEFAULT)
+        if self.image_settings.row_size != self.video_settings.row_size:
+            raise ValueError(f"{checkpoint}: image and video patches differ in size")
+        fps = video_section.get("fps") or None
+        self.video_sampling = VideoSampling(
+            fps=float(fps) if fps else (None if video_section.get("num_frames") else self.family.default_video_fps),
+            num_frames=None if fps else video_section.get("num_frames"),
+            min_frames=int(video_section.get("min_frames") or 4),
+            max_frames=int(video_section.get("max_frames") or 768),
+            cap_pixels_per_frame=bool(video_section.get("cap_pixels_per_frame")),
+            max_video_tokens=int(video_section.get("max_video_tokens") or 128000))
+
+        named = self.family.named_special_tokens
+        self.image_token_id = self._token_id("image_token_id", named["image_token"])
+        self.video_token_id = self._token_id("video_token_id", named["video_token"])
+
+    def _token_id(self, config_key: str, token: str) -> int:
+        value = self.config.get(config_key)
+        if value is None:
+            value = self.tokenizer.token_to_id(token)
+        if value is None:
+            raise ValueError(f"checkpoint has no id for {token}")
+        return int(value)
+
+    # ------------------------------------------------------------------------------ options
+    def _options(self, mm_options: Any) -> tuple[VisionSettings, VisionSettings, VideoSampling, dict]:
+        if mm_options is None or mm_options == b"" or mm_options == "":
+            options = {}
+        elif isinstance(mm_options, dict):
+            options = mm_options
+        else:
+            try:
+                options = json.loads(mm_options)
+            except (ValueError, TypeError):
+                raise InvalidInput("mm_options: not a JSON object") from None
+        if not isinstance(options, dict):
+            raise InvalidInput("mm_options: not a JSON object")
+        unknown = sorted(str(k) for k in options if k not in MM_OPTION_KEYS)
+        if unknown:
+            raise InvalidInput(f"mm_options: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(MM_OPTION_KEYS)}")
+        opts = {k: v for k, v in options.items() if v is not None}
+        for key, value in opts.items():
+            if key == "fps":
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+            else:
+                ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+            if not ok:
+                kind = "a positive number" if key == "fps" else "a positive integer"
+                raise InvalidInput(f"mm_options: {key} must be {kind}")
+        if "fps" in opts and "num_frames" in opts:
+            raise InvalidInput("mm_options: fps and num_frames are mutually exclusive")
+        limits = self.limits
+        for key in ("min_pixels", "max_pixels"):
+            if opts.get(key, 0) > limits.max_image_pixels:
+                raise InvalidInput(f"mm_options: {key}={opts[key]} exceeds max_image_pixels={limits.max_image_pixels}")
+        for key in ("num_frames", "max_frames"):
+            if opts.get(key, 0) > limits.max_video_frames:
+                raise InvalidInput(f"mm_options: {key}={opts[key]} exceeds max_frames={limits.max_video_frames}")
+
+        sizes = {k: opts[k] for k in ("min_pixels", "max_pixels") if k in opts}
+        image, video = self.image_settings, self.video_settings
+        if sizes:
+            image = dataclasses.replace(image, **sizes)
+            video = dataclasses.replace(video, **sizes)
+        for settings in (image, video):
+            if settings.min_pixels > settings.max_pixels:
+                raise InvalidInput(f"mm_options: min_pixels={settings.min_pixels} exceeds "
+                                   f"max_pixels={settings.max_pixels}")
+        sampling = self.video_sampling
+        if "num_frames" in opts:
+            sampling = dataclasses.replace(sampling, fps=None, num_frames=opts["num_frames"])
+        elif "fps" in opts:
+            sampling = dataclasses.replace(sampling, fps=float(opts["fps"]), num_frames=None)
+        if "max_frames" in opts:
+            sampling = dataclasses.replace(sampling, max_frames=opts["max_frames"])
+        return image, video, sampling, opts
+
+    # ------------------------------------------------------------------------------ request
+    def _encode(self, text: str) -> np.ndarray:
+        return np.asarray(self.tokenizer.encode(text).ids, dtype=np.int32)
+
+    def __call__(self, text: str | bytes, images: list[bytes] | None = None, videos: list[bytes] | None = None,
+                 mm_options: dict | str | bytes | None = None) -> PreprocessOutput:
+        images, videos = list(images or []), list(videos or [])
+        if isinstance(text, (bytes, bytearray)):
+            try:
+                text = bytes(text).decode("utf-8")
+            except UnicodeDecodeError:
+                raise InvalidInput("text_input: not valid UTF-8") from None
+        if not isinstance(text, str):
+            raise InvalidInput("text_input: expected a string")
+        n_media = len(images) + len(videos)
+        if n_media > self.limits.max_media_items:
+            raise InvalidInput(f"images, videos: {n_media} media items exceed "
+                               f"max_media_items={self.limits.max_media_items}")
+        image_settings, video_settings, sampling, _ = self._options(mm_options)
+
+        ids = self._encode(text)
+        is_image, is_video = ids == self.image_token_id, ids == self.video_token_id
+        n_image_ph, n_video_ph = int(is_image.sum()), int(is_video.sum())
+        if n_image_ph + n_video_ph == 0 and n_media:
+            text = (self.family.image_placeholder * len(images) + self.family.video_placeholder * len(videos) + text)
+            ids = self._encode(text)
+            is_image, is_video = ids == self.image_token_id, ids == self.video_token_id
+            n_image_ph, n_video_ph = int(is_image.sum()), int(is_video.sum())
+        if n_image_ph != len(images):
+            raise InvalidInput(f"text_input: {n_image_ph} image placeholders but {len(images)} images given")
+        if n_video_ph != len(videos):
+            raise InvalidInput(f"text_input: {n_video_ph} video placeholders but {len(videos)} videos given")
+
+        pad_positions = np.flatnonzero(is_image | is_video)
+        pad_is_video = is_video[pad_positions]
+
+        # Decode every item (prompt order) and size it; pixels are written once the total is known.
+        items = []  # (frames uint8 [T,H,W,3], size, settings, grid, t_factor)
+        hashes: list[bytes] = []
+        image_i = video_i = 0
+        for video_item in pad_is_video.tolist():
+            if video_item:
+                name, raw = f"videos[{video_i}]", videos[video_i]
+                video_i += 1
+                data = decode_item_bytes(raw, name, self.limits)
+                sampler = _bind_sampler(self.family.sample_frames, sampling, video_settings)
+                frames, meta = decode_video(data, name, sampler, self.limits)
+                settings = video_settings
+                if sampling.cap_pixels_per_frame:
+                    settings = _capped(settings, sampling, frames.shape[0])
+                size = target_size(frames.shape[1], frames.shape[2], settings, name)
+                second_per_grid_ts = settings.temporal_patch_size / meta.sampled_fps
+                t_factor = (self.family.video_t_factor(self.config, second_per_grid_ts)
+                            if self.family.video_t_factor else 1.0)
+                key = {"kind": "video", "min_pixels": settings.min_pixels, "max_pixels": settings.max_pixels,
+                       "fps": sampling.fps, "num_frames": sampling.num_frames, "max_frames": sampling.max_frames}
+            else:
+                name, raw = f"images[{image_i}]", images[image_i]
+                image_i += 1
+                data = decode_item_bytes(raw, name, self.limits)
+                frames = decode_image(data, name, self.limits)[None]
+                settings = image_settings
+                size = target_size(frames.shape[1], frames.shape[2], settings, name)
+                t_factor = 1.0
+                key = {"kind": "image", "min_pixels": settings.min_pixels, "max_pixels": settings.max_pixels}
+            grid = grid_thw(frames.shape[0], size, settings)
+            items.append((frames, size, settings, grid, t_factor))
+            digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode())
+            digest.update(data)
+            hashes.append(digest.digest())
+
+        grids = np.array([item[3] for item in items], dtype=np.int64).reshape(-1, 3)
+        rows = grids.prod(axis=1)
+        pixel_values = np.empty((int(rows.sum()), self.image_settings.row_size), dtype=np.float32)
+        start = 0
+        spans_meta = []
+        for i, (frames, size, settings, grid, t_factor) in enumerate(items):
+            items[i] = None  # the decoded frames go once written
+            write_pixel_values(frames, size, settings, pixel_values[start:start + rows[i]])
+            start += int(rows[i])
+            spans_meta.append((settings.merge_size, t_factor))
+
+        # Expand each placeholder token to its item's token count, in id space.
+        tokens = np.array([int(rows[i]) // (m * m) for i, (m, _) in enumerate(spans_meta)], dtype=np.int64)
+        repeats = np.ones(ids.shape[0], dtype=np.int64)
+        repeats[pad_positions] = tokens
+        input_ids = np.repeat(ids, repeats)
+        offsets = pad_positions + np.concatenate(([0], np.cumsum(tokens - 1)[:-1])).astype(np.int64) \
+            if tokens.size else pad_positions
+        spans = [MediaSpan(int(offsets[i]), int(grids[i, 0]), int(grids[i, 1]) // m, int(grids[i, 2]) // m, t_factor)
+                 for i, (m, t_factor) in enumerate(spans_meta)]
+        positions, delta = mrope_positions(input_ids.shape[0], spans)
+        return PreprocessOutput(input_ids=input_ids, pixel_values=pixel_values, grid_thw=grids,
+                                mrope_position_ids=positions, mrope_position_delta=delta, media_hashes=hashes)
+
+
+def _bind_sampler(sample_frames, sampling: VideoSampling, settings: VisionSettings):
+    """The family's frame sampler with this request's options."""
+    from functools import partial
+
+    if sample_frames is None:
+        return lambda meta: np.arange(meta.total_num_frames)
+    return partial(sample_frames, fps=sampling.fps, num_frames=sampling.num_frames,
+                   min_frames=sampling.min_frames, max_frames=sampling.max_frames,
+                   temporal_patch_size=settings.temporal_patch_size)
+
+
+def _capped(settings: VisionSettings, sampling: VideoSampling, num_frames: int) -> VisionSettings:
+    """transformers' `cap_pixels_per_frame`: each frame gets an even share of the video's pixel budget."""
+    factor = settings.factor
+    total_pixels = int(sampling.max_video_tokens * factor * factor * 0.9)
+    max_pixels = max(min(settings.max_pixels, total_pixels * settings.temporal_patch_size // num_frames),
+                     int(settings.min_pixels * 1.05))
+    return dataclasses.replace(settings, max_pixels=max_pixels)
