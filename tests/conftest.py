@@ -1,0 +1,38 @@
+"""Session fixtures shared by the test files: the tiny checkpoint, the HF oracle, one running server."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+
+from tests import oracle  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    from triton_vlm.checkpoint import write_demo_checkpoint
+
+    return write_demo_checkpoint("qwen2_5_vl", tmp_path_factory.mktemp("qwen2_5_vl-tiny"), "tiny")
+
+
+@pytest.fixture(scope="session")
+def hf(tiny_checkpoint) -> oracle.Oracle:
+    return oracle.Oracle(tiny_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def tiny_repo(tiny_checkpoint, tmp_path_factory):
+    from triton_vlm.repository import build_repository
+
+    return build_repository(tiny_checkpoint, tmp_path_factory.mktemp("repo") / "repository")
+
+
+@pytest.fixture(scope="session")
+def server(tiny_repo, tmp_path_factory):
+    """One real tritonserver for the whole session, on free ports; always stopped."""
+    from triton_vlm.server import TritonServer
+
+    with TritonServer(tiny_repo, log_file=tmp_path_factory.mktemp("logs") / "tritonserver.log") as running:
+        yield running

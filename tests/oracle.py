@@ -1,0 +1,69 @@
+"""transformers as the oracle: the same checkpoint through the Hugging Face processor and model."""
+from __future__ import annotations
+
+import io
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def decode_frames(video: bytes) -> tuple[np.ndarray, "VideoMetadata"]:
+    """All frames and their metadata, decoded with PyAV the way transformers' pyav loader does."""
+    import av
+    from transformers.video_utils import VideoMetadata
+
+    with av.open(io.BytesIO(video)) as container:
+        stream = container.streams.video[0]
+        frames = np.stack([f.to_ndarray(format="rgb24") for f in container.decode(stream)])
+        fps = float(stream.average_rate)
+    metadata = VideoMetadata(total_num_frames=len(frames), fps=fps, duration=len(frames) / fps,
+                             video_backend="pyav", height=frames.shape[1], width=frames.shape[2])
+    return frames, metadata
+
+
+class Oracle:
+    def __init__(self, checkpoint: Path) -> None:
+        self.checkpoint = Path(checkpoint)
+
+    @cached_property
+    def processor(self):
+        from transformers import AutoProcessor
+
+        return AutoProcessor.from_pretrained(self.checkpoint)
+
+    @cached_property
+    def model(self):
+        from transformers import AutoModelForImageTextToText
+
+        return AutoModelForImageTextToText.from_pretrained(self.checkpoint).eval()
+
+    def inputs(self, prompt: str, images: list[bytes] = (), videos: list[bytes] = ()) -> dict:
+        """The HF processor's output: fps-2 sampling of every video, as our server does by default."""
+        from PIL import Image
+
+        kwargs = {}
+        if images:
+            kwargs["images"] = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
+        if videos:
+            decoded = [decode_frames(v) for v in videos]
+            kwargs.update(videos=[f for f, _ in decoded], video_metadata=[m for _, m in decoded],
+                          do_sample_frames=True, fps=2.0)
+        return self.processor(text=[prompt], return_tensors="pt", **kwargs)
+
+    def rope_index(self, inputs: dict) -> tuple[np.ndarray, int]:
+        position_ids, deltas = self.model.model.get_rope_index(
+            inputs["input_ids"], inputs["mm_token_type_ids"], image_grid_thw=inputs.get("image_grid_thw"),
+            video_grid_thw=inputs.get("video_grid_thw"), second_per_grid_ts=inputs.get("second_per_grid_ts"))
+        return position_ids[:, 0].numpy(), int(deltas[0, 0])
+
+    @torch.no_grad()
+    def vision(self, pixel_values: np.ndarray, grid_thw: np.ndarray) -> np.ndarray:
+        out = self.model.model.visual(torch.from_numpy(pixel_values), grid_thw=torch.from_numpy(grid_thw))
+        return out.pooler_output.numpy()
+
+    @torch.no_grad()
+    def generate(self, inputs: dict, max_new_tokens: int = 16) -> list[int]:
+        out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+        return out[0, inputs["input_ids"].shape[1]:].tolist()

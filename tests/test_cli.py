@@ -1,0 +1,53 @@
+"""`triton-vlm serve` as a user runs it: readiness, SIGTERM, and a model that fails to load."""
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+from triton_vlm.server import free_port
+
+SERVE = [sys.executable, "-m", "triton_vlm.cli", "serve"]
+
+
+def _ports() -> list[str]:
+    return ["--http-port", str(free_port()), "--grpc-port", str(free_port()), "--metrics-port", str(free_port())]
+
+
+def _wait_ready(process: subprocess.Popen, http_port: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, "serve exited before the server was ready"
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/health/ready", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise AssertionError("not ready")
+
+
+def test_serve_stops_cleanly_on_sigterm(tiny_repo, tmp_path):
+    ports = _ports()
+    log = open(tmp_path / "serve.log", "w")
+    process = subprocess.Popen(SERVE + ["--repo", str(tiny_repo), *ports], stdout=log, stderr=log)
+    try:
+        _wait_ready(process, ports[1])
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_serve_exits_nonzero_with_the_servers_error_when_a_model_fails(tiny_repo, tmp_path):
+    broken = tmp_path / "repository"
+    shutil.copytree(tiny_repo, broken)
+    (broken / "vision_encoder" / "1" / "encoder.onnx").write_bytes(b"not an onnx file")
+    process = subprocess.run(SERVE + ["--repo", str(broken), *_ports()], capture_output=True, text=True, timeout=300)
+    assert process.returncode != 0
+    assert "vision_encoder" in process.stderr and "failed to load" in process.stderr

@@ -1,0 +1,196 @@
+"""Issue #2 end to end: a real tritonserver on the tiny checkpoint, checked against transformers.
+
+Pixel parity is against the torchvision `Qwen2VLImageProcessor` / `Qwen2VLVideoProcessor` the
+checkpoint saves. Positions are checked against transformers' `get_rope_index` on media short
+enough that it agrees with the reference rule (`max + 1`); the long-video regime, where they
+differ, is covered in test_preprocess.py against a port of the reference.
+"""
+from __future__ import annotations
+
+import base64
+import threading
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from triton_vlm import samples
+from triton_vlm.client import RequestError, generate, generate_payload, http_generate, request_values
+from triton_vlm.families.qwen2_5_vl import QWEN2_5_VL
+
+IMG, VID = QWEN2_5_VL.image_placeholder, QWEN2_5_VL.video_placeholder
+IMAGE_A = samples.image_bytes(640, 480)            # grid not a multiple of the 112 px window
+IMAGE_B = samples.image_bytes(200, 150, fmt="PNG", seed=1.0)
+VIDEO = samples.video_bytes(seconds=2.0, fps=10, width=160, height=120)
+NEW_TOKENS = 16
+
+
+def chat(text: str) -> str:
+    return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+PROMPTS = {
+    "image": (chat(IMG + "What is in the picture?"), [IMAGE_A], []),
+    "video": (chat(VID + "What moves?"), [], [VIDEO]),
+    "image+video+image": (chat(IMG + "first, then " + VID + " and " + IMG + " compare them."), [IMAGE_A, IMAGE_B], [VIDEO]),
+    "text": (chat("Tell me about a red car on the road."), [], []),
+}
+
+
+def infer_direct(server, model: str, values: dict, outputs: list[str]) -> dict[str, np.ndarray]:
+    """A plain gRPC infer on one (non-decoupled) composing model."""
+    inputs = []
+    for name, (value, dtype) in values.items():
+        tensor = grpcclient.InferInput(name, list(value.shape), dtype)
+        tensor.set_data_from_numpy(value)
+        inputs.append(tensor)
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        result = client.infer(model, inputs, outputs=[grpcclient.InferRequestedOutput(o) for o in outputs])
+    return {o: result.as_numpy(o) for o in outputs}
+
+
+def media_values(prompt, images, videos) -> dict:
+    return {k: v for k, v in request_values(prompt, images, videos).items()
+            if k in ("text_input", "images", "videos", "mm_options")}
+
+
+def hf_rows_in_prompt_order(hf_inputs, input_ids: np.ndarray, image_token: int, video_token: int):
+    """HF keeps image and video rows apart; the contract concatenates them in prompt order."""
+    grids = {"image": list(hf_inputs.get("image_grid_thw", [])), "video": list(hf_inputs.get("video_grid_thw", []))}
+    pixels = {"image": hf_inputs.get("pixel_values"), "video": hf_inputs.get("pixel_values_videos")}
+    offsets, rows, grid_rows = {"image": 0, "video": 0}, [], []
+    starts = [i for i in range(len(input_ids)) if input_ids[i] in (image_token, video_token)
+              and (i == 0 or input_ids[i - 1] != input_ids[i])]
+    for start in starts:
+        kind = "image" if input_ids[start] == image_token else "video"
+        grid = grids[kind].pop(0)
+        n = int(np.prod(grid.numpy()))
+        rows.append(pixels[kind][offsets[kind]:offsets[kind] + n].numpy())
+        offsets[kind] += n
+        grid_rows.append(grid.numpy())
+    if not rows:
+        return None, np.zeros((0, 3), np.int64)
+    return np.concatenate(rows), np.stack(grid_rows).astype(np.int64)
+
+
+@pytest.fixture(scope="session")
+def expected(hf):
+    """HF processor outputs, positions and greedy tokens for each prompt, computed once."""
+    table = {}
+    for kind, (prompt, images, videos) in PROMPTS.items():
+        inputs = hf.inputs(prompt, images, videos)
+        positions, delta = hf.rope_index(inputs)
+        table[kind] = dict(inputs=inputs, positions=positions, delta=delta,
+                           tokens=hf.generate(inputs, NEW_TOKENS))
+    return table
+
+
+@pytest.mark.parametrize("kind", PROMPTS)
+def test_preprocess_matches_hf_processor(server, hf, expected, kind):
+    prompt, images, videos = PROMPTS[kind]
+    out = infer_direct(server, "preprocess", media_values(prompt, images, videos),
+                       ["input_ids", "pixel_values", "grid_thw", "mrope_position_ids", "mrope_position_delta"])
+    want = expected[kind]
+    hf_ids = want["inputs"]["input_ids"][0].numpy()
+    np.testing.assert_array_equal(out["input_ids"], hf_ids)
+    pixel_values, grid_thw = hf_rows_in_prompt_order(want["inputs"], hf_ids, hf.processor.image_token_id,
+                                                     hf.processor.video_token_id)
+    np.testing.assert_array_equal(out["grid_thw"].reshape(-1, 3), grid_thw)
+    if pixel_values is None:
+        assert out["pixel_values"].shape[0] == 0
+    else:
+        assert out["pixel_values"].shape == pixel_values.shape
+        assert np.abs(out["pixel_values"] - pixel_values).max() <= 1e-4
+    np.testing.assert_array_equal(out["mrope_position_ids"], want["positions"])
+    assert int(out["mrope_position_delta"][0]) == want["delta"]
+
+
+def test_vision_encoder_matches_hf_tower(server, hf):
+    """640x480 -> grid [1, 34, 46]: 34 and 46 are not multiples of the 8-patch window."""
+    inputs = hf.inputs(chat(IMG), [IMAGE_A])
+    pixel_values, grid_thw = inputs["pixel_values"].numpy(), inputs["image_grid_thw"].numpy()
+    assert grid_thw[0, 1] % 8 and grid_thw[0, 2] % 8
+    out = infer_direct(server, "vision_encoder", {"pixel_values": (pixel_values, "FP32"), "grid_thw": (grid_thw, "INT64")},
+                       ["embeddings"])["embeddings"]
+    reference = hf.vision(pixel_values, grid_thw)
+    assert out.shape == reference.shape
+    assert np.abs(out - reference).max() / np.abs(reference).max() <= 1e-4
+
+
+def _grpc(server, kind, stream):
+    prompt, images, videos = PROMPTS[kind]
+    return generate(server.grpc_url, prompt, images, videos, max_tokens=NEW_TOKENS, stream=stream).output_ids
+
+
+def _http(server, kind):
+    prompt, images, videos = PROMPTS[kind]
+    (answer,) = http_generate(server.http_url, generate_payload(prompt, images, videos, max_tokens=NEW_TOKENS))
+    return [int(i) for i in np.atleast_1d(answer["output_ids"])]
+
+
+TRANSPORTS = {
+    "grpc-stream": lambda server, kind: _grpc(server, kind, True),
+    "grpc": lambda server, kind: _grpc(server, kind, False),
+    "http-generate": _http,
+}
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("kind", PROMPTS)
+def test_greedy_tokens_equal_hf_generate(server, expected, kind, transport):
+    assert TRANSPORTS[transport](server, kind) == expected[kind]["tokens"]
+
+
+def test_streaming_sends_one_response_per_token(server, expected):
+    prompt, images, videos = PROMPTS["image"]
+    pieces = []
+    result = generate(server.grpc_url, prompt, images, videos, max_tokens=NEW_TOKENS, stream=True, on_text=pieces.append)
+    assert result.responses == len(result.output_ids) == len(expected["image"]["tokens"])
+    assert result.finish_reason in ("length", "stop")
+    assert "".join(pieces) == result.text
+
+
+def test_concurrent_requests_each_get_their_own_answer(server, expected):
+    kinds = list(PROMPTS)
+    answers: dict[str, list[int]] = {}
+
+    def run(kind):
+        answers[kind] = _grpc(server, kind, True)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in kinds]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert answers == {k: expected[k]["tokens"] for k in kinds}
+
+
+BAD_REQUESTS = {
+    "corrupt image": ((chat(IMG + "?"), [b"\xff\xd8\xff\xe0 not really a jpeg" * 4], []), "images[0]"),
+    "truncated mp4": ((chat(VID + "?"), [], [VIDEO[: len(VIDEO) // 3]]), "videos[0]"),
+    "placeholder count": ((chat(IMG + IMG + "?"), [IMAGE_A], []), "text_input"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_REQUESTS)
+def test_bad_input_is_invalid_arg_and_server_keeps_serving(server, expected, case):
+    (prompt, images, videos), names = BAD_REQUESTS[case]
+    with pytest.raises(RequestError, match=names.replace("[", r"\[").replace("]", r"\]")):
+        generate(server.grpc_url, prompt, images, videos, max_tokens=4)
+    with pytest.raises(InferenceServerException) as direct:
+        infer_direct(server, "preprocess", media_values(prompt, images, videos), ["input_ids"])
+    assert direct.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert names in direct.value.message()
+    with pytest.raises(RequestError, match="HTTP 400"):
+        http_generate(server.http_url, generate_payload(prompt, images, videos, max_tokens=4))
+    assert _grpc(server, "text", True) == expected["text"]["tokens"]
+
+
+def test_media_as_base64_and_data_url_equal_raw_bytes(server):
+    prompt, images, _ = PROMPTS["image"]
+    raw = infer_direct(server, "preprocess", media_values(prompt, images, []), ["input_ids", "pixel_values"])
+    for encoded in (base64.b64encode(IMAGE_A), b"data:image/jpeg;base64," + base64.b64encode(IMAGE_A)):
+        out = infer_direct(server, "preprocess", media_values(prompt, [encoded], []), ["input_ids", "pixel_values"])
+        np.testing.assert_array_equal(out["input_ids"], raw["input_ids"])
+        np.testing.assert_array_equal(out["pixel_values"], raw["pixel_values"])

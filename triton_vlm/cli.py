@@ -1,0 +1,148 @@
+"""The `triton-vlm` console script (commands of shared/INTERFACE.md)."""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from pathlib import Path
+
+
+def _demo_checkpoint(args) -> int:
+    from triton_vlm.checkpoint import write_demo_checkpoint
+
+    out = write_demo_checkpoint(args.family, args.out, args.size, seed=args.seed)
+    print(f"wrote {args.family} ({args.size}) checkpoint to {out}")
+    return 0
+
+
+def _build(args) -> int:
+    from triton_vlm.repository import BuildOptions, build_repository
+
+    options = BuildOptions(device=args.device, preprocess_instances=args.preprocess_instances,
+                           encoder_threads=args.encoder_threads, encoder_dtype=args.encoder_dtype)
+    repo = build_repository(args.checkpoint, args.repo, options)
+    print(f"built model repository {repo}")
+    return 0
+
+
+def _serve(args) -> int:
+    from triton_vlm.server import ServerError, TritonServer
+
+    server = TritonServer(args.repo, args.http_port, args.grpc_port, args.metrics_port, echo=True)
+    stopping = []
+
+    def forward(signum, _frame) -> None:
+        stopping.append(signum)
+        server.forward_signal(signum)
+
+    signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGTERM, forward)
+    try:
+        server.start(timeout=args.timeout)
+    except ServerError as error:
+        if stopping:  # asked to stop while starting: not a failure
+            return 0
+        print(f"triton-vlm serve: {error}", file=sys.stderr)
+        return 1
+    if stopping:  # a signal came while the server was starting
+        server.forward_signal(stopping[0])
+    else:
+        print(f"ready: gRPC {server.grpc_url}, HTTP {server.http_url}, metrics {server.metrics_url}", file=sys.stderr)
+    code = server.wait()
+    if stopping:
+        return 0
+    print(f"triton-vlm serve: tritonserver exited with code {code}:\n{server.errors()}", file=sys.stderr)
+    return code or 1
+
+
+def _infer(args) -> int:
+    from triton_vlm.client import RequestError, generate
+
+    images = [Path(p).read_bytes() for p in args.image]
+    videos = [Path(p).read_bytes() for p in args.video]
+    on_text = (lambda text: print(text, end="", flush=True)) if args.stream and not args.json else None
+    try:
+        result = generate(args.url, args.prompt, images, videos, on_text=on_text, max_tokens=args.max_tokens,
+                          stream=args.stream, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          seed=args.seed, stop_words=args.stop, mm_options=json.loads(args.mm_options) if args.mm_options else None)
+    except RequestError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"text": result.text, "output_ids": result.output_ids, "finish_reason": result.finish_reason,
+                          "tokens": len(result.output_ids), "time_to_first_token_s": result.time_to_first_token,
+                          "total_s": result.total_time}))
+    else:
+        if not args.stream:
+            print(result.text, end="")
+        print(f"\n[{len(result.output_ids)} tokens, finish_reason={result.finish_reason}, "
+              f"time to first token {result.time_to_first_token or 0:.3f} s, total {result.total_time:.3f} s]",
+              file=sys.stderr)
+    return 0
+
+
+def _demo(args) -> int:
+    from triton_vlm.demo import run_demo
+
+    return run_demo(Path(args.workdir), size=args.size)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="triton-vlm", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("demo-checkpoint", help="write a random-weight checkpoint that transformers loads offline")
+    c.add_argument("--family", required=True)
+    c.add_argument("--out", required=True)
+    c.add_argument("--size", choices=("tiny", "small"), default="tiny")
+    c.add_argument("--seed", type=int, default=0)
+    c.set_defaults(run=_demo_checkpoint)
+
+    c = sub.add_parser("build", help="build a Triton model repository from a local checkpoint")
+    c.add_argument("--checkpoint", required=True)
+    c.add_argument("--repo", required=True)
+    c.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
+    c.add_argument("--preprocess-instances", type=int, default=2)
+    c.add_argument("--encoder-threads", type=int, default=2)
+    c.add_argument("--encoder-dtype", choices=("float32", "float16"), default="float32")
+    c.set_defaults(run=_build)
+
+    c = sub.add_parser("serve", help="run tritonserver on a built repository")
+    c.add_argument("--repo", required=True)
+    c.add_argument("--http-port", type=int, default=8000)
+    c.add_argument("--grpc-port", type=int, default=8001)
+    c.add_argument("--metrics-port", type=int, default=8002)
+    c.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for every model to be ready")
+    c.set_defaults(run=_serve)
+
+    c = sub.add_parser("infer", help="send one request over gRPC")
+    c.add_argument("--url", default="127.0.0.1:8001")
+    c.add_argument("--image", action="append", default=[])
+    c.add_argument("--video", action="append", default=[])
+    c.add_argument("--prompt", required=True)
+    c.add_argument("--max-tokens", type=int, default=64)
+    c.add_argument("--stream", action="store_true")
+    c.add_argument("--temperature", type=float)
+    c.add_argument("--top-p", type=float)
+    c.add_argument("--top-k", type=int)
+    c.add_argument("--seed", type=int)
+    c.add_argument("--stop", action="append", default=None, help="stop word (repeatable)")
+    c.add_argument("--mm-options", help="JSON object: min_pixels, max_pixels, fps, num_frames, max_frames")
+    c.add_argument("--json", action="store_true", help="print one JSON object with token counts and timings")
+    c.set_defaults(run=_infer)
+
+    c = sub.add_parser("demo", help="checkpoint, build, serve, one image + video request streamed, stop")
+    c.add_argument("--workdir", default="build/demo")
+    c.add_argument("--size", choices=("tiny", "small"), default="small")
+    c.set_defaults(run=_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""Clients of the `ensemble`: gRPC streaming (tritonclient) and Triton's HTTP generate endpoints.
+
+A decoupled model is reachable over gRPC only through the streaming API, so a non-streaming
+request is the same stream with `stream=false`: one response with the whole answer.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import queue
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+MODEL = "ensemble"
+
+
+class RequestError(RuntimeError):
+    """The server refused or failed the request; the message is the server's."""
+
+
+@dataclass
+class GenerationResult:
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = ""
+    responses: int = 0
+    time_to_first_token: float | None = None
+    total_time: float = 0.0
+
+
+def _sampling_values(max_tokens, temperature, top_p, top_k, seed, stop_words, stream) -> dict[str, tuple]:
+    """name -> (numpy value, Triton datatype) for the sampling inputs that are set."""
+    values = {"max_tokens": (np.array([max_tokens], np.int32), "INT32"),
+              "stream": (np.array([stream], bool), "BOOL")}
+    for name, value, dtype, triton in (("temperature", temperature, np.float32, "FP32"),
+                                       ("top_p", top_p, np.float32, "FP32"),
+                                       ("top_k", top_k, np.int32, "INT32"),
+                                       ("seed", seed, np.uint64, "UINT64")):
+        if value is not None:
+            values[name] = (np.array([value], dtype), triton)
+    if stop_words:
+        values["stop_words"] = (np.array([w.encode() for w in stop_words], np.object_), "BYTES")
+    return values
+
+
+def request_values(prompt: str, images=(), videos=(), mm_options: dict | None = None, max_tokens: int = 64,
+                   temperature=None, top_p=None, top_k=None, seed=None, stop_words=None,
+                   stream: bool = True) -> dict[str, tuple]:
+    values = {"text_input": (np.array([prompt.encode()], np.object_), "BYTES")}
+    for name, items in (("images", images), ("videos", videos)):
+        if items:
+            values[name] = (np.array(list(items), np.object_), "BYTES")
+    if mm_options:
+        values["mm_options"] = (np.array([json.dumps(mm_options).encode()], np.object_), "BYTES")
+    values.update(_sampling_values(max_tokens, temperature, top_p, top_k, seed, stop_words, stream))
+    return values
+
+
+def generate(url: str, prompt: str, images=(), videos=(), *, on_text: Callable[[str], None] | None = None,
+             timeout: float = 600.0, **kwargs) -> GenerationResult:
+    """One request over gRPC streaming; `on_text` sees each text increment as it arrives."""
+    import tritonclient.grpc as grpcclient
+
+    inputs = []
+    for name, (value, dtype) in request_values(prompt, images, videos, **kwargs).items():
+        tensor = grpcclient.InferInput(name, list(value.shape), dtype)
+        tensor.set_data_from_numpy(value)
+        inputs.append(tensor)
+    responses: queue.Queue = queue.Queue()
+    result = GenerationResult()
+    with grpcclient.InferenceServerClient(url) as client:
+        client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        start = time.perf_counter()
+        try:
+            client.async_stream_infer(MODEL, inputs, enable_empty_final_response=True)
+            while True:
+                res, err = responses.get(timeout=timeout)
+                if err is not None:
+                    raise RequestError(err.message() if hasattr(err, "message") else str(err))
+                response = res.get_response()
+                if response.outputs:
+                    ids = res.as_numpy("output_ids")
+                    text = b"".join(res.as_numpy("text_output")).decode("utf-8")
+                    reason = b"".join(res.as_numpy("finish_reason")).decode()
+                    if result.time_to_first_token is None and len(ids):
+                        result.time_to_first_token = time.perf_counter() - start
+                    result.output_ids.extend(int(i) for i in ids)
+                    result.text += text
+                    result.finish_reason = reason or result.finish_reason
+                    result.responses += 1
+                    if on_text and text:
+                        on_text(text)
+                if response.parameters["triton_final_response"].bool_param:
+                    break
+        finally:
+            client.stop_stream()
+    result.total_time = time.perf_counter() - start
+    return result
+
+
+def generate_payload(prompt: str, images=(), videos=(), mm_options: dict | None = None, max_tokens: int = 64,
+                     **sampling) -> dict:
+    """The JSON body of `/v2/models/ensemble/generate`: media as base64 text."""
+    body = {"text_input": prompt, "max_tokens": max_tokens}
+    if images:
+        body["images"] = [base64.b64encode(b).decode() for b in images]
+    if videos:
+        body["videos"] = [base64.b64encode(b).decode() for b in videos]
+    if mm_options:
+        body["mm_options"] = json.dumps(mm_options)
+    body.update({k: v for k, v in sampling.items() if v is not None})
+    return body
+
+
+def http_generate(url: str, body: dict, stream: bool = False, timeout: float = 600.0) -> list[dict]:
+    """POST to generate (one JSON answer) or generate_stream (one per `data:` event)."""
+    endpoint = "generate_stream" if stream else "generate"
+    request = urllib.request.Request(f"http://{url}/v2/models/{MODEL}/{endpoint}",
+                                     data=json.dumps({**body, "stream": stream}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            payload = response.read().decode()
+    except urllib.error.HTTPError as error:
+        raise RequestError(f"HTTP {error.code}: {error.read().decode()}") from None
+    if not stream:
+        return [json.loads(payload)]
+    return [json.loads(line[5:]) for line in payload.splitlines() if line.startswith("data:")]

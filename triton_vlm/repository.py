@@ -1,0 +1,213 @@
+"""`triton-vlm build`: a complete Triton model repository from a local checkpoint.
+
+Every `config.pbtxt` comes from `model_configs` below, as `ModelConfig` protobuf messages
+(tritonclient's copy of Triton's schema), written with `text_format` and parsed back before
+the build is called done, so a typo in a field name or type cannot reach the server.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+from triton_vlm.families import detect_family
+from triton_vlm.families.base import Family
+
+SOURCE_MODELS = Path(__file__).resolve().parent.parent / "model_repository"
+CHECKPOINT_DIR = "checkpoint"  # inside each model's version folder
+ENCODER_FILE = "encoder.onnx"
+# Small files every Python model may read; weights go only where they are used.
+_CHECKPOINT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                     "special_tokens_map.json", "chat_template.jinja", "chat_template.json",
+                     "processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json")
+
+BYTES, FP32, INT32, INT64, UINT64, BOOL = (mc.TYPE_STRING, mc.TYPE_FP32, mc.TYPE_INT32, mc.TYPE_INT64,
+                                           mc.TYPE_UINT64, mc.TYPE_BOOL)
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    device: str = "cpu"
+    preprocess_instances: int = 2
+    encoder_instances: int = 1
+    encoder_threads: int = 2
+    encoder_dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    data_type: int
+    dims: tuple[int, ...]
+    optional: bool = False
+
+
+# The contract of shared/INTERFACE.md, one list per model.
+MEDIA_INPUTS = (
+    TensorSpec("text_input", BYTES, (1,)),
+    TensorSpec("images", BYTES, (-1,), optional=True),
+    TensorSpec("videos", BYTES, (-1,), optional=True),
+    TensorSpec("mm_options", BYTES, (1,), optional=True),
+)
+SAMPLING_INPUTS = (
+    TensorSpec("max_tokens", INT32, (1,)),
+    TensorSpec("temperature", FP32, (1,), optional=True),
+    TensorSpec("top_p", FP32, (1,), optional=True),
+    TensorSpec("top_k", INT32, (1,), optional=True),
+    TensorSpec("seed", UINT64, (1,), optional=True),
+    TensorSpec("stop_words", BYTES, (-1,), optional=True),
+    TensorSpec("stream", BOOL, (1,), optional=True),
+)
+GENERATION_OUTPUTS = (
+    TensorSpec("text_output", BYTES, (1,)),
+    TensorSpec("output_ids", INT32, (-1,)),
+    TensorSpec("finish_reason", BYTES, (1,)),
+)
+
+
+def preprocess_outputs() -> tuple[TensorSpec, ...]:
+    return (
+        TensorSpec("input_ids", INT32, (-1,)),
+        TensorSpec("pixel_values", FP32, (-1, -1)),
+        TensorSpec("grid_thw", INT64, (-1, 3)),
+        TensorSpec("mrope_position_ids", INT64, (3, -1)),
+        TensorSpec("mrope_position_delta", INT64, (1,)),
+    )
+
+
+def encoder_io(patch_dim: int, hidden: int) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    return ((TensorSpec("pixel_values", FP32, (-1, patch_dim)), TensorSpec("grid_thw", INT64, (-1, 3))),
+            (TensorSpec("embeddings", FP32, (-1, hidden)),))
+
+
+def _add_tensors(field, specs) -> None:
+    for spec in specs:
+        tensor = field.add(name=spec.name, data_type=spec.data_type, dims=list(spec.dims))
+        if spec.optional:
+            tensor.optional = True
+
+
+def _python_model(name: str, inputs, outputs, instances: int, parameters: dict[str, str],
+                  decoupled: bool = False) -> mc.ModelConfig:
+    config = mc.ModelConfig(name=name, backend="python", max_batch_size=0)
+    _add_tensors(config.input, inputs)
+    _add_tensors(config.output, outputs)
+    config.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=instances)
+    if decoupled:
+        config.model_transaction_policy.decoupled = True
+    for key, value in parameters.items():
+        config.parameters[key].string_value = value
+    return config
+
+
+def _ensemble(steps: list[tuple[mc.ModelConfig, dict[str, str], dict[str, str]]]) -> mc.ModelConfig:
+    """The ensemble config; each step maps model tensor names to ensemble tensor names."""
+    config = mc.ModelConfig(name="ensemble", platform="ensemble", max_batch_size=0)
+    _add_tensors(config.input, MEDIA_INPUTS + SAMPLING_INPUTS)
+    _add_tensors(config.output, GENERATION_OUTPUTS)
+    for model, input_map, output_map in steps:
+        step = config.ensemble_scheduling.step.add(model_name=model.name, model_version=-1)
+        step.input_map.update(input_map)
+        step.output_map.update(output_map)
+    return config
+
+
+def model_configs(family: Family, checkpoint_config: dict, options: BuildOptions) -> dict[str, mc.ModelConfig]:
+    """Every model's config for one checkpoint and build, keyed by model name."""
+    patch_dim, hidden = family.encoder_dims(checkpoint_config)
+    common = {"family": family.name, "checkpoint": CHECKPOINT_DIR}
+    preprocess = _python_model("preprocess", MEDIA_INPUTS, preprocess_outputs(), options.preprocess_instances, common)
+    enc_in, enc_out = encoder_io(patch_dim, hidden)
+    encoder = _python_model("vision_encoder", enc_in, enc_out, options.encoder_instances,
+                            {**common, "encoder_file": ENCODER_FILE, "intra_op_threads": str(options.encoder_threads)})
+    llm_in = (TensorSpec("input_ids", INT32, (-1,)), TensorSpec("embeddings", FP32, (-1, hidden)),
+              TensorSpec("mrope_position_ids", INT64, (3, -1)), TensorSpec("mrope_position_delta", INT64, (1,)))
+    llm = _python_model("llm", llm_in + SAMPLING_INPUTS, GENERATION_OUTPUTS, 1, common, decoupled=True)
+
+    same = lambda specs: {s.name: s.name for s in specs}  # noqa: E731
+    ensemble = _ensemble([
+        (preprocess, same(MEDIA_INPUTS), same(preprocess_outputs())),
+        (encoder, same(enc_in), same(enc_out)),
+        (llm, same(llm_in + SAMPLING_INPUTS), same(GENERATION_OUTPUTS)),
+    ])
+    return {c.name: c for c in (preprocess, encoder, llm, ensemble)}
+
+
+def write_config(config: mc.ModelConfig, path: Path) -> None:
+    """Write a config and check that it parses back to the same message."""
+    text = text_format.MessageToString(config)
+    path.write_text(text)
+    parsed = text_format.Parse(path.read_text(), mc.ModelConfig())
+    if parsed != config:
+        raise RuntimeError(f"{path}: config did not survive a text round trip")
+
+
+def check_ensemble(configs: dict[str, mc.ModelConfig]) -> None:
+    """Every tensor a step reads is produced by an earlier step or is an ensemble input, with the same type."""
+    ensemble = configs["ensemble"]
+    available = {t.name: (t.data_type, list(t.dims)) for t in ensemble.input}
+    for step in ensemble.ensemble_scheduling.step:
+        model = configs[step.model_name]
+        for tensor in model.input:
+            source = step.input_map.get(tensor.name)
+            if source is None:
+                if not tensor.optional:
+                    raise RuntimeError(f"ensemble: {model.name}.{tensor.name} is required but not mapped")
+                continue
+            if source not in available or available[source][0] != tensor.data_type:
+                raise RuntimeError(f"ensemble: {model.name}.{tensor.name} has no source of the same type")
+        for tensor in model.output:
+            if tensor.name in step.output_map:
+                available[step.output_map[tensor.name]] = (tensor.data_type, list(tensor.dims))
+    for tensor in ensemble.output:
+        if tensor.name not in available:
+            raise RuntimeError(f"ensemble: output {tensor.name} is produced by no step")
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    """Hard-link large weight files where the filesystem allows (real checkpoints are GBs)."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _copy_checkpoint(checkpoint: Path, dst: Path, weights: bool) -> None:
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in _CHECKPOINT_FILES:
+        if (checkpoint / name).exists():
+            shutil.copy2(checkpoint / name, dst / name)
+    if weights:
+        for path in checkpoint.glob("*.safetensors*"):
+            _link_or_copy(path, dst / path.name)
+
+
+def build_repository(checkpoint: str | Path, repo: str | Path, options: BuildOptions = BuildOptions()) -> Path:
+    checkpoint, repo = Path(checkpoint).resolve(), Path(repo)
+    family = detect_family(checkpoint)
+    checkpoint_config = json.loads((checkpoint / "config.json").read_text())
+    if options.device != "cpu":
+        raise ValueError(f"--device {options.device}: only cpu is built so far")
+    configs = model_configs(family, checkpoint_config, options)
+    check_ensemble(configs)
+
+    if repo.exists():
+        shutil.rmtree(repo)
+    for name, config in configs.items():
+        version = repo / name / "1"
+        version.mkdir(parents=True)
+        source = SOURCE_MODELS / name / "1" / "model.py"
+        if source.exists():
+            shutil.copy2(source, version / "model.py")
+        if config.backend == "python":
+            _copy_checkpoint(checkpoint, version / CHECKPOINT_DIR, weights=(name == "llm"))
+        write_config(config, repo / name / "config.pbtxt")
+
+    from triton_vlm.vision.export import export_onnx
+    export_onnx(checkpoint, repo / "vision_encoder" / "1" / ENCODER_FILE, dtype=options.encoder_dtype)
+    return repo

@@ -1,0 +1,223 @@
+"""The Triton Python-backend side of the models: the only module importing `triton_python_backend_utils`.
+
+Each `model_repository/*/1/model.py` names one class here. A class turns request tensors into
+one call into the package and the result back into tensors; `InvalidInput` becomes Triton's
+INVALID_ARG with the message as is, so a bad request fails alone.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from triton_vlm.errors import InvalidInput
+
+log = logging.getLogger("triton_vlm")
+
+
+def _model_dir(args: dict[str, Any]) -> tuple[Path, dict[str, str]]:
+    config = json.loads(args["model_config"])
+    params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+    return Path(args["model_repository"]) / args["model_version"], params
+
+
+def _invalid(message: str) -> pb_utils.InferenceResponse:
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.INVALID_ARG))
+
+
+def _optional(request, name: str) -> np.ndarray | None:
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy()
+
+
+def _required(request, name: str) -> np.ndarray:
+    value = _optional(request, name)
+    if value is None:
+        raise InvalidInput(f"{name}: required input is missing")
+    return value
+
+
+def _items(request, name: str) -> list[bytes]:
+    value = _optional(request, name)
+    return [] if value is None else [bytes(v) for v in value.reshape(-1)]
+
+
+def _text(request, name: str) -> str | None:
+    value = _optional(request, name)
+    if value is None or value.size == 0:
+        return None
+    try:
+        return bytes(value.reshape(-1)[0]).decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidInput(f"{name}: not valid UTF-8") from None
+
+
+def _scalar(request, name: str, kind: Callable[[Any], Any]) -> Any:
+    value = _optional(request, name)
+    if value is None:
+        return None
+    if value.size != 1:
+        raise InvalidInput(f"{name}: expected one value, got {value.size}")
+    return kind(value.reshape(-1)[0])
+
+
+def _serve_each(requests, handle: Callable[[Any], list]) -> list:
+    """One response per request: outputs, or INVALID_ARG for this request alone."""
+    responses = []
+    for request in requests:
+        try:
+            responses.append(pb_utils.InferenceResponse(output_tensors=handle(request)))
+        except InvalidInput as error:
+            responses.append(_invalid(str(error)))
+    return responses
+
+
+class PreprocessModel:
+    def initialize(self, args: dict[str, Any]) -> None:
+        from triton_vlm.preprocess import Preprocessor
+
+        version_dir, params = _model_dir(args)
+        self.preprocessor = Preprocessor(version_dir / params["checkpoint"])
+
+    def _handle(self, request) -> list:
+        text = _text(request, "text_input")
+        if text is None:
+            raise InvalidInput("text_input: required input is missing")
+        options = _text(request, "mm_options")
+        try:
+            mm_options = json.loads(options) if options else None
+        except json.JSONDecodeError as error:
+            raise InvalidInput(f"mm_options: not valid JSON ({error.msg})") from None
+        out = self.preprocessor(text, _items(request, "images"), _items(request, "videos"), mm_options)
+        return [
+            pb_utils.Tensor("input_ids", out.input_ids.astype(np.int32)),
+            pb_utils.Tensor("pixel_values", out.pixel_values.astype(np.float32, copy=False)),
+            pb_utils.Tensor("grid_thw", out.grid_thw.astype(np.int64)),
+            pb_utils.Tensor("mrope_position_ids", out.mrope_position_ids.astype(np.int64)),
+            pb_utils.Tensor("mrope_position_delta", np.array([out.mrope_position_delta], dtype=np.int64)),
+        ]
+
+    def execute(self, requests):
+        return _serve_each(requests, self._handle)
+
+
+class VisionEncoderModel:
+    def initialize(self, args: dict[str, Any]) -> None:
+        from triton_vlm.vision.encoder import VisionEncoder
+
+        version_dir, params = _model_dir(args)
+        self.encoder = VisionEncoder(version_dir / params["encoder_file"],
+                                     intra_op_threads=int(params.get("intra_op_threads", "2")))
+
+    def _handle(self, request) -> list:
+        embeddings = self.encoder.encode(_required(request, "pixel_values"), _required(request, "grid_thw"))
+        return [pb_utils.Tensor("embeddings", embeddings)]
+
+    def execute(self, requests):
+        return _serve_each(requests, self._handle)
+
+
+class LLMModel:
+    """Decoupled: the engine's scheduler thread sends each request's responses itself."""
+
+    FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+    def initialize(self, args: dict[str, Any]) -> None:
+        from triton_vlm.llm.engine import Engine
+
+        version_dir, params = _model_dir(args)
+        self.engine = Engine(version_dir / params["checkpoint"])
+        self._next_id = 0
+        self._lock = threading.Lock()
+
+    def _sampling(self, request):
+        from triton_vlm.llm.sampling import SamplingParams
+
+        max_tokens = _scalar(request, "max_tokens", int)
+        if max_tokens is None:
+            raise InvalidInput("max_tokens: required input is missing")
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=_scalar(request, "temperature", float) or 0.0,
+            top_p=_scalar(request, "top_p", float) or 1.0,
+            top_k=_scalar(request, "top_k", int) or 0,
+            seed=_scalar(request, "seed", int),
+            stop_words=[w.decode("utf-8", "replace") for w in _items(request, "stop_words")],
+        )
+
+    def _submit(self, request) -> None:
+        sender = request.get_response_sender()
+        try:
+            params = self._sampling(request)
+            stream = bool(_scalar(request, "stream", bool) or False)
+            args = (_required(request, "input_ids"), _required(request, "embeddings"),
+                    _required(request, "mrope_position_ids"), int(_required(request, "mrope_position_delta").reshape(-1)[0]))
+        except InvalidInput as error:
+            sender.send(_invalid(str(error)), flags=self.FINAL)
+            return
+        with self._lock:
+            self._next_id += 1
+            request_id = f"{request.request_id() or 'req'}#{self._next_id}"
+        emit = _StreamEmitter(sender) if stream else _CollectingEmitter(sender)
+        try:
+            self.engine.submit(request_id, *args, params=params, emit=emit, is_cancelled=sender.is_cancelled)
+        except InvalidInput as error:
+            sender.send(_invalid(str(error)), flags=self.FINAL)
+
+    def execute(self, requests):
+        for request in requests:
+            self._submit(request)
+        return None
+
+    def finalize(self) -> None:
+        self.engine.shutdown()
+
+
+def _generation_tensors(token_ids: list[int], text: str, finish_reason: str | None) -> list:
+    return [
+        pb_utils.Tensor("output_ids", np.asarray(token_ids, dtype=np.int32)),
+        pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
+        pb_utils.Tensor("finish_reason", np.array([(finish_reason or "").encode()], dtype=np.object_)),
+    ]
+
+
+def _send_final_error(sender, message: str) -> None:
+    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=LLMModel.FINAL)
+
+
+class _StreamEmitter:
+    """One response per engine output; the last one carries the FINAL flag."""
+
+    def __init__(self, sender) -> None:
+        self.sender = sender
+
+    def __call__(self, out) -> None:
+        if out.error:
+            _send_final_error(self.sender, out.error)
+            return
+        final = out.finish_reason is not None
+        self.sender.send(pb_utils.InferenceResponse(output_tensors=_generation_tensors(out.token_ids, out.text, out.finish_reason)),
+                         flags=LLMModel.FINAL if final else 0)
+
+
+class _CollectingEmitter:
+    """Non-streaming: one response with everything, sent when the request finishes."""
+
+    def __init__(self, sender) -> None:
+        self.sender, self.token_ids, self.text = sender, [], []
+
+    def __call__(self, out) -> None:
+        if out.error:
+            _send_final_error(self.sender, out.error)
+            return
+        self.token_ids.extend(out.token_ids)
+        self.text.append(out.text)
+        if out.finish_reason is not None:
+            self.sender.send(pb_utils.InferenceResponse(
+                output_tensors=_generation_tensors(self.token_ids, "".join(self.text), out.finish_reason)),
+                flags=LLMModel.FINAL)
