@@ -114,6 +114,13 @@ class Preprocessor:
         self.image_token_id = self._token_id("image_token_id", named["image_token"])
         self.video_token_id = self._token_id("video_token_id", named["video_token"])
 
+    def warmup(self) -> None:
+        """One small image and video through every stage, so no request pays for lazy imports."""
+        from triton_vlm import samples
+
+        self(self.family.image_placeholder + self.family.video_placeholder,
+             [samples.image_bytes(64, 64)], [samples.video_bytes(seconds=1.0, fps=4, width=64, height=64)])
+
     def _token_id(self, config_key: str, token: str) -> int:
         value = self.config.get(config_key)
         if value is None:

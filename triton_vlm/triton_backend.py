@@ -83,6 +83,7 @@ class PreprocessModel:
 
         version_dir, params = _model_dir(args)
         self.preprocessor = Preprocessor(version_dir / params["checkpoint"])
+        self.preprocessor.warmup()
 
     def _handle(self, request) -> list:
         text = _text(request, "text_input")
@@ -113,6 +114,7 @@ class VisionEncoderModel:
         version_dir, params = _model_dir(args)
         self.encoder = VisionEncoder(version_dir / params["encoder_file"],
                                      intra_op_threads=int(params.get("intra_op_threads", "2")))
+        self.encoder.warmup()
 
     def _handle(self, request) -> list:
         embeddings = self.encoder.encode(_required(request, "pixel_values"), _required(request, "grid_thw"))

@@ -41,7 +41,8 @@ class VisionEncoder:
         self.settings = json.loads(meta["vision_config"])
         self.patch_dim = int(self.settings["patch_dim"])
         self.out_hidden = int(self.settings["out_hidden_size"])
-        self.merge_unit = int(self.settings["spatial_merge_size"]) ** 2
+        self.tower_merge = int(self.settings["spatial_merge_size"])
+        self.merge_unit = self.tower_merge ** 2
         self.max_patches_per_run = int(max_patches_per_run)
         self._input_names = {i.name for i in self.session.get_inputs()}
 
@@ -102,6 +103,11 @@ class VisionEncoder:
             if name in self._input_names:  # the exporter drops inputs a graph does not use
                 feeds[name] = value
         return self.session.run(None, feeds)[0]
+
+    def warmup(self) -> None:
+        """One smallest item through the session: ONNX Runtime allocates on its first run."""
+        grid = np.array([[1, self.tower_merge, self.tower_merge]], dtype=np.int64)
+        self.encode(np.zeros((int(grid.prod()), self.patch_dim), np.float32), grid)
 
     def encode(self, pixel_values: np.ndarray, grid_thw: np.ndarray) -> np.ndarray:
         """Embeddings float32 [tokens, out_hidden], one row per placeholder token, item order."""
