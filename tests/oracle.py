@@ -4,9 +4,13 @@ from __future__ import annotations
 import io
 from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from transformers.video_utils import VideoMetadata
 
 
 def decode_frames(video: bytes) -> tuple[np.ndarray, "VideoMetadata"]:

@@ -51,3 +51,29 @@ def test_serve_exits_nonzero_with_the_servers_error_when_a_model_fails(tiny_repo
     process = subprocess.run(SERVE + ["--repo", str(broken), *_ports()], capture_output=True, text=True, timeout=300)
     assert process.returncode != 0
     assert "vision_encoder" in process.stderr and "failed to load" in process.stderr
+
+
+def test_infer_streams_the_answer_and_reports_timings(server, tmp_path):
+    import json
+
+    from triton_vlm import samples
+
+    image = tmp_path / "picture.png"
+    image.write_bytes(samples.image_bytes(120, 90, fmt="PNG"))
+    base = [sys.executable, "-m", "triton_vlm.cli", "infer", "--url", server.grpc_url, "--image", str(image),
+            "--prompt", "What is this?", "--max-tokens", "5"]
+    streamed = subprocess.run(base + ["--stream"], capture_output=True, text=True, timeout=120)
+    assert streamed.returncode == 0, streamed.stderr
+    assert "5 tokens, finish_reason=length, time to first token" in streamed.stderr
+    report = subprocess.run(base + ["--json"], capture_output=True, text=True, timeout=120)
+    answer = json.loads(report.stdout)
+    assert answer["tokens"] == 5 and answer["finish_reason"] == "length" and answer["time_to_first_token_s"] > 0
+    assert streamed.stdout == answer["text"]
+
+
+def test_infer_reports_invalid_input(server, tmp_path):
+    broken = tmp_path / "broken.jpg"
+    broken.write_bytes(b"\xff\xd8 truncated")
+    done = subprocess.run([sys.executable, "-m", "triton_vlm.cli", "infer", "--url", server.grpc_url, "--image",
+                           str(broken), "--prompt", "?", "--max-tokens", "3"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "images[0]" in done.stderr

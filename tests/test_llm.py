@@ -31,18 +31,14 @@ TIMEOUT = 60
 
 
 @pytest.fixture(scope="session")
-def ckpt(tmp_path_factory):
-    from triton_vlm.checkpoint import write_demo_checkpoint
-
-    return write_demo_checkpoint("qwen2_5_vl", tmp_path_factory.mktemp("qwen_tiny"), "tiny")
+def ckpt(tiny_checkpoint):
+    return tiny_checkpoint
 
 
 @pytest.fixture(scope="session")
-def hf(ckpt):
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    model = AutoModelForImageTextToText.from_pretrained(ckpt).eval()
-    return model, AutoProcessor.from_pretrained(ckpt)
+def hf(hf):
+    """(model, processor) of the shared oracle."""
+    return hf.model, hf.processor
 
 
 @pytest.fixture(scope="session")

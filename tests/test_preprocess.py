@@ -37,10 +37,8 @@ PIXEL_TOL = 1e-4
 # ----------------------------------------------------------------------------------- fixtures
 
 @pytest.fixture(scope="session")
-def ckpt(tmp_path_factory):
-    from triton_vlm.checkpoint import write_demo_checkpoint
-
-    return write_demo_checkpoint("qwen2_5_vl", tmp_path_factory.mktemp("qwen2_5_vl_tiny"), "tiny")
+def ckpt(tiny_checkpoint):
+    return tiny_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -49,20 +47,16 @@ def pre(ckpt):
 
 
 @pytest.fixture(scope="session")
-def hf_processor(ckpt):
-    from transformers import AutoProcessor
-
-    processor = AutoProcessor.from_pretrained(ckpt)
+def hf_processor(hf):
+    processor = hf.processor
     assert type(processor.image_processor).__name__ == "Qwen2VLImageProcessor"  # torchvision backend
     assert type(processor.video_processor).__name__ == "Qwen2VLVideoProcessor"
     return processor
 
 
 @pytest.fixture(scope="session")
-def hf_model(ckpt):
-    from transformers import AutoModelForImageTextToText
-
-    return AutoModelForImageTextToText.from_pretrained(ckpt).eval()
+def hf_model(hf):
+    return hf.model
 
 
 def _image_bytes(width, height, fmt, mode="RGB", seed=0):

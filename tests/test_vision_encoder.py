@@ -42,17 +42,13 @@ def random_pixels(grid, width, seed=0) -> torch.Tensor:
 
 
 @pytest.fixture(scope="session")
-def checkpoint(tmp_path_factory):
-    from triton_vlm.checkpoint import write_demo_checkpoint
-
-    return write_demo_checkpoint("qwen2_5_vl", tmp_path_factory.mktemp("qwen_tiny"), "tiny")
+def checkpoint(tiny_checkpoint):
+    return tiny_checkpoint
 
 
 @pytest.fixture(scope="session")
-def hf_model(checkpoint):
-    from transformers import AutoModelForImageTextToText
-
-    return AutoModelForImageTextToText.from_pretrained(checkpoint).eval()
+def hf_model(hf):
+    return hf.model
 
 
 @pytest.fixture(scope="session")

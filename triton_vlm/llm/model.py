@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from triton_vlm.errors import InvalidInput
+from triton_vlm.weights import read_safetensors
 
 # Where the language model's weights live, newest layout first (v5 writes either).
 _DECODER_PREFIXES = ("model.language_model.", "model.", "language_model.model.", "language_model.")
@@ -138,25 +139,6 @@ class _Layer:
     __slots__ = ("ln1", "ln2", "wq", "bq", "wk", "bk", "wv", "bv", "wo", "w_gate", "w_up", "w_down")
 
 
-def _load_tensors(root: Path, wanted) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
-    index = root / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in root.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no .safetensors files in {root}")
-    out: dict[str, torch.Tensor] = {}
-    for name in files:
-        with safe_open(str(root / name), framework="pt") as f:
-            for key in f.keys():
-                if wanted(key):
-                    out[key] = f.get_tensor(key).to(torch.float32)
-    return out
-
-
 class DecoderModel:
     """The language model of a Qwen2.5-VL checkpoint. Not thread-safe: one caller at a time."""
 
@@ -192,7 +174,7 @@ class DecoderModel:
     def from_checkpoint(cls, checkpoint_dir: str | Path) -> "DecoderModel":
         root = Path(checkpoint_dir)
         config = DecoderConfig.from_checkpoint(root)
-        weights = _load_tensors(root, lambda k: not ("visual" in k or "vision" in k or k.startswith("mlp1")))
+        weights = read_safetensors(root, lambda k: None if ("visual" in k or "vision" in k or k.startswith("mlp1")) else k)
         return cls(config, weights)
 
     # ---- cache ---------------------------------------------------------------------------------

@@ -27,7 +27,8 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+
+from triton_vlm.weights import read_safetensors
 
 FAMILY = "qwen2_5_vl"
 # Every temporal grid step is independent (full attention is per frame, windows never cross
@@ -341,24 +342,10 @@ def read_vision_config(checkpoint_dir: str | Path) -> dict[str, Any]:
 def load_state_dict(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
     """The tower's weights (`model.visual.*` or `visual.*`, prefix stripped) from the safetensors,
     reading only those tensors."""
-    from safetensors import safe_open
+    def strip_prefix(key: str) -> str | None:
+        return next((key[len(p):] for p in _PREFIXES if key.startswith(p)), None)
 
-    ckpt = Path(checkpoint_dir)
-    index = ckpt / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in ckpt.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{checkpoint_dir}: no safetensors weights")
-    state: dict[str, torch.Tensor] = {}
-    for name in files:
-        with safe_open(str(ckpt / name), framework="pt") as f:
-            for key in f.keys():
-                for prefix in _PREFIXES:
-                    if key.startswith(prefix):
-                        state[key[len(prefix):]] = f.get_tensor(key)
-                        break
+    state = read_safetensors(checkpoint_dir, strip_prefix)
     if not state:
         raise ValueError(f"{checkpoint_dir}: no vision tower weights (prefixes {_PREFIXES})")
     return state
@@ -366,7 +353,7 @@ def load_state_dict(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
 
 def load_tower(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32) -> Qwen2_5_VLVisionTower:
     tower = Qwen2_5_VLVisionTower(read_vision_config(checkpoint_dir))
-    state = {k: v.to(torch.float32) for k, v in load_state_dict(checkpoint_dir).items()}
+    state = load_state_dict(checkpoint_dir)
     tower.load_state_dict(state, strict=True)
     return tower.to(dtype).eval()
 

@@ -1,0 +1,30 @@
+"""Reading a checkpoint's safetensors, single-file or sharded, keeping only the tensors asked for."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+
+def read_safetensors(checkpoint_dir: str | Path, rename: Callable[[str], str | None]) -> dict[str, torch.Tensor]:
+    """Float32 tensors under the names `rename` gives; a key it maps to None is not read at all."""
+    from safetensors import safe_open
+
+    root = Path(checkpoint_dir)
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{root}: no .safetensors weights")
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        with safe_open(str(root / name), framework="pt") as f:
+            for key in f.keys():
+                new_name = rename(key)
+                if new_name is not None:
+                    tensors[new_name] = f.get_tensor(key).to(torch.float32)
+    return tensors
