@@ -1,5 +1,5 @@
 # The README's two commands: `make demo` and `make test`. Each sets up what it needs first.
-.PHONY: setup demo test clean
+.PHONY: setup demo test bench clean
 
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -12,6 +12,12 @@ demo: setup
 
 test: setup
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+
+SMALL := build/demo/qwen2_5_vl-small
+bench: setup
+	test -f $(SMALL)/config.json || $(VENV)/bin/triton-vlm demo-checkpoint --family qwen2_5_vl --size small --out $(SMALL)
+	$(VENV)/bin/triton-vlm build --checkpoint $(SMALL) --repo build/bench/repository
+	HF_HUB_OFFLINE=1 $(VENV)/bin/triton-vlm bench --repo build/bench/repository --concurrency 1:8:3
 
 clean:
 	rm -rf build .pytest_cache

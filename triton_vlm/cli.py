@@ -82,6 +82,22 @@ def _infer(args) -> int:
     return 0
 
 
+def _bench(args) -> int:
+    from triton_vlm.loadtest import bench, format_table
+    from triton_vlm.server import TritonServer
+
+    def measure(url: str):
+        return bench(url, args.family, tuple(args.kinds.split(",")), args.concurrency, args.max_tokens, args.window_requests)
+
+    if args.repo:
+        with TritonServer(args.repo) as server:
+            rows = measure(server.grpc_url)
+    else:
+        rows = measure(args.url)
+    print(format_table(rows))
+    return 0
+
+
 def _demo(args) -> int:
     from triton_vlm.demo import run_demo
 
@@ -131,6 +147,17 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--mm-options", help="JSON object: min_pixels, max_pixels, fps, num_frames, max_frames")
     c.add_argument("--json", action="store_true", help="print one JSON object with token counts and timings")
     c.set_defaults(run=_infer)
+
+    c = sub.add_parser("bench", help="perf_analyzer load test of the ensemble; prints a table")
+    where = c.add_mutually_exclusive_group(required=True)
+    where.add_argument("--url", help="gRPC address of a running server")
+    where.add_argument("--repo", help="start a server on this repository for the run")
+    c.add_argument("--family", default="qwen2_5_vl", help="whose placeholders the generated prompts use")
+    c.add_argument("--kinds", default="text,image,video", help="request kinds, comma-separated")
+    c.add_argument("--concurrency", default="1:4:1", help="perf_analyzer --concurrency-range start:end:step")
+    c.add_argument("--max-tokens", type=int, default=16)
+    c.add_argument("--window-requests", type=int, default=8, help="requests per measurement window")
+    c.set_defaults(run=_bench)
 
     c = sub.add_parser("demo", help="checkpoint, build, serve, one image + video request streamed, stop")
     c.add_argument("--workdir", default="build/demo")

@@ -1,0 +1,119 @@
+"""`triton-vlm bench`: perf_analyzer load tests of the ensemble, one table per run.
+
+perf_analyzer 2.60 needs glibc 2.38; `scripts/perf_analyzer_runtime.sh` (run by `make setup`)
+puts it and Debian trixie's C runtime under `.pa-runtime/`, and it runs through that loader.
+For a decoupled (streaming) ensemble perf_analyzer measures latency to the first response,
+i.e. time to first token.
+"""
+from __future__ import annotations
+
+import base64
+import csv
+import json
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from triton_vlm import samples
+from triton_vlm.families import get_family
+from triton_vlm.server import PROJECT_ROOT
+
+COMPOSING = ("preprocess", "vision_encoder", "llm")
+
+
+def runtime_dir() -> Path:
+    return Path(os.environ.get("TRITON_VLM_PA_RUNTIME", PROJECT_ROOT / ".pa-runtime"))
+
+
+def perf_analyzer_argv() -> list[str]:
+    root = runtime_dir()
+    loader, binary = root / "lib" / "ld-linux-x86-64.so.2", root / "bin" / "perf_analyzer"
+    if not (loader.exists() and binary.exists()):
+        raise FileNotFoundError(f"no perf_analyzer runtime in {root}: run `make setup`")
+    return [str(loader), "--library-path", str(root / "lib"), str(binary)]
+
+
+def request_kinds(family_name: str) -> dict[str, dict]:
+    """perf_analyzer input data per request kind; media go as base64 text, which the server decodes."""
+    family = get_family(family_name)
+    image = base64.b64encode(samples.image_bytes(448, 448)).decode()
+    video = base64.b64encode(samples.video_bytes(seconds=2.0, fps=10, width=320, height=240)).decode()
+    text = "Describe what you see in a few words."
+    return {
+        "text": {"text_input": [text]},
+        "image": {"text_input": [family.image_placeholder + text], "images": [image]},
+        "video": {"text_input": [family.video_placeholder + text], "videos": [video]},
+    }
+
+
+def input_data(inputs: dict, max_tokens: int) -> dict:
+    step = {name: {"content": values, "shape": [len(values)]} for name, values in inputs.items()}
+    step["max_tokens"] = {"content": [max_tokens], "shape": [1]}
+    step["stream"] = {"content": [True], "shape": [1]}
+    return {"data": [step]}
+
+
+@dataclass
+class Row:
+    kind: str
+    concurrency: int
+    requests_per_s: float
+    p50_ms: float
+    p99_ms: float
+    server_ms: dict[str, float] = field(default_factory=dict)  # composing model -> avg request latency
+
+
+def parse_composing(stdout: str) -> dict[int, dict[str, float]]:
+    """concurrency -> {model: server-side average request latency in ms}, from perf_analyzer's report."""
+    result: dict[int, dict[str, float]] = {}
+    blocks = re.split(r"^Request concurrency: (\d+)$", stdout, flags=re.M)
+    for concurrency, block in zip(blocks[1::2], blocks[2::2]):
+        models = re.findall(r"^\s+(\w+), version: \S+\n(?:.*\n)*?\s+Avg request latency: (\d+) usec", block, flags=re.M)
+        result[int(concurrency)] = {name: int(usec) / 1000 for name, usec in models}
+    return result
+
+
+def run(url: str, kind: str, inputs: dict, concurrency: str, max_tokens: int, window_requests: int,
+        workdir: Path) -> list[Row]:
+    data, report = workdir / f"{kind}.json", workdir / f"{kind}.csv"
+    data.write_text(json.dumps(input_data(inputs, max_tokens)))
+    argv = perf_analyzer_argv() + [
+        "-m", "ensemble", "-i", "grpc", "--streaming", "-u", url, "--input-data", str(data),
+        "--concurrency-range", concurrency, "--measurement-mode", "count_windows",
+        "--measurement-request-count", str(window_requests), "--stability-percentage", "1000",
+        "--max-trials", "3", "-f", str(report)]
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=workdir)
+    if done.returncode != 0 or not report.exists():
+        raise RuntimeError(f"perf_analyzer failed on {kind!r} (exit {done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    composing = parse_composing(done.stdout)
+    rows = []
+    with report.open() as f:
+        for line in csv.DictReader(f):
+            c = int(line["Concurrency"])
+            rows.append(Row(kind, c, float(line["Inferences/Second"]), int(line["p50 latency"]) / 1000,
+                            int(line["p99 latency"]) / 1000, composing.get(c, {})))
+    return rows
+
+
+def format_table(rows: list[Row]) -> str:
+    head = ["kind", "concurrency", "req/s", "p50 TTFT ms", "p99 TTFT ms"] + [f"{m} ms" for m in COMPOSING]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r.kind, str(r.concurrency), f"{r.requests_per_s:.2f}", f"{r.p50_ms:.0f}", f"{r.p99_ms:.0f}"]
+        cells += [f"{r.server_ms[m]:.1f}" if m in r.server_ms else "-" for m in COMPOSING]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def bench(url: str, family: str = "qwen2_5_vl", kinds: tuple[str, ...] = ("text", "image", "video"),
+          concurrency: str = "1:4:1", max_tokens: int = 16, window_requests: int = 8) -> list[Row]:
+    available = request_kinds(family)
+    unknown = set(kinds) - set(available)
+    if unknown:
+        raise ValueError(f"unknown request kinds {sorted(unknown)}; choose from {sorted(available)}")
+    with tempfile.TemporaryDirectory(prefix="triton-vlm-bench-") as tmp:
+        return [row for kind in kinds
+                for row in run(url, kind, available[kind], concurrency, max_tokens, window_requests, Path(tmp))]
