@@ -17,10 +17,18 @@ def _demo_checkpoint(args) -> int:
 
 
 def _build(args) -> int:
+    from triton_vlm.limits import Limits
     from triton_vlm.repository import BuildOptions, build_repository
 
-    options = BuildOptions(device=args.device, preprocess_instances=args.preprocess_instances,
-                           encoder_threads=args.encoder_threads, encoder_dtype=args.encoder_dtype)
+    limits = Limits.from_params({k: str(v) for k, v in vars(args).items() if v is not None})
+    options = BuildOptions(device=args.device, preprocess_instances=args.preprocess_instances, limits=limits,
+                           encoder_threads=args.encoder_threads, encoder_dtype=args.encoder_dtype,
+                           encoder_instances=args.encoder_instances, encoder_frontends=args.encoder_frontends,
+                           encoder_max_queue_delay_us=args.encoder_max_queue_delay_us,
+                           encoder_max_batch_patches=args.encoder_max_batch_patches,
+                           encoder_cache_bytes=args.encoder_cache_mb << 20,
+                           trt_min_patches=args.trt_min_patches, trt_opt_patches=args.trt_opt_patches,
+                           trt_max_patches=args.trt_max_patches, trt_precision=args.trt_precision)
     repo = build_repository(args.checkpoint, args.repo, options)
     print(f"built model repository {repo}")
     return 0
@@ -105,6 +113,10 @@ def _demo(args) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
+    import dataclasses
+
+    from triton_vlm.limits import Limits
+
     p = argparse.ArgumentParser(prog="triton-vlm", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -120,8 +132,20 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--repo", required=True)
     c.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
     c.add_argument("--preprocess-instances", type=int, default=2)
-    c.add_argument("--encoder-threads", type=int, default=2)
+    for limit in dataclasses.fields(Limits):  # preprocess request limits, defaults in triton_vlm.limits
+        c.add_argument("--" + limit.name.replace("_", "-"), type=float if limit.type == "float" else int,
+                       metavar="N", help=f"preprocess limit (default {limit.default})")
+    c.add_argument("--encoder-threads", type=int, default=0, help="ONNX Runtime threads; 0: cores / encoder instances")
     c.add_argument("--encoder-dtype", choices=("float32", "float16"), default="float32")
+    c.add_argument("--encoder-instances", type=int, default=1, help="instances of the batched vision encoder")
+    c.add_argument("--encoder-frontends", type=int, default=4, help="instances of the light vision_encoder front")
+    c.add_argument("--encoder-max-queue-delay-us", type=int, default=5000, help="dynamic batching delay")
+    c.add_argument("--encoder-max-batch-patches", type=int, default=65536, help="patch rows per batched execution")
+    c.add_argument("--encoder-cache-mb", type=int, default=256, help="embedding cache per encoder instance; 0: off")
+    c.add_argument("--trt-min-patches", type=int, default=4, help="--device gpu: TensorRT profile minimum")
+    c.add_argument("--trt-opt-patches", type=int, default=4096, help="--device gpu: TensorRT profile optimum")
+    c.add_argument("--trt-max-patches", type=int, default=16384, help="--device gpu: TensorRT profile maximum")
+    c.add_argument("--trt-precision", choices=("fp32", "fp16", "bf16"), default="fp16")
     c.set_defaults(run=_build)
 
     c = sub.add_parser("serve", help="run tritonserver on a built repository")

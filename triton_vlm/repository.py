@@ -17,10 +17,13 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from triton_vlm.families import detect_family
 from triton_vlm.families.base import Family
+from triton_vlm.limits import DEFAULT_LIMITS, Limits
 
 SOURCE_MODELS = Path(__file__).resolve().parent.parent / "model_repository"
 CHECKPOINT_DIR = "checkpoint"  # inside each model's version folder
-ENCODER_FILE = "encoder.onnx"
+ENCODER_FILE = "encoder.onnx"  # in vision_encoder/1/; the batched model reads it from there
+ENGINE_FILE = "encoder.plan"   # --device gpu: TensorRT engine, in vision_encoder_batch/1/
+ENCODER_BATCH_MODEL = "vision_encoder_batch"
 # Small files every Python model may read; weights go only where they are used.
 _CHECKPOINT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                      "special_tokens_map.json", "chat_template.jinja", "chat_template.json",
@@ -34,9 +37,19 @@ BYTES, FP32, INT32, INT64, UINT64, BOOL = (mc.TYPE_STRING, mc.TYPE_FP32, mc.TYPE
 class BuildOptions:
     device: str = "cpu"
     preprocess_instances: int = 2
-    encoder_instances: int = 1
-    encoder_threads: int = 2
-    encoder_dtype: str = "float32"
+    limits: Limits = DEFAULT_LIMITS     # preprocess request limits (triton_vlm.limits)
+    encoder_instances: int = 1          # instances of the batched encoder (`vision_encoder_batch`)
+    encoder_threads: int = 0            # ONNX Runtime intra-op threads; 0: the cores / encoder_instances
+    encoder_dtype: str = "float32"      # ONNX graph compute dtype on CPU (float32 | float16)
+    encoder_frontends: int = 4          # instances of the light `vision_encoder` front (concurrent requests)
+    encoder_max_queue_delay_us: int = 5000   # dynamic batcher: how long to wait for more requests
+    encoder_max_batch_patches: int = 65536   # patch rows in one batched execution (one request may split)
+    encoder_cache_bytes: int = 256 << 20     # embedding LRU per encoder instance; 0 disables it
+    # --device gpu: TensorRT optimisation profile (patch rows per engine run) and precision.
+    trt_min_patches: int = 4
+    trt_opt_patches: int = 4096
+    trt_max_patches: int = 16384
+    trt_precision: str = "fp16"         # fp32 | fp16 | bf16
 
 
 @dataclass(frozen=True)
@@ -85,6 +98,35 @@ def encoder_io(patch_dim: int, hidden: int) -> tuple[tuple[TensorSpec, ...], tup
             (TensorSpec("embeddings", FP32, (-1, hidden)),))
 
 
+def encoder_batch_io(patch_dim: int, hidden: int) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """`vision_encoder_batch` (max_batch_size > 0): dims are per row; the batch is the patch rows
+    (`patch_grid`: the [t, h, w] of each row's item, see triton_vlm.vision.batching)."""
+    return ((TensorSpec("pixel_values", FP32, (patch_dim,)), TensorSpec("patch_grid", INT64, (3,))),
+            (TensorSpec("embeddings", FP32, (hidden,)),))
+
+
+def _frames_independent(family: str) -> bool:
+    from triton_vlm.vision import get_tower
+
+    return bool(getattr(get_tower(family), "FRAMES_INDEPENDENT", False))
+
+
+def _encoder_batch_model(patch_dim: int, hidden: int, options: BuildOptions, common: dict[str, str]) -> mc.ModelConfig:
+    enc_in, enc_out = encoder_batch_io(patch_dim, hidden)
+    gpu = options.device == "gpu"
+    params = {**common, "instances": str(options.encoder_instances), "cache_bytes": str(options.encoder_cache_bytes)}
+    if gpu:
+        params["engine_file"] = ENGINE_FILE
+    else:
+        params.update(encoder_file=f"../../vision_encoder/1/{ENCODER_FILE}", intra_op_threads=str(options.encoder_threads))
+    config = _python_model(ENCODER_BATCH_MODEL, enc_in, enc_out, options.encoder_instances, params)
+    config.max_batch_size = options.encoder_max_batch_patches
+    config.dynamic_batching.max_queue_delay_microseconds = options.encoder_max_queue_delay_us
+    if gpu:
+        config.instance_group[0].kind = mc.ModelInstanceGroup.KIND_GPU
+    return config
+
+
 def _add_tensors(field, specs) -> None:
     for spec in specs:
         tensor = field.add(name=spec.name, data_type=spec.data_type, dims=list(spec.dims))
@@ -121,10 +163,16 @@ def model_configs(family: Family, checkpoint_config: dict, options: BuildOptions
     """Every model's config for one checkpoint and build, keyed by model name."""
     patch_dim, hidden = family.encoder_dims(checkpoint_config)
     common = {"family": family.name, "checkpoint": CHECKPOINT_DIR}
-    preprocess = _python_model("preprocess", MEDIA_INPUTS, preprocess_outputs(), options.preprocess_instances, common)
+    preprocess = _python_model("preprocess", MEDIA_INPUTS, preprocess_outputs(), options.preprocess_instances,
+                               {**common, **options.limits.to_params()})
     enc_in, enc_out = encoder_io(patch_dim, hidden)
-    encoder = _python_model("vision_encoder", enc_in, enc_out, options.encoder_instances,
-                            {**common, "encoder_file": ENCODER_FILE, "intra_op_threads": str(options.encoder_threads)})
+    merge = int(checkpoint_config.get("vision_config", {}).get("spatial_merge_size", 2))
+    encoder = _python_model("vision_encoder", enc_in, enc_out, options.encoder_frontends,
+                            {**common, "batch_model": ENCODER_BATCH_MODEL, "patch_dim": str(patch_dim),
+                             "hidden": str(hidden), "spatial_merge_size": str(merge),
+                             "max_batch_patches": str(options.encoder_max_batch_patches),
+                             "frames_independent": str(int(_frames_independent(family.name)))})
+    encoder_batch = _encoder_batch_model(patch_dim, hidden, options, common)
     llm_in = (TensorSpec("input_ids", INT32, (-1,)), TensorSpec("embeddings", FP32, (-1, hidden)),
               TensorSpec("mrope_position_ids", INT64, (3, -1)), TensorSpec("mrope_position_delta", INT64, (1,)))
     llm = _python_model("llm", llm_in + SAMPLING_INPUTS, GENERATION_OUTPUTS, 1, common, decoupled=True)
@@ -135,7 +183,7 @@ def model_configs(family: Family, checkpoint_config: dict, options: BuildOptions
         (encoder, same(enc_in), same(enc_out)),
         (llm, same(llm_in + SAMPLING_INPUTS), same(GENERATION_OUTPUTS)),
     ])
-    return {c.name: c for c in (preprocess, encoder, llm, ensemble)}
+    return {c.name: c for c in (preprocess, encoder, encoder_batch, llm, ensemble)}
 
 
 def write_config(config: mc.ModelConfig, path: Path) -> None:
@@ -191,8 +239,8 @@ def build_repository(checkpoint: str | Path, repo: str | Path, options: BuildOpt
     checkpoint, repo = Path(checkpoint).resolve(), Path(repo)
     family = detect_family(checkpoint)
     checkpoint_config = json.loads((checkpoint / "config.json").read_text())
-    if options.device != "cpu":
-        raise ValueError(f"--device {options.device}: only cpu is built so far")
+    if options.device not in ("cpu", "gpu"):
+        raise ValueError(f"--device {options.device}: expected cpu or gpu")
     configs = model_configs(family, checkpoint_config, options)
     check_ensemble(configs)
 
@@ -209,5 +257,12 @@ def build_repository(checkpoint: str | Path, repo: str | Path, options: BuildOpt
         write_config(config, repo / name / "config.pbtxt")
 
     from triton_vlm.vision.export import export_onnx
-    export_onnx(checkpoint, repo / "vision_encoder" / "1" / ENCODER_FILE, dtype=options.encoder_dtype)
+    onnx_path = export_onnx(checkpoint, repo / "vision_encoder" / "1" / ENCODER_FILE,
+                            dtype="float32" if options.device == "gpu" else options.encoder_dtype)
+    if options.device == "gpu":
+        # Untested until a GPU runs it (see README): needs the `tensorrt` package and a GPU here.
+        from triton_vlm.vision.tensorrt_engine import EngineProfile, build_engine
+        build_engine(onnx_path, repo / ENCODER_BATCH_MODEL / "1" / ENGINE_FILE,
+                     EngineProfile(options.trt_min_patches, options.trt_opt_patches, options.trt_max_patches),
+                     precision=options.trt_precision)
     return repo

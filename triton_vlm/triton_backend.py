@@ -81,8 +81,10 @@ class PreprocessModel:
     def initialize(self, args: dict[str, Any]) -> None:
         from triton_vlm.preprocess import Preprocessor
 
+        from triton_vlm.limits import Limits
+
         version_dir, params = _model_dir(args)
-        self.preprocessor = Preprocessor(version_dir / params["checkpoint"])
+        self.preprocessor = Preprocessor(version_dir / params["checkpoint"], Limits.from_params(params))
         self.preprocessor.warmup()
 
     def _handle(self, request) -> list:
@@ -108,20 +110,122 @@ class PreprocessModel:
 
 
 class VisionEncoderModel:
-    def initialize(self, args: dict[str, Any]) -> None:
-        from triton_vlm.vision.encoder import VisionEncoder
+    """The contract's `vision_encoder` (max_batch_size 0; any number of items, zero included).
 
-        version_dir, params = _model_dir(args)
-        self.encoder = VisionEncoder(version_dir / params["encoder_file"],
-                                     intra_op_threads=int(params.get("intra_op_threads", "2")))
-        self.encoder.warmup()
+    A light front: it validates the request, answers zero items itself, and hands the patch rows
+    to the internal `vision_encoder_batch` model through BLS, where Triton's dynamic batcher puts
+    the rows of several requests into one execution (see `triton_vlm.vision.batching` for the
+    row convention). Several front instances run so that concurrent requests reach the batcher
+    together; they hold no weights.
+    """
+
+    def initialize(self, args: dict[str, Any]) -> None:
+        _, params = _model_dir(args)
+        self.batch_model = params["batch_model"]
+        self.patch_dim, self.hidden = int(params["patch_dim"]), int(params["hidden"])
+        self.merge = int(params["spatial_merge_size"])
+        self.max_rows = int(params["max_batch_patches"])
+        # Frames of a video are independent in this family: send them as items of their own, so
+        # a long video splits across batches and each frame is cached on its own (exact either way).
+        self.frames_independent = params.get("frames_independent", "0") == "1"
+
+    def _encode_rows(self, pixels: np.ndarray, grid: np.ndarray) -> np.ndarray:
+        from triton_vlm.vision.batching import patch_grid
+
+        request = pb_utils.InferenceRequest(
+            model_name=self.batch_model, requested_output_names=["embeddings"],
+            inputs=[pb_utils.Tensor("pixel_values", np.ascontiguousarray(pixels, dtype=np.float32)),
+                    pb_utils.Tensor("patch_grid", patch_grid(grid))])
+        response = request.exec()
+        if response.has_error():
+            error = response.error()
+            code = error.code() if hasattr(error, "code") else None
+            if code == pb_utils.TritonError.INVALID_ARG:
+                raise InvalidInput(error.message())
+            raise RuntimeError(f"{self.batch_model}: {error.message()}")
+        return pb_utils.get_output_tensor_by_name(response, "embeddings").as_numpy()
 
     def _handle(self, request) -> list:
-        embeddings = self.encoder.encode(_required(request, "pixel_values"), _required(request, "grid_thw"))
-        return [pb_utils.Tensor("embeddings", embeddings)]
+        from triton_vlm.vision.batching import chunk_items
+        from triton_vlm.vision.encoder import validate_inputs
+
+        pixels, grid = validate_inputs(_required(request, "pixel_values"), _required(request, "grid_thw"),
+                                       self.patch_dim, self.merge)
+        if self.frames_independent and len(grid) and (grid[:, 0] > 1).any():
+            grid = np.repeat(np.concatenate([np.ones_like(grid[:, :1]), grid[:, 1:]], axis=1), grid[:, 0], axis=0)
+        parts, rows = [], np.concatenate([[0], np.cumsum(grid.prod(axis=1))]).astype(np.int64)
+        for first, end in chunk_items(grid, self.max_rows):
+            parts.append(self._encode_rows(pixels[rows[first]:rows[end]], grid[first:end]))
+        embeddings = np.concatenate(parts, axis=0) if parts else np.zeros((0, self.hidden), np.float32)
+        return [pb_utils.Tensor("embeddings", np.ascontiguousarray(embeddings, dtype=np.float32))]
 
     def execute(self, requests):
         return _serve_each(requests, self._handle)
+
+
+class VisionEncoderBatchModel:
+    """`vision_encoder_batch`: the compiled tower (ONNX Runtime on CPU, TensorRT on GPU) behind
+    Triton's dynamic batcher, with the embedding cache. One execution gets the requests Triton
+    grouped; their distinct, uncached items are encoded together and split back per request.
+    Cache hits and misses are Triton custom metrics (`triton_vlm_encoder_cache_hits` /
+    `_misses`, items), with `triton_vlm_encoder_cache_bytes` (gauge) beside them."""
+
+    def initialize(self, args: dict[str, Any]) -> None:
+        from triton_vlm.vision.batching import BatchedEncoder, EmbeddingCache
+
+        version_dir, params = _model_dir(args)
+        if params.get("engine_file"):
+            from triton_vlm.vision.tensorrt_engine import TensorRTEncoder
+
+            device = int(args.get("model_instance_device_id", "0"))
+            encoder = TensorRTEncoder(version_dir / params["engine_file"], device=device)
+        else:
+            from triton_vlm.vision.encoder import VisionEncoder, default_threads
+
+            threads = int(params.get("intra_op_threads", "0")) or default_threads(int(params.get("instances", "1")))
+            encoder = VisionEncoder(version_dir / params["encoder_file"], intra_op_threads=threads)
+        encoder.warmup()
+        self.cache = EmbeddingCache(int(params.get("cache_bytes", "0")))
+        self.batched = BatchedEncoder(encoder, self.cache)
+        labels = {"model": args["model_name"], "version": args["model_version"]}
+        # The families must stay referenced as long as their metrics are used.
+        self._families = [
+            pb_utils.MetricFamily(name="triton_vlm_encoder_cache_hits", description="media items served from the "
+                                  "vision encoder cache (or repeated within one batch)", kind=pb_utils.MetricFamily.COUNTER),
+            pb_utils.MetricFamily(name="triton_vlm_encoder_cache_misses", description="media items the vision "
+                                  "encoder computed", kind=pb_utils.MetricFamily.COUNTER),
+            pb_utils.MetricFamily(name="triton_vlm_encoder_cache_bytes", description="bytes of embeddings held "
+                                  "in the vision encoder cache", kind=pb_utils.MetricFamily.GAUGE),
+        ]
+        self.hits, self.misses, self.cache_bytes = (family.Metric(labels=labels) for family in self._families)
+
+    def execute(self, requests):
+        from triton_vlm.vision.batching import items_from_rows
+
+        responses: list = [None] * len(requests)
+        batch, where = [], []
+        for i, request in enumerate(requests):
+            try:
+                pixels = _required(request, "pixel_values")
+                grid = items_from_rows(pixels, _required(request, "patch_grid"))
+                batch.append((np.asarray(pixels, dtype=np.float32), grid))
+                where.append(i)
+            except InvalidInput as error:
+                responses[i] = _invalid(str(error))
+        if batch:
+            try:
+                outputs, stats = self.batched.encode_many(batch)
+            except InvalidInput as error:
+                outputs, stats = None, None
+                for i in where:
+                    responses[i] = _invalid(str(error))
+            if outputs is not None:
+                for i, emb in zip(where, outputs):
+                    responses[i] = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("embeddings", emb)])
+                self.hits.increment(stats.hits)
+                self.misses.increment(stats.misses)
+                self.cache_bytes.set(self.cache.used)
+        return responses
 
 
 class LLMModel:

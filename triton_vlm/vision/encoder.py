@@ -20,15 +20,17 @@ class VisionEncoder:
     `max_patches_per_run` bounds one session run: items (and, where the family allows it,
     video frames) of the same spatial size are run together up to that many patches, so groups
     are never padded to a much larger item and attention memory stays bounded.
+    Graph optimisations are all on; `intra_op_threads` None or 0 takes every usable core (the
+    Triton model passes the cores divided by the instance count).
     """
 
-    def __init__(self, onnx_path: str | Path, intra_op_threads: int = 2, max_patches_per_run: int = 16384,
+    def __init__(self, onnx_path: str | Path, intra_op_threads: int | None = None, max_patches_per_run: int = 16384,
                  providers: list | None = None):
         import onnxruntime as ort
 
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        options.intra_op_num_threads = int(intra_op_threads)
+        options.intra_op_num_threads = int(intra_op_threads or default_threads())  # 0 / None: all cores
         options.inter_op_num_threads = 1
         self.session = ort.InferenceSession(str(onnx_path), options,
                                             providers=providers or ["CPUExecutionProvider"])
@@ -48,30 +50,7 @@ class VisionEncoder:
 
     # ---------------------------------------------------------------------------------------
     def _validate(self, pixel_values, grid_thw) -> tuple[np.ndarray, np.ndarray]:
-        grid = np.asarray(grid_thw)
-        if grid.size == 0:
-            grid = grid.reshape(0, 3)
-        if grid.ndim != 2 or grid.shape[1] != 3:
-            raise InvalidInput(f"grid_thw: expected shape [items, 3], got {list(grid.shape)}")
-        if not np.issubdtype(grid.dtype, np.integer):
-            raise InvalidInput(f"grid_thw: expected integers, got {grid.dtype}")
-        grid = grid.astype(np.int64)
-        merge = int(self.settings["spatial_merge_size"])
-        for i, (t, h, w) in enumerate(grid.tolist()):
-            if t <= 0 or h <= 0 or w <= 0 or h % merge or w % merge:
-                raise InvalidInput(f"grid_thw[{i}]: [{t}, {h}, {w}] must be positive with h and w "
-                                   f"multiples of {merge}")
-        pixels = np.asarray(pixel_values)
-        if pixels.ndim != 2:
-            raise InvalidInput(f"pixel_values: expected shape [patches, {self.patch_dim}], got {list(pixels.shape)}")
-        expected = int(grid.prod(axis=1).sum())
-        if pixels.shape[0] != expected:
-            raise InvalidInput(f"pixel_values: {pixels.shape[0]} rows, but grid_thw describes {expected} patches")
-        if expected and pixels.shape[1] != self.patch_dim:
-            raise InvalidInput(f"pixel_values: rows are {pixels.shape[1]} wide, expected {self.patch_dim}")
-        if expected and not np.issubdtype(pixels.dtype, np.floating):
-            raise InvalidInput(f"pixel_values: expected floating point, got {pixels.dtype}")
-        return pixels, grid
+        return validate_inputs(pixel_values, grid_thw, self.patch_dim, self.tower_merge)
 
     def _plan(self, grid: np.ndarray) -> list[list[tuple[int, int, int, int, int]]]:
         """Runs of pieces (patch_offset, token_offset, t, h, w) that share a spatial size."""
@@ -129,3 +108,38 @@ class VisionEncoder:
                 out[tok:tok + k] = emb[row:row + k]
                 row += k
         return out
+
+
+def default_threads(instances: int = 1) -> int:
+    """Intra-op threads for one of `instances` encoder instances: the usable cores split evenly."""
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, int(instances)))
+
+
+def validate_inputs(pixel_values, grid_thw, patch_dim: int, merge: int) -> tuple[np.ndarray, np.ndarray]:
+    """Check the contract's `pixel_values` [N, patch_dim] / `grid_thw` [M, 3]; InvalidInput names the input."""
+    grid = np.asarray(grid_thw)
+    if grid.size == 0:
+        grid = grid.reshape(0, 3)
+    if grid.ndim != 2 or grid.shape[1] != 3:
+        raise InvalidInput(f"grid_thw: expected shape [items, 3], got {list(grid.shape)}")
+    if not np.issubdtype(grid.dtype, np.integer):
+        raise InvalidInput(f"grid_thw: expected integers, got {grid.dtype}")
+    grid = grid.astype(np.int64)
+    for i, (t, h, w) in enumerate(grid.tolist()):
+        if t <= 0 or h <= 0 or w <= 0 or h % merge or w % merge:
+            raise InvalidInput(f"grid_thw[{i}]: [{t}, {h}, {w}] must be positive with h and w "
+                               f"multiples of {merge}")
+    pixels = np.asarray(pixel_values)
+    if pixels.ndim != 2:
+        raise InvalidInput(f"pixel_values: expected shape [patches, {patch_dim}], got {list(pixels.shape)}")
+    expected = int(grid.prod(axis=1).sum())
+    if pixels.shape[0] != expected:
+        raise InvalidInput(f"pixel_values: {pixels.shape[0]} rows, but grid_thw describes {expected} patches")
+    if expected and pixels.shape[1] != patch_dim:
+        raise InvalidInput(f"pixel_values: rows are {pixels.shape[1]} wide, expected {patch_dim}")
+    if expected and not np.issubdtype(pixels.dtype, np.floating):
+        raise InvalidInput(f"pixel_values: expected floating point, got {pixels.dtype}")
+    return pixels, grid

@@ -1,0 +1,173 @@
+"""Cross-request batching and the embedding cache of the vision encoder (no Triton imports here).
+
+Wire convention between the contract model `vision_encoder` and the internal batched model
+(`vision_encoder_batch`, `max_batch_size > 0`, Triton's dynamic batcher): Triton requires every
+input of a batched request to have the same first (batch) dimension and at least one row, while
+the contract's `pixel_values` [N, D] and `grid_thw` [M, 3] differ in length and a text-only request
+has N = 0. So the front sends one row per patch: `pixel_values` [N, D] and `patch_grid` [N, 3], the
+`[t, h, w]` of the item each patch row belongs to. Items are recovered by walking the rows: the
+row at an item's start names its grid, the item spans `t * h * w` rows (two adjacent items of the
+same size are therefore never confused). Requests with no media never reach the batched model.
+
+Cache key: SHA-256 of an item's grid and its float32 pixel rows. Hashing the pixel rows (rather
+than the media bytes) is exact by construction: every option that changes pixels (resize bounds,
+fps, frame count, the processor config) changes the key, and nothing else does; it costs about
+1 ms per 448x448 image, against the encoder's tens to thousands of ms. A hit returns the stored
+array, so it is bit-identical to the first computation.
+"""
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from triton_vlm.errors import InvalidInput
+
+
+class EmbeddingCache:
+    """LRU of item embeddings bounded in bytes (`capacity_bytes` 0 disables it). Thread-safe."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity = int(capacity_bytes)
+        self.used = 0
+        self.hits = self.misses = 0
+        self._entries: OrderedDict[bytes, np.ndarray] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: bytes) -> np.ndarray | None:
+        with self._lock:
+            value = self._entries.get(key)
+            if value is not None:
+                self._entries.move_to_end(key)
+            return value
+
+    def put(self, key: bytes, value: np.ndarray) -> None:
+        size = value.nbytes
+        if size > self.capacity:
+            return
+        value = np.array(value, dtype=np.float32, copy=True)
+        value.flags.writeable = False
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self.used -= old.nbytes
+            self._entries[key] = value
+            self.used += size
+            while self.used > self.capacity:
+                _, evicted = self._entries.popitem(last=False)
+                self.used -= evicted.nbytes
+
+
+def item_key(pixels: np.ndarray, grid_row) -> bytes:
+    digest = hashlib.sha256(np.asarray(grid_row, dtype=np.int64).tobytes())
+    digest.update(np.ascontiguousarray(pixels, dtype=np.float32).data)
+    return digest.digest()
+
+
+def patch_grid(grid_thw: np.ndarray) -> np.ndarray:
+    """The per-row grid [N, 3] of the wire convention for `grid_thw` [M, 3]."""
+    grid = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
+    return np.repeat(grid, grid.prod(axis=1), axis=0)
+
+
+def items_from_rows(pixels: np.ndarray, rows_grid: np.ndarray) -> np.ndarray:
+    """`grid_thw` [M, 3] back from the per-row grid; raises InvalidInput if the rows disagree."""
+    rows_grid = np.asarray(rows_grid)
+    if rows_grid.ndim != 2 or rows_grid.shape[1] != 3 or len(rows_grid) != len(pixels):
+        raise InvalidInput(f"patch_grid: expected shape [{len(pixels)}, 3], got {list(rows_grid.shape)}")
+    grids, row = [], 0
+    while row < len(rows_grid):
+        t, h, w = (int(v) for v in rows_grid[row])
+        n = t * h * w
+        if t <= 0 or h <= 0 or w <= 0 or row + n > len(rows_grid) or (rows_grid[row:row + n] != rows_grid[row]).any():
+            raise InvalidInput(f"patch_grid: rows from {row} do not describe one item of grid [{t}, {h}, {w}]")
+        grids.append((t, h, w))
+        row += n
+    return np.array(grids, dtype=np.int64).reshape(-1, 3)
+
+
+def chunk_items(grid_thw: np.ndarray, max_rows: int) -> list[tuple[int, int]]:
+    """Split items into consecutive runs of at most `max_rows` patches: (first item, end item)."""
+    sizes = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3).prod(axis=1)
+    runs, start, rows = [], 0, 0
+    for i, n in enumerate(sizes.tolist()):
+        if n > max_rows:
+            raise InvalidInput(f"grid_thw[{i}]: {n} patches exceed the encoder's max_batch_patches={max_rows}")
+        if rows + n > max_rows:
+            runs.append((start, i))
+            start, rows = i, 0
+        rows += n
+    if start < len(sizes):
+        runs.append((start, len(sizes)))
+    return runs
+
+
+@dataclass
+class BatchStats:
+    requests: int = 0
+    items: int = 0
+    hits: int = 0
+    misses: int = 0
+
+
+class BatchedEncoder:
+    """Encodes the media items of many requests in one go, each distinct item once.
+
+    `encoder` is anything with `encode(pixels, grid) -> embeddings` and `merge_unit` (the ONNX
+    Runtime `VisionEncoder` or the TensorRT one). Items already in `cache` (or repeated within
+    the batch) are not computed again; the others are encoded together in one call, which groups
+    them by size.
+    """
+
+    def __init__(self, encoder, cache: EmbeddingCache) -> None:
+        self.encoder, self.cache = encoder, cache
+
+    def encode_many(self, batch: list[tuple[np.ndarray, np.ndarray]]) -> tuple[list[np.ndarray], BatchStats]:
+        """`batch`: (pixel_values [N, D], grid_thw [M, 3]) per request, already validated.
+        Returns each request's embeddings [tokens, hidden] and the counts."""
+        stats = BatchStats(requests=len(batch))
+        unit = self.encoder.merge_unit
+        per_request: list[list[bytes]] = []
+        found: dict[bytes, np.ndarray] = {}
+        todo: dict[bytes, tuple[np.ndarray, tuple[int, int, int]]] = {}
+        for pixels, grid in batch:
+            keys, row = [], 0
+            for t, h, w in grid.tolist():
+                n = t * h * w
+                key = item_key(pixels[row:row + n], (t, h, w))
+                row += n
+                keys.append(key)
+                stats.items += 1
+                if key in found or key in todo:
+                    stats.hits += 1
+                    continue
+                cached = self.cache.get(key)
+                if cached is not None:
+                    found[key] = cached
+                    stats.hits += 1
+                else:
+                    todo[key] = (pixels[row - n:row], (t, h, w))
+                    stats.misses += 1
+            per_request.append(keys)
+        if todo:
+            grids = np.array([g for _, g in todo.values()], dtype=np.int64)
+            emb = self.encoder.encode(np.concatenate([p for p, _ in todo.values()], axis=0), grids)
+            row = 0
+            for key, (_, (t, h, w)) in todo.items():
+                k = t * h * w // unit
+                found[key] = emb[row:row + k]
+                self.cache.put(key, found[key])
+                row += k
+        self.cache.hits += stats.hits
+        self.cache.misses += stats.misses
+        outputs = []
+        for keys in per_request:
+            parts = [found[k] for k in keys]
+            outputs.append(np.concatenate(parts, axis=0) if len(parts) != 1 else np.array(parts[0], copy=True))
+        return outputs, stats

@@ -1,0 +1,194 @@
+"""`--device gpu`: the exported ONNX tower compiled into a TensorRT engine, and an encoder that runs it.
+
+NOT YET RUN ON A GPU: this module is complete code written against the TensorRT 10 Python API
+(`tensorrt`), but no machine with a GPU and `tensorrt` has built or run an engine with it yet.
+It is importable without `tensorrt` or CUDA (every import is inside a function).
+
+Build: the same ONNX file the CPU path uses (float32 weights; TensorRT picks FP16/BF16 kernels
+when the precision flag allows), one optimisation profile. Every dynamic input dimension derives
+from the number of patch rows of one engine run, so the profile is given as min/opt/max patches:
+
+- `pixel_values`, `rotary_cos/sin`, `*_inverse`: [patches, ...];
+- `window_index/mask`: [windows, window_len], windows <= patches / merge^2 (a window holds at
+  least one merge unit), window_len <= the window's area in patches;
+- `full_index/mask`: [frames, frame_len], frames <= patches / merge^2, frame_len <= patches.
+
+Run: `TensorRTEncoder` has the interface of the ONNX Runtime `VisionEncoder` (`encode`,
+`warmup`, `merge_unit`, ...): host metadata from the tower module, runs of at most `max` patches
+(items of one size together, video frames split when the family allows), buffers as torch CUDA
+tensors, `execute_async_v3` on a torch stream.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from triton_vlm.vision import get_tower
+
+PRECISIONS = ("fp32", "fp16", "bf16")
+
+
+@dataclass(frozen=True)
+class EngineProfile:
+    min_patches: int = 4
+    opt_patches: int = 4096
+    max_patches: int = 16384
+
+    def __post_init__(self) -> None:
+        if not 0 < self.min_patches <= self.opt_patches <= self.max_patches:
+            raise ValueError(f"TensorRT profile needs 0 < min <= opt <= max patches, got "
+                             f"{self.min_patches}/{self.opt_patches}/{self.max_patches}")
+
+
+def profile_shapes(settings: dict, profile: EngineProfile) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """(min, opt, max) shape of every engine input for a Qwen2.5-VL-style tower's settings."""
+    merge_unit = settings["spatial_merge_size"] ** 2
+    window = max(merge_unit, (settings["window_size"] // settings["patch_size"]) ** 2)
+    dim, head_dim = settings["patch_dim"], settings["head_dim"]
+
+    def at(patches: int) -> dict[str, tuple[int, ...]]:
+        units = max(1, patches // merge_unit)
+        win_len = min(window, patches)
+        return {
+            "pixel_values": (patches, dim), "rotary_cos": (patches, head_dim), "rotary_sin": (patches, head_dim),
+            "window_index": (units, win_len), "window_mask": (units, win_len), "window_inverse": (patches,),
+            "full_index": (units, patches), "full_mask": (units, patches), "full_inverse": (patches,),
+        }
+
+    lo, mid, hi = at(profile.min_patches), at(profile.opt_patches), at(profile.max_patches)
+    # Minimum group counts / lengths are 1 (one small window, one frame); the opt point is one
+    # square image of opt patches.
+    lo = {k: tuple(1 if k.endswith(("_index", "_mask")) else d for d in v) for k, v in lo.items()}
+    mid = dict(mid)
+    frames_opt = 1
+    wins_opt = max(1, profile.opt_patches // window)
+    mid.update(window_index=(wins_opt, min(window, profile.opt_patches)),
+               window_mask=(wins_opt, min(window, profile.opt_patches)),
+               full_index=(frames_opt, profile.opt_patches), full_mask=(frames_opt, profile.opt_patches))
+    return {k: (lo[k], mid[k], hi[k]) for k in hi}
+
+
+def build_engine(onnx_path: str | Path, engine_path: str | Path, profile: EngineProfile = EngineProfile(),
+                 precision: str = "fp16", workspace_bytes: int = 4 << 30) -> Path:
+    """Compile `onnx_path` (written by `export_onnx`) into a serialized TensorRT engine."""
+    import onnx
+    import tensorrt as trt
+
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, not {precision!r}")
+    meta = {p.key: p.value for p in onnx.load(str(onnx_path), load_external_data=False).metadata_props}
+    settings = json.loads(meta["vision_config"])
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    network = builder.create_network(0)  # TensorRT 10: explicit batch is the only mode
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise RuntimeError(f"TensorRT could not parse {onnx_path}: {errors}")
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace_bytes)
+    if precision == "fp16":
+        config.set_flag(trt.BuilderFlag.FP16)
+    elif precision == "bf16":
+        config.set_flag(trt.BuilderFlag.BF16)
+    opt_profile = builder.create_optimization_profile()
+    shapes = profile_shapes(settings, profile)
+    for i in range(network.num_inputs):
+        name = network.get_input(i).name
+        lo, mid, hi = shapes[name]
+        opt_profile.set_shape(name, lo, mid, hi)
+    config.add_optimization_profile(opt_profile)
+    serialized = builder.build_serialized_network(network, config)
+    if serialized is None:
+        raise RuntimeError(f"TensorRT failed to build an engine from {onnx_path}")
+    engine_path = Path(engine_path)
+    engine_path.parent.mkdir(parents=True, exist_ok=True)
+    engine_path.write_bytes(bytes(serialized))
+    # What the runtime needs beside the engine (TensorRT engines carry no free-form metadata).
+    sidecar = {"family": meta["family"], "vision_config": settings, "precision": precision,
+               "min_patches": profile.min_patches, "opt_patches": profile.opt_patches,
+               "max_patches": profile.max_patches}
+    engine_path.with_suffix(".json").write_text(json.dumps(sidecar, indent=1))
+    return engine_path
+
+
+class TensorRTEncoder:
+    """Runs an engine from `build_engine` on one GPU; same interface as `VisionEncoder`."""
+
+    def __init__(self, engine_path: str | Path, device: int = 0) -> None:
+        import tensorrt as trt
+        import torch
+
+        engine_path = Path(engine_path)
+        sidecar = json.loads(engine_path.with_suffix(".json").read_text())
+        self.family = sidecar["family"]
+        self.tower = get_tower(self.family)
+        self.settings = sidecar["vision_config"]
+        self.dtype = sidecar["precision"]
+        self.patch_dim = int(self.settings["patch_dim"])
+        self.out_hidden = int(self.settings["out_hidden_size"])
+        self.tower_merge = int(self.settings["spatial_merge_size"])
+        self.merge_unit = self.tower_merge ** 2
+        self.min_patches, self.max_patches_per_run = int(sidecar["min_patches"]), int(sidecar["max_patches"])
+        self.device = torch.device("cuda", device)
+        torch.cuda.set_device(self.device)
+        self._logger = trt.Logger(trt.Logger.WARNING)
+        self._runtime = trt.Runtime(self._logger)
+        self.engine = self._runtime.deserialize_cuda_engine(engine_path.read_bytes())
+        if self.engine is None:
+            raise RuntimeError(f"{engine_path}: TensorRT could not deserialize the engine")
+        self.context = self.engine.create_execution_context()
+        self.stream = torch.cuda.Stream(self.device)
+        names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
+        self._inputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
+        self._output = next(n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT)
+
+    # Validation and planning are the ONNX Runtime encoder's (same inputs, same run grouping).
+    def _validate(self, pixel_values, grid_thw):
+        from triton_vlm.vision.encoder import validate_inputs
+
+        return validate_inputs(pixel_values, grid_thw, self.patch_dim, self.tower_merge)
+
+    def _plan(self, grid):
+        from triton_vlm.vision.encoder import VisionEncoder
+
+        return VisionEncoder._plan(self, grid)
+
+    def _run(self, pixels: np.ndarray, grid: np.ndarray) -> np.ndarray:
+        import torch
+
+        feeds = {"pixel_values": np.ascontiguousarray(pixels, dtype=np.float32)}
+        feeds.update(self.tower.encoder_metadata(grid, self.settings))
+        n = feeds["pixel_values"].shape[0]
+        if n < self.min_patches:  # the smallest item (one merge unit) is 4 patches: keep min_patches <= 4
+            raise ValueError(f"{n} patches is below the engine profile's min_patches={self.min_patches}")
+        buffers = {}
+        with torch.cuda.stream(self.stream):
+            for name in self._inputs:
+                tensor = torch.from_numpy(np.ascontiguousarray(feeds[name])).to(self.device, non_blocking=True)
+                buffers[name] = tensor
+                self.context.set_input_shape(name, tuple(tensor.shape))
+                self.context.set_tensor_address(name, tensor.data_ptr())
+            shape = tuple(self.context.get_tensor_shape(self._output))
+            out = torch.empty(shape, dtype=torch.float32, device=self.device)
+            self.context.set_tensor_address(self._output, out.data_ptr())
+            if not self.context.execute_async_v3(self.stream.cuda_stream):
+                raise RuntimeError("TensorRT execution failed")
+            result = out.cpu()
+        self.stream.synchronize()
+        return result.numpy()
+
+    def warmup(self) -> None:
+        side = self.tower_merge
+        while side * side < self.min_patches:
+            side += self.tower_merge
+        grid = np.array([[1, side, side]], dtype=np.int64)
+        self.encode(np.zeros((side * side, self.patch_dim), np.float32), grid)
+
+    def encode(self, pixel_values: np.ndarray, grid_thw: np.ndarray) -> np.ndarray:
+        from triton_vlm.vision.encoder import VisionEncoder
+
+        return VisionEncoder.encode(self, pixel_values, grid_thw)
