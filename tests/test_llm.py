@@ -153,9 +153,8 @@ def test_prefill_logits_match_hf(hf, engine, requests, name):
     with torch.no_grad():
         ref = model(**req["hf_inputs"]).logits[0, -1]
     llm = req["llm"]
-    logits, cache = engine.model.prefill(torch.from_numpy(llm["input_ids"]), torch.from_numpy(llm["embeddings"]),
-                                         torch.from_numpy(llm["mrope_position_ids"]))
-    cache.free()
+    logits = engine.model.prompt_logits(torch.from_numpy(llm["input_ids"]), torch.from_numpy(llm["embeddings"]),
+                                        torch.from_numpy(llm["mrope_position_ids"]))
     assert torch.allclose(logits, ref, atol=1e-4, rtol=0), (logits - ref).abs().max()
 
 
@@ -241,12 +240,13 @@ def test_concurrent_requests_match_alone(engine, requests):
 
 def test_cancel_frees_cache(engine, requests):
     stop_after = 3
-    col = submit(engine, requests["image"], SamplingParams(max_tokens=64), "cancel-me",
-                 is_cancelled=lambda: len(col.outputs) >= stop_after)
+    col = Collector()
+    engine.submit("cancel-me", **requests["image"]["llm"], params=SamplingParams(max_tokens=64), emit=col,
+                  is_cancelled=lambda: len(col.outputs) >= stop_after)
     col.wait()
     assert col.finish_reason == "cancelled"
     assert len(col.ids) == stop_after and col.outputs[-1].token_ids == []
-    assert engine.kv_cache_bytes == 0 and engine.num_running == 0
+    assert engine.kv_blocks_used == 0 and engine.num_running == 0
     # Engine.cancel() on a request that has not started yet
     gate = threading.Event()
     slow = submit(engine, requests["text"], SamplingParams(max_tokens=8), "slow",
@@ -256,12 +256,12 @@ def test_cancel_frees_cache(engine, requests):
     gate.set()
     assert waiting.wait().finish_reason == "cancelled" and waiting.ids == []
     assert slow.wait().finish_reason == "length"
-    assert engine.kv_cache_bytes == 0
+    assert engine.kv_blocks_used == 0
 
 
 def test_error_inside_loop_ends_request_and_engine_survives(ckpt, requests):
     eng = Engine(ckpt)
-    real = eng.model.decode
+    real = eng.model.forward
     calls = {"n": 0}
 
     def flaky(*a, **k):
@@ -270,13 +270,13 @@ def test_error_inside_loop_ends_request_and_engine_survives(ckpt, requests):
             raise RuntimeError("boom")
         return real(*a, **k)
 
-    eng.model.decode = flaky
+    eng.model.forward = flaky
     try:
         col = submit(eng, requests["text"], SamplingParams(max_tokens=8), "err").wait()
         assert col.finish_reason == "error" and col.outputs[-1].error
         assert "boom" not in col.outputs[-1].error  # no internals leak to the client
         ok = submit(eng, requests["text"], SamplingParams(max_tokens=4), "after").wait()
-        assert ok.finish_reason in ("length", "stop") and eng.kv_cache_bytes == 0
+        assert ok.finish_reason in ("length", "stop") and eng.kv_blocks_used == 0
         # an emit callback that raises does not kill the thread either
         def bad_emit(out):
             raise ValueError("client gone")
@@ -294,6 +294,154 @@ def test_shutdown_ends_requests_in_flight(ckpt, requests):
     threading.Timer(0.2, gate.set).start()
     eng.shutdown()
     assert col.wait().finish_reason == "cancelled" and queued.wait().finish_reason == "cancelled"
+
+
+# ---- in-flight batching, paged KV cache, prefix cache, preemption -----------------------------------
+
+def _jobs():
+    """8 requests of different prompt lengths and max_tokens, greedy and seeded."""
+    jobs = []
+    for i, name in enumerate(PROMPTS):
+        jobs.append((name, SamplingParams(max_tokens=6 + 3 * i)))
+        jobs.append((name, SamplingParams(max_tokens=14 - 2 * i, temperature=0.9, top_k=50, top_p=0.9, seed=7 + i,
+                                          repetition_penalty=1.1)))
+    return jobs
+
+
+def _alone(eng, requests, jobs, tag):
+    return [submit(eng, requests[n], p, f"{tag}-alone-{i}").wait() for i, (n, p) in enumerate(jobs)]
+
+
+def _together(eng, requests, jobs, tag):
+    cols = [submit(eng, requests[n], p, f"{tag}-{i}") for i, (n, p) in enumerate(jobs)]
+    return [c.wait() for c in cols]
+
+
+def _assert_same(together, alone, atol=1e-4):
+    """Tokens equal; logits of every step within `atol` (batched matmuls sum in another order, so
+    rows are not bitwise batch-invariant on CPU: see bench/RESULTS.md)."""
+    for t, a in zip(together, alone):
+        assert t.ids == a.ids and t.finish_reason == a.finish_reason
+        for ot, oa in zip(t.outputs, a.outputs):
+            if ot.logits is not None:
+                assert torch.allclose(ot.logits, oa.logits, atol=atol, rtol=0), (ot.logits - oa.logits).abs().max()
+
+
+@pytest.fixture(scope="module")
+def batching_engine(ckpt, engine):
+    """Small step budget: prompts are prefilled in chunks while others decode in the same step."""
+    eng = Engine(ckpt, model=engine.model, kv_cache_tokens=4096, max_num_tokens=24, return_logits=True)
+    yield eng
+    eng.shutdown()
+
+
+def test_eight_concurrent_requests_equal_alone(batching_engine, requests):
+    eng, jobs = batching_engine, _jobs()
+    alone = _alone(eng, requests, jobs, "b")
+    assert eng.kv_blocks_free == eng.pool.num_blocks
+    steps = eng.num_steps
+    together = _together(eng, requests, jobs, "b")
+    _assert_same(together, alone)
+    assert eng.num_steps - steps < sum(len(a.ids) for a in alone)  # rows of many requests shared steps
+    assert eng.kv_blocks_free == eng.pool.num_blocks and eng.kv_blocks_used == 0
+    assert (eng.num_running, eng.num_waiting) == (0, 0)
+
+
+def test_batched_step_mixes_prefill_chunks_and_decodes(ckpt, engine, requests):
+    eng = Engine(ckpt, model=engine.model, kv_cache_tokens=4096, max_num_tokens=16)
+    seen = []
+    real = eng.model.forward
+
+    def spy(chunks, pool):
+        seen.append([(ch.start, ch.h.shape[0]) for ch in chunks])
+        return real(chunks, pool)
+
+    eng.model = type("Spy", (), {"forward": staticmethod(spy), "embed_tokens": real.__self__.embed_tokens,
+                                 "placeholder_mask": real.__self__.placeholder_mask,
+                                 "config": real.__self__.config})()
+    try:
+        first = submit(eng, requests["text"], SamplingParams(max_tokens=20), "first")
+        while not first.outputs:
+            first.done.wait(0.01)
+        second = submit(eng, requests["video"], SamplingParams(max_tokens=4), "second")
+        first.wait(), second.wait()
+    finally:
+        eng.shutdown()
+    # some step ran a decode row of `first` beside a prefill chunk (start > 0 or many rows) of `second`
+    assert any(len(step) > 1 and any(n == 1 for _, n in step) and any(n > 1 for _, n in step) for step in seen)
+    assert max(sum(n for _, n in step) for step in seen) <= 16  # the per-step token budget
+
+
+def test_cancel_and_finish_return_every_block(batching_engine, requests):
+    eng = batching_engine
+    cols = [Collector() for _ in PROMPTS]
+    for i, name in enumerate(PROMPTS):
+        eng.submit(f"c-{i}", **requests[name]["llm"], params=SamplingParams(max_tokens=30), emit=cols[i],
+                   is_cancelled=(lambda i=i: len(cols[i].outputs) >= 2) if i % 2 else (lambda: False))
+    reasons = [c.wait().finish_reason for c in cols]
+    assert reasons[1::2] == ["cancelled", "cancelled"] and all(r in ("stop", "length") for r in reasons[::2])
+    assert eng.kv_blocks_free == eng.pool.num_blocks and eng.kv_blocks_used == 0
+
+
+def test_prefix_cache_hit_equals_miss(ckpt, engine, requests):
+    eng = Engine(ckpt, model=engine.model, kv_cache_tokens=2048, block_size=8, prefix_caching=True,
+                 return_logits=True)
+    try:
+        for name in ("image", "image+video", "text"):
+            params = SamplingParams(max_tokens=10)
+            miss = submit(eng, requests[name], params, f"miss-{name}").wait()
+            hits = eng.pool.hits
+            hit = submit(eng, requests[name], params, f"hit-{name}").wait()
+            assert eng.pool.hits > hits  # blocks really were reused
+            _assert_same([hit], [miss])
+            assert eng.kv_blocks_free == eng.pool.num_blocks
+        # same token ids, other embedding rows: no false hit
+        llm = dict(requests["image"]["llm"], embeddings=requests["image"]["llm"]["embeddings"] + 1.0)
+        other = Collector()
+        eng.submit("other", **llm, params=SamplingParams(max_tokens=10), emit=other)
+        nocache = Engine(ckpt, model=engine.model, kv_cache_tokens=2048, block_size=8)
+        ref = Collector()
+        nocache.submit("ref", **llm, params=SamplingParams(max_tokens=10), emit=ref)
+        assert other.wait().ids == ref.wait().ids
+        nocache.shutdown()
+    finally:
+        eng.shutdown()
+
+
+def test_preemption_under_small_pool_gives_same_tokens(ckpt, engine, batching_engine, requests):
+    jobs = _jobs()
+    alone = _alone(batching_engine, requests, jobs, "p")
+    longest = max(int(requests[n]["llm"]["input_ids"].size) + p.max_tokens for n, p in jobs)
+    eng = Engine(ckpt, model=engine.model, kv_cache_tokens=longest + 16, block_size=8, max_num_tokens=24,
+                 return_logits=True)
+    try:
+        together = _together(eng, requests, jobs, "p")
+        assert eng.num_preempted > 0
+        _assert_same(together, alone)
+        assert eng.kv_blocks_free == eng.pool.num_blocks
+    finally:
+        eng.shutdown()
+
+
+def test_repetition_penalty_matches_hf(hf, engine, requests):
+    req = requests["image"]
+    expected = hf_generate(hf, req, max_new_tokens=12, do_sample=False, repetition_penalty=1.5)
+    assert submit(engine, req, SamplingParams(max_tokens=12, repetition_penalty=1.5), "rp").wait().ids == expected
+    torch.manual_seed(99)
+    expected = hf_generate(hf, req, max_new_tokens=12, do_sample=True, temperature=0.8, top_k=20, top_p=0.95,
+                           repetition_penalty=1.3)
+    params = SamplingParams(max_tokens=12, temperature=0.8, top_k=20, top_p=0.95, repetition_penalty=1.3, seed=99)
+    assert submit(engine, req, params, "rp-seeded").wait().ids == expected
+
+
+def test_request_larger_than_pool_is_invalid_before_taking_blocks(ckpt, engine, requests):
+    eng = Engine(ckpt, model=engine.model, kv_cache_tokens=16, block_size=16)
+    try:
+        with pytest.raises(InvalidInput, match="KV cache pool holds 16 tokens"):
+            submit(eng, requests["video"], SamplingParams(max_tokens=16), "too-big")
+        assert eng.kv_blocks_free == eng.pool.num_blocks and eng.num_waiting == 0
+    finally:
+        eng.shutdown()
 
 
 # ---- validation -------------------------------------------------------------------------------------
@@ -316,8 +464,8 @@ def test_embeddings_count_mismatch(engine, requests):
     with pytest.raises(InvalidInput, match=rf"embeddings: {n - 1} rows given, prompt has {n} "):
         engine.submit("mismatch", **llm, params=SamplingParams(max_tokens=2), emit=lambda o: None)
     with pytest.raises(InvalidInput, match="embeddings"):
-        engine.model.prefill(torch.from_numpy(llm["input_ids"]), torch.from_numpy(llm["embeddings"]),
-                             torch.from_numpy(llm["mrope_position_ids"]))
+        engine.model.prompt_logits(torch.from_numpy(llm["input_ids"]), torch.from_numpy(llm["embeddings"]),
+                                   torch.from_numpy(llm["mrope_position_ids"]))
     llm = dict(requests["image"]["llm"], mrope_position_ids=np.zeros((3, 2), np.int64))
     with pytest.raises(InvalidInput, match="mrope_position_ids"):
         engine.submit("badpos", **llm, params=SamplingParams(max_tokens=2), emit=lambda o: None)
@@ -333,6 +481,7 @@ def test_embeddings_count_mismatch(engine, requests):
     (dict(max_tokens=4, seed=-1), "seed"),
     (dict(max_tokens=4, seed=2 ** 64), "seed"),
     (dict(max_tokens=4, stop_words="x"), "stop_words"),
+    (dict(max_tokens=4, repetition_penalty=0.0), "repetition_penalty: must be > 0"),
 ])
 def test_bad_sampling_values(kwargs, message):
     with pytest.raises(InvalidInput, match=message):

@@ -1,7 +1,8 @@
-"""The `llm` step: a Qwen2 (M-RoPE) decoder on CPU with a per-request scheduler."""
+"""The `llm` step: a Qwen2 (M-RoPE) decoder on CPU, paged KV cache, in-flight batching."""
 from triton_vlm.llm.engine import Engine, GenerationOutput, IncrementalDetokenizer
-from triton_vlm.llm.model import DecoderConfig, DecoderModel, KVCache
+from triton_vlm.llm.model import Chunk, DecoderConfig, DecoderModel
+from triton_vlm.llm.paged import KVPool
 from triton_vlm.llm.sampling import SamplingParams, make_generator, sample
 
-__all__ = ["DecoderConfig", "DecoderModel", "Engine", "GenerationOutput", "IncrementalDetokenizer", "KVCache",
+__all__ = ["DecoderConfig", "DecoderModel", "Engine", "GenerationOutput", "IncrementalDetokenizer", "KVPool", "Chunk",
            "SamplingParams", "make_generator", "sample"]

@@ -1,15 +1,26 @@
-"""The `llm` step's engine: one scheduler thread, per-sequence forward passes, streaming emits.
+"""The `llm` step's engine: in-flight batching over a paged KV cache, one scheduler thread.
 
-Each scheduler step admits waiting requests (prefill, which yields their first token) and advances
-every other running sequence by one token, round-robin. Sequences are run one by one (no padded
-batch), so each request gets exactly the tokens it gets alone. Every request gets exactly one final
-emit (`finish_reason` set): on stop, length, cancel, shutdown, or an error inside the loop
-(`finish_reason="error"` with `error` set). The thread logs exceptions and never dies of them.
+Every step (one batched forward pass) the scheduler, oldest request first:
+- gives each running sequence its next rows within a per-step token budget (`max_num_tokens`):
+  one token for a decoding sequence, the next chunk of the prompt for one still in prefill;
+- admits waiting requests into the remaining budget (they join the running batch right away),
+  reusing cached prompt-prefix blocks when prefix caching is on;
+- takes KV blocks from the pool as rows need them. When the pool is out of blocks, a waiting
+  request keeps waiting, and a running one that needs a block preempts the newest running
+  sequence (its blocks go back; it is recomputed later from its prompt and the tokens it already
+  has, with its sampler state kept, so its output does not change). Nothing fails for lack of blocks.
+Then one `DecoderModel.forward` runs every row, and each sequence whose rows reached its end
+samples its next token with its own generator.
+
+Each request gets exactly one final emit (`finish_reason` set): on stop, length, cancel, shutdown,
+or an error inside the loop (`finish_reason="error"` with `error` set); its blocks are back in the
+pool before that emit. The thread logs exceptions and never dies of them.
 """
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,15 +28,18 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from triton_vlm.errors import InvalidInput
-from triton_vlm.llm.model import DecoderModel, KVCache
+from triton_vlm.llm.model import Chunk, DecoderModel
+from triton_vlm.llm.paged import KVPool, block_keys
 from triton_vlm.llm.sampling import SamplingParams, make_generator, sample
 
 log = logging.getLogger(__name__)
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 _PROMPT_CONTEXT_TOKENS = 5  # prompt tail used as detokenization context
+DEFAULT_KV_CACHE_BYTES = 256 << 20
 
 
 @dataclass
@@ -34,6 +48,7 @@ class GenerationOutput:
     text: str
     finish_reason: str | None = None  # None, "stop", "length", "cancelled", or "error"
     error: str | None = None          # set with finish_reason "error"
+    logits: torch.Tensor | None = None  # the sampled step's logits, with Engine(return_logits=True)
 
     @property
     def finished(self) -> bool:
@@ -74,20 +89,27 @@ class IncrementalDetokenizer:
 @dataclass
 class _Sequence:
     request_id: str
-    input_ids: torch.Tensor
-    embeddings: torch.Tensor | None
-    positions: torch.Tensor
+    arrival: int
+    prompt_len: int
+    tokens: list[int]                 # prompt ids, then generated ids
+    embeddings: torch.Tensor | None   # placeholder rows (kept for recompute after preemption)
+    emb_index: torch.Tensor | None    # per prompt position: row of `embeddings`, or -1
+    positions: torch.Tensor           # [3, prompt_len]
     delta: int
     params: SamplingParams
     emit: Callable[[GenerationOutput], None]
     is_cancelled: Callable[[], bool]
     generator: torch.Generator
     detok: IncrementalDetokenizer
-    cache: KVCache | None = None
+    keys: list[bytes] = field(default_factory=list)   # prefix-cache keys of full prompt blocks
+    blocks: list[int] = field(default_factory=list)   # block table
+    num_computed: int = 0             # tokens whose K/V are in the blocks
     output_ids: list[int] = field(default_factory=list)
     text: str = ""   # stable detokenized text so far
     sent: int = 0    # characters of `text` emitted
     done: bool = False
+    first_token_time: float | None = None
+    submit_time: float = 0.0
 
 
 def _as_tensor(value: Any, name: str, dtype: torch.dtype) -> torch.Tensor:
@@ -102,40 +124,73 @@ def _as_tensor(value: Any, name: str, dtype: torch.dtype) -> torch.Tensor:
 class Engine:
     """Serves one checkpoint's decoder. `submit` from any thread; emits come from the scheduler
     thread. Counters: `num_running`, `num_waiting`, `num_generated_tokens`, `num_finished`,
-    `kv_cache_bytes` (bytes held by live KV caches)."""
+    `num_preempted`; the pool's `num_used` / `num_free` blocks (`kv_blocks_used`, `kv_blocks_free`).
 
-    def __init__(self, checkpoint_dir: str | Path, *, max_running: int = 16, tokenizer=None,
-                 model: DecoderModel | None = None):
+    Pool size: `kv_cache_tokens`, else `kv_cache_bytes` (default 256 MiB), rounded down to blocks."""
+
+    def __init__(self, checkpoint_dir: str | Path, *, max_running: int = 64, tokenizer=None,
+                 model: DecoderModel | None = None, kv_cache_tokens: int | None = None,
+                 kv_cache_bytes: int | None = None, block_size: int = 16, prefix_caching: bool = False,
+                 max_num_tokens: int = 512, return_logits: bool = False):
         from tokenizers import Tokenizer
 
         self.checkpoint_dir = Path(checkpoint_dir)
         self.model = model or DecoderModel.from_checkpoint(self.checkpoint_dir)
-        self.config = self.model.config
+        self.config = c = self.model.config
         self.tokenizer = tokenizer or Tokenizer.from_file(str(self.checkpoint_dir / "tokenizer.json"))
         self.eos_token_ids = frozenset(self.config.eos_token_ids)
         self.context_length = self.config.max_position_embeddings
         self.max_running = max(1, int(max_running))
+        self.max_num_tokens = max(1, int(max_num_tokens))
+        self.return_logits = bool(return_logits)
+        if kv_cache_tokens:
+            tokens = int(kv_cache_tokens)
+        else:
+            tokens = int(kv_cache_bytes or DEFAULT_KV_CACHE_BYTES) // c.kv_bytes_per_token
+        num_blocks = tokens // int(block_size)
+        if num_blocks < 1:
+            raise ValueError(f"KV pool of {tokens} tokens holds no block of {block_size}")
+        self.pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size, prefix_caching)
+        self.pool_tokens = num_blocks * int(block_size)
 
         self.num_running = 0
         self.num_waiting = 0
         self.num_generated_tokens = 0
         self.num_finished = 0
-        self.kv_cache_bytes = 0
+        self.num_preempted = 0
+        self.num_steps = 0
 
         self._lock = threading.Condition()
-        self._waiting: deque[_Sequence] = deque()
-        self._running: list[_Sequence] = []
+        self._incoming: deque[_Sequence] = deque()   # submitted, not yet seen by the scheduler
+        self._waiting: deque[_Sequence] = deque()    # scheduler-owned
+        self._running: list[_Sequence] = []          # scheduler-owned, arrival order
+        self._arrivals = 0
         self._ids_in_flight: set[str] = set()
         self._cancel_ids: set[str] = set()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="llm-scheduler", daemon=True)
         self._thread.start()
 
+    # ---- counters ------------------------------------------------------------------------------
+    @property
+    def kv_blocks_used(self) -> int:
+        return self.pool.num_used
+
+    @property
+    def kv_blocks_free(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the pool held by live sequences."""
+        return self.pool.num_used * self.pool.block_size * self.config.kv_bytes_per_token
+
     # ---- public --------------------------------------------------------------------------------
     def submit(self, request_id: str, input_ids, embeddings, mrope_position_ids, mrope_position_delta,
                params: SamplingParams, emit: Callable[[GenerationOutput], None],
                is_cancelled: Callable[[], bool] = lambda: False) -> None:
-        """Validate and queue a request; raises InvalidInput (nothing queued) if it cannot be served."""
+        """Validate and queue a request; raises InvalidInput (nothing queued, no block taken) if it
+        cannot be served."""
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams")
         c = self.config
@@ -151,7 +206,11 @@ class Engine:
                 raise InvalidInput(f"prompt is {n} tokens, context is {self.context_length}")
             raise InvalidInput(f"prompt is {n} tokens and max_tokens is {params.max_tokens}, "
                                f"context is {self.context_length}")
-        n_placeholders = int(sum(int((ids == t).sum()) for t in self.model.mm_token_ids))
+        if n + params.max_tokens > self.pool_tokens:
+            raise InvalidInput(f"prompt is {n} tokens and max_tokens is {params.max_tokens}, "
+                               f"the KV cache pool holds {self.pool_tokens} tokens")
+        mask = self.model.placeholder_mask(ids)
+        n_placeholders = int(mask.sum())
         emb = None
         if embeddings is not None:
             emb = _as_tensor(embeddings, "embeddings", torch.float32)
@@ -185,21 +244,29 @@ class Engine:
         if last_position >= self.context_length:
             raise InvalidInput(f"prompt reaches position {last_position} with max_tokens "
                                f"{params.max_tokens}, context is {self.context_length}")
+        emb_index = None
+        if emb is not None:
+            emb_index = torch.full((n,), -1, dtype=torch.long)
+            emb_index[mask] = torch.arange(n_rows)
+        keys = block_keys(ids, pos, emb, mask, self.pool.block_size) if self.pool.prefix_caching else []
 
         request_id = str(request_id)
         tail = ids[-_PROMPT_CONTEXT_TOKENS:].tolist()
-        seq = _Sequence(request_id=request_id, input_ids=ids, embeddings=emb, positions=pos, delta=delta,
-                        params=params, emit=emit, is_cancelled=is_cancelled,
-                        generator=make_generator(params.seed),
-                        detok=IncrementalDetokenizer(self.tokenizer, tail))
+        seq = _Sequence(request_id=request_id, arrival=0, prompt_len=n, tokens=ids.tolist(), embeddings=emb,
+                        emb_index=emb_index, positions=pos, delta=delta, params=params, emit=emit,
+                        is_cancelled=is_cancelled, generator=make_generator(params.seed),
+                        detok=IncrementalDetokenizer(self.tokenizer, tail), keys=keys,
+                        submit_time=time.perf_counter())
         with self._lock:
             if self._stop:
                 raise RuntimeError("engine is shut down")
             if request_id in self._ids_in_flight:
                 raise InvalidInput(f"request id {request_id!r} is already in flight")
             self._ids_in_flight.add(request_id)
-            self._waiting.append(seq)
-            self.num_waiting = len(self._waiting)
+            self._arrivals += 1
+            seq.arrival = self._arrivals
+            self._incoming.append(seq)
+            self.num_waiting += 1
             self._lock.notify_all()
 
     def cancel(self, request_id: str) -> None:
@@ -228,10 +295,12 @@ class Engine:
         while True:
             try:
                 with self._lock:
-                    while not self._stop and not self._waiting and not self._running:
+                    while not self._stop and not self._incoming and not self._waiting and not self._running:
                         self._lock.wait()
                     if self._stop:
                         break
+                    self._waiting.extend(self._incoming)
+                    self._incoming.clear()
                 self._step()
             except Exception:  # a bug in the step itself: log, keep serving
                 log.exception("llm scheduler step failed")
@@ -246,55 +315,132 @@ class Engine:
             log.exception("is_cancelled of request %s raised; cancelling it", seq.request_id)
             return True
 
-    def _step(self) -> None:
-        with self._lock:
-            waiting = list(self._waiting)
-        for seq in waiting:  # a cancelled request that has not started ends now
-            if self._cancelled(seq):
-                with self._lock:
-                    self._waiting.remove(seq)
-                    self.num_waiting = len(self._waiting)
-                self._finish(seq, "cancelled")
-        admitted = []
-        with self._lock:
-            while self._waiting and len(self._running) + len(admitted) < self.max_running:
-                admitted.append(self._waiting.popleft())
-            self.num_waiting = len(self._waiting)
-        current = list(self._running)
-        for seq in admitted:
-            self._running.append(seq)
-            self.num_running = len(self._running)
-            self._advance(seq, prefill=True)
-        for seq in current:
-            if not seq.done:
-                self._advance(seq, prefill=False)
+    def _update_counts(self) -> None:
         self._running = [s for s in self._running if not s.done]
+        self._waiting = deque(s for s in self._waiting if not s.done)
         self.num_running = len(self._running)
+        with self._lock:
+            self.num_waiting = len(self._waiting) + len(self._incoming)
 
-    def _advance(self, seq: _Sequence, prefill: bool) -> None:
-        try:
-            if self._cancelled(seq):
+    def _preempt(self, seq: _Sequence) -> None:
+        """Give the blocks back; the sequence waits (first in line) to be recomputed."""
+        self.pool.release(seq.blocks)
+        seq.blocks, seq.num_computed = [], 0
+        self._running.remove(seq)
+        self._waiting.appendleft(seq)
+        self.num_preempted += 1
+
+    def _grow(self, seq: _Sequence, end: int, planned: set[int]) -> bool:
+        """Blocks for tokens up to `end`, preempting the newest unplanned running sequence as
+        needed; False if `seq` itself had to be preempted."""
+        need = self.pool.blocks_for(end) - len(seq.blocks)
+        while need > 0:
+            got = self.pool.allocate(need)
+            if got is not None:
+                seq.blocks.extend(got)
+                return True
+            victim = next((s for s in reversed(self._running) if id(s) not in planned and not s.done), seq)
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _step(self) -> None:
+        for seq in [*self._waiting, *self._running]:  # cancellation noticed within one step
+            if not seq.done and self._cancelled(seq):
                 self._finish(seq, "cancelled")
-                return
-            if prefill:
-                capacity = int(seq.input_ids.numel()) + seq.params.max_tokens
-                logits, seq.cache = self.model.prefill(seq.input_ids, seq.embeddings, seq.positions,
-                                                       capacity=capacity)
-                self.kv_cache_bytes += seq.cache.nbytes
-                seq.embeddings = None  # no longer needed
-            else:
-                k = len(seq.output_ids) - 1  # index of the generated token fed now
-                position = int(seq.input_ids.numel()) + k + seq.delta
-                logits = self.model.decode(seq.output_ids[-1], position, seq.cache)
-            token = sample(logits, seq.params, seq.generator)
-            self._on_token(seq, token)
-        except InvalidInput as e:
-            self._finish(seq, "error", error=str(e))
-        except Exception as e:
-            log.exception("request %s failed", seq.request_id)
-            self._finish(seq, "error", error=f"internal error: {type(e).__name__}")
+        self._update_counts()
+        budget = self.max_num_tokens
+        plan: list[tuple[_Sequence, int, int]] = []
+        planned: set[int] = set()
+        for seq in list(self._running):
+            if budget <= 0:
+                break
+            if seq.done or seq not in self._running:  # preempted meanwhile
+                continue
+            start = seq.num_computed
+            end = min(len(seq.tokens), start + budget)
+            if self._grow(seq, end, planned):
+                plan.append((seq, start, end))
+                planned.add(id(seq))
+                budget -= end - start
+        while self._waiting and budget > 0 and len(self._running) < self.max_running:
+            seq = self._waiting[0]
+            fresh = not seq.blocks
+            if fresh and seq.keys:  # reuse cached prompt blocks; at least one token is computed
+                seq.blocks = self.pool.lookup(seq.keys[:(len(seq.tokens) - 1) // self.pool.block_size])
+                seq.num_computed = len(seq.blocks) * self.pool.block_size
+            start = seq.num_computed
+            end = min(len(seq.tokens), start + budget)
+            got = self.pool.allocate(self.pool.blocks_for(end) - len(seq.blocks))
+            if got is None:  # out of blocks: it keeps waiting, first in line
+                if fresh:
+                    self.pool.release(seq.blocks)
+                    seq.blocks, seq.num_computed = [], 0
+                break
+            seq.blocks.extend(got)
+            self._waiting.popleft()
+            self._running.append(seq)
+            self._running.sort(key=lambda s: s.arrival)
+            plan.append((seq, start, end))
+            planned.add(id(seq))
+            budget -= end - start
+        self._update_counts()
+        if plan:
+            self._run(plan)
+        self._update_counts()
 
-    def _on_token(self, seq: _Sequence, token: int) -> None:
+    def _chunk(self, seq: _Sequence, start: int, end: int) -> Chunk:
+        n = seq.prompt_len
+        ids = torch.tensor(seq.tokens[start:end], dtype=torch.long)
+        h = F.embedding(ids, self.model.embed_tokens)
+        if start < n and seq.emb_index is not None:
+            idx = seq.emb_index[start:min(end, n)]
+            m = idx >= 0
+            if bool(m.any()):
+                rows = h[:idx.numel()]
+                rows[m] = seq.embeddings[idx[m]]
+        parts = []
+        if start < n:
+            parts.append(seq.positions[:, start:min(end, n)])
+        if end > n:
+            parts.append((torch.arange(max(start, n), end) + seq.delta).expand(3, -1))
+        positions = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        return Chunk(h, positions, start, self.pool.slots(seq.blocks, end), want_logits=end == len(seq.tokens))
+
+    def _run(self, plan: list[tuple[_Sequence, int, int]]) -> None:
+        try:
+            chunks = [self._chunk(seq, start, end) for seq, start, end in plan]
+            logits = self.model.forward(chunks, self.pool)
+        except Exception as e:
+            log.exception("llm forward pass failed for %d requests", len(plan))
+            for seq, _, _ in plan:
+                self._finish(seq, "error", error=f"internal error: {type(e).__name__}")
+            return
+        self.num_steps += 1
+        row = 0
+        bs = self.pool.block_size
+        for seq, start, end in plan:
+            seq.num_computed = end
+            if seq.keys:  # newly completed prompt blocks become reusable
+                for j in range(start // bs, min(end, seq.prompt_len) // bs):
+                    self.pool.register(seq.blocks[j], seq.keys[j])
+            if end != len(seq.tokens):
+                continue
+            row_logits = logits[row]
+            row += 1
+            try:
+                ctx = torch.tensor(seq.tokens) if seq.params.repetition_penalty != 1.0 else None
+                token = sample(row_logits, seq.params, seq.generator, ctx)
+                self._on_token(seq, token, row_logits if self.return_logits else None)
+            except Exception as e:
+                log.exception("request %s failed", seq.request_id)
+                self._finish(seq, "error", error=f"internal error: {type(e).__name__}")
+
+    def _on_token(self, seq: _Sequence, token: int, logits: torch.Tensor | None = None) -> None:
+        if seq.first_token_time is None:
+            seq.first_token_time = time.perf_counter()
+        seq.tokens.append(token)
         seq.output_ids.append(token)
         self.num_generated_tokens += 1
         seq.text += seq.detok.add(token)
@@ -318,11 +464,11 @@ class Engine:
                         break
             end = max(seq.sent, len(seq.text) - hold)
             text, seq.sent = seq.text[seq.sent:end], end
-            self._emit(seq, GenerationOutput([token], text))
+            self._emit(seq, GenerationOutput([token], text, logits=logits))
             return
         if stop_word_at is None:
             seq.text += seq.detok.flush()
-        self._finish(seq, reason, token_ids=[token], text_end=stop_word_at)
+        self._finish(seq, reason, token_ids=[token], text_end=stop_word_at, logits=logits)
 
     def _emit(self, seq: _Sequence, out: GenerationOutput) -> None:
         try:
@@ -338,24 +484,25 @@ class Engine:
         if seq.done:
             return
         seq.done = True
-        if seq.cache is not None:
-            self.kv_cache_bytes -= seq.cache.nbytes
-            seq.cache.free()
-            seq.cache = None
-        seq.embeddings = None
+        if seq.blocks:
+            self.pool.release(seq.blocks)
+            seq.blocks = []
+        seq.embeddings = seq.emb_index = None
+        self.num_running = sum(1 for s in self._running if not s.done)
         self.num_finished += 1
         with self._lock:
             self._ids_in_flight.discard(seq.request_id)
             self._cancel_ids.discard(seq.request_id)
 
     def _finish(self, seq: _Sequence, reason: str, token_ids: list[int] | None = None,
-                text_end: int | None = None, error: str | None = None) -> None:
+                text_end: int | None = None, error: str | None = None,
+                logits: torch.Tensor | None = None) -> None:
         if seq.done:
             return
         end = len(seq.text) if text_end is None else text_end
         text = seq.text[seq.sent:end] if reason in ("stop", "length") else ""
         seq.sent = max(seq.sent, end)
-        out = GenerationOutput(list(token_ids or []), text, reason, error)
+        out = GenerationOutput(list(token_ids or []), text, reason, error, logits)
         self._release(seq)
         try:
             seq.emit(out)
@@ -365,7 +512,8 @@ class Engine:
     def _drain(self) -> None:
         """After shutdown: every request still in flight ends with "cancelled"."""
         with self._lock:
-            pending = list(self._waiting) + list(self._running)
+            pending = list(self._incoming) + list(self._waiting) + list(self._running)
+            self._incoming.clear()
             self._waiting.clear()
             self.num_waiting = 0
         self._running = []

@@ -5,15 +5,17 @@ tokens equal Hugging Face's: RMSNorm, GQA attention with q/k/v biases, SwiGLU ML
 rotary frequencies are split by `mrope_section` over the temporal / height / width position axes.
 
 Every size, token id, eos id, rope theta and `mrope_section` comes from the checkpoint's files.
-The KV cache sits behind `KVCache` (`append`, `length`, `free`) so that a paged cache can replace
-the contiguous one later without touching the model or the engine.
+The KV cache is paged (`triton_vlm.llm.paged.KVPool`): `forward` runs one flat batch of token rows
+from many sequences (prefill chunks and decode tokens together) through every linear layer at once,
+writes each row's K/V into its slot of the pool and attends per sequence through its block table.
+The decoder layer is pluggable per family (`LAYER_TYPES`, keyed by the config's `model_type`).
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +53,11 @@ class DecoderConfig:
     image_token_id: int | None
     video_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    model_type: str = "qwen2_5_vl"
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4  # float32 K and V
 
     @classmethod
     def from_checkpoint(cls, checkpoint_dir: str | Path) -> "DecoderConfig":
@@ -93,57 +100,93 @@ class DecoderConfig:
             mrope_section=tuple(int(s) for s in section),
             max_position_embeddings=int(text["max_position_embeddings"]), tie_word_embeddings=tie,
             image_token_id=cfg.get("image_token_id"), video_token_id=cfg.get("video_token_id"),
-            eos_token_ids=tuple(dict.fromkeys(eos)),
+            eos_token_ids=tuple(dict.fromkeys(eos)), model_type=str(cfg.get("model_type", "qwen2_5_vl")),
         )
 
 
-class KVCache:
-    """Per-sequence contiguous KV cache: one [kv_heads, capacity, head_dim] pair per layer.
+@dataclass
+class Chunk:
+    """Rows of one sequence computed in a forward pass: tokens `start .. start + len(h)` of it.
 
-    The interface (`append`, `length`, `nbytes`, `free`) is what a paged cache will provide too.
-    """
-
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype = torch.float32):
-        shape = (num_layers, num_kv_heads, capacity, head_dim)
-        self.keys: torch.Tensor | None = torch.empty(shape, dtype=dtype)
-        self.values: torch.Tensor | None = torch.empty(shape, dtype=dtype)
-        self.capacity = capacity
-        self.length = 0  # tokens stored in every layer once a forward pass is complete
-        self.nbytes = 2 * self.keys.numel() * self.keys.element_size()
-
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v ([kv_heads, n, head_dim]) after `length`; return all keys and values so far."""
-        if self.keys is None:
-            raise RuntimeError("KV cache used after free()")
-        end = self.length + k.shape[1]
-        if end > self.capacity:
-            raise RuntimeError(f"KV cache full: {end} > {self.capacity}")
-        self.keys[layer, :, self.length:end] = k
-        self.values[layer, :, self.length:end] = v
-        return self.keys[layer, :, :end], self.values[layer, :, :end]
-
-    def advance(self, n: int) -> None:
-        self.length += n
-
-    def free(self) -> None:
-        self.keys = self.values = None
-        self.nbytes = 0
-
-    @property
-    def freed(self) -> bool:
-        return self.keys is None
+    `slots` holds the pool slot of every token `0 .. start + len(h)` (its block table expanded);
+    the last `len(h)` are where this pass writes K/V. `want_logits`: return the last row's logits."""
+    h: torch.Tensor           # [c, hidden] input embeddings
+    positions: torch.Tensor   # [3, c]
+    start: int
+    slots: torch.Tensor       # [start + c] long
+    want_logits: bool = True
 
 
-class _Layer:
-    __slots__ = ("ln1", "ln2", "wq", "bq", "wk", "bk", "wv", "bv", "wo", "w_gate", "w_up", "w_down")
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    variance = x.pow(2).mean(-1, keepdim=True)
+    return weight * (x * torch.rsqrt(variance + eps))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Qwen2Layer:
+    """One Qwen2 decoder layer: RMSNorm, GQA attention with q/k/v biases and rotate-half rotary,
+    SwiGLU MLP. A family with another layer (GLM-4: partial rotary, interleaved rotation, extra
+    norms) adds its own class with the same two methods to `LAYER_TYPES`."""
+
+    def __init__(self, w: Callable[[str], torch.Tensor], config: "DecoderConfig"):
+        self.c = config
+        self.ln1, self.ln2 = w("input_layernorm.weight"), w("post_attention_layernorm.weight")
+        self.wq, self.bq = w("self_attn.q_proj.weight"), w("self_attn.q_proj.bias")
+        self.wk, self.bk = w("self_attn.k_proj.weight"), w("self_attn.k_proj.bias")
+        self.wv, self.bv = w("self_attn.v_proj.weight"), w("self_attn.v_proj.bias")
+        self.wo = w("self_attn.o_proj.weight")
+        self.w_gate, self.w_up = w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")
+        self.w_down = w("mlp.down_proj.weight")
+
+    def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """h [T, hidden] -> q [T, heads, d], k, v [T, kv_heads, d], rotary applied."""
+        c, n = self.c, h.shape[0]
+        x = _rms(h, self.ln1, c.rms_norm_eps)
+        q = F.linear(x, self.wq, self.bq).view(n, c.num_heads, c.head_dim)
+        k = F.linear(x, self.wk, self.bk).view(n, c.num_kv_heads, c.head_dim)
+        v = F.linear(x, self.wv, self.bv).view(n, c.num_kv_heads, c.head_dim)
+        cos, sin = cos[:, None], sin[:, None]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+    def finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Residual of the attention output [T, heads * d], then the MLP block."""
+        h = h + F.linear(attn, self.wo)
+        x = _rms(h, self.ln2, self.c.rms_norm_eps)
+        return h + F.linear(F.silu(F.linear(x, self.w_gate)) * F.linear(x, self.w_up), self.w_down)
+
+
+def mrope_cos_sin(config: "DecoderConfig", inv_freq: torch.Tensor, positions: torch.Tensor):
+    """cos, sin [n, head_dim] from 3-D positions [3, n], frequencies split by mrope_section."""
+    freqs = positions[..., None].float() * inv_freq  # [3, n, head_dim/2]
+    cos, sin = freqs.cos(), freqs.sin()
+
+    def recompose(f: torch.Tensor) -> torch.Tensor:
+        parts = f.split(list(config.mrope_section), dim=-1)
+        f = torch.cat([m[i % 3] for i, m in enumerate(parts)], dim=-1)
+        return torch.cat((f, f), dim=-1)
+
+    return recompose(cos), recompose(sin)
+
+
+# model_type -> (layer class, rotary embedding). One entry per family; no branches in the model.
+LAYER_TYPES: dict[str, tuple[type, Callable]] = {
+    "qwen2_5_vl": (Qwen2Layer, mrope_cos_sin),
+    "qwen2_vl": (Qwen2Layer, mrope_cos_sin),
+}
 
 
 class DecoderModel:
-    """The language model of a Qwen2.5-VL checkpoint. Not thread-safe: one caller at a time."""
+    """The language model of a VLM checkpoint. Not thread-safe: one caller at a time."""
 
     def __init__(self, config: DecoderConfig, weights: dict[str, torch.Tensor]):
         self.config = c = config
+        if c.model_type not in LAYER_TYPES:
+            raise NotImplementedError(f"model_type {c.model_type!r}: no decoder layer registered")
+        layer_cls, self._rope = LAYER_TYPES[c.model_type]
         prefix = next((p for p in _DECODER_PREFIXES if p + "embed_tokens.weight" in weights), None)
         if prefix is None:
             raise ValueError("checkpoint has no embed_tokens.weight for the language model")
@@ -155,18 +198,7 @@ class DecoderModel:
         self.norm = w("norm.weight")
         head = next((weights[k] for k in _LM_HEAD_KEYS if k in weights), None)
         self.lm_head = self.embed_tokens if (c.tie_word_embeddings or head is None) else head.contiguous()
-        self.layers: list[_Layer] = []
-        for i in range(c.num_layers):
-            p = f"layers.{i}."
-            L = _Layer()
-            L.ln1, L.ln2 = w(p + "input_layernorm.weight"), w(p + "post_attention_layernorm.weight")
-            L.wq, L.bq = w(p + "self_attn.q_proj.weight"), w(p + "self_attn.q_proj.bias")
-            L.wk, L.bk = w(p + "self_attn.k_proj.weight"), w(p + "self_attn.k_proj.bias")
-            L.wv, L.bv = w(p + "self_attn.v_proj.weight"), w(p + "self_attn.v_proj.bias")
-            L.wo = w(p + "self_attn.o_proj.weight")
-            L.w_gate, L.w_up = w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")
-            L.w_down = w(p + "mlp.down_proj.weight")
-            self.layers.append(L)
+        self.layers = [layer_cls(lambda name, i=i: w(f"layers.{i}.{name}"), c) for i in range(c.num_layers)]
         self.inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float) / c.head_dim))
         self.mm_token_ids = [t for t in (c.image_token_id, c.video_token_id) if t is not None]
 
@@ -177,67 +209,21 @@ class DecoderModel:
         weights = read_safetensors(root, lambda k: None if ("visual" in k or "vision" in k or k.startswith("mlp1")) else k)
         return cls(config, weights)
 
-    # ---- cache ---------------------------------------------------------------------------------
-    def new_cache(self, capacity: int) -> KVCache:
-        c = self.config
-        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity)
-
-    # ---- pieces --------------------------------------------------------------------------------
-    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        variance = x.pow(2).mean(-1, keepdim=True)
-        return weight * (x * torch.rsqrt(variance + self.config.rms_norm_eps))
-
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [n, head_dim] from 3-D positions [3, n], frequencies split by mrope_section."""
-        freqs = positions[..., None].float() * self.inv_freq  # [3, n, head_dim/2]
-        cos, sin = freqs.cos(), freqs.sin()
+        return self._rope(self.config, self.inv_freq, positions)
 
-        def recompose(f: torch.Tensor) -> torch.Tensor:
-            parts = f.split(list(self.config.mrope_section), dim=-1)
-            f = torch.cat([m[i % 3] for i, m in enumerate(parts)], dim=-1)
-            return torch.cat((f, f), dim=-1)
+    # ---- inputs --------------------------------------------------------------------------------
+    def placeholder_mask(self, ids: torch.Tensor) -> torch.Tensor:
+        mask = torch.zeros_like(ids, dtype=torch.bool)
+        for t in self.mm_token_ids:
+            mask |= ids == t
+        return mask
 
-        return recompose(cos), recompose(sin)
-
-    @staticmethod
-    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-    def _forward(self, h: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """h [n, hidden] for positions [3, n] after the cache's contents; returns final-normed hidden."""
-        c = self.config
-        n = h.shape[0]
-        cos, sin = self.rope(positions)
-        causal = cache.length == 0 and n > 1
-        if cache.length > 0 and n > 1:
-            raise NotImplementedError("chunked prefill onto a non-empty cache")
-        for i, L in enumerate(self.layers):
-            x = self._rms(h, L.ln1)
-            q = F.linear(x, L.wq, L.bq).view(n, c.num_heads, c.head_dim).transpose(0, 1)
-            k = F.linear(x, L.wk, L.bk).view(n, c.num_kv_heads, c.head_dim).transpose(0, 1)
-            v = F.linear(x, L.wv, L.bv).view(n, c.num_kv_heads, c.head_dim).transpose(0, 1)
-            q = q * cos + self._rotate_half(q) * sin
-            k = k * cos + self._rotate_half(k) * sin
-            keys, values = cache.append(i, k, v)
-            attn = F.scaled_dot_product_attention(
-                q[None], keys[None], values[None], is_causal=causal, scale=c.head_dim ** -0.5,
-                enable_gqa=c.num_kv_heads != c.num_heads)
-            attn = attn[0].transpose(0, 1).reshape(n, c.num_heads * c.head_dim)
-            h = h + F.linear(attn, L.wo)
-            x = self._rms(h, L.ln2)
-            h = h + F.linear(F.silu(F.linear(x, L.w_gate)) * F.linear(x, L.w_up), L.w_down)
-        cache.advance(n)
-        return self._rms(h, self.norm)
-
-    # ---- public --------------------------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor, embeddings: torch.Tensor | None) -> torch.Tensor:
         """Token embeddings with the image/video placeholder rows replaced by `embeddings` in order."""
         ids = input_ids.reshape(-1).long()
         h = F.embedding(ids, self.embed_tokens)
-        mask = torch.zeros_like(ids, dtype=torch.bool)
-        for t in self.mm_token_ids:
-            mask |= ids == t
+        mask = self.placeholder_mask(ids)
         n_placeholders = int(mask.sum())
         n_rows = 0 if embeddings is None else int(embeddings.shape[0])
         if n_rows != n_placeholders:
@@ -250,28 +236,80 @@ class DecoderModel:
             h[mask] = embeddings.to(h.dtype)
         return h
 
+    # ---- the batched pass ----------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, input_ids: torch.Tensor, embeddings: torch.Tensor | None, positions: torch.Tensor,
-                cache: KVCache | None = None, capacity: int | None = None) -> tuple[torch.Tensor, KVCache]:
-        """Run the prompt; return the last position's logits [vocab] and the filled cache."""
+    def forward(self, chunks: list[Chunk], pool) -> torch.Tensor:
+        """One pass over every chunk's rows: each linear layer runs once on all rows; attention runs
+        per sequence against its own keys (decode rows together as one padded, masked SDPA; each
+        prefill chunk causally against its cached prefix). Returns logits [chunks wanting them, vocab]."""
+        c = self.config
+        h = torch.cat([ch.h for ch in chunks]) if len(chunks) > 1 else chunks[0].h
+        positions = torch.cat([ch.positions for ch in chunks], dim=1) if len(chunks) > 1 else chunks[0].positions
+        cos, sin = self.rope(positions)
+        T = h.shape[0]
+        new_slots = torch.cat([ch.slots[ch.start:] for ch in chunks])
+        # row layout: decode rows (one token, some context) attend in one padded batch
+        offsets, row = [], 0
+        for ch in chunks:
+            offsets.append(row)
+            row += ch.h.shape[0]
+        dec = [i for i, ch in enumerate(chunks) if ch.h.shape[0] == 1]
+        pre = [i for i, ch in enumerate(chunks) if ch.h.shape[0] > 1]
+        if dec:
+            dec_rows = torch.tensor([offsets[i] for i in dec])
+            lengths = torch.tensor([chunks[i].slots.numel() for i in dec])
+            lmax = int(lengths.max())
+            dec_idx = torch.zeros(len(dec), lmax, dtype=torch.long)
+            for j, i in enumerate(dec):
+                dec_idx[j, :chunks[i].slots.numel()] = chunks[i].slots
+            dec_mask = (torch.arange(lmax)[None, :] < lengths[:, None])[:, None, None, :]
+        pre_masks = {}
+        for i in pre:
+            ch = chunks[i]
+            n, L = ch.h.shape[0], ch.slots.numel()
+            if ch.start:
+                pre_masks[i] = torch.arange(L)[None, :] <= (ch.start + torch.arange(n))[:, None]
+        scale = c.head_dim ** -0.5
+        gqa = c.num_kv_heads != c.num_heads
+        for li, layer in enumerate(self.layers):
+            q, k, v = layer.qkv(h, cos, sin)
+            kp, vp = pool.k[li], pool.v[li]
+            kp.index_copy_(0, new_slots, k)
+            vp.index_copy_(0, new_slots, v)
+            attn = torch.empty(T, c.num_heads, c.head_dim)
+            if dec:
+                qd = q.index_select(0, dec_rows)[:, :, None]                     # [B, H, 1, d]
+                kd = kp[dec_idx].transpose(1, 2)                                   # [B, KVH, L, d]
+                vd = vp[dec_idx].transpose(1, 2)
+                out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=dec_mask, scale=scale, enable_gqa=gqa)
+                attn.index_copy_(0, dec_rows, out[:, :, 0])
+            for i in pre:
+                ch = chunks[i]
+                a, n = offsets[i], ch.h.shape[0]
+                if ch.start:
+                    keys, values = kp[ch.slots].transpose(0, 1), vp[ch.slots].transpose(0, 1)
+                else:
+                    keys, values = k[a:a + n].transpose(0, 1), v[a:a + n].transpose(0, 1)
+                out = F.scaled_dot_product_attention(
+                    q[a:a + n].transpose(0, 1)[None], keys[None], values[None], attn_mask=pre_masks.get(i),
+                    is_causal=not ch.start, scale=scale, enable_gqa=gqa)
+                attn[a:a + n] = out[0].transpose(0, 1)
+            h = layer.finish(h, attn.view(T, c.num_heads * c.head_dim))
+        last = torch.tensor([offsets[i] + ch.h.shape[0] - 1 for i, ch in enumerate(chunks) if ch.want_logits],
+                            dtype=torch.long)
+        if last.numel() == 0:
+            return torch.empty(0, c.vocab_size)
+        return F.linear(_rms(h.index_select(0, last), self.norm, c.rms_norm_eps), self.lm_head)
+
+    def prompt_logits(self, input_ids: torch.Tensor, embeddings: torch.Tensor | None,
+                      positions: torch.Tensor) -> torch.Tensor:
+        """The last prompt position's logits [vocab] through a scratch pool (tests, tools)."""
+        from triton_vlm.llm.paged import KVPool
+
         h = self.embed(input_ids, embeddings)
         n = h.shape[0]
         positions = torch.as_tensor(positions).long().reshape(3, -1)
         if positions.shape[1] != n:
             raise InvalidInput(f"mrope_position_ids: shape [3, {positions.shape[1]}], expected [3, {n}]")
-        if cache is None:
-            cache = self.new_cache(capacity or n)
-        try:
-            out = self._forward(h, positions, cache)
-        except BaseException:
-            cache.free()
-            raise
-        return F.linear(out[-1], self.lm_head), cache
-
-    @torch.inference_mode()
-    def decode(self, token_id: int, position: int, cache: KVCache) -> torch.Tensor:
-        """One new token at the same position on all three axes; returns its logits [vocab]."""
-        h = F.embedding(torch.tensor([int(token_id)]), self.embed_tokens)
-        positions = torch.full((3, 1), int(position), dtype=torch.long)
-        out = self._forward(h, positions, cache)
-        return F.linear(out[-1], self.lm_head)
+        pool = KVPool.for_model(self.config, num_tokens=n, block_size=16)
+        return self.forward([Chunk(h, positions, 0, torch.arange(n))], pool)[0]

@@ -29,6 +29,7 @@ class SamplingParams:
     top_k: int = 0            # 0: off
     seed: int | None = None   # uint64; None: a random seed per request
     stop_words: list[str] = field(default_factory=list)
+    repetition_penalty: float = 1.0  # > 0; 1: off (as Hugging Face: over prompt and generated ids)
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -54,6 +55,10 @@ class SamplingParams:
             if not isinstance(w, str) or not w:
                 raise InvalidInput(f"stop_words[{i}]: must be a non-empty string, got {w!r}")
         self.stop_words = words
+        if isinstance(self.repetition_penalty, bool) or not isinstance(self.repetition_penalty, (int, float)) \
+                or not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise InvalidInput(f"repetition_penalty: must be > 0, got {self.repetition_penalty}")
+        self.repetition_penalty = float(self.repetition_penalty)
 
     @property
     def greedy(self) -> bool:
@@ -62,7 +67,7 @@ class SamplingParams:
     @classmethod
     def from_inputs(cls, inputs: Mapping[str, Any]) -> "SamplingParams":
         """From Triton-style inputs (`max_tokens`, `temperature`, `top_p`, `top_k`, `seed`,
-        `stop_words`), each a scalar, a list or a numpy array of shape [1] (stop_words [-1] BYTES),
+        `repetition_penalty`, `stop_words`), each a scalar, a list or a numpy array of shape [1] (stop_words [-1] BYTES),
         or absent / None for the default."""
 
         def scalar(name: str, kind):
@@ -89,7 +94,8 @@ class SamplingParams:
         if max_tokens is None:
             raise InvalidInput("max_tokens: required")
         kwargs: dict[str, Any] = {"max_tokens": max_tokens}
-        for name, kind in (("temperature", float), ("top_p", float), ("top_k", int), ("seed", int)):
+        for name, kind in (("temperature", float), ("top_p", float), ("top_k", int), ("seed", int),
+                           ("repetition_penalty", float)):
             value = scalar(name, kind)
             if value is not None:
                 kwargs[name] = value
@@ -118,9 +124,16 @@ def make_generator(seed: int | None) -> torch.Generator:
     return gen
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """One token id from logits [vocab] (float32)."""
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+           context_ids: torch.Tensor | None = None) -> int:
+    """One token id from logits [vocab] (float32); `context_ids` (prompt and generated ids) feed the
+    repetition penalty, applied first as transformers' `RepetitionPenaltyLogitsProcessor` does."""
     scores = logits.reshape(1, -1).float()
+    if params.repetition_penalty != 1.0 and context_ids is not None and context_ids.numel():
+        ids = context_ids.reshape(1, -1).long()
+        score = torch.gather(scores, 1, ids)
+        score = torch.where(score < 0, score * params.repetition_penalty, score / params.repetition_penalty)
+        scores = scores.scatter(1, ids, score)
     if params.greedy:
         return int(scores.argmax(dim=-1))
     if params.temperature != 1.0:
