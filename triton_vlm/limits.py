@@ -1,10 +1,13 @@
-"""Per-request resource limits of the `preprocess` step.
+"""Per-request resource limits of the `preprocess` step: the one place they are set.
 
-A request that breaches one fails alone with `InvalidInput`, whose message names the input and
-the limit (`videos[0]: 9000 frames exceed max_frames=768`).
+A request that breaches one fails alone with `InvalidInput` (Triton INVALID_ARG), whose message
+names the input and the limit (`videos[0]: 9000 frames exceed max_frames=768`). Every field is a
+build option (`triton-vlm build --max-item-bytes N ...`, `BuildOptions.limits`), written into the
+`preprocess` model's config parameters and read back by `PreprocessModel.initialize`.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -12,7 +15,10 @@ from dataclasses import dataclass
 class Limits:
     # Encoded size of one media item after base64 / data: URL decoding.
     max_item_bytes: int = 64 * 1024 * 1024
-    # Pixels of one decoded image or video frame, checked from the header before decoding.
+    # Encoded size of all media items of one request together.
+    max_request_bytes: int = 256 * 1024 * 1024
+    # Pixels of one decoded image or video frame, checked from the header before decoding
+    # (decompression bombs).
     max_image_pixels: int = 8192 * 8192
     # Frames sampled (decoded and kept) from one video: HF Qwen2-VL's own max_frames.
     max_video_frames: int = 768
@@ -22,6 +28,25 @@ class Limits:
     max_media_items: int = 16
     # max(h, w) / min(h, w) of an image or frame (the vision tower's own bound).
     max_aspect_ratio: float = 200.0
+    # Prompt tokens after every placeholder is expanded to its media item's tokens.
+    max_prompt_tokens: int = 32768
+
+    def to_params(self) -> dict[str, str]:
+        """The limits as model config parameters (string values)."""
+        return {f.name: repr(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_params(cls, params: dict[str, str]) -> "Limits":
+        """Limits from model config parameters; keys that are not limits are ignored."""
+        values = {}
+        for f in dataclasses.fields(cls):
+            if f.name in params:
+                kind = float if f.type in ("float", float) else int
+                value = kind(params[f.name])
+                if not value > 0:
+                    raise ValueError(f"{f.name} must be positive, got {params[f.name]!r}")
+                values[f.name] = value
+        return cls(**values)
 
 
 DEFAULT_LIMITS = Limits()

@@ -163,7 +163,10 @@ def _open_container(data: bytes, name: str):
     return container
 
 
-def _stream_fps(stream, container, frames: int) -> float:
+def _stream_fps(stream, container, frames: int, timestamps: list[int] | None = None) -> float:
+    """The stream's frame rate: its average (else guessed) rate as transformers' pyav loader reads
+    it; where the container has none (missing or 0), derived from the frame timestamps, then from
+    the duration. Never zero, never a division by zero."""
     for rate in (stream.average_rate, stream.guessed_rate):
         try:
             value = float(rate) if rate is not None else 0.0
@@ -171,6 +174,10 @@ def _stream_fps(stream, container, frames: int) -> float:
             value = 0.0
         if value > 0 and math.isfinite(value):
             return value
+    if timestamps and len(timestamps) > 1 and stream.time_base:
+        span = (max(timestamps) - min(timestamps)) * float(stream.time_base)
+        if span > 0 and math.isfinite(span):
+            return (len(timestamps) - 1) / span
     duration = 0.0
     if stream.duration and stream.time_base:
         duration = float(stream.duration * stream.time_base)
@@ -181,20 +188,55 @@ def _stream_fps(stream, container, frames: int) -> float:
     return _FALLBACK_FPS
 
 
+def _demux(data: bytes, name: str, limits: Limits):
+    """(stream facts, packets with a payload in decode order): reads the container, decodes nothing."""
+    container = _open_container(data, name)
+    try:
+        stream = container.streams.video[0]
+        width, height = stream.codec_context.width, stream.codec_context.height
+        _check_frame_size(width, height, name, limits, "video frame")
+        packets = []
+        for packet in container.demux(stream):
+            if packet.size:
+                packets.append(packet)
+                if len(packets) > limits.max_video_source_frames:
+                    raise InvalidInput(f"{name}: more than max_video_source_frames="
+                                       f"{limits.max_video_source_frames} frames")
+        timestamps = [p.pts for p in packets if p.pts is not None]
+        fps = _stream_fps(stream, container, int(stream.frames or 0) or len(packets), timestamps)
+        facts = dict(width=width, height=height, header_frames=int(stream.frames or 0), fps=fps,
+                     codec=stream.codec_context.name, extradata=bytes(stream.codec_context.extradata or b""))
+    finally:
+        container.close()
+    return facts, packets
+
+
 def decode_video(data: bytes, name: str, sampler: Sampler | None = None,
                  limits: Limits = DEFAULT_LIMITS) -> tuple[np.ndarray, VideoMetadata]:
     """Decode the frames `sampler` keeps: uint8 [T, H, W, 3] and the file's metadata with
-    `frames_indices` set. The default sampler is Qwen2-VL's rule at 2 fps."""
+    `frames_indices` set. The default sampler is Qwen2-VL's rule at 2 fps.
+
+    Frames are counted and sampled as transformers' pyav loader does (the header's frame count,
+    frame i = the i-th decoded frame, pixels as stored: like that loader, rotation metadata is
+    not applied). H.264 takes a fast path that feeds the decoder only the packets the kept frames
+    need (whole GOPs without a kept frame and non-reference frames not kept are skipped); anything
+    it cannot vouch for falls back to decoding every frame up to the last kept one.
+    """
     if sampler is None:
         from triton_vlm.families.qwen2_5_vl import make_sampler
         sampler = make_sampler()
     try:
+        facts, packets = _demux(data, name, limits)
+        width, height, fps = facts["width"], facts["height"], facts["fps"]
+        fast = _h264_plan(facts, packets)
+        if fast is not None:
+            result = _decode_planned(fast, packets, data, width, height, fps, name, sampler, limits)
+            if result is not None:
+                return result
         container = _open_container(data, name)
         try:
             stream = container.streams.video[0]
-            width, height = stream.codec_context.width, stream.codec_context.height
-            _check_frame_size(width, height, name, limits, "video frame")
-            total = int(stream.frames or 0)
+            total = facts["header_frames"]
             if total <= 0:  # container without a frame count: count by decoding
                 total = 0
                 for _ in container.decode(stream):
@@ -204,7 +246,6 @@ def decode_video(data: bytes, name: str, sampler: Sampler | None = None,
                 container.close()
                 container = _open_container(data, name)
                 stream = container.streams.video[0]
-            fps = _stream_fps(stream, container, total)
             meta, frames, decoded = _decode_sampled(container, stream, total, fps, width, height,
                                                     name, sampler, limits)
         finally:
@@ -227,11 +268,108 @@ def decode_video(data: bytes, name: str, sampler: Sampler | None = None,
     return frames, meta
 
 
-def _decode_sampled(container, stream, total, fps, width, height, name, sampler, limits):
-    """Decode up to the last sampled frame, converting only the sampled ones to RGB.
+def _h264_nal_info(payload: bytes, length_size: int) -> tuple[bool, bool] | None:
+    """(is IDR, is a reference picture) of one AVCC (length-prefixed) H.264 access unit; None when
+    it does not parse."""
+    pos, n, vcl, idr, ref = 0, len(payload), False, False, False
+    while pos + length_size <= n:
+        size = int.from_bytes(payload[pos:pos + length_size], "big")
+        pos += length_size
+        if size <= 0 or pos + size > n:
+            return None
+        header = payload[pos]
+        nal_type, ref_idc = header & 0x1F, (header >> 5) & 3
+        if 1 <= nal_type <= 5:
+            vcl = True
+            idr |= nal_type == 5
+            ref |= ref_idc != 0
+        pos += size
+    if pos != n or not vcl:
+        return None
+    return idr, ref
 
-    Returns (metadata, frames, frames decoded); frames decoded < total means the stream ended early.
-    """
+
+def _h264_plan(facts: dict, packets: list):
+    """Per packet (decode order): (pts, is IDR, is reference), when the stream is AVCC H.264 whose
+    packets map one to one onto the header's frames with distinct timestamps; else None."""
+    extradata = facts["extradata"]
+    if facts["codec"] != "h264" or len(extradata) < 7 or extradata[0] != 1:
+        return None
+    if not packets or facts["header_frames"] != len(packets):
+        return None
+    length_size = (extradata[4] & 3) + 1
+    plan = []
+    for packet in packets:
+        if packet.pts is None:
+            return None
+        info = _h264_nal_info(bytes(packet), length_size)
+        if info is None:
+            return None
+        plan.append((int(packet.pts), *info))
+    if len({pts for pts, _, _ in plan}) != len(plan) or not plan[0][1]:
+        return None
+    return plan
+
+
+def _decode_planned(plan, packets, data, width, height, fps, name, sampler, limits):
+    """Decode only what the sampled frames need; None when the result cannot be vouched for."""
+    total = len(plan)
+    meta, indices = _sample(total, fps, width, height, name, sampler, limits)
+    order = sorted(pts for pts, _, _ in plan)
+    slot = {order[int(i)]: k for k, i in enumerate(indices)}  # pts of a kept frame -> output row
+    # GOPs (IDR to IDR, decode order) holding a kept frame; in them, every reference picture and
+    # the kept frames themselves.
+    needed = [False] * total
+    gop_start, gop_has_kept = 0, False
+    for j in range(total + 1):
+        if j == total or (plan[j][1] and j > gop_start):
+            if gop_has_kept:
+                for q in range(gop_start, j):
+                    needed[q] = plan[q][2] or plan[q][0] in slot
+            gop_start, gop_has_kept = j, False
+        if j < total:
+            gop_has_kept |= plan[j][0] in slot
+    import av
+
+    container = av.open(io.BytesIO(data), mode="r")  # fresh decoder with the stream's parameters
+    try:
+        stream = container.streams.video[0]
+        stream.thread_type = "AUTO"
+        codec = stream.codec_context
+        out = np.empty((indices.size, height, width, 3), dtype=np.uint8)
+        filled, last_pts = 0, None
+
+        def take(frame) -> bool:
+            nonlocal filled, last_pts
+            if frame.pts is None or (last_pts is not None and frame.pts <= last_pts):
+                return False
+            last_pts = frame.pts
+            k = slot.get(frame.pts)
+            if k is not None:
+                if frame.width != width or frame.height != height:
+                    out[k] = frame.to_ndarray(format="rgb24", width=width, height=height)
+                else:
+                    out[k] = frame.to_ndarray(format="rgb24")
+                filled += 1
+            return True
+
+        last_needed = max(j for j in range(total) if plan[j][0] in slot)  # references come before
+        for j in range(last_needed + 1):
+            if needed[j]:
+                for frame in codec.decode(packets[j]):
+                    if not take(frame):
+                        return None
+        for frame in codec.decode(None):
+            if not take(frame):
+                return None
+    finally:
+        container.close()
+    if filled != indices.size:
+        return None
+    return out, meta
+
+
+def _sample(total, fps, width, height, name, sampler, limits):
     if total <= 0:
         raise InvalidInput(f"{name}: video has no decodable frames")
     if total > limits.max_video_source_frames:
@@ -247,6 +385,15 @@ def _decode_sampled(container, stream, total, fps, width, height, name, sampler,
     if indices.size > limits.max_video_frames:
         raise InvalidInput(f"{name}: {indices.size} frames exceed max_frames={limits.max_video_frames}")
     meta.frames_indices = indices
+    return meta, indices
+
+
+def _decode_sampled(container, stream, total, fps, width, height, name, sampler, limits):
+    """Decode up to the last sampled frame, converting only the sampled ones to RGB.
+
+    Returns (metadata, frames, frames decoded); frames decoded < total means the stream ended early.
+    """
+    meta, indices = _sample(total, fps, width, height, name, sampler, limits)
     stream.thread_type = "AUTO"
     out = np.empty((indices.size, height, width, 3), dtype=np.uint8)
     last, k, i = int(indices[-1]), 0, -1
