@@ -220,3 +220,61 @@ def test_invalid_inputs(encoder, settings):
     for px, g, name in cases:
         with pytest.raises(InvalidInput, match=name):
             encoder.encode(px, g)
+
+
+# ---------------------------------------------------------------------------------------------
+# fullatt_block_indexes, the GPU path's pure parts, the generated encoder configs
+# ---------------------------------------------------------------------------------------------
+
+def test_fullatt_blocks_are_full_attention_and_matter(checkpoint, settings, reference, encoder):
+    """Blocks 1 and 3 attend over the whole frame: the ONNX output matches HF, and a tower that
+    ran those blocks with window attention instead would not (so the parity tests see them)."""
+    assert settings["fullatt_block_indexes"] == [1, 3]
+    px, grid, ref = reference("640x480")  # 30 windows: window and full attention differ
+    assert rel_err(encoder.encode(px, grid), ref) < 1e-4
+    tower = q.load_tower(checkpoint)
+    tower.full_blocks = set()
+    md = q.encoder_metadata(grid, settings)
+    with torch.no_grad():
+        windowed = tower(torch.from_numpy(px), *[torch.from_numpy(md[k]) for k in q.METADATA_INPUTS]).numpy()
+    assert rel_err(windowed, ref) > 1e-3  # 10x the parity tolerance (random tiny weights: ~4e-3)
+
+
+def test_tensorrt_module_imports_without_tensorrt_and_profiles_cover_the_inputs(settings):
+    from triton_vlm.vision import tensorrt_engine as trt_engine
+
+    shapes = trt_engine.profile_shapes(settings, trt_engine.EngineProfile(4, 1024, 4096))
+    assert set(shapes) == set(q.INPUT_NAMES)
+    for name, (lo, mid, hi) in shapes.items():
+        assert all(a <= b <= c for a, b, c in zip(lo, mid, hi)), name
+    # The largest metadata of any grid within max patches fits the profile.
+    for grid in ([[1, 64, 64]], [[16, 16, 16]], [[1, 2, 2]] * 1024, [[1, 34, 46]]):
+        md = q.encoder_metadata(np.array(grid), settings)
+        for name, value in md.items():
+            assert all(v <= h for v, h in zip(value.shape, shapes[name][2])), (grid, name)
+    with pytest.raises(ValueError):
+        trt_engine.EngineProfile(8, 4, 16)
+
+
+def test_encoder_configs_cpu_and_gpu(checkpoint):
+    import json
+
+    from triton_vlm.families import detect_family
+    from triton_vlm.repository import BuildOptions, check_ensemble, model_configs
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    for device in ("cpu", "gpu"):
+        options = BuildOptions(device=device, encoder_max_queue_delay_us=1234, encoder_cache_bytes=1 << 20,
+                               encoder_instances=2)
+        configs = model_configs(detect_family(checkpoint), config, options)
+        check_ensemble(configs)
+        front, batch = configs["vision_encoder"], configs["vision_encoder_batch"]
+        assert front.max_batch_size == 0 and [list(t.dims) for t in front.input][1] == [-1, 3]
+        assert batch.max_batch_size == options.encoder_max_batch_patches
+        assert batch.dynamic_batching.max_queue_delay_microseconds == 1234
+        assert [t.name for t in batch.input] == ["pixel_values", "patch_grid"] and list(batch.input[1].dims) == [3]
+        assert batch.parameters["cache_bytes"].string_value == str(1 << 20)
+        assert batch.instance_group[0].count == 2
+        gpu = device == "gpu"
+        assert ("engine_file" in batch.parameters) == gpu
+        assert (batch.instance_group[0].kind == batch.instance_group[0].KIND_GPU) == gpu

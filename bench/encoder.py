@@ -1,0 +1,103 @@
+"""Vision encoder benchmark (issue #4): ONNX Runtime vs Hugging Face eager PyTorch, CPU, one run.
+
+    .venv/bin/python bench/encoder.py [--repeats 5] [--threads 0]
+
+Writes the `small` Qwen2.5-VL demo checkpoint (random weights) to a temporary folder, exports its
+vision tower to ONNX (float32), and times, on the same inputs, interleaved (the two alternate, and
+which goes first alternates too, so machine noise hits both alike):
+
+- HF: `model.model.visual(pixel_values, grid_thw=...)` of `AutoModelForImageTextToText` (float32,
+  eager PyTorch, its default attention implementation), under `torch.no_grad()`;
+- ORT: `triton_vlm.vision.encoder.VisionEncoder.encode` (host metadata included), graph
+  optimisations on, intra-op threads = `--threads` (0: every usable core, as the server does for
+  one instance); torch uses the same number of threads.
+
+Inputs come from the checkpoint's own Hugging Face processor: 1, 4 and 16 distinct 448x448 images
+and one 1280x720 image. Prints the median seconds of each, the ratio HF / ORT and the relative
+error of ORT against HF (max |ORT - HF| / max |HF|).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=0)
+    args = p.parse_args()
+
+    import numpy as np
+    import onnxruntime
+    import torch
+    import transformers
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from triton_vlm import samples
+    from triton_vlm.checkpoint import write_demo_checkpoint
+    from triton_vlm.vision.encoder import VisionEncoder, default_threads
+    from triton_vlm.vision.export import export_onnx
+
+    threads = args.threads or default_threads(1)
+    torch.set_num_threads(threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = write_demo_checkpoint("qwen2_5_vl", Path(tmp) / "small", "small")
+        onnx_path = export_onnx(checkpoint, Path(tmp) / "encoder.onnx", dtype="float32")
+        processor = AutoProcessor.from_pretrained(checkpoint)
+        model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32).eval()
+        tower = model.model.visual
+        encoder = VisionEncoder(onnx_path, intra_op_threads=threads)
+        print(f"small checkpoint: vision depth {model.config.vision_config.depth}, hidden "
+              f"{model.config.vision_config.hidden_size}, {sum(p.numel() for p in tower.parameters()) / 1e6:.1f} M "
+              f"tower parameters; torch {torch.__version__}, transformers {transformers.__version__}, onnxruntime "
+              f"{onnxruntime.__version__}; {threads} threads each; median of {args.repeats}, interleaved")
+
+        def inputs(sizes):
+            images = [Image.open(__import__("io").BytesIO(samples.image_bytes(w, h, seed=float(i)))).convert("RGB")
+                      for i, (w, h) in enumerate(sizes)]
+            out = processor.image_processor(images=images, return_tensors="pt")
+            return out["pixel_values"], out["image_grid_thw"]
+
+        cases = {"1 x 448x448": [(448, 448)], "4 x 448x448": [(448, 448)] * 4,
+                 "16 x 448x448": [(448, 448)] * 16, "1 x 1280x720": [(1280, 720)]}
+        print(f"{'case':<14} {'patches':>8} {'HF eager s':>11} {'ORT s':>8} {'HF/ORT':>7} {'rel err':>9}")
+        ratios = []
+        for name, sizes in cases.items():
+            pixels, grid = inputs(sizes)
+            px_np, grid_np = pixels.numpy(), grid.numpy()
+
+            def hf():
+                with torch.no_grad():
+                    return tower(pixels, grid_thw=grid).pooler_output.numpy()
+
+            def ort():
+                return encoder.encode(px_np, grid_np)
+
+            ref, ours = hf(), ort()  # warm-up (and the accuracy check)
+            err = float(np.abs(ours.astype(np.float64) - ref).max() / np.abs(ref).max())
+            times = {"hf": [], "ort": []}
+            for r in range(args.repeats):
+                for which in (("hf", "ort") if r % 2 == 0 else ("ort", "hf")):
+                    start = time.perf_counter()
+                    (hf if which == "hf" else ort)()
+                    times[which].append(time.perf_counter() - start)
+            t_hf, t_ort = statistics.median(times["hf"]), statistics.median(times["ort"])
+            ratios.append(t_hf / t_ort)
+            print(f"{name:<14} {int(grid_np.prod(1).sum()):>8} {t_hf:>11.3f} {t_ort:>8.3f} {t_hf / t_ort:>6.2f}x {err:>9.1e}",
+                  flush=True)
+        print(f"geometric mean HF/ORT: {float(np.exp(np.mean(np.log(ratios)))):.2f}x (goal >= 1.5x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

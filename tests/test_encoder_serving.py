@@ -1,0 +1,139 @@
+"""The served vision encoder (issue #4): dynamic batching across requests and the embedding cache,
+through a real tritonserver, checked against the Hugging Face vision tower in the same run.
+
+The session `server` (default build options) shows the cache through the whole ensemble; a
+second, encoder-only server (this module's, cache off, a 1 s batching window) shows several
+requests' items in one execution, each request getting its own rows back.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import threading
+import urllib.request
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from triton_vlm import samples
+from triton_vlm.client import generate
+from triton_vlm.families.qwen2_5_vl import QWEN2_5_VL
+
+
+def metric(server, name: str, model: str) -> float:
+    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    found = re.search(rf'^{name}{{[^}}]*model="{model}"[^}}]*}} ([0-9.e+-]+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def encode(server, pixels: np.ndarray, grid: np.ndarray) -> np.ndarray:
+    inputs = [grpcclient.InferInput("pixel_values", list(pixels.shape), "FP32"),
+              grpcclient.InferInput("grid_thw", list(grid.shape), "INT64")]
+    inputs[0].set_data_from_numpy(pixels)
+    inputs[1].set_data_from_numpy(grid)
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        return client.infer("vision_encoder", inputs).as_numpy("embeddings")
+
+
+def rel_err(out, ref) -> float:
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    return float(np.abs(out.astype(np.float64) - ref).max() / np.abs(ref).max())
+
+
+def chat(text: str) -> str:
+    return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_two_concurrent_requests_with_the_same_image_encode_it_once(server, hf):
+    image = samples.image_bytes(320, 240, seed=41.0)  # used by no other test: not cached yet
+    prompt = chat(QWEN2_5_VL.image_placeholder + "What is this?")
+    before = {k: metric(server, f"triton_vlm_encoder_cache_{k}", "vision_encoder_batch") for k in ("hits", "misses")}
+    answers = {}
+    threads = [threading.Thread(target=lambda i=i: answers.__setitem__(
+        i, generate(server.grpc_url, prompt, [image], [], max_tokens=4).output_ids)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    after = {k: metric(server, f"triton_vlm_encoder_cache_{k}", "vision_encoder_batch") for k in ("hits", "misses")}
+    assert after["misses"] - before["misses"] == 1  # computed once ...
+    assert after["hits"] - before["hits"] == 1      # ... and served twice
+    inputs = hf.inputs(prompt, [image])
+    assert answers[0] == answers[1] == hf.generate(inputs, 4)
+
+
+def test_cache_hit_is_bit_identical_and_equals_hf(server, hf):
+    inputs = hf.inputs(chat(QWEN2_5_VL.image_placeholder), [samples.image_bytes(250, 330, seed=42.0)])
+    pixels, grid = inputs["pixel_values"].numpy(), inputs["image_grid_thw"].numpy()
+    hits = metric(server, "triton_vlm_encoder_cache_hits", "vision_encoder_batch")
+    first = encode(server, pixels, grid)
+    second = encode(server, pixels, grid)
+    assert metric(server, "triton_vlm_encoder_cache_hits", "vision_encoder_batch") - hits == 1
+    assert second.tobytes() == first.tobytes()
+    assert rel_err(first, hf.vision(pixels, grid)) <= 1e-4
+    # One pixel changed by one ulp is another item: computed, not served from the cache.
+    misses = metric(server, "triton_vlm_encoder_cache_misses", "vision_encoder_batch")
+    changed = pixels.copy()
+    changed[0, 0] = np.nextafter(changed[0, 0], np.float32(np.inf))
+    encode(server, changed, grid)
+    assert metric(server, "triton_vlm_encoder_cache_misses", "vision_encoder_batch") - misses == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoder-only server: cache off, long batching window
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def batching_server(tiny_repo, tiny_checkpoint, tmp_path_factory):
+    import json
+
+    from triton_vlm.families import detect_family
+    from triton_vlm.repository import BuildOptions, model_configs, write_config
+    from triton_vlm.server import TritonServer
+
+    repo = tmp_path_factory.mktemp("encoder_only") / "repository"
+    for name in ("vision_encoder", "vision_encoder_batch"):
+        shutil.copytree(tiny_repo / name, repo / name)
+    options = BuildOptions(encoder_max_queue_delay_us=1_000_000, encoder_cache_bytes=0)
+    configs = model_configs(detect_family(tiny_checkpoint), json.loads((tiny_checkpoint / "config.json").read_text()),
+                            options)
+    write_config(configs["vision_encoder_batch"], repo / "vision_encoder_batch" / "config.pbtxt")
+    with TritonServer(repo, log_file=tmp_path_factory.mktemp("logs") / "encoder_only.log") as running:
+        yield running
+
+
+def test_items_of_concurrent_requests_run_in_one_execution_and_split_back(batching_server, hf, tiny_checkpoint):
+    from triton_vlm.vision.qwen2_5_vl import read_vision_config
+
+    width = read_vision_config(tiny_checkpoint)["patch_dim"]
+    rng = np.random.default_rng(5)
+    grids = {"partial windows": [[1, 34, 46]], "image+video+image": [[1, 16, 16], [2, 8, 12], [1, 4, 6]],
+             "video": [[2, 20, 28]], "same size as another": [[1, 16, 16]]}
+    cases = {k: (rng.standard_normal((int(np.prod(g, axis=1).sum()), width)).astype(np.float32),
+                 np.array(g, dtype=np.int64)) for k, g in grids.items()}
+    cases["no media"] = (np.zeros((0, width), np.float32), np.zeros((0, 3), np.int64))
+    bad = (np.zeros((23, width), np.float32), np.array([[1, 4, 6]], np.int64))
+    executions = metric(batching_server, "nv_inference_exec_count", "vision_encoder_batch")
+    results, errors = {}, {}
+
+    def run(name, pixels, grid):
+        try:
+            results[name] = encode(batching_server, pixels, grid)
+        except InferenceServerException as error:
+            errors[name] = error
+
+    threads = [threading.Thread(target=run, args=(k, *v)) for k, v in [*cases.items(), ("bad", bad)]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    # Four requests with media, one Triton execution of the batched model (video frames included).
+    assert metric(batching_server, "nv_inference_exec_count", "vision_encoder_batch") - executions == 1
+    assert set(errors) == {"bad"} and errors["bad"].status() == "StatusCode.INVALID_ARGUMENT"
+    assert "pixel_values: 23 rows" in errors["bad"].message()
+    assert results["no media"].shape == (0, hf.model.config.vision_config.out_hidden_size)
+    for name, (pixels, grid) in cases.items():
+        if len(grid):
+            assert rel_err(results[name], hf.vision(pixels, grid)) <= 1e-4, name

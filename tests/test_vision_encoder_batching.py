@@ -1,0 +1,135 @@
+"""Cross-request batching and the embedding cache (no server): triton_vlm.vision.batching.
+
+Parity is against the Hugging Face vision tower of the tiny checkpoint, computed in this run.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from triton_vlm.errors import InvalidInput
+from triton_vlm.vision import batching as b
+
+
+def rel_err(out, ref) -> float:
+    out, ref = np.asarray(out, dtype=np.float64), np.asarray(ref, dtype=np.float64)
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    return float(np.abs(out - ref).max() / np.abs(ref).max())
+
+
+def request(grid, width, seed):
+    grid = np.array(grid, dtype=np.int64).reshape(-1, 3)
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((int(grid.prod(1).sum()), width)).astype(np.float32), grid
+
+
+@pytest.fixture(scope="module")
+def encoder(tiny_checkpoint, tmp_path_factory):
+    from triton_vlm.vision.encoder import VisionEncoder
+    from triton_vlm.vision.export import export_onnx
+
+    return VisionEncoder(export_onnx(tiny_checkpoint, tmp_path_factory.mktemp("batching") / "enc.onnx"))
+
+
+def hf_tower(hf, pixels, grid):
+    with torch.no_grad():
+        return hf.model.model.visual(torch.from_numpy(pixels), grid_thw=torch.from_numpy(grid)).pooler_output.numpy()
+
+
+def test_patch_grid_round_trip_keeps_adjacent_items_of_one_size_apart():
+    grid = np.array([[1, 4, 6], [1, 4, 6], [2, 2, 2], [1, 4, 6]])
+    rows = b.patch_grid(grid)
+    assert rows.shape == (24 + 24 + 8 + 24, 3)
+    np.testing.assert_array_equal(b.items_from_rows(np.zeros((len(rows), 1)), rows), grid)
+
+
+@pytest.mark.parametrize("rows, match", [
+    (np.array([[1, 2, 2]] * 3), "patch_grid"),                      # item needs 4 rows, 3 given
+    (np.array([[1, 2, 2]] * 3 + [[1, 2, 4]]), "patch_grid"),        # rows of one item disagree
+    (np.array([[0, 2, 2]] * 4), "patch_grid"),
+    (np.array([[1, 2, 2, 1]] * 4), "patch_grid"),
+])
+def test_items_from_rows_rejects_inconsistent_rows(rows, match):
+    with pytest.raises(InvalidInput, match=match):
+        b.items_from_rows(np.zeros((len(rows), 1)), rows)
+
+
+def test_chunk_items():
+    grid = np.array([[1, 4, 4], [1, 4, 4], [1, 2, 2], [1, 8, 8]])  # 16, 16, 4, 64 patches
+    assert b.chunk_items(grid, 64) == [(0, 3), (3, 4)]
+    assert b.chunk_items(grid, 1000) == [(0, 4)]
+    assert b.chunk_items(np.zeros((0, 3)), 64) == []
+    with pytest.raises(InvalidInput, match=r"grid_thw\[3\]: 64 patches exceed"):
+        b.chunk_items(grid, 32)
+
+
+def test_cache_is_an_lru_bounded_in_bytes():
+    entry = np.ones((4, 8), np.float32)  # 128 bytes
+    cache = b.EmbeddingCache(3 * entry.nbytes)
+    for k in (b"a", b"b", b"c"):
+        cache.put(k, entry * ord(k))
+    assert cache.get(b"a") is not None  # a is now the most recent
+    cache.put(b"d", entry)
+    assert cache.get(b"b") is None and len(cache) == 3 and cache.used == 3 * entry.nbytes
+    assert cache.get(b"a") is not None and cache.get(b"c") is not None
+    cache.put(b"big", np.ones((100, 8), np.float32))  # larger than the whole cache: not stored
+    assert cache.get(b"big") is None and cache.used == 3 * entry.nbytes
+    off = b.EmbeddingCache(0)
+    off.put(b"a", entry)
+    assert off.get(b"a") is None
+    stored = cache.get(b"a")
+    with pytest.raises(ValueError):
+        stored[0, 0] = 0  # read-only: a caller cannot corrupt later hits
+
+
+def test_cache_key_covers_grid_and_every_pixel():
+    pixels = np.random.default_rng(0).standard_normal((16, 8)).astype(np.float32)
+    key = b.item_key(pixels, (1, 4, 4))
+    assert key == b.item_key(pixels.copy(), (1, 4, 4))
+    assert key != b.item_key(pixels, (1, 2, 8))
+    changed = pixels.copy()
+    changed[15, 7] = np.nextafter(changed[15, 7], np.float32(np.inf))
+    assert key != b.item_key(changed, (1, 4, 4))
+
+
+def test_batch_of_requests_equals_hf_per_request(encoder, hf):
+    width = encoder.patch_dim
+    batch = [request([[1, 34, 46]], width, 1),                 # partial windows
+             request([[1, 16, 16], [2, 8, 12], [1, 4, 6]], width, 2),  # image, video, small image
+             request([[2, 20, 28]], width, 3)]                 # video only
+    outputs, stats = b.BatchedEncoder(encoder, b.EmbeddingCache(0)).encode_many(batch)
+    assert stats.requests == 3 and stats.items == 5 and stats.misses == 5 and stats.hits == 0
+    for (pixels, grid), out in zip(batch, outputs):
+        assert out.dtype == np.float32
+        assert rel_err(out, hf_tower(hf, pixels, grid)) < 1e-4
+
+
+def test_same_item_in_one_batch_and_later_is_computed_once_and_bit_identical(encoder, hf):
+    width = encoder.patch_dim
+    image = request([[1, 22, 36]], width, 7)
+    other = request([[1, 8, 8]], width, 8)
+    both = (np.concatenate([image[0], other[0]]), np.concatenate([image[1], other[1]]))
+    cache = b.EmbeddingCache(1 << 20)
+    calls = []
+
+    class Counting:
+        merge_unit = encoder.merge_unit
+
+        def encode(self, pixels, grid):
+            calls.append(grid.tolist())
+            return encoder.encode(pixels, grid)
+
+    batched = b.BatchedEncoder(Counting(), cache)
+    (first, second, third), stats = batched.encode_many([image, image, both])
+    assert calls == [[[1, 22, 36], [1, 8, 8]]]  # each distinct item once
+    assert stats.misses == 2 and stats.hits == 2 and (cache.hits, cache.misses) == (2, 2)
+    np.testing.assert_array_equal(first, second)
+    np.testing.assert_array_equal(third[:len(first)], first)
+    assert rel_err(first, hf_tower(hf, *image)) < 1e-4
+    (again,), stats = batched.encode_many([image])
+    assert len(calls) == 1 and stats.hits == 1 and stats.misses == 0
+    assert again.tobytes() == first.tobytes()  # a hit is bit-identical
+    again[0, 0] += 1  # a response is the caller's own copy
+    (after,), _ = batched.encode_many([image])
+    assert after.tobytes() == first.tobytes()
