@@ -215,7 +215,21 @@ class Preprocessor:
         if n_video_ph != len(videos):
             raise InvalidInput(f"text_input: {n_video_ph} video placeholders but {len(videos)} videos given")
 
+        limits = self.limits
+        if ids.shape[0] > limits.max_prompt_tokens:
+            raise InvalidInput(f"text_input: prompt is {ids.shape[0]} tokens, exceeds "
+                               f"max_prompt_tokens={limits.max_prompt_tokens}")
         pad_positions = np.flatnonzero(is_image | is_video)
+        # Every item's file bytes first (cheap), so the request's total is checked before decoding.
+        encoded, request_bytes = {}, 0
+        for kind, items_of_kind in (("images", images), ("videos", videos)):
+            for i, raw in enumerate(items_of_kind):
+                data = decode_item_bytes(raw, f"{kind}[{i}]", limits)
+                request_bytes += len(data)
+                if request_bytes > limits.max_request_bytes:
+                    raise InvalidInput(f"images, videos: {request_bytes} bytes in all exceed "
+                                       f"max_request_bytes={limits.max_request_bytes}")
+                encoded[f"{kind}[{i}]"] = data
         pad_is_video = is_video[pad_positions]
 
         # Decode every item (prompt order) and size it; pixels are written once the total is known.
@@ -224,9 +238,9 @@ class Preprocessor:
         image_i = video_i = 0
         for video_item in pad_is_video.tolist():
             if video_item:
-                name, raw = f"videos[{video_i}]", videos[video_i]
+                name = f"videos[{video_i}]"
                 video_i += 1
-                data = decode_item_bytes(raw, name, self.limits)
+                data = encoded[name]
                 sampler = _bind_sampler(self.family.sample_frames, sampling, video_settings)
                 frames, meta = decode_video(data, name, sampler, self.limits)
                 settings = video_settings
@@ -239,9 +253,9 @@ class Preprocessor:
                 key = {"kind": "video", "min_pixels": settings.min_pixels, "max_pixels": settings.max_pixels,
                        "fps": sampling.fps, "num_frames": sampling.num_frames, "max_frames": sampling.max_frames}
             else:
-                name, raw = f"images[{image_i}]", images[image_i]
+                name = f"images[{image_i}]"
                 image_i += 1
-                data = decode_item_bytes(raw, name, self.limits)
+                data = encoded[name]
                 frames = decode_image(data, name, self.limits)[None]
                 settings = image_settings
                 size = target_size(frames.shape[1], frames.shape[2], settings, name)
@@ -255,6 +269,11 @@ class Preprocessor:
 
         grids = np.array([item[3] for item in items], dtype=np.int64).reshape(-1, 3)
         rows = grids.prod(axis=1)
+        merge = np.array([item[2].merge_size ** 2 for item in items], dtype=np.int64)
+        n_tokens = int(ids.shape[0] + (rows // merge).sum() - len(items)) if items else int(ids.shape[0])
+        if n_tokens > limits.max_prompt_tokens:
+            raise InvalidInput(f"text_input: prompt is {n_tokens} tokens after expanding media, exceeds "
+                               f"max_prompt_tokens={limits.max_prompt_tokens}")
         pixel_values = np.empty((int(rows.sum()), self.image_settings.row_size), dtype=np.float32)
         start = 0
         spans_meta = []
