@@ -28,7 +28,10 @@ def _build(args) -> int:
                            encoder_max_batch_patches=args.encoder_max_batch_patches,
                            encoder_cache_bytes=args.encoder_cache_mb << 20,
                            trt_min_patches=args.trt_min_patches, trt_opt_patches=args.trt_opt_patches,
-                           trt_max_patches=args.trt_max_patches, trt_precision=args.trt_precision)
+                           trt_max_patches=args.trt_max_patches, trt_precision=args.trt_precision,
+                           kv_cache_tokens=args.kv_cache_tokens, kv_cache_bytes=args.kv_cache_mb << 20,
+                           kv_block_size=args.kv_block_size, prefix_caching=args.prefix_caching,
+                           llm_max_running=args.llm_max_running, llm_max_num_tokens=args.llm_max_num_tokens)
     repo = build_repository(args.checkpoint, args.repo, options)
     print(f"built model repository {repo}")
     return 0
@@ -73,7 +76,8 @@ def _infer(args) -> int:
     try:
         result = generate(args.url, args.prompt, images, videos, on_text=on_text, max_tokens=args.max_tokens,
                           stream=args.stream, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                          seed=args.seed, stop_words=args.stop, mm_options=json.loads(args.mm_options) if args.mm_options else None)
+                          seed=args.seed, stop_words=args.stop, repetition_penalty=args.repetition_penalty,
+                          mm_options=json.loads(args.mm_options) if args.mm_options else None)
     except RequestError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -146,6 +150,13 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--trt-opt-patches", type=int, default=4096, help="--device gpu: TensorRT profile optimum")
     c.add_argument("--trt-max-patches", type=int, default=16384, help="--device gpu: TensorRT profile maximum")
     c.add_argument("--trt-precision", choices=("fp32", "fp16", "bf16"), default="fp16")
+    c.add_argument("--kv-cache-tokens", type=int, default=0, help="llm KV cache pool size in tokens (wins over bytes)")
+    c.add_argument("--kv-cache-mb", type=int, default=0, help="llm KV cache pool size in MiB; both 0: 256 MiB")
+    c.add_argument("--kv-block-size", type=int, default=16, help="tokens per KV cache block")
+    c.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse KV blocks of identical prompt prefixes (token ids, positions, media embeddings)")
+    c.add_argument("--llm-max-running", type=int, default=64, help="requests in the llm's in-flight batch")
+    c.add_argument("--llm-max-num-tokens", type=int, default=512, help="llm rows per step (chunked prefill budget)")
     c.set_defaults(run=_build)
 
     c = sub.add_parser("serve", help="run tritonserver on a built repository")
@@ -167,6 +178,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--top-p", type=float)
     c.add_argument("--top-k", type=int)
     c.add_argument("--seed", type=int)
+    c.add_argument("--repetition-penalty", type=float, help="> 1 discourages repeating prompt or generated tokens")
     c.add_argument("--stop", action="append", default=None, help="stop word (repeatable)")
     c.add_argument("--mm-options", help="JSON object: min_pixels, max_pixels, fps, num_frames, max_frames")
     c.add_argument("--json", action="store_true", help="print one JSON object with token counts and timings")

@@ -50,6 +50,14 @@ class BuildOptions:
     trt_opt_patches: int = 4096
     trt_max_patches: int = 16384
     trt_precision: str = "fp16"         # fp32 | fp16 | bf16
+    # llm: the paged KV cache pool (tokens wins over bytes; 0 and 0: 256 MiB), its block size,
+    # prompt-prefix block reuse, and the in-flight batch (requests, rows per step).
+    kv_cache_tokens: int = 0
+    kv_cache_bytes: int = 0
+    kv_block_size: int = 16
+    prefix_caching: bool = True
+    llm_max_running: int = 64
+    llm_max_num_tokens: int = 512
 
 
 @dataclass(frozen=True)
@@ -75,6 +83,7 @@ SAMPLING_INPUTS = (
     TensorSpec("seed", UINT64, (1,), optional=True),
     TensorSpec("stop_words", BYTES, (-1,), optional=True),
     TensorSpec("stream", BOOL, (1,), optional=True),
+    TensorSpec("repetition_penalty", FP32, (1,), optional=True),
 )
 GENERATION_OUTPUTS = (
     TensorSpec("text_output", BYTES, (1,)),
@@ -175,7 +184,14 @@ def model_configs(family: Family, checkpoint_config: dict, options: BuildOptions
     encoder_batch = _encoder_batch_model(patch_dim, hidden, options, common)
     llm_in = (TensorSpec("input_ids", INT32, (-1,)), TensorSpec("embeddings", FP32, (-1, hidden)),
               TensorSpec("mrope_position_ids", INT64, (3, -1)), TensorSpec("mrope_position_delta", INT64, (1,)))
-    llm = _python_model("llm", llm_in + SAMPLING_INPUTS, GENERATION_OUTPUTS, 1, common, decoupled=True)
+    llm_params = {**common, "kv_block_size": str(options.kv_block_size),
+                  "prefix_caching": str(options.prefix_caching).lower(), "max_running": str(options.llm_max_running),
+                  "max_num_tokens": str(options.llm_max_num_tokens)}
+    if options.kv_cache_tokens:
+        llm_params["kv_cache_tokens"] = str(options.kv_cache_tokens)
+    if options.kv_cache_bytes:
+        llm_params["kv_cache_bytes"] = str(options.kv_cache_bytes)
+    llm = _python_model("llm", llm_in + SAMPLING_INPUTS, GENERATION_OUTPUTS, 1, llm_params, decoupled=True)
 
     same = lambda specs: {s.name: s.name for s in specs}  # noqa: E731
     ensemble = _ensemble([

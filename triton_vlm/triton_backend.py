@@ -228,6 +228,10 @@ class VisionEncoderBatchModel:
         return responses
 
 
+def _default(value, default):
+    return default if value is None else value
+
+
 class LLMModel:
     """Decoupled: the engine's scheduler thread sends each request's responses itself."""
 
@@ -237,9 +241,54 @@ class LLMModel:
         from triton_vlm.llm.engine import Engine
 
         version_dir, params = _model_dir(args)
-        self.engine = Engine(version_dir / params["checkpoint"])
+        options = {}
+        for key, kind in (("kv_cache_tokens", int), ("kv_cache_bytes", int), ("kv_block_size", int),
+                          ("max_running", int), ("max_num_tokens", int)):
+            if params.get(key):
+                options["block_size" if key == "kv_block_size" else key] = kind(params[key])
+        options["prefix_caching"] = params.get("prefix_caching", "false").lower() == "true"
+        self.engine = Engine(version_dir / params["checkpoint"], **options)
         self._next_id = 0
         self._lock = threading.Lock()
+        labels = {"model": args["model_name"], "version": args["model_version"]}
+        # The families must stay referenced as long as their metrics are used.
+        self._families = {
+            "blocks": pb_utils.MetricFamily(name="triton_vlm_llm_kv_blocks", description="KV cache pool blocks "
+                                            "by state (used, free)", kind=pb_utils.MetricFamily.GAUGE),
+            "requests": pb_utils.MetricFamily(name="triton_vlm_llm_requests", description="llm requests by state "
+                                              "(running, waiting)", kind=pb_utils.MetricFamily.GAUGE),
+            "tokens": pb_utils.MetricFamily(name="triton_vlm_llm_generated_tokens", description="tokens generated "
+                                            "by the llm", kind=pb_utils.MetricFamily.COUNTER),
+        }
+        self._metrics = {
+            "used": self._families["blocks"].Metric(labels={**labels, "state": "used"}),
+            "free": self._families["blocks"].Metric(labels={**labels, "state": "free"}),
+            "running": self._families["requests"].Metric(labels={**labels, "state": "running"}),
+            "waiting": self._families["requests"].Metric(labels={**labels, "state": "waiting"}),
+            "tokens": self._families["tokens"].Metric(labels=labels),
+        }
+        self._counted_tokens = 0
+        self._metrics_stop = threading.Event()
+        self._metrics_thread = threading.Thread(target=self._publish_metrics, name="llm-metrics", daemon=True)
+        self._metrics_thread.start()
+
+    def _publish_metrics(self, period: float = 0.1) -> None:
+        """Copy the engine's counters to the Triton metrics every `period` seconds."""
+        while True:
+            try:
+                engine, m = self.engine, self._metrics
+                m["used"].set(engine.kv_blocks_used)
+                m["free"].set(engine.kv_blocks_free)
+                m["running"].set(engine.num_running)
+                m["waiting"].set(engine.num_waiting)
+                tokens = engine.num_generated_tokens
+                if tokens > self._counted_tokens:
+                    m["tokens"].increment(tokens - self._counted_tokens)
+                    self._counted_tokens = tokens
+            except Exception:
+                log.exception("llm metrics update failed")
+            if self._metrics_stop.wait(period):
+                return
 
     def _sampling(self, request):
         from triton_vlm.llm.sampling import SamplingParams
@@ -254,6 +303,7 @@ class LLMModel:
             top_k=_scalar(request, "top_k", int) or 0,
             seed=_scalar(request, "seed", int),
             stop_words=[w.decode("utf-8", "replace") for w in _items(request, "stop_words")],
+            repetition_penalty=_default(_scalar(request, "repetition_penalty", float), 1.0),
         )
 
     def _submit(self, request) -> None:
@@ -281,6 +331,7 @@ class LLMModel:
         return None
 
     def finalize(self) -> None:
+        self._metrics_stop.set()
         self.engine.shutdown()
 
 

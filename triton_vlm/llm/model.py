@@ -258,11 +258,18 @@ class DecoderModel:
         if dec:
             dec_rows = torch.tensor([offsets[i] for i in dec])
             lengths = torch.tensor([chunks[i].slots.numel() for i in dec])
-            lmax = int(lengths.max())
-            dec_idx = torch.zeros(len(dec), lmax, dtype=torch.long)
+            # gather whole blocks (block tables from the slots), not single slots: bs x fewer indices
+            bs = pool.block_size
+            nb = -(-int(lengths.max()) // bs)
+            lmax = nb * bs
+            dec_blocks = torch.zeros(len(dec), nb, dtype=torch.long)
             for j, i in enumerate(dec):
-                dec_idx[j, :chunks[i].slots.numel()] = chunks[i].slots
+                table = chunks[i].slots[::bs] // bs
+                dec_blocks[j, :table.numel()] = table
+            dec_blocks = dec_blocks.reshape(-1)
             dec_mask = (torch.arange(lmax)[None, :] < lengths[:, None])[:, None, None, :]
+            kv_shape = (pool.num_blocks, bs, c.num_kv_heads, c.head_dim)
+            B = len(dec)
         pre_masks = {}
         for i in pre:
             ch = chunks[i]
@@ -279,15 +286,17 @@ class DecoderModel:
             attn = torch.empty(T, c.num_heads, c.head_dim)
             if dec:
                 qd = q.index_select(0, dec_rows)[:, :, None]                     # [B, H, 1, d]
-                kd = kp[dec_idx].transpose(1, 2)                                   # [B, KVH, L, d]
-                vd = vp[dec_idx].transpose(1, 2)
+                kd = kp.view(kv_shape).index_select(0, dec_blocks).view(B, lmax, c.num_kv_heads, c.head_dim)
+                vd = vp.view(kv_shape).index_select(0, dec_blocks).view(B, lmax, c.num_kv_heads, c.head_dim)
+                kd, vd = kd.transpose(1, 2), vd.transpose(1, 2)                    # [B, KVH, L, d]
                 out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=dec_mask, scale=scale, enable_gqa=gqa)
                 attn.index_copy_(0, dec_rows, out[:, :, 0])
             for i in pre:
                 ch = chunks[i]
                 a, n = offsets[i], ch.h.shape[0]
                 if ch.start:
-                    keys, values = kp[ch.slots].transpose(0, 1), vp[ch.slots].transpose(0, 1)
+                    keys = kp.index_select(0, ch.slots).transpose(0, 1)
+                    values = vp.index_select(0, ch.slots).transpose(0, 1)
                 else:
                     keys, values = k[a:a + n].transpose(0, 1), v[a:a + n].transpose(0, 1)
                 out = F.scaled_dot_product_attention(
