@@ -5,7 +5,7 @@ transformers' `generate` run one request at a time, on the `small` random-weight
 
 Both run in this process on the same CPU threads, interleaved round by round (transformers, then our
 engine at concurrency 1, 4 and 16), so machine noise hits both alike. Prompts: 16 chat prompts of
-different lengths (about 30 to 170 tokens), greedy, `max_tokens` new tokens each. Throughput is
+different lengths (68 to 412 tokens), greedy, `max_tokens` new tokens each. Throughput is
 generated tokens / wall time of the whole batch of requests; time to first token (TTFT) is from
 submit to the first token, median over the requests of that run.
 """
