@@ -105,6 +105,22 @@ def _norm_tensors(settings: VisionSettings):
     return mean, std
 
 
+def resize_frames(frames: np.ndarray, size: tuple[int, int], settings: VisionSettings) -> np.ndarray:
+    """uint8 frames [T, H, W, 3] resized to `size` as `write_pixel_values` resizes them (the same
+    torch kernel, frame by frame identical to the batched call): uint8 [T, h, w, 3]. Resizing a
+    frame to its own size returns it unchanged, as torchvision does."""
+    import torch
+    import torchvision.transforms.v2.functional as tvF
+
+    if not settings.do_resize or tuple(frames.shape[1:3]) == tuple(size):
+        return frames
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only input views: only read here
+        x = torch.from_numpy(frames).permute(0, 3, 1, 2)
+    x = tvF.resize(x, list(size), interpolation=_interpolation(settings.resample), antialias=True)
+    return x.permute(0, 2, 3, 1).contiguous().numpy()
+
+
 def write_pixel_values(frames: np.ndarray, size: tuple[int, int], settings: VisionSettings,
                        out: np.ndarray) -> tuple[int, int, int]:
     """Resize, normalise and patchify uint8 frames [T, H, W, 3] into `out` (float32, C-contiguous,

@@ -28,8 +28,9 @@ class Limits:
     max_media_items: int = 16
     # max(h, w) / min(h, w) of an image or frame (the vision tower's own bound).
     max_aspect_ratio: float = 200.0
-    # Prompt tokens after every placeholder is expanded to its media item's tokens.
-    max_prompt_tokens: int = 32768
+    # Prompt tokens after every placeholder is expanded to its media item's tokens (Qwen2.5-VL: 128k context;
+    # the llm step checks the checkpoint's own context as well).
+    max_prompt_tokens: int = 131072
 
     def to_params(self) -> dict[str, str]:
         """The limits as model config parameters (string values)."""

@@ -8,8 +8,10 @@ from __future__ import annotations
 import binascii
 import io
 import math
+import os
 import urllib.parse
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -146,6 +148,9 @@ class VideoMetadata:
 
 # A sampler gets the file's metadata and returns the frame indices to keep, increasing.
 Sampler = Callable[[VideoMetadata], np.ndarray]
+# A resizer gets the metadata (frames_indices set) and returns the frames' target (height, width)
+# and the function resizing uint8 frames [n, H, W, 3] to it.
+Resizer = Callable[[VideoMetadata], tuple[tuple[int, int], Callable[[np.ndarray], np.ndarray]]]
 
 _FALLBACK_FPS = 24.0  # transformers' VideoMetadata.sampled_fps default when the rate is unknown
 
@@ -212,9 +217,11 @@ def _demux(data: bytes, name: str, limits: Limits):
 
 
 def decode_video(data: bytes, name: str, sampler: Sampler | None = None,
-                 limits: Limits = DEFAULT_LIMITS) -> tuple[np.ndarray, VideoMetadata]:
+                 limits: Limits = DEFAULT_LIMITS, resizer: Resizer | None = None) -> tuple[np.ndarray, VideoMetadata]:
     """Decode the frames `sampler` keeps: uint8 [T, H, W, 3] and the file's metadata with
-    `frames_indices` set. The default sampler is Qwen2-VL's rule at 2 fps.
+    `frames_indices` set. The default sampler is Qwen2-VL's rule at 2 fps. With a `resizer`, each
+    kept frame is resized as soon as it is decoded (no full-size copy of the video is kept) and
+    the result is [T, h, w, 3] at the size the resizer chose.
 
     Frames are counted and sampled as transformers' pyav loader does (the header's frame count,
     frame i = the i-th decoded frame, pixels as stored: like that loader, rotation metadata is
@@ -230,7 +237,7 @@ def decode_video(data: bytes, name: str, sampler: Sampler | None = None,
         width, height, fps = facts["width"], facts["height"], facts["fps"]
         fast = _h264_plan(facts, packets)
         if fast is not None:
-            result = _decode_planned(fast, packets, data, width, height, fps, name, sampler, limits)
+            result = _decode_planned(fast, packets, data, width, height, fps, name, sampler, limits, resizer)
             if result is not None:
                 return result
         container = _open_container(data, name)
@@ -247,7 +254,7 @@ def decode_video(data: bytes, name: str, sampler: Sampler | None = None,
                 container = _open_container(data, name)
                 stream = container.streams.video[0]
             meta, frames, decoded = _decode_sampled(container, stream, total, fps, width, height,
-                                                    name, sampler, limits)
+                                                    name, sampler, limits, resizer)
         finally:
             container.close()
         if decoded < total:
@@ -256,7 +263,7 @@ def decode_video(data: bytes, name: str, sampler: Sampler | None = None,
             try:
                 stream = container.streams.video[0]
                 meta, frames, redecoded = _decode_sampled(container, stream, decoded, fps, width, height,
-                                                          name, sampler, limits)
+                                                          name, sampler, limits, resizer)
             finally:
                 container.close()
             if redecoded < decoded:
@@ -311,60 +318,75 @@ def _h264_plan(facts: dict, packets: list):
     return plan
 
 
-def _decode_planned(plan, packets, data, width, height, fps, name, sampler, limits):
-    """Decode only what the sampled frames need; None when the result cannot be vouched for."""
+def _rgb(frame, width: int, height: int) -> np.ndarray:
+    if frame.width != width or frame.height != height:
+        return frame.to_ndarray(format="rgb24", width=width, height=height)
+    return frame.to_ndarray(format="rgb24")
+
+
+def _output(meta: VideoMetadata, indices: np.ndarray, width: int, height: int, resizer: Resizer | None):
+    """(output buffer, per-frame store function) for the kept frames."""
+    if resizer is None:
+        out = np.empty((indices.size, height, width, 3), dtype=np.uint8)
+
+        def store(k: int, frame) -> None:
+            out[k] = _rgb(frame, width, height)
+    else:
+        (th, tw), resize = resizer(meta)
+        out = np.empty((indices.size, th, tw, 3), dtype=np.uint8)
+
+        def store(k: int, frame) -> None:
+            out[k] = resize(_rgb(frame, width, height)[None])[0]
+    return out, store
+
+
+def _decode_planned(plan, packets, data, width, height, fps, name, sampler, limits, resizer=None):
+    """Decode only what the sampled frames need, GOPs in parallel; None when the result cannot be
+    vouched for (the caller then decodes everything)."""
     total = len(plan)
     meta, indices = _sample(total, fps, width, height, name, sampler, limits)
     order = sorted(pts for pts, _, _ in plan)
     slot = {order[int(i)]: k for k, i in enumerate(indices)}  # pts of a kept frame -> output row
-    # GOPs (IDR to IDR, decode order) holding a kept frame; in them, every reference picture and
-    # the kept frames themselves.
-    needed = [False] * total
-    gop_start, gop_has_kept = 0, False
-    for j in range(total + 1):
-        if j == total or (plan[j][1] and j > gop_start):
-            if gop_has_kept:
-                for q in range(gop_start, j):
-                    needed[q] = plan[q][2] or plan[q][0] in slot
-            gop_start, gop_has_kept = j, False
-        if j < total:
-            gop_has_kept |= plan[j][0] in slot
-    import av
+    # GOPs (IDR to IDR, decode order) holding a kept frame; in each, the reference pictures and the
+    # kept frames up to the last kept one in decode order (references come before what uses them).
+    tasks, gop_start = [], 0
+    for j in range(1, total + 1):
+        if j == total or plan[j][1]:
+            kept = [q for q in range(gop_start, j) if plan[q][0] in slot]
+            if kept:
+                tasks.append([q for q in range(gop_start, kept[-1] + 1) if plan[q][2] or plan[q][0] in slot])
+            gop_start = j
+    out, store = _output(meta, indices, width, height, resizer)
+    workers = max(1, min(len(tasks), os.cpu_count() or 1))
 
-    container = av.open(io.BytesIO(data), mode="r")  # fresh decoder with the stream's parameters
-    try:
-        stream = container.streams.video[0]
-        stream.thread_type = "AUTO"
-        codec = stream.codec_context
-        out = np.empty((indices.size, height, width, 3), dtype=np.uint8)
-        filled, last_pts = 0, None
+    def run(task: list[int]) -> int | None:
+        import av
 
-        def take(frame) -> bool:
-            nonlocal filled, last_pts
-            if frame.pts is None or (last_pts is not None and frame.pts <= last_pts):
-                return False
-            last_pts = frame.pts
-            k = slot.get(frame.pts)
-            if k is not None:
-                if frame.width != width or frame.height != height:
-                    out[k] = frame.to_ndarray(format="rgb24", width=width, height=height)
-                else:
-                    out[k] = frame.to_ndarray(format="rgb24")
-                filled += 1
-            return True
-
-        last_needed = max(j for j in range(total) if plan[j][0] in slot)  # references come before
-        for j in range(last_needed + 1):
-            if needed[j]:
-                for frame in codec.decode(packets[j]):
-                    if not take(frame):
+        container = av.open(io.BytesIO(data), mode="r")  # own decoder with the stream's parameters
+        try:
+            stream = container.streams.video[0]
+            stream.thread_type = "AUTO" if workers == 1 else "NONE"
+            codec = stream.codec_context
+            filled, last_pts = 0, None
+            for packet in [packets[q] for q in task] + [None]:
+                for frame in codec.decode(packet):
+                    if frame.pts is None or (last_pts is not None and frame.pts <= last_pts):
                         return None
-        for frame in codec.decode(None):
-            if not take(frame):
-                return None
-    finally:
-        container.close()
-    if filled != indices.size:
+                    last_pts = frame.pts
+                    k = slot.get(frame.pts)
+                    if k is not None:
+                        store(k, frame)
+                        filled += 1
+            return filled
+        finally:
+            container.close()
+
+    if workers == 1:
+        results = [run(task) for task in tasks]
+    else:
+        with ThreadPoolExecutor(workers) as pool:
+            results = list(pool.map(run, tasks))
+    if any(r is None for r in results) or sum(results) != indices.size:
         return None
     return out, meta
 
@@ -388,22 +410,19 @@ def _sample(total, fps, width, height, name, sampler, limits):
     return meta, indices
 
 
-def _decode_sampled(container, stream, total, fps, width, height, name, sampler, limits):
+def _decode_sampled(container, stream, total, fps, width, height, name, sampler, limits, resizer=None):
     """Decode up to the last sampled frame, converting only the sampled ones to RGB.
 
     Returns (metadata, frames, frames decoded); frames decoded < total means the stream ended early.
     """
     meta, indices = _sample(total, fps, width, height, name, sampler, limits)
     stream.thread_type = "AUTO"
-    out = np.empty((indices.size, height, width, 3), dtype=np.uint8)
+    out, store = _output(meta, indices, width, height, resizer)
     last, k, i = int(indices[-1]), 0, -1
     wanted = int(indices[0])
     for i, frame in enumerate(container.decode(stream)):
         if i == wanted:
-            if frame.width != width or frame.height != height:
-                out[k] = frame.to_ndarray(format="rgb24", width=width, height=height)
-            else:
-                out[k] = frame.to_ndarray(format="rgb24")
+            store(k, frame)
             k += 1
             if i == last:
                 break

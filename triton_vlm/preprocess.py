@@ -14,6 +14,8 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +25,7 @@ import numpy as np
 from triton_vlm.errors import InvalidInput
 from triton_vlm.families import detect_family
 from triton_vlm.families.base import Family
-from triton_vlm.imaging import VisionSettings, grid_thw, target_size, write_pixel_values
+from triton_vlm.imaging import VisionSettings, grid_thw, resize_frames, target_size, write_pixel_values
 from triton_vlm.limits import DEFAULT_LIMITS, Limits
 from triton_vlm.media import decode_image, decode_item_bytes, decode_video
 from triton_vlm.mrope import MediaSpan, mrope_positions
@@ -232,40 +234,51 @@ class Preprocessor:
                 encoded[f"{kind}[{i}]"] = data
         pad_is_video = is_video[pad_positions]
 
-        # Decode every item (prompt order) and size it; pixels are written once the total is known.
-        items = []  # (frames uint8 [T,H,W,3], size, settings, grid, t_factor)
-        hashes: list[bytes] = []
-        image_i = video_i = 0
+        # Decode, size and resize every item (prompt order; items in parallel threads: Pillow,
+        # PyAV and torch release the GIL); pixels are written once the total is known.
+        names, counters = [], {"images": 0, "videos": 0}
         for video_item in pad_is_video.tolist():
-            if video_item:
-                name = f"videos[{video_i}]"
-                video_i += 1
-                data = encoded[name]
+            kind = "videos" if video_item else "images"
+            names.append(f"{kind}[{counters[kind]}]")
+            counters[kind] += 1
+
+        def load(name: str):
+            data = encoded[name]
+            if name.startswith("videos"):
                 sampler = _bind_sampler(self.family.sample_frames, sampling, video_settings)
-                frames, meta = decode_video(data, name, sampler, self.limits)
-                settings = video_settings
-                if sampling.cap_pixels_per_frame:
-                    settings = _capped(settings, sampling, frames.shape[0])
-                size = target_size(frames.shape[1], frames.shape[2], settings, name)
+                chosen = {}
+
+                def resizer(meta):
+                    settings = video_settings
+                    if sampling.cap_pixels_per_frame:
+                        settings = _capped(settings, sampling, len(meta.frames_indices))
+                    size = target_size(meta.height, meta.width, settings, name)
+                    chosen.update(settings=settings, size=size)
+                    return size, lambda frames: resize_frames(frames, size, settings)
+
+                frames, meta = decode_video(data, name, sampler, self.limits, resizer)
+                settings, size = chosen["settings"], chosen["size"]
                 second_per_grid_ts = settings.temporal_patch_size / meta.sampled_fps
                 t_factor = (self.family.video_t_factor(self.config, second_per_grid_ts)
                             if self.family.video_t_factor else 1.0)
                 key = {"kind": "video", "min_pixels": settings.min_pixels, "max_pixels": settings.max_pixels,
                        "fps": sampling.fps, "num_frames": sampling.num_frames, "max_frames": sampling.max_frames}
             else:
-                name = f"images[{image_i}]"
-                image_i += 1
-                data = encoded[name]
                 frames = decode_image(data, name, self.limits)[None]
                 settings = image_settings
                 size = target_size(frames.shape[1], frames.shape[2], settings, name)
+                frames = resize_frames(frames, size, settings)
                 t_factor = 1.0
                 key = {"kind": "image", "min_pixels": settings.min_pixels, "max_pixels": settings.max_pixels}
             grid = grid_thw(frames.shape[0], size, settings)
-            items.append((frames, size, settings, grid, t_factor))
             digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode())
             digest.update(data)
-            hashes.append(digest.digest())
+            return (frames, size, settings, grid, t_factor), digest.digest()
+
+        loaded = _map(load, names)
+        items = [item for item, _ in loaded]
+        hashes: list[bytes] = [digest for _, digest in loaded]
+        del loaded
 
         grids = np.array([item[3] for item in items], dtype=np.int64).reshape(-1, 3)
         rows = grids.prod(axis=1)
@@ -275,13 +288,15 @@ class Preprocessor:
             raise InvalidInput(f"text_input: prompt is {n_tokens} tokens after expanding media, exceeds "
                                f"max_prompt_tokens={limits.max_prompt_tokens}")
         pixel_values = np.empty((int(rows.sum()), self.image_settings.row_size), dtype=np.float32)
-        start = 0
-        spans_meta = []
-        for i, (frames, size, settings, grid, t_factor) in enumerate(items):
-            items[i] = None  # the decoded frames go once written
-            write_pixel_values(frames, size, settings, pixel_values[start:start + rows[i]])
-            start += int(rows[i])
-            spans_meta.append((settings.merge_size, t_factor))
+        starts = np.concatenate(([0], np.cumsum(rows))).astype(np.int64)
+
+        def write(i: int) -> None:
+            frames, size, settings, _, _ = items[i]
+            write_pixel_values(frames, size, settings, pixel_values[starts[i]:starts[i + 1]])
+
+        _map(write, range(len(items)))
+        spans_meta = [(settings.merge_size, t_factor) for _, _, settings, _, t_factor in items]
+        del items
 
         # Expand each placeholder token to its item's token count, in id space.
         tokens = np.array([int(rows[i]) // (m * m) for i, (m, _) in enumerate(spans_meta)], dtype=np.int64)
@@ -295,6 +310,18 @@ class Preprocessor:
         positions, delta = mrope_positions(input_ids.shape[0], spans)
         return PreprocessOutput(input_ids=input_ids, pixel_values=pixel_values, grid_thw=grids,
                                 mrope_position_ids=positions, mrope_position_delta=delta, media_hashes=hashes)
+
+
+def _map(fn, args) -> list:
+    """`[fn(a) for a in args]`, in threads when there are several (the work releases the GIL).
+    The first failure (an `InvalidInput` naming its item, in prompt order) is raised."""
+    args = list(args)
+    workers = min(len(args), os.cpu_count() or 1)
+    if workers <= 1:
+        return [fn(a) for a in args]
+    with ThreadPoolExecutor(workers) as pool:
+        futures = [pool.submit(fn, a) for a in args]
+        return [f.result() for f in futures]
 
 
 def _bind_sampler(sample_frames, sampling: VideoSampling, settings: VisionSettings):
