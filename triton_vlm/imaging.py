@@ -5,8 +5,8 @@ resize on uint8 (torchvision BICUBIC, antialias), then float32 with the fused
 rescale + normalize (mean and std scaled by 1 / rescale_factor), then the patch layout
 `[grid_t * grid_h * grid_w, C * temporal_patch_size * patch * patch]`.
 
-The patch permutation and the normalisation are written straight into the caller's output
-buffer: one strided copy (uint8 to float32) plus one in-place normalisation, no float64.
+Resize once (uint8), normalise once on planar float32 (contiguous, vectorised), then one strided
+copy into the caller's output buffer in the patch layout; no float64, no padding copies.
 """
 from __future__ import annotations
 
@@ -146,16 +146,27 @@ def write_pixel_values(frames: np.ndarray, size: tuple[int, int], settings: Visi
     x = x.permute(0, 3, 1, 2)
     if settings.do_resize:
         x = tvF.resize(x, [height, width], interpolation=_interpolation(settings.resample), antialias=True)
-    x = x.permute(0, 2, 3, 1)  # [T, H, W, C] again (contiguous after the resize)
-    if pad := -x.shape[0] % tps:  # repeat the last frame up to a whole temporal patch
-        x = torch.cat((x, x[-1:].expand(pad, -1, -1, -1)), dim=0)
-    channels = x.shape[3]
-    src = x.reshape(gt, tps, gh // m, m, p, gw // m, m, p, channels).permute(0, 2, 5, 3, 6, 8, 1, 4, 7)
+    # Normalise on planar float32 [T, C, H, W] (contiguous, vectorised: float(u8) - mean, / std,
+    # the HF torchvision backend's operations in its order), then one strided copy into the patch
+    # layout; a frame repeated to fill the last temporal patch is a stride-0 view, not a copy.
+    # Videos go a few temporal patches at a time, so the float scratch stays small.
+    t, channels = x.shape[0], x.shape[1]
     dest = torch.from_numpy(out).view(gt, gh // m, gw // m, m, m, channels, tps, p, p)
-    dest.copy_(src)  # uint8 -> float32 in the patch layout, one pass
-    if settings.do_normalize:
-        mean, std = _norm_tensors(settings)
-        dest.sub_(mean.view(-1, 1, 1, 1)).div_(std.view(-1, 1, 1, 1))
-    elif settings.do_rescale:
-        dest.mul_(settings.rescale_factor)
+    mean, std = _norm_tensors(settings) if settings.do_normalize else (None, None)
+    step = max(1, (1 << 22) // max(1, tps * channels * height * width))  # temporal patches per chunk
+    scratch = torch.empty((min(t, step * tps), channels, height, width), dtype=torch.float32)
+    for g0 in range(0, gt, step):
+        g1 = min(gt, g0 + step)
+        f0, f1 = g0 * tps, min(t, g1 * tps)
+        planar = scratch[:f1 - f0]
+        planar.copy_(x[f0:f1])
+        if settings.do_normalize:
+            planar.sub_(mean.view(-1, 1, 1)).div_(std.view(-1, 1, 1))
+        elif settings.do_rescale:
+            planar.mul_(settings.rescale_factor)
+        if pad := (g1 - g0) * tps - (f1 - f0):  # repeat the last frame up to a whole temporal patch
+            planar = torch.cat((planar, planar[-1:].expand(pad, -1, -1, -1)), 0) if f1 - f0 > 1 \
+                else planar.expand(tps, -1, -1, -1)
+        src = planar.reshape(g1 - g0, tps, channels, gh // m, m, p, gw // m, m, p)
+        dest[g0:g1].copy_(src.permute(0, 3, 6, 4, 7, 2, 1, 5, 8))
     return gt, gh, gw
