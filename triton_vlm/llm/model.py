@@ -270,6 +270,7 @@ class DecoderModel:
             dec_mask = (torch.arange(lmax)[None, :] < lengths[:, None])[:, None, None, :]
             kv_shape = (pool.num_blocks, bs, c.num_kv_heads, c.head_dim)
             B = len(dec)
+            group = c.num_heads // c.num_kv_heads
         pre_masks = {}
         for i in pre:
             ch = chunks[i]
@@ -285,12 +286,13 @@ class DecoderModel:
             vp.index_copy_(0, new_slots, v)
             attn = torch.empty(T, c.num_heads, c.head_dim)
             if dec:
-                qd = q.index_select(0, dec_rows)[:, :, None]                     # [B, H, 1, d]
+                # the query heads of one KV head attend as G "query rows": no K/V repeat for GQA
+                qd = q.index_select(0, dec_rows).view(B, c.num_kv_heads, group, c.head_dim)
                 kd = kp.view(kv_shape).index_select(0, dec_blocks).view(B, lmax, c.num_kv_heads, c.head_dim)
                 vd = vp.view(kv_shape).index_select(0, dec_blocks).view(B, lmax, c.num_kv_heads, c.head_dim)
                 kd, vd = kd.transpose(1, 2), vd.transpose(1, 2)                    # [B, KVH, L, d]
-                out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=dec_mask, scale=scale, enable_gqa=gqa)
-                attn.index_copy_(0, dec_rows, out[:, :, 0])
+                out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=dec_mask, scale=scale)
+                attn.index_copy_(0, dec_rows, out.reshape(B, c.num_heads, c.head_dim))
             for i in pre:
                 ch = chunks[i]
                 a, n = offsets[i], ch.h.shape[0]
