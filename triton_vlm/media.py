@@ -114,6 +114,30 @@ def decode_image(data: bytes, name: str, limits: Limits = DEFAULT_LIMITS) -> np.
     return array
 
 
+def probe_image(data: bytes, name: str, limits: Limits = DEFAULT_LIMITS) -> tuple[int, int] | None:
+    """(height, width) `decode_image` will return, read from the header (limits checked), or None
+    when the header cannot tell (then decode to know)."""
+    from PIL import Image
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            image = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError:
+        raise InvalidInput(f"{name}: image exceeds max_image_pixels={limits.max_image_pixels}") from None
+    except Exception:
+        raise InvalidInput(f"{name}: not a decodable image") from None
+    width, height = image.size
+    _check_frame_size(width, height, name, limits, "image")
+    if image.format != "JPEG":  # other formats may carry EXIF after the pixels
+        return None
+    try:
+        orientation = image.getexif().get(0x0112, 1)
+    except Exception:
+        return None
+    return (width, height) if orientation in (5, 6, 7, 8) else (height, width)
+
+
 def _check_frame_size(width: int, height: int, name: str, limits: Limits, what: str) -> None:
     if width <= 0 or height <= 0:
         raise InvalidInput(f"{name}: {what} has no pixels")
@@ -235,11 +259,11 @@ def decode_video(data: bytes, name: str, sampler: Sampler | None = None,
     try:
         facts, packets = _demux(data, name, limits)
         width, height, fps = facts["width"], facts["height"], facts["fps"]
-        fast = _h264_plan(facts, packets)
-        if fast is not None:
-            result = _decode_planned(fast, packets, data, width, height, fps, name, sampler, limits, resizer)
-            if result is not None:
-                return result
+        planned = _plan(facts, packets, data, name, sampler, limits)
+        if planned is not None:
+            out, store = _output(planned.meta, planned.meta.frames_indices, width, height, resizer)
+            if planned.decode(store):
+                return out, planned.meta
         container = _open_container(data, name)
         try:
             stream = container.streams.video[0]
@@ -340,40 +364,82 @@ def _output(meta: VideoMetadata, indices: np.ndarray, width: int, height: int, r
     return out, store
 
 
-def _decode_planned(plan, packets, data, width, height, fps, name, sampler, limits, resizer=None):
-    """Decode only what the sampled frames need, GOPs in parallel; None when the result cannot be
-    vouched for (the caller then decodes everything)."""
-    total = len(plan)
-    meta, indices = _sample(total, fps, width, height, name, sampler, limits)
-    order = sorted(pts for pts, _, _ in plan)
-    slot = {order[int(i)]: k for k, i in enumerate(indices)}  # pts of a kept frame -> output row
-    # GOPs (IDR to IDR, decode order) holding a kept frame; in each, the reference pictures and the
-    # kept frames up to the last kept one in decode order (references come before what uses them).
-    tasks, gop_start = [], 0
-    for j in range(1, total + 1):
-        if j == total or plan[j][1]:
-            kept = [q for q in range(gop_start, j) if plan[q][0] in slot]
-            if kept:
-                tasks.append([q for q in range(gop_start, kept[-1] + 1) if plan[q][2] or plan[q][0] in slot])
-            gop_start = j
-    out, store = _output(meta, indices, width, height, resizer)
-    workers = max(1, min(len(tasks), os.cpu_count() or 1))
+def plan_video(data: bytes, name: str, sampler: Sampler | None = None,
+               limits: Limits = DEFAULT_LIMITS) -> "PlannedVideo | None":
+    """The sampled frames of a video the fast path can decode (AVCC H.264, see `decode_video`),
+    known before decoding anything: `.meta` has `frames_indices`; `.decode(store)` then calls
+    `store(k, frame)` for each kept frame (from worker threads). None: use `decode_video`."""
+    if sampler is None:
+        from triton_vlm.families.qwen2_5_vl import make_sampler
+        sampler = make_sampler()
+    try:
+        facts, packets = _demux(data, name, limits)
+        return _plan(facts, packets, data, name, sampler, limits)
+    except InvalidInput:
+        raise
+    except Exception:
+        raise InvalidInput(f"{name}: not a decodable video") from None
 
-    def run(task: list[int]) -> int | None:
+
+def _plan(facts, packets, data, name, sampler, limits) -> "PlannedVideo | None":
+    plan = _h264_plan(facts, packets)
+    if plan is None:
+        return None
+    width, height = facts["width"], facts["height"]
+    meta, indices = _sample(len(plan), facts["fps"], width, height, name, sampler, limits)
+    return PlannedVideo(meta, plan, packets, data)
+
+
+class PlannedVideo:
+    """Decode only what the sampled frames need, GOPs in parallel."""
+
+    def __init__(self, meta: VideoMetadata, plan, packets, data: bytes):
+        self.meta, self.packets, self.data = meta, packets, data
+        total = len(plan)
+        order = sorted(pts for pts, _, _ in plan)
+        # pts of a kept frame -> output row
+        self.slot = {order[int(i)]: k for k, i in enumerate(meta.frames_indices)}
+        # GOPs (IDR to IDR, decode order) holding a kept frame; in each, the reference pictures and
+        # the kept frames up to the last kept one in decode order (references come before their use).
+        self.tasks, gop_start = [], 0
+        for j in range(1, total + 1):
+            if j == total or plan[j][1]:
+                kept = [q for q in range(gop_start, j) if plan[q][0] in self.slot]
+                if kept:
+                    self.tasks.append([q for q in range(gop_start, kept[-1] + 1)
+                                       if plan[q][2] or plan[q][0] in self.slot])
+                gop_start = j
+
+    def decode(self, store: Callable[[int, object], None]) -> bool:
+        """False when the result cannot be vouched for (the caller then decodes everything)."""
+        workers = max(1, min(len(self.tasks), os.cpu_count() or 1))
+        try:
+            if workers == 1:
+                results = [self._run(task, "AUTO", store) for task in self.tasks]
+            else:
+                with ThreadPoolExecutor(workers) as pool:
+                    results = list(pool.map(lambda task: self._run(task, "NONE", store), self.tasks))
+        except InvalidInput:
+            raise
+        except Exception:
+            return False
+        return all(r is not None for r in results) and sum(results) == len(self.slot)
+
+    def _run(self, task: list[int], thread_type: str, store) -> int | None:
         import av
 
-        container = av.open(io.BytesIO(data), mode="r")  # own decoder with the stream's parameters
+        container = av.open(io.BytesIO(self.data), mode="r")  # own decoder with the stream's parameters
         try:
             stream = container.streams.video[0]
-            stream.thread_type = "AUTO" if workers == 1 else "NONE"
+            stream.thread_type = thread_type
             codec = stream.codec_context
             filled, last_pts = 0, None
-            for packet in [packets[q] for q in task] + [None]:
+            for packet in [self.packets[q] for q in task] + [None]:
                 for frame in codec.decode(packet):
                     if frame.pts is None or (last_pts is not None and frame.pts <= last_pts):
                         return None
                     last_pts = frame.pts
-                    k = slot.get(frame.pts)
+                    k = self.slot.get(frame.pts)
                     if k is not None:
                         store(k, frame)
                         filled += 1
@@ -381,14 +447,10 @@ def _decode_planned(plan, packets, data, width, height, fps, name, sampler, limi
         finally:
             container.close()
 
-    if workers == 1:
-        results = [run(task) for task in tasks]
-    else:
-        with ThreadPoolExecutor(workers) as pool:
-            results = list(pool.map(run, tasks))
-    if any(r is None for r in results) or sum(results) != indices.size:
-        return None
-    return out, meta
+
+def frame_rgb(frame, width: int, height: int) -> np.ndarray:
+    """A decoded frame as uint8 RGB [height, width, 3] (as transformers' pyav loader converts it)."""
+    return _rgb(frame, width, height)
 
 
 def _sample(total, fps, width, height, name, sampler, limits):

@@ -15,6 +15,7 @@ import hashlib
 import json
 import math
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +28,8 @@ from triton_vlm.families import detect_family
 from triton_vlm.families.base import Family
 from triton_vlm.imaging import VisionSettings, grid_thw, resize_frames, target_size, write_pixel_values
 from triton_vlm.limits import DEFAULT_LIMITS, Limits
-from triton_vlm.media import decode_image, decode_item_bytes, decode_video
+from triton_vlm.media import (PlannedVideo, decode_image, decode_item_bytes, decode_video, frame_rgb,
+                              plan_video, probe_image)
 from triton_vlm.mrope import MediaSpan, mrope_positions
 
 MM_OPTION_KEYS = ("min_pixels", "max_pixels", "fps", "num_frames", "max_frames")
@@ -185,6 +187,10 @@ class Preprocessor:
         return image, video, sampling, opts
 
     # ------------------------------------------------------------------------------ request
+    @staticmethod
+    def _video_settings(settings: VisionSettings, sampling: VideoSampling, num_frames: int) -> VisionSettings:
+        return _capped(settings, sampling, num_frames) if sampling.cap_pixels_per_frame else settings
+
     def _encode(self, text: str) -> np.ndarray:
         return np.asarray(self.tokenizer.encode(text).ids, dtype=np.int32)
 
@@ -234,68 +240,78 @@ class Preprocessor:
                 encoded[f"{kind}[{i}]"] = data
         pad_is_video = is_video[pad_positions]
 
-        # Decode, size and resize every item (prompt order; items in parallel threads: Pillow,
-        # PyAV and torch release the GIL); pixels are written once the total is known.
+        # The media items' names, in prompt order.
         names, counters = [], {"images": 0, "videos": 0}
         for video_item in pad_is_video.tolist():
             kind = "videos" if video_item else "images"
             names.append(f"{kind}[{counters[kind]}]")
             counters[kind] += 1
 
-        def load(name: str):
+        # Phase 1 (items in parallel threads: Pillow, PyAV and torch release the GIL): each item's
+        # size and grid, from headers where they tell (JPEG images, H.264 videos: nothing decoded
+        # yet), else by decoding and resizing. Phase 2, once the output buffer exists: the rest is
+        # decoded and written straight into it, video frames a temporal patch at a time as their
+        # GOPs finish decoding.
+        def plan(name: str) -> _Item:
             data = encoded[name]
+            item = _Item(name, data)
             if name.startswith("videos"):
                 sampler = _bind_sampler(self.family.sample_frames, sampling, video_settings)
-                chosen = {}
+                item.planned = plan_video(data, name, sampler, limits)
+                if item.planned is not None:
+                    meta = item.planned.meta
+                    item.settings = self._video_settings(video_settings, sampling, len(meta.frames_indices))
+                    item.size = target_size(meta.height, meta.width, item.settings, name)
+                    n_frames = len(meta.frames_indices)
+                else:
+                    chosen = {}
 
-                def resizer(meta):
-                    settings = video_settings
-                    if sampling.cap_pixels_per_frame:
-                        settings = _capped(settings, sampling, len(meta.frames_indices))
-                    size = target_size(meta.height, meta.width, settings, name)
-                    chosen.update(settings=settings, size=size)
-                    return size, lambda frames: resize_frames(frames, size, settings)
+                    def resizer(meta):
+                        chosen["settings"] = self._video_settings(video_settings, sampling,
+                                                                  len(meta.frames_indices))
+                        chosen["size"] = target_size(meta.height, meta.width, chosen["settings"], name)
+                        return chosen["size"], lambda f: resize_frames(f, chosen["size"], chosen["settings"])
 
-                frames, meta = decode_video(data, name, sampler, self.limits, resizer)
-                settings, size = chosen["settings"], chosen["size"]
-                second_per_grid_ts = settings.temporal_patch_size / meta.sampled_fps
-                t_factor = (self.family.video_t_factor(self.config, second_per_grid_ts)
-                            if self.family.video_t_factor else 1.0)
-                key = {"kind": "video", "min_pixels": settings.min_pixels, "max_pixels": settings.max_pixels,
-                       "fps": sampling.fps, "num_frames": sampling.num_frames, "max_frames": sampling.max_frames}
+                    item.frames, meta = decode_video(data, name, sampler, limits, resizer)
+                    item.settings, item.size = chosen["settings"], chosen["size"]
+                    n_frames = item.frames.shape[0]
+                second_per_grid_ts = item.settings.temporal_patch_size / meta.sampled_fps
+                item.t_factor = (self.family.video_t_factor(self.config, second_per_grid_ts)
+                                 if self.family.video_t_factor else 1.0)
+                key = {"kind": "video", "fps": sampling.fps, "num_frames": sampling.num_frames,
+                       "max_frames": sampling.max_frames}
             else:
-                frames = decode_image(data, name, self.limits)[None]
-                settings = image_settings
-                size = target_size(frames.shape[1], frames.shape[2], settings, name)
-                frames = resize_frames(frames, size, settings)
-                t_factor = 1.0
-                key = {"kind": "image", "min_pixels": settings.min_pixels, "max_pixels": settings.max_pixels}
-            grid = grid_thw(frames.shape[0], size, settings)
+                item.settings = image_settings
+                probed = probe_image(data, name, limits)
+                if probed is None:
+                    item.frames = decode_image(data, name, limits)[None]
+                    probed = item.frames.shape[1:3]
+                item.size = target_size(probed[0], probed[1], item.settings, name)
+                item.probed = tuple(probed)
+                if item.frames is not None:
+                    item.frames = resize_frames(item.frames, item.size, item.settings)
+                n_frames = 1
+                key = {"kind": "image"}
+            key.update(min_pixels=item.settings.min_pixels, max_pixels=item.settings.max_pixels)
+            item.grid = grid_thw(n_frames, item.size, item.settings)
             digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode())
             digest.update(data)
-            return (frames, size, settings, grid, t_factor), digest.digest()
+            item.digest = digest.digest()
+            return item
 
-        loaded = _map(load, names)
-        items = [item for item, _ in loaded]
-        hashes: list[bytes] = [digest for _, digest in loaded]
-        del loaded
-
-        grids = np.array([item[3] for item in items], dtype=np.int64).reshape(-1, 3)
+        items = _map(plan, names)
+        hashes: list[bytes] = [item.digest for item in items]
+        grids = np.array([item.grid for item in items], dtype=np.int64).reshape(-1, 3)
         rows = grids.prod(axis=1)
-        merge = np.array([item[2].merge_size ** 2 for item in items], dtype=np.int64)
+        merge = np.array([item.settings.merge_size ** 2 for item in items], dtype=np.int64)
         n_tokens = int(ids.shape[0] + (rows // merge).sum() - len(items)) if items else int(ids.shape[0])
         if n_tokens > limits.max_prompt_tokens:
             raise InvalidInput(f"text_input: prompt is {n_tokens} tokens after expanding media, exceeds "
                                f"max_prompt_tokens={limits.max_prompt_tokens}")
         pixel_values = np.empty((int(rows.sum()), self.image_settings.row_size), dtype=np.float32)
         starts = np.concatenate(([0], np.cumsum(rows))).astype(np.int64)
-
-        def write(i: int) -> None:
-            frames, size, settings, _, _ = items[i]
-            write_pixel_values(frames, size, settings, pixel_values[starts[i]:starts[i + 1]])
-
-        _map(write, range(len(items)))
-        spans_meta = [(settings.merge_size, t_factor) for _, _, settings, _, t_factor in items]
+        _map(lambda i: _fill(items[i], pixel_values[starts[i]:starts[i + 1]], limits), range(len(items)))
+        spans_meta = [(item.settings.merge_size, item.t_factor) for item in items]
         del items
 
         # Expand each placeholder token to its item's token count, in id space.
@@ -310,6 +326,60 @@ class Preprocessor:
         positions, delta = mrope_positions(input_ids.shape[0], spans)
         return PreprocessOutput(input_ids=input_ids, pixel_values=pixel_values, grid_thw=grids,
                                 mrope_position_ids=positions, mrope_position_delta=delta, media_hashes=hashes)
+
+
+@dataclass
+class _Item:
+    """One media item of a request between the two phases of `Preprocessor.__call__`."""
+    name: str
+    data: bytes
+    settings: VisionSettings | None = None
+    size: tuple[int, int] = (0, 0)
+    grid: tuple[int, int, int] = (0, 0, 0)
+    t_factor: float = 1.0
+    digest: bytes = b""
+    frames: np.ndarray | None = None    # resized uint8 frames, when phase 1 had to decode
+    planned: PlannedVideo | None = None  # an H.264 video whose frames phase 2 decodes
+    probed: tuple[int, int] | None = None
+
+
+def _fill(item: _Item, out: np.ndarray, limits: Limits) -> None:
+    """Phase 2: decode what is left of `item` and write its pixel rows into `out`."""
+    settings, size = item.settings, item.size
+    if item.frames is None and item.planned is None:  # an image known from its header
+        frames = decode_image(item.data, item.name, limits)[None]
+        if tuple(frames.shape[1:3]) != item.probed:
+            raise InvalidInput(f"{item.name}: not a decodable image")
+        item.frames = resize_frames(frames, size, settings)
+    if item.frames is not None:
+        write_pixel_values(item.frames, size, settings, out)
+        item.frames = None
+        return
+    meta, tps = item.planned.meta, settings.temporal_patch_size
+    n = len(meta.frames_indices)
+    staging = np.empty((n, size[0], size[1], 3), dtype=np.uint8)
+    rows_per_patch = item.grid[1] * item.grid[2]
+    pending = [min(tps, n - g * tps) for g in range(item.grid[0])]  # frames missing per temporal patch
+    lock = threading.Lock()
+
+    def store(k: int, frame) -> None:
+        staging[k] = resize_frames(frame_rgb(frame, meta.width, meta.height)[None], size, settings)[0]
+        g = k // tps
+        with lock:
+            pending[g] -= 1
+            ready = pending[g] == 0
+        if ready:
+            write_pixel_values(staging[g * tps:min(n, (g + 1) * tps)], size, settings,
+                               out[g * rows_per_patch:(g + 1) * rows_per_patch])
+
+    if not item.planned.decode(store):
+        # The fast path could not vouch for its frames: decode everything, which must agree.
+        sampler = lambda _meta: meta.frames_indices  # noqa: E731
+        frames, _ = decode_video(item.data, item.name, sampler, limits,
+                                 lambda _m: (size, lambda f: resize_frames(f, size, settings)))
+        if frames.shape[0] != n:
+            raise InvalidInput(f"{item.name}: not a decodable video")
+        write_pixel_values(frames, size, settings, out)
 
 
 def _map(fn, args) -> list:
