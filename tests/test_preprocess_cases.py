@@ -296,3 +296,17 @@ def test_mm_option_override(options, hf_kwargs, pre, hf_processor, hf_model, ckp
     video = _encode(_frames(30, 96, 64), 10)
     _check(pre, hf_processor, hf_model, ckpt_config, f"{IMG}{VID}", [_image_bytes(300, 200, "PNG")],
                       [video], mm_options=options, hf_kwargs=hf_kwargs)
+
+
+def test_planned_video_falls_back_to_full_decode(pre, monkeypatch):
+    """When the H.264 fast path cannot vouch for its frames, phase 2 decodes everything instead
+    and the outputs are the same."""
+    from triton_vlm import media
+
+    data = _encode(_frames(40, 96, 64), 10)
+    expected = pre(f"{IMG}{VID}", [_image_bytes(90, 60, "JPEG")], [data])
+    monkeypatch.setattr(media.PlannedVideo, "decode", lambda self, store: False)
+    got = pre(f"{IMG}{VID}", [_image_bytes(90, 60, "JPEG")], [data])
+    np.testing.assert_array_equal(got.pixel_values, expected.pixel_values)
+    np.testing.assert_array_equal(got.input_ids, expected.input_ids)
+    np.testing.assert_array_equal(got.mrope_position_ids, expected.mrope_position_ids)
