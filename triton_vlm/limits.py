@@ -37,7 +37,7 @@ class Limits:
         return {f.name: repr(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
     @classmethod
-    def from_params(cls, params: dict[str, str]) -> "Limits":
+    def from_params(cls, params: dict[str, str]) -> Limits:
         """Limits from model config parameters; keys that are not limits are ignored."""
         values = {}
         for f in dataclasses.fields(cls):

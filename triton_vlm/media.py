@@ -11,9 +11,9 @@ import math
 import os
 import urllib.parse
 import warnings
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -365,7 +365,7 @@ def _output(meta: VideoMetadata, indices: np.ndarray, width: int, height: int, r
 
 
 def plan_video(data: bytes, name: str, sampler: Sampler | None = None,
-               limits: Limits = DEFAULT_LIMITS) -> "PlannedVideo | None":
+               limits: Limits = DEFAULT_LIMITS) -> PlannedVideo | None:
     """The sampled frames of a video the fast path can decode (AVCC H.264, see `decode_video`),
     known before decoding anything: `.meta` has `frames_indices`; `.decode(store)` then calls
     `store(k, frame)` for each kept frame (from worker threads). None: use `decode_video`."""
@@ -381,12 +381,12 @@ def plan_video(data: bytes, name: str, sampler: Sampler | None = None,
         raise InvalidInput(f"{name}: not a decodable video") from None
 
 
-def _plan(facts, packets, data, name, sampler, limits) -> "PlannedVideo | None":
+def _plan(facts, packets, data, name, sampler, limits) -> PlannedVideo | None:
     plan = _h264_plan(facts, packets)
     if plan is None:
         return None
     width, height = facts["width"], facts["height"]
-    meta, indices = _sample(len(plan), facts["fps"], width, height, name, sampler, limits)
+    meta, _ = _sample(len(plan), facts["fps"], width, height, name, sampler, limits)
     return PlannedVideo(meta, plan, packets, data)
 
 

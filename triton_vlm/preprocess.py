@@ -312,7 +312,6 @@ class Preprocessor:
         starts = np.concatenate(([0], np.cumsum(rows))).astype(np.int64)
         _map(lambda i: _fill(items[i], pixel_values[starts[i]:starts[i + 1]], limits), range(len(items)))
         spans_meta = [(item.settings.merge_size, item.t_factor) for item in items]
-        del items
 
         # Expand each placeholder token to its item's token count, in id space.
         tokens = np.array([int(rows[i]) // (m * m) for i, (m, _) in enumerate(spans_meta)], dtype=np.int64)
