@@ -84,7 +84,7 @@ def small(ckpt):  # noqa: F811
                                      max_video_frames=64))
 
 
-@settings(max_examples=120, deadline=timedelta(seconds=30), derandomize=True, database=None,
+@settings(max_examples=400, deadline=timedelta(seconds=30), derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(seed=st.sampled_from(sorted(SEEDS)), mutations=st.lists(_mutation, min_size=1, max_size=4))
 def test_mutated_media_give_a_result_or_invalid_input(small, seed, mutations):
