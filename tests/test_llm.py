@@ -347,6 +347,28 @@ def test_eight_concurrent_requests_equal_alone(batching_engine, requests):
     assert (eng.num_running, eng.num_waiting) == (0, 0)
 
 
+def test_decode_cache_equals_gather_from_pool(ckpt, engine, requests):
+    """Decode rows read K/V from the pool's dense DecodeCache (copied in once per sequence, one row
+    appended per step); with the cache off they gather the blocks from the pool every step: same
+    tokens, logits within 1e-4, the cache empty once nothing runs."""
+    jobs = _jobs()
+    out = {}
+    for limit in (None, 0):
+        eng = Engine(ckpt, model=engine.model, kv_cache_tokens=4096, max_num_tokens=24, return_logits=True)
+        if limit is not None:
+            eng.pool.decode_cache.limit_bytes = limit
+        try:
+            out[limit] = _together(eng, requests, jobs, f"dc{limit}")
+            cache = eng.pool.decode_cache
+            # each sequence copied in about once (again only after a step without it), not every step
+            assert (cache.rebuilt_rows > 0) == (limit is None)
+            assert cache.rebuilt_rows <= 2 * len(jobs)
+            assert cache.k is None and cache.nbytes == 0 and eng.kv_blocks_used == 0
+        finally:
+            eng.shutdown()
+    _assert_same(out[None], out[0])
+
+
 def test_batched_step_mixes_prefill_chunks_and_decodes(ckpt, engine, requests):
     eng = Engine(ckpt, model=engine.model, kv_cache_tokens=4096, max_num_tokens=16)
     seen = []

@@ -406,7 +406,8 @@ class Engine:
         if end > n:
             parts.append((torch.arange(max(start, n), end) + seq.delta).expand(3, -1))
         positions = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        return Chunk(h, positions, start, self.pool.slots(seq.blocks, end), want_logits=end == len(seq.tokens))
+        return Chunk(h, positions, start, self.pool.slots(seq.blocks, end), want_logits=end == len(seq.tokens),
+                     key=seq.arrival)
 
     def _run(self, plan: list[tuple[_Sequence, int, int]]) -> None:
         try:
@@ -489,6 +490,8 @@ class Engine:
             seq.blocks = []
         seq.embeddings = seq.emb_index = None
         self.num_running = sum(1 for s in self._running if not s.done)
+        if self.num_running == 0:  # nothing decoding: the dense decode copies go too
+            self.pool.decode_cache.clear()
         self.num_finished += 1
         with self._lock:
             self._ids_in_flight.discard(seq.request_id)

@@ -109,12 +109,14 @@ class Chunk:
     """Rows of one sequence computed in a forward pass: tokens `start .. start + len(h)` of it.
 
     `slots` holds the pool slot of every token `0 .. start + len(h)` (its block table expanded);
-    the last `len(h)` are where this pass writes K/V. `want_logits`: return the last row's logits."""
+    the last `len(h)` are where this pass writes K/V. `want_logits`: return the last row's logits.
+    `key`: the sequence's identity across passes (lets decode rows reuse the pool's DecodeCache)."""
     h: torch.Tensor           # [c, hidden] input embeddings
     positions: torch.Tensor   # [3, c]
     start: int
     slots: torch.Tensor       # [start + c] long
     want_logits: bool = True
+    key: object = None
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -135,28 +137,31 @@ class Qwen2Layer:
     def __init__(self, w: Callable[[str], torch.Tensor], config: "DecoderConfig"):
         self.c = config
         self.ln1, self.ln2 = w("input_layernorm.weight"), w("post_attention_layernorm.weight")
-        self.wq, self.bq = w("self_attn.q_proj.weight"), w("self_attn.q_proj.bias")
-        self.wk, self.bk = w("self_attn.k_proj.weight"), w("self_attn.k_proj.bias")
-        self.wv, self.bv = w("self_attn.v_proj.weight"), w("self_attn.v_proj.bias")
+        # q/k/v and gate/up run as one matmul each (weights concatenated once, at load)
+        self.w_qkv = torch.cat([w(f"self_attn.{p}_proj.weight") for p in "qkv"])
+        self.b_qkv = torch.cat([w(f"self_attn.{p}_proj.bias") for p in "qkv"])
         self.wo = w("self_attn.o_proj.weight")
-        self.w_gate, self.w_up = w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")
+        self.w_gate_up = torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")])
         self.w_down = w("mlp.down_proj.weight")
+        self._split = (config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim,
+                       config.num_kv_heads * config.head_dim)
 
     def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """h [T, hidden] -> q [T, heads, d], k, v [T, kv_heads, d], rotary applied."""
+        """h [T, hidden] -> q [T, heads, d], k, v [T, kv_heads, d], rotary applied; cos, sin [T, 1, d]."""
         c, n = self.c, h.shape[0]
         x = _rms(h, self.ln1, c.rms_norm_eps)
-        q = F.linear(x, self.wq, self.bq).view(n, c.num_heads, c.head_dim)
-        k = F.linear(x, self.wk, self.bk).view(n, c.num_kv_heads, c.head_dim)
-        v = F.linear(x, self.wv, self.bv).view(n, c.num_kv_heads, c.head_dim)
-        cos, sin = cos[:, None], sin[:, None]
+        q, k, v = F.linear(x, self.w_qkv, self.b_qkv).split(self._split, dim=-1)
+        q = q.view(n, c.num_heads, c.head_dim)
+        k = k.view(n, c.num_kv_heads, c.head_dim)
+        v = v.view(n, c.num_kv_heads, c.head_dim)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
 
     def finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Residual of the attention output [T, heads * d], then the MLP block."""
         h = h + F.linear(attn, self.wo)
         x = _rms(h, self.ln2, self.c.rms_norm_eps)
-        return h + F.linear(F.silu(F.linear(x, self.w_gate)) * F.linear(x, self.w_up), self.w_down)
+        gate, up = F.linear(x, self.w_gate_up).chunk(2, dim=-1)
+        return h + F.linear(F.silu(gate) * up, self.w_down)
 
 
 def mrope_cos_sin(config: "DecoderConfig", inv_freq: torch.Tensor, positions: torch.Tensor):
@@ -246,6 +251,7 @@ class DecoderModel:
         h = torch.cat([ch.h for ch in chunks]) if len(chunks) > 1 else chunks[0].h
         positions = torch.cat([ch.positions for ch in chunks], dim=1) if len(chunks) > 1 else chunks[0].positions
         cos, sin = self.rope(positions)
+        cos, sin = cos[:, None], sin[:, None]  # once per pass, not per layer
         T = h.shape[0]
         new_slots = torch.cat([ch.slots[ch.start:] for ch in chunks])
         # row layout: decode rows (one token, some context) attend in one padded batch
@@ -255,7 +261,23 @@ class DecoderModel:
             row += ch.h.shape[0]
         dec = [i for i, ch in enumerate(chunks) if ch.h.shape[0] == 1]
         pre = [i for i, ch in enumerate(chunks) if ch.h.shape[0] > 1]
-        if dec:
+        cache = getattr(pool, "decode_cache", None)
+        cache_rows = None
+        if dec and cache is not None:
+            cache_rows = cache.prepare([(chunks[i].key, chunks[i].start, chunks[i].slots) for i in dec])
+        if cache_rows is not None:
+            # decode K/V in the dense cache: buffer row r is decode chunk order[r]; no gather per step
+            B = len(dec)
+            order = [0] * B
+            for j, r in enumerate(cache_rows):
+                order[r] = j
+            tok_rows = torch.tensor([offsets[dec[j]] for j in order])
+            buf_pos = torch.tensor([chunks[dec[j]].start for j in order])
+            buf_idx = torch.arange(B)
+            lmax = int(buf_pos.max()) + 1
+            dec_mask = (torch.arange(lmax)[None, :] <= buf_pos[:, None])[:, None, None, :]
+            group = c.num_heads // c.num_kv_heads
+        elif dec:
             dec_rows = torch.tensor([offsets[i] for i in dec])
             lengths = torch.tensor([chunks[i].slots.numel() for i in dec])
             # gather whole blocks (block tables from the slots), not single slots: bs x fewer indices
@@ -285,7 +307,15 @@ class DecoderModel:
             kp.index_copy_(0, new_slots, k)
             vp.index_copy_(0, new_slots, v)
             attn = torch.empty(T, c.num_heads, c.head_dim)
-            if dec:
+            if cache_rows is not None:
+                kb, vb = cache.k[li], cache.v[li]
+                kb[buf_idx, :, buf_pos] = k.index_select(0, tok_rows)
+                vb[buf_idx, :, buf_pos] = v.index_select(0, tok_rows)
+                qd = q.index_select(0, tok_rows).view(B, c.num_kv_heads, group, c.head_dim)
+                out = F.scaled_dot_product_attention(qd, kb[:B, :, :lmax], vb[:B, :, :lmax], attn_mask=dec_mask,
+                                                     scale=scale)
+                attn.index_copy_(0, tok_rows, out.reshape(B, c.num_heads, c.head_dim))
+            elif dec:
                 # the query heads of one KV head attend as G "query rows": no K/V repeat for GQA
                 qd = q.index_select(0, dec_rows).view(B, c.num_kv_heads, group, c.head_dim)
                 kd = kp.view(kv_shape).index_select(0, dec_blocks).view(B, lmax, c.num_kv_heads, c.head_dim)
@@ -306,6 +336,8 @@ class DecoderModel:
                     is_causal=not ch.start, scale=scale, enable_gqa=gqa)
                 attn[a:a + n] = out[0].transpose(0, 1)
             h = layer.finish(h, attn.view(T, c.num_heads * c.head_dim))
+        if cache_rows is not None:
+            cache.advance(cache_rows)
         last = torch.tensor([offsets[i] + ch.h.shape[0] - 1 for i, ch in enumerate(chunks) if ch.want_logits],
                             dtype=torch.long)
         if last.numel() == 0:
