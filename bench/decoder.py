@@ -141,6 +141,14 @@ def main() -> None:
         rate = tokens / seconds
         base = base or rate
         print(f"{name:32} {tokens:7d} {seconds:8.2f} {rate:8.1f} {rate / base:6.2f} {ttft:17.1f}")
+    # per round: each engine row against the transformers run of the same round (the machine is
+    # shared, so load changes between rounds; a ratio within one round is the fairer comparison)
+    hf_runs = results["transformers (one at a time)"]
+    print("\nper round, x transformers of the same round:")
+    for name, runs in results.items():
+        if name.startswith("engine"):
+            ratios = [(t / s) / (ht / hs) for (t, s, _), (ht, hs, _) in zip(runs, hf_runs)]
+            print(f"{name:32} " + " ".join(f"{x:6.2f}" for x in ratios))
     if tmp:
         tmp.cleanup()
 

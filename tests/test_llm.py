@@ -533,3 +533,44 @@ def test_incremental_detokenizer_never_emits_broken_utf8(engine):
     pieces = [detok.add(t) for t in ids] + [detok.flush()]
     assert "".join(pieces) == tok.decode(ids) == text
     assert not any("\ufffd" in p for p in pieces)
+
+
+def test_decode_cache_rows_follow_the_pool():
+    """DecodeCache unit: rows copied in from the pool equal the pool's K/V; a sequence not decoding
+    in a step is dropped and the last row moves into its hole; the padded tail is finite (SDPA
+    multiplies it by 0 weights); over the byte limit it declines."""
+    from triton_vlm.llm import KVPool
+
+    torch.manual_seed(0)
+    pool = KVPool(num_layers=2, num_kv_heads=2, head_dim=4, num_blocks=16, block_size=4)
+    pool.k.normal_(), pool.v.normal_()
+    cache = pool.decode_cache
+    cache.limit_bytes = 1 << 20  # the pool is tiny; its default (half the pool) is too small here
+    tables = {"a": [3, 7], "b": [1, 9, 2], "c": [5]}
+    starts = {"a": 6, "b": 10, "c": 2}
+
+    def seqs(names):
+        return [(n, starts[n], pool.slots(tables[n], starts[n] + 1)) for n in names]
+
+    def check(names, rows):
+        for n, r in zip(names, rows):
+            idx = pool.slots(tables[n], starts[n])
+            assert torch.equal(cache.k[:, r, :, :starts[n]], pool.k[:, idx].transpose(1, 2))
+            assert torch.equal(cache.v[:, r, :, :starts[n]], pool.v[:, idx].transpose(1, 2))
+        assert torch.isfinite(cache.k).all() and torch.isfinite(cache.v).all()
+
+    rows = cache.prepare(seqs("abc"))
+    assert rows == [0, 1, 2] and cache.rebuilt_rows == 3
+    check("abc", rows)
+    for n, r in zip("abc", rows):  # what the model's step does: write token `start`, then advance
+        slot = pool.slots(tables[n], starts[n] + 1)[-1]
+        cache.k[:, r, :, starts[n]], cache.v[:, r, :, starts[n]] = pool.k[:, slot], pool.v[:, slot]
+    cache.advance(rows)
+    for n in "ac":
+        starts[n] += 1
+    rows = cache.prepare(seqs("ca"))       # b left: c moves into its row, nothing copied from the pool
+    assert sorted(rows) == [0, 1] and cache.rebuilt_rows == 3 and cache.keys[rows[0]] == "c"
+    check("ca", rows)
+    cache.limit_bytes = 0
+    cache.clear()
+    assert cache.prepare(seqs("a")) is None and cache.nbytes == 0

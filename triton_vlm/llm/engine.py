@@ -126,7 +126,9 @@ class Engine:
     thread. Counters: `num_running`, `num_waiting`, `num_generated_tokens`, `num_finished`,
     `num_preempted`; the pool's `num_used` / `num_free` blocks (`kv_blocks_used`, `kv_blocks_free`).
 
-    Pool size: `kv_cache_tokens`, else `kv_cache_bytes` (default 256 MiB), rounded down to blocks."""
+    Pool size: `kv_cache_tokens`, else `kv_cache_bytes` (default 256 MiB), rounded down to blocks.
+    On top of the pool, decode steps keep dense copies of the decoding sequences' K/V
+    (`pool.decode_cache`: at most half the pool's bytes, grown on demand, freed when nothing runs)."""
 
     def __init__(self, checkpoint_dir: str | Path, *, max_running: int = 64, tokenizer=None,
                  model: DecoderModel | None = None, kv_cache_tokens: int | None = None,

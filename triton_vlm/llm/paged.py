@@ -206,7 +206,8 @@ class DecodeCache:
                     return None
             p = self.pool
             shape = (p.k.shape[0], new_rows, p.k.shape[2], new_len, p.k.shape[3])
-            k, v = torch.empty(shape, dtype=p.k.dtype), torch.empty(shape, dtype=p.v.dtype)
+            # zeros, not empty: SDPA multiplies the masked-out tail by 0 weights, and 0 * NaN is NaN
+            k, v = torch.zeros(shape, dtype=p.k.dtype), torch.zeros(shape, dtype=p.v.dtype)
             if self.keys:
                 n, m = len(self.keys), max(self.lengths)
                 k[:, :n, :, :m] = self.k[:, :n, :, :m]
