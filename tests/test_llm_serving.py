@@ -2,37 +2,15 @@
 from __future__ import annotations
 
 import queue
-import re
-import time
-import urllib.request
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
+from tests.metrics import wait_for
 from triton_vlm.client import generate
 
 PROMPT = "<|im_start|>user\nTell me about a red car on the road.<|im_end|>\n<|im_start|>assistant\n"
-
-
-def metrics(server) -> dict[str, float]:
-    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-    out = {}
-    for line in text.splitlines():
-        m = re.match(r'(triton_vlm_llm_\w+)\{([^}]*)\} (\S+)', line)
-        if m:
-            state = re.search(r'state="(\w+)"', m.group(2))
-            out[m.group(1) + (f":{state.group(1)}" if state else "")] = float(m.group(3))
-    return out
-
-
-def wait_for(server, predicate, timeout: float = 30.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout
-    while True:
-        values = metrics(server)
-        if predicate(values) or time.monotonic() > deadline:
-            return values
-        time.sleep(0.1)
 
 
 def direct_llm_inputs(hf, max_tokens: int) -> list:

@@ -260,14 +260,14 @@ def test_encoder_configs_cpu_and_gpu(checkpoint):
     import json
 
     from triton_vlm.families import detect_family
-    from triton_vlm.repository import BuildOptions, check_ensemble, model_configs
+    from triton_vlm.repository import BuildOptions, check_pipeline, model_configs
 
     config = json.loads((checkpoint / "config.json").read_text())
     for device in ("cpu", "gpu"):
         options = BuildOptions(device=device, encoder_max_queue_delay_us=1234, encoder_cache_bytes=1 << 20,
                                encoder_instances=2)
         configs = model_configs(detect_family(checkpoint), config, options)
-        check_ensemble(configs)
+        check_pipeline(configs)
         front, batch = configs["vision_encoder"], configs["vision_encoder_batch"]
         assert front.max_batch_size == 0 and [list(t.dims) for t in front.input][1] == [-1, 3]
         assert batch.max_batch_size == options.encoder_max_batch_patches

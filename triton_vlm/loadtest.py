@@ -81,7 +81,8 @@ def run(url: str, kind: str, inputs: dict, concurrency: str, max_tokens: int, wi
     data, report = workdir / f"{kind}.json", workdir / f"{kind}.csv"
     data.write_text(json.dumps(input_data(inputs, max_tokens)))
     argv = perf_analyzer_argv() + [
-        "-m", "ensemble", "-i", "grpc", "--streaming", "-u", url, "--input-data", str(data),
+        "-m", "ensemble", "--bls-composing-models", ",".join(COMPOSING), "-i", "grpc", "--streaming", "-u", url,
+        "--input-data", str(data),
         "--concurrency-range", concurrency, "--measurement-mode", "count_windows",
         "--measurement-request-count", str(window_requests), "--stability-percentage", "1000",
         "--max-trials", "3", "-f", str(report)]

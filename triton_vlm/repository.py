@@ -58,6 +58,7 @@ class BuildOptions:
     prefix_caching: bool = True
     llm_max_running: int = 64
     llm_max_num_tokens: int = 512
+    max_inflight_requests: int = 64     # `ensemble`: requests beyond this are refused at once (UNAVAILABLE)
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,8 @@ SAMPLING_INPUTS = (
     TensorSpec("stream", BOOL, (1,), optional=True),
     TensorSpec("repetition_penalty", FP32, (1,), optional=True),
 )
+# tensorrtllm_backend's `stop`: a request with this set ends the in-flight request of the same id.
+STOP_INPUT = TensorSpec("stop", BOOL, (1,), optional=True)
 GENERATION_OUTPUTS = (
     TensorSpec("text_output", BYTES, (1,)),
     TensorSpec("output_ids", INT32, (-1,)),
@@ -156,16 +159,20 @@ def _python_model(name: str, inputs, outputs, instances: int, parameters: dict[s
     return config
 
 
-def _ensemble(steps: list[tuple[mc.ModelConfig, dict[str, str], dict[str, str]]]) -> mc.ModelConfig:
-    """The ensemble config; each step maps model tensor names to ensemble tensor names."""
-    config = mc.ModelConfig(name="ensemble", platform="ensemble", max_batch_size=0)
-    _add_tensors(config.input, MEDIA_INPUTS + SAMPLING_INPUTS)
-    _add_tensors(config.output, GENERATION_OUTPUTS)
-    for model, input_map, output_map in steps:
-        step = config.ensemble_scheduling.step.add(model_name=model.name, model_version=-1)
-        step.input_map.update(input_map)
-        step.output_map.update(output_map)
-    return config
+def _pipeline(steps: list[mc.ModelConfig], options: BuildOptions) -> mc.ModelConfig:
+    """`ensemble`: a decoupled Python model that runs the steps in order through BLS.
+
+    Not a Triton ensemble: in Triton 2.51 an ensemble does not pass a client's cancellation on
+    to a decoupled step that is already running (server issue 6739), so a cancelled or
+    disconnected stream would keep the `llm` generating. This model sees the cancellation and
+    sends the `llm` a `stop` request for the same request id (tensorrtllm_backend's `stop`).
+    The step list is data in its parameters, checked by `check_pipeline`.
+    """
+    description = [{"model": m.name, "inputs": [t.name for t in m.input if t.name != STOP_INPUT.name],
+                    "outputs": [t.name for t in m.output]} for m in steps]
+    params = {"steps": json.dumps(description), "max_inflight_requests": str(options.max_inflight_requests),
+              "final_output": "finish_reason"}
+    return _python_model("ensemble", MEDIA_INPUTS + SAMPLING_INPUTS, GENERATION_OUTPUTS, 1, params, decoupled=True)
 
 
 def model_configs(family: Family, checkpoint_config: dict, options: BuildOptions) -> dict[str, mc.ModelConfig]:
@@ -191,14 +198,9 @@ def model_configs(family: Family, checkpoint_config: dict, options: BuildOptions
         llm_params["kv_cache_tokens"] = str(options.kv_cache_tokens)
     if options.kv_cache_bytes:
         llm_params["kv_cache_bytes"] = str(options.kv_cache_bytes)
-    llm = _python_model("llm", llm_in + SAMPLING_INPUTS, GENERATION_OUTPUTS, 1, llm_params, decoupled=True)
-
-    same = lambda specs: {s.name: s.name for s in specs}  # noqa: E731
-    ensemble = _ensemble([
-        (preprocess, same(MEDIA_INPUTS), same(preprocess_outputs())),
-        (encoder, same(enc_in), same(enc_out)),
-        (llm, same(llm_in + SAMPLING_INPUTS), same(GENERATION_OUTPUTS)),
-    ])
+    llm = _python_model("llm", llm_in + SAMPLING_INPUTS + (STOP_INPUT,), GENERATION_OUTPUTS, 1, llm_params,
+                        decoupled=True)
+    ensemble = _pipeline([preprocess, encoder, llm], options)
     return {c.name: c for c in (preprocess, encoder, encoder_batch, llm, ensemble)}
 
 
@@ -211,25 +213,24 @@ def write_config(config: mc.ModelConfig, path: Path) -> None:
         raise RuntimeError(f"{path}: config did not survive a text round trip")
 
 
-def check_ensemble(configs: dict[str, mc.ModelConfig]) -> None:
-    """Every tensor a step reads is produced by an earlier step or is an ensemble input, with the same type."""
+def check_pipeline(configs: dict[str, mc.ModelConfig]) -> None:
+    """Every tensor a step needs is an `ensemble` input or an earlier step's output, of the same type."""
     ensemble = configs["ensemble"]
-    available = {t.name: (t.data_type, list(t.dims)) for t in ensemble.input}
-    for step in ensemble.ensemble_scheduling.step:
-        model = configs[step.model_name]
+    available = {t.name: t.data_type for t in ensemble.input}
+    for step in json.loads(ensemble.parameters["steps"].string_value):
+        model = configs[step["model"]]
         for tensor in model.input:
-            source = step.input_map.get(tensor.name)
-            if source is None:
+            if tensor.name not in step["inputs"]:
                 if not tensor.optional:
-                    raise RuntimeError(f"ensemble: {model.name}.{tensor.name} is required but not mapped")
-                continue
-            if source not in available or available[source][0] != tensor.data_type:
-                raise RuntimeError(f"ensemble: {model.name}.{tensor.name} has no source of the same type")
-        for tensor in model.output:
-            if tensor.name in step.output_map:
-                available[step.output_map[tensor.name]] = (tensor.data_type, list(tensor.dims))
+                    raise RuntimeError(f"ensemble: {model.name}.{tensor.name} is required but not passed")
+            elif tensor.name not in available:
+                if not tensor.optional:
+                    raise RuntimeError(f"ensemble: {model.name}.{tensor.name} is produced by no earlier step")
+            elif available[tensor.name] != tensor.data_type:
+                raise RuntimeError(f"ensemble: {model.name}.{tensor.name} has another type upstream")
+        available.update({t.name: t.data_type for t in model.output if t.name in step["outputs"]})
     for tensor in ensemble.output:
-        if tensor.name not in available:
+        if available.get(tensor.name) != tensor.data_type:
             raise RuntimeError(f"ensemble: output {tensor.name} is produced by no step")
 
 
@@ -258,7 +259,7 @@ def build_repository(checkpoint: str | Path, repo: str | Path, options: BuildOpt
     if options.device not in ("cpu", "gpu"):
         raise ValueError(f"--device {options.device}: expected cpu or gpu")
     configs = model_configs(family, checkpoint_config, options)
-    check_ensemble(configs)
+    check_pipeline(configs)
 
     if repo.exists():
         shutil.rmtree(repo)

@@ -232,6 +232,149 @@ def _default(value, default):
     return default if value is None else value
 
 
+class PipelineModel:
+    """`ensemble`: runs preprocess -> vision_encoder -> llm through BLS, streaming the llm's responses.
+
+    A Triton ensemble would not tell a running decoupled step that its client cancelled or went
+    away (Triton 2.51); this model watches `is_cancelled()` and sends the last step a `stop`
+    request with the same request id, so the llm ends the request within a step and frees its
+    KV blocks. Requests beyond `max_inflight_requests` are refused at once with UNAVAILABLE.
+    """
+
+    FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+    def initialize(self, args: dict[str, Any]) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _, params = _model_dir(args)
+        self.steps: list[dict] = json.loads(params["steps"])
+        self.final_output = params["final_output"]
+        self.max_inflight = int(params["max_inflight_requests"])
+        self._flights: dict[str, _Flight] = {}
+        self._lock = threading.Lock()
+        self._next_id = 0
+        self._pool = ThreadPoolExecutor(max_workers=self.max_inflight, thread_name_prefix="ensemble")
+        self._stopping = threading.Event()
+        self._watcher = threading.Thread(target=self._watch_cancellations, name="ensemble-cancel", daemon=True)
+        self._watcher.start()
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            # Copies: the request's own memory is not ours once execute returns.
+            values = {t.name(): t.as_numpy().copy() for t in request.inputs()}
+            with self._lock:
+                if len(self._flights) >= self.max_inflight:
+                    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                        f"server busy: {len(self._flights)} requests in flight, max_inflight_requests="
+                        f"{self.max_inflight}; retry later", pb_utils.TritonError.UNAVAILABLE)), flags=self.FINAL)
+                    continue
+                self._next_id += 1
+                request_id = f"{request.request_id() or 'ensemble'}-{self._next_id}"
+                self._flights[request_id] = flight = _Flight(sender)
+            self._pool.submit(self._run, request_id, flight, values)
+        return None
+
+    def _run(self, request_id: str, flight: "_Flight", values: dict[str, np.ndarray]) -> None:
+        try:
+            tensors = {name: pb_utils.Tensor(name, value) for name, value in values.items()}
+            for step in self.steps[:-1]:
+                if flight.is_cancelled():
+                    flight.finish(pb_utils.TritonError("cancelled", pb_utils.TritonError.CANCELLED))
+                    return
+                response = self._request(step, tensors, request_id).exec()
+                if response.has_error():
+                    flight.finish(response.error())
+                    return
+                for name in step["outputs"]:
+                    tensors[name] = pb_utils.get_output_tensor_by_name(response, name)
+            last = self.steps[-1]
+            flight.last_inputs = [tensors[n] for n in last["inputs"] if n in tensors]
+            flight.last_started = True
+            for response in self._request(last, tensors, request_id).exec(decoupled=True):
+                if flight.done:
+                    continue  # drain to the last step's own final response
+                if response.has_error():
+                    flight.finish(response.error())
+                elif response.output_tensors():
+                    reason = pb_utils.get_output_tensor_by_name(response, self.final_output)
+                    final = reason is not None and any(bytes(r) for r in reason.as_numpy().reshape(-1))
+                    flight.send(pb_utils.InferenceResponse(output_tensors=response.output_tensors()), final)
+            flight.finish()
+        except Exception:
+            log.exception("ensemble request %s failed", request_id)
+            flight.finish(pb_utils.TritonError("internal error in the ensemble; see the server log"))
+        finally:
+            with self._lock:
+                self._flights.pop(request_id, None)
+
+    def _request(self, step: dict, tensors: dict, request_id: str, extra: tuple = ()) -> "pb_utils.InferenceRequest":
+        return pb_utils.InferenceRequest(model_name=step["model"], request_id=request_id,
+                                         inputs=[tensors[n] for n in step["inputs"] if n in tensors] + list(extra),
+                                         requested_output_names=step["outputs"])
+
+    def _watch_cancellations(self, period: float = 0.02) -> None:
+        """One thread polls every request in flight; a cancelled one gets the last step stopped."""
+        while not self._stopping.wait(period):
+            with self._lock:
+                flights = [(rid, f) for rid, f in self._flights.items() if f.last_started and not f.stop_sent]
+            for request_id, flight in flights:
+                try:
+                    if flight.is_cancelled():
+                        flight.stop_sent = True
+                        stop = pb_utils.Tensor("stop", np.array([True]))
+                        last = self.steps[-1]
+                        request = pb_utils.InferenceRequest(model_name=last["model"], request_id=request_id,
+                                                            inputs=flight.last_inputs + [stop], requested_output_names=[])
+                        for _ in request.exec(decoupled=True):
+                            pass
+                except Exception:
+                    log.exception("stopping request %s failed", request_id)
+
+    def finalize(self) -> None:
+        self._stopping.set()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _Flight:
+    """One `ensemble` request in flight.
+
+    Its sender must not be touched once the final response is out (the request is released
+    then: a later `is_cancelled()` reads freed memory in the server), so sending and polling
+    go through one lock and stop at `done`.
+    """
+
+    def __init__(self, sender) -> None:
+        self._sender = sender
+        self._lock = threading.Lock()
+        self.done = False
+        self.last_started = False
+        self.stop_sent = False
+        self.last_inputs: list = []
+
+    def send(self, response, final: bool) -> None:
+        with self._lock:
+            if not self.done:
+                self._sender.send(response, flags=PipelineModel.FINAL if final else 0)
+                self.done = final
+
+    def finish(self, error=None) -> None:
+        """Send the final response (an error, or just the FINAL flag) unless one was sent."""
+        with self._lock:
+            if self.done:
+                return
+            self.done = True
+            if error is None:
+                self._sender.send(flags=PipelineModel.FINAL)
+            else:
+                self._sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(error.message(), error.code())),
+                                  flags=PipelineModel.FINAL)
+
+    def is_cancelled(self) -> bool:
+        with self._lock:
+            return not self.done and self._sender.is_cancelled()
+
+
 class LLMModel:
     """Decoupled: the engine's scheduler thread sends each request's responses itself."""
 
@@ -308,6 +451,11 @@ class LLMModel:
 
     def _submit(self, request) -> None:
         sender = request.get_response_sender()
+        if _scalar(request, "stop", bool):
+            # tensorrtllm_backend's `stop`: end the in-flight request with this request id.
+            self.engine.cancel(request.request_id())
+            sender.send(flags=self.FINAL)
+            return
         try:
             params = self._sampling(request)
             stream = bool(_scalar(request, "stream", bool) or False)
@@ -316,9 +464,11 @@ class LLMModel:
         except InvalidInput as error:
             sender.send(_invalid(str(error)), flags=self.FINAL)
             return
-        with self._lock:
-            self._next_id += 1
-            request_id = f"{request.request_id() or 'req'}#{self._next_id}"
+        request_id = request.request_id()
+        if not request_id:
+            with self._lock:
+                self._next_id += 1
+                request_id = f"llm-{self._next_id}"
         emit = _StreamEmitter(sender) if stream else _CollectingEmitter(sender)
         try:
             self.engine.submit(request_id, *args, params=params, emit=emit, is_cancelled=sender.is_cancelled)
