@@ -1,6 +1,6 @@
 """Vision encoder benchmark (issue #4): ONNX Runtime vs Hugging Face eager PyTorch, CPU, one run.
 
-    .venv/bin/python bench/encoder.py [--repeats 5] [--threads 0]
+    .venv/bin/python bench/encoder.py [--repeats 5] [--threads 0] [--clock wall|cpu]
 
 Writes the `small` Qwen2.5-VL demo checkpoint (random weights) to a temporary folder, exports its
 vision tower to ONNX (float32), and times, on the same inputs, interleaved (the two alternate, and
@@ -12,9 +12,14 @@ which goes first alternates too, so machine noise hits both alike):
   optimisations on, intra-op threads = `--threads` (0: every usable core, as the server does for
   one instance); torch uses the same number of threads.
 
+`--clock cpu` times with the process's CPU time instead of the wall clock: with `--threads 1` it
+measures the work each side does, unaffected by other processes sharing the cores (with more
+threads it would count spin-waiting too).
+
 Inputs come from the checkpoint's own Hugging Face processor: 1, 4 and 16 distinct 448x448 images
-and one 1280x720 image. Prints the median seconds of each, the ratio HF / ORT and the relative
-error of ORT against HF (max |ORT - HF| / max |HF|).
+and one 1280x720 image. Prints the median seconds of each, the ratio HF / ORT of the medians and
+of the best runs (the machine may be shared: the best run is the least disturbed one) and the
+relative error of ORT against HF (max |ORT - HF| / max |HF|).
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     args = p.parse_args()
 
     import numpy as np
@@ -48,6 +54,7 @@ def main() -> int:
     from triton_vlm.vision.encoder import VisionEncoder, default_threads
     from triton_vlm.vision.export import export_onnx
 
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
     threads = args.threads or default_threads(1)
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -60,7 +67,7 @@ def main() -> int:
         print(f"small checkpoint: vision depth {model.config.vision_config.depth}, hidden "
               f"{model.config.vision_config.hidden_size}, {sum(p.numel() for p in tower.parameters()) / 1e6:.1f} M "
               f"tower parameters; torch {torch.__version__}, transformers {transformers.__version__}, onnxruntime "
-              f"{onnxruntime.__version__}; {threads} threads each; median of {args.repeats}, interleaved")
+              f"{onnxruntime.__version__}; {threads} threads each; {args.clock} clock; median of {args.repeats}, interleaved")
 
         def inputs(sizes):
             images = [Image.open(__import__("io").BytesIO(samples.image_bytes(w, h, seed=float(i)))).convert("RGB")
@@ -70,8 +77,9 @@ def main() -> int:
 
         cases = {"1 x 448x448": [(448, 448)], "4 x 448x448": [(448, 448)] * 4,
                  "16 x 448x448": [(448, 448)] * 16, "1 x 1280x720": [(1280, 720)]}
-        print(f"{'case':<14} {'patches':>8} {'HF eager s':>11} {'ORT s':>8} {'HF/ORT':>7} {'rel err':>9}")
-        ratios = []
+        print(f"{'case':<14} {'patches':>8} {'HF eager s':>11} {'ORT s':>8} {'HF/ORT':>7} {'best HF':>8} "
+              f"{'best ORT':>9} {'HF/ORT':>7} {'rel err':>9}")
+        ratios, best_ratios = [], []
         for name, sizes in cases.items():
             pixels, grid = inputs(sizes)
             px_np, grid_np = pixels.numpy(), grid.numpy()
@@ -88,14 +96,17 @@ def main() -> int:
             times = {"hf": [], "ort": []}
             for r in range(args.repeats):
                 for which in (("hf", "ort") if r % 2 == 0 else ("ort", "hf")):
-                    start = time.perf_counter()
+                    start = clock()
                     (hf if which == "hf" else ort)()
-                    times[which].append(time.perf_counter() - start)
+                    times[which].append(clock() - start)
             t_hf, t_ort = statistics.median(times["hf"]), statistics.median(times["ort"])
+            b_hf, b_ort = min(times["hf"]), min(times["ort"])
             ratios.append(t_hf / t_ort)
-            print(f"{name:<14} {int(grid_np.prod(1).sum()):>8} {t_hf:>11.3f} {t_ort:>8.3f} {t_hf / t_ort:>6.2f}x {err:>9.1e}",
-                  flush=True)
-        print(f"geometric mean HF/ORT: {float(np.exp(np.mean(np.log(ratios)))):.2f}x (goal >= 1.5x)")
+            best_ratios.append(b_hf / b_ort)
+            print(f"{name:<14} {int(grid_np.prod(1).sum()):>8} {t_hf:>11.3f} {t_ort:>8.3f} {t_hf / t_ort:>6.2f}x "
+                  f"{b_hf:>8.3f} {b_ort:>9.3f} {b_hf / b_ort:>6.2f}x {err:>9.1e}", flush=True)
+        print(f"geometric mean HF/ORT: medians {float(np.exp(np.mean(np.log(ratios)))):.2f}x, best runs "
+              f"{float(np.exp(np.mean(np.log(best_ratios)))):.2f}x (goal >= 1.5x)")
     return 0
 
 

@@ -13,8 +13,12 @@ The host computes, with numpy, for each kind of group:
 - ``*_inverse`` int64 [N]: for each patch, its position in the flattened [G * L] layout.
 
 plus the rotary ``cos`` / ``sin`` per patch [N, head_dim]. Each block gathers q/k/v into
-[G, heads, L, head_dim], attends, and gathers the result back with the inverse index. Padded query
-rows are computed and dropped by the inverse gather. No dense N x N mask is ever built.
+[G, L, dim], attends, and gathers the result back with the inverse index. Padded query rows are
+computed and dropped by the inverse gather. No dense N x N mask is ever built. In float32 ONNX
+exports the attention is one `com.microsoft::MultiHeadAttention` node (key padding mask = valid
+keys per group, derived in the graph from the additive mask); `export.mask_only_when_padded` lets
+it drop the mask when no group is padded, and `export.unfuse_attention` turns it back into standard
+ops for TensorRT.
 
 Every size comes from the checkpoint's vision config.
 """
@@ -217,7 +221,43 @@ def _activation(name: str):
     return ACT2FN[name]
 
 
+class _GroupAttention(torch.autograd.Function):
+    """Attention inside groups: q, k, v [G, L, dim] (heads packed in dim), additive key mask [G, L]
+    and the valid key count per group `lengths` int32 [G] (real keys first). Eager torch uses the
+    mask; the ONNX export is one `com.microsoft::MultiHeadAttention` node with `lengths` as its key
+    padding mask (ONNX Runtime's fused CPU kernel: no transposes, no separate mask/scale passes)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, lengths, num_heads: int):
+        return _group_attention(q, k, v, mask, num_heads)
+
+    @staticmethod
+    def symbolic(g, q, k, v, mask, lengths, num_heads):
+        from torch.onnx import symbolic_helper
+        out = g.op("com.microsoft::MultiHeadAttention", q, k, v,
+                   symbolic_helper._optional_input_placeholder_tensor(g), lengths,
+                   num_heads_i=num_heads, mask_filter_value_f=MASK_VALUE)
+        out.setType(q.type())
+        return out
+
+
+def _group_attention(q, k, v, mask, num_heads: int):
+    groups, length, dim = q.shape
+    head_dim = dim // num_heads
+    dtype = q.dtype
+    q = q.reshape(groups, length, num_heads, head_dim).transpose(1, 2)
+    k = k.reshape(groups, length, num_heads, head_dim).transpose(1, 2)
+    v = v.reshape(groups, length, num_heads, head_dim).transpose(1, 2)
+    scores = torch.matmul(q, k.transpose(2, 3)).float() * head_dim ** -0.5 + mask[:, None, None, :]
+    probs = torch.softmax(scores, dim=-1).to(dtype)
+    return torch.matmul(probs, v).transpose(1, 2).reshape(groups, length, dim)
+
+
 class VisionAttention(nn.Module):
+    # The fused ONNX Runtime attention node is used for float32 exports (ORT's CPU kernel is
+    # float32); float16 graphs and eager torch use the plain MatMul / Softmax form.
+    fused = True
+
     def __init__(self, dim: int, num_heads: int):
         super().__init__()
         self.num_heads = num_heads
@@ -226,25 +266,27 @@ class VisionAttention(nn.Module):
         self.proj = nn.Linear(dim, dim)
         self.scaling = self.head_dim ** -0.5
 
-    def forward(self, x, cos, sin, index, mask, inverse):
+    def forward(self, x, cos, sin, index, mask, inverse, lengths):
         n, dim = x.shape
-        qkv = self.qkv(x).reshape(n, 3, self.num_heads, self.head_dim)
-        q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]  # [N, H, D]
-        dtype = q.dtype
-        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-        qf, kf = q.float(), k.float()
-        q = (qf * c + _rotate_half(qf) * s).to(dtype)
-        k = (kf * c + _rotate_half(kf) * s).to(dtype)
         groups, length = index.shape
         flat = index.reshape(-1)
-        # [G*L, H, D] -> [G, H, L, D]
-        q = q.index_select(0, flat).reshape(groups, length, self.num_heads, self.head_dim).transpose(1, 2)
-        k = k.index_select(0, flat).reshape(groups, length, self.num_heads, self.head_dim).transpose(1, 2)
-        v = v.index_select(0, flat).reshape(groups, length, self.num_heads, self.head_dim).transpose(1, 2)
-        scores = torch.matmul(q, k.transpose(2, 3)).float() * self.scaling + mask[:, None, None, :]
-        probs = torch.softmax(scores, dim=-1).to(dtype)
-        out = torch.matmul(probs, v).transpose(1, 2).reshape(groups * length, dim)
-        out = out.index_select(0, inverse)
+        # q and k from one matrix multiply (their rows of the qkv weight), v from another: no
+        # split copy of a [N, 3, H, D] result; rotary on q and k together.
+        w, b = self.qkv.weight, self.qkv.bias
+        qk = nn.functional.linear(x, w[:2 * dim], b[:2 * dim]).reshape(n, 2, self.num_heads, self.head_dim)
+        v = nn.functional.linear(x, w[2 * dim:], b[2 * dim:])
+        dtype = qk.dtype
+        qk = qk.float()
+        qk = (qk * cos + _rotate_half(qk) * sin).to(dtype)
+        # rows gathered into groups: [G, L, dim] each
+        qk = qk.reshape(n, 2 * dim).index_select(0, flat)
+        q, k = qk.reshape(groups, length, 2, dim).unbind(2)
+        v = v.index_select(0, flat).reshape(groups, length, dim)
+        if self.fused and dtype == torch.float32 and torch.onnx.is_in_onnx_export():
+            out = _GroupAttention.apply(q, k, v, mask, lengths, self.num_heads)
+        else:
+            out = _group_attention(q, k, v, mask, self.num_heads)
+        out = out.reshape(groups * length, dim).index_select(0, inverse)
         return self.proj(out)
 
 
@@ -257,7 +299,8 @@ class VisionMLP(nn.Module):
         self.act_fn = _activation(act)
 
     def forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(self.act_fn(gate) * up)
 
 
 class VisionBlock(nn.Module):
@@ -269,8 +312,8 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(dim, cfg["num_heads"])
         self.mlp = VisionMLP(dim, cfg["intermediate_size"], cfg["hidden_act"])
 
-    def forward(self, x, cos, sin, index, mask, inverse):
-        x = x + self.attn(self.norm1(x), cos, sin, index, mask, inverse)
+    def forward(self, x, cos, sin, index, mask, inverse, lengths):
+        x = x + self.attn(self.norm1(x), cos, sin, index, mask, inverse, lengths)
         return x + self.mlp(self.norm2(x))
 
 
@@ -315,13 +358,16 @@ class Qwen2_5_VLVisionTower(nn.Module):
     def forward(self, pixel_values, rotary_cos, rotary_sin, window_index, window_mask, window_inverse,
                 full_index, full_mask, full_inverse):
         x = self.patch_embed(pixel_values)
-        cos, sin = rotary_cos.float(), rotary_sin.float()
+        cos, sin = rotary_cos.float()[:, None, None, :], rotary_sin.float()[:, None, None, :]
         window_mask, full_mask = window_mask.float(), full_mask.float()
+        # Valid keys per group (real keys come first), the fused attention's key padding mask.
+        window_len = (window_mask == 0).sum(-1, dtype=torch.int32)
+        full_len = (full_mask == 0).sum(-1, dtype=torch.int32)
         for i, block in enumerate(self.blocks):
             if i in self.full_blocks:
-                x = block(x, cos, sin, full_index, full_mask, full_inverse)
+                x = block(x, cos, sin, full_index, full_mask, full_inverse, full_len)
             else:
-                x = block(x, cos, sin, window_index, window_mask, window_inverse)
+                x = block(x, cos, sin, window_index, window_mask, window_inverse, window_len)
         return self.merger(x).float()
 
 

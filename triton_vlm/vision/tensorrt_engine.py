@@ -77,17 +77,30 @@ def build_engine(onnx_path: str | Path, engine_path: str | Path, profile: Engine
     import onnx
     import tensorrt as trt
 
+    from triton_vlm.vision.export import unfuse_attention
+
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, not {precision!r}")
-    meta = {p.key: p.value for p in onnx.load(str(onnx_path), load_external_data=False).metadata_props}
+    proto = onnx.load(str(onnx_path), load_external_data=False)
+    meta = {p.key: p.value for p in proto.metadata_props}
     settings = json.loads(meta["vision_config"])
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     network = builder.create_network(0)  # TensorRT 10: explicit batch is the only mode
     parser = trt.OnnxParser(network, logger)
-    if not parser.parse_from_file(str(onnx_path)):
-        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
-        raise RuntimeError(f"TensorRT could not parse {onnx_path}: {errors}")
+    # Float32 exports use ONNX Runtime's fused attention node; TensorRT parses the standard-op
+    # form of the same graph (written next to the original so external weights still resolve).
+    parse_path = Path(onnx_path)
+    if unfuse_attention(proto):
+        parse_path = parse_path.with_name(parse_path.stem + ".unfused.onnx")
+        onnx.save(proto, str(parse_path))
+    try:
+        if not parser.parse_from_file(str(parse_path)):
+            errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+            raise RuntimeError(f"TensorRT could not parse {onnx_path}: {errors}")
+    finally:
+        if parse_path != Path(onnx_path):
+            parse_path.unlink(missing_ok=True)
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace_bytes)
     if precision == "fp16":
