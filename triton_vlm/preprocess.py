@@ -211,6 +211,8 @@ class Preprocessor:
         image_settings, video_settings, sampling, _ = self._options(mm_options)
 
         ids = self._encode(text)
+        if ids.shape[0] == 0 and not n_media:
+            raise InvalidInput("text_input: the prompt is empty")
         is_image, is_video = ids == self.image_token_id, ids == self.video_token_id
         n_image_ph, n_video_ph = int(is_image.sum()), int(is_video.sum())
         if n_image_ph + n_video_ph == 0 and n_media:
