@@ -7,7 +7,9 @@ rotary frequencies are split by `mrope_section` over the temporal / height / wid
 Every size, token id, eos id, rope theta and `mrope_section` comes from the checkpoint's files.
 The KV cache is paged (`triton_vlm.llm.paged.KVPool`): `forward` runs one flat batch of token rows
 from many sequences (prefill chunks and decode tokens together) through every linear layer at once,
-writes each row's K/V into its slot of the pool and attends per sequence through its block table.
+writes each row's K/V into its slot of the pool and attends per sequence through its block table;
+decode rows read their K/V from the pool's dense `DecodeCache` (copied in once per sequence, one
+row appended per step) rather than gathering every block of every layer each step.
 The decoder layer is pluggable per family (`LAYER_TYPES`, keyed by the config's `model_type`).
 """
 from __future__ import annotations
@@ -245,7 +247,8 @@ class DecoderModel:
     @torch.inference_mode()
     def forward(self, chunks: list[Chunk], pool) -> torch.Tensor:
         """One pass over every chunk's rows: each linear layer runs once on all rows; attention runs
-        per sequence against its own keys (decode rows together as one padded, masked SDPA; each
+        per sequence against its own keys (decode rows together as one padded, masked SDPA over the
+        pool's DecodeCache, or over blocks gathered from the pool when the cache declines; each
         prefill chunk causally against its cached prefix). Returns logits [chunks wanting them, vocab]."""
         c = self.config
         h = torch.cat([ch.h for ch in chunks]) if len(chunks) > 1 else chunks[0].h
