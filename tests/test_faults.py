@@ -41,7 +41,8 @@ def test_cancelled_stream_stops_the_llm_and_frees_its_blocks(server):
             result, error = responses.get(timeout=60)
             assert error is None
             received += 1
-        assert metrics(server)["triton_vlm_llm_kv_blocks:used"] > 0
+        busy = wait_for(server, lambda v: v.get("triton_vlm_llm_kv_blocks:used", 0) > 0, timeout=10)
+        assert busy["triton_vlm_llm_kv_blocks:used"] > 0  # metrics refresh every 100 ms
         client.stop_stream(cancel_requests=True)
     after = wait_for(server, _idle, timeout=10)
     assert _idle(after)
@@ -109,3 +110,26 @@ def test_overload_is_a_quick_unavailable_and_the_running_request_completes(one_s
         assert (tokens, reason) == (200, b"length") or reason == b"stop"
         assert refused_in < 5
     assert len(generate(one_slot_server.grpc_url, PROMPT, max_tokens=4).output_ids) == 4
+
+
+def test_a_dead_preprocess_instance_is_reported_and_its_model_reloaded(tiny_repo, tmp_path):
+    """Triton 2.51 keeps reporting ready while requests routed to a killed stub fail ("Stub process
+    ... is not healthy"), and never restarts it; the supervising server reports and reloads."""
+    import os
+    import signal
+
+    from triton_vlm.server import TritonServer
+
+    events: list[str] = []
+    with TritonServer(tiny_repo, log_file=tmp_path / "server.log", supervise=True, report=events.append) as server:
+        victim = next(pid for pid, name in server.stub_processes().items() if name == "preprocess_0_0")
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while "model 'preprocess' reloaded" not in events and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert events[0].startswith(f"model instance preprocess_0_0 died (stub pid {victim})"), events
+        assert events[1] == "model 'preprocess' reloaded", events
+        assert server.is_ready() and "preprocess_0_0" in server.stub_processes().values()
+        for _ in range(6):  # both instances answer again
+            assert len(generate(server.grpc_url, PROMPT, max_tokens=3).output_ids) == 3
+        assert len(events) == 2, events  # the old instances' exits are not reported as deaths

@@ -40,7 +40,7 @@ def _build(args) -> int:
 def _serve(args) -> int:
     from triton_vlm.server import ServerError, TritonServer
 
-    server = TritonServer(args.repo, args.http_port, args.grpc_port, args.metrics_port, echo=True)
+    server = TritonServer(args.repo, args.http_port, args.grpc_port, args.metrics_port, echo=True, supervise=True)
     stopping = []
 
     def forward(signum, _frame) -> None:

@@ -20,6 +20,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # Triton's error lines look like `E1122 10:30:00.123 123 file.cc:42] "message"`.
@@ -58,7 +59,8 @@ class TritonServer:
 
     def __init__(self, repo: str | Path, http_port: int | None = None, grpc_port: int | None = None,
                  metrics_port: int | None = None, log_file: str | Path | None = None, echo: bool = False,
-                 extra_args: tuple[str, ...] = ()) -> None:
+                 extra_args: tuple[str, ...] = (), supervise: bool = False,
+                 report: Callable[[str], None] | None = None) -> None:
         self.repo = Path(repo).resolve()
         self.http_port = http_port or free_port()
         self.grpc_port = grpc_port or free_port()
@@ -67,6 +69,10 @@ class TritonServer:
         self.process: subprocess.Popen | None = None
         self._tail: collections.deque[str] = collections.deque(maxlen=400)
         self._reader: threading.Thread | None = None
+        self.supervise = supervise
+        self.report = report or (lambda message: print(f"triton-vlm serve: {message}", file=sys.stderr, flush=True))
+        self.events: list[str] = []
+        self._stopping = threading.Event()
 
     @property
     def grpc_url(self) -> str:
@@ -85,7 +91,8 @@ class TritonServer:
         return [str(root / "bin" / "tritonserver"), f"--model-repository={self.repo}",
                 f"--backend-directory={root / 'backends'}", f"--http-port={self.http_port}",
                 f"--grpc-port={self.grpc_port}", f"--metrics-port={self.metrics_port}",
-                "--allow-cpu-metrics=true", "--exit-timeout-secs=10", "--log-verbose=0", *self.extra_args]
+                "--allow-cpu-metrics=true", "--exit-timeout-secs=10", "--log-verbose=0",
+                *(("--model-control-mode=explicit", "--load-model=*") if self.supervise else ()), *self.extra_args]
 
     def _read_output(self) -> None:
         log = open(self.log_file, "a") if self.log_file else None
@@ -117,6 +124,9 @@ class TritonServer:
                 self._reader.join(timeout=5)
                 raise ServerError(f"tritonserver exited with code {self.process.returncode}:\n{self.errors()}")
             if self.is_ready():
+                if self.supervise:  # the first snapshot before returning: a stub may die right after
+                    threading.Thread(target=self._supervise, args=(self.stub_processes(),),
+                                     name="stub-supervisor", daemon=True).start()
                 return self
             time.sleep(0.5)
         self.stop()
@@ -129,8 +139,63 @@ class TritonServer:
         except OSError:
             return False
 
+    def stub_processes(self) -> dict[int, str]:
+        """pid -> model instance name of the server's Python backend stubs."""
+        stubs = {}
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                argv = cmdline.read_bytes().split(b"\0")
+                stat = (cmdline.parent / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(stat[1]) == self.process.pid and argv[0].endswith(b"triton_python_backend_stub"):
+                stubs[int(cmdline.parent.name)] = argv[-3].decode()  # ... INSTANCE_NAME DEFAULT ''
+        return stubs
+
+    def _supervise(self, known: dict[int, str], period: float = 0.5) -> None:
+        """A stub that dies leaves Triton 2.51 ready, with every request routed to that instance
+        failing ("Stub process ... is not healthy") and no restart. Report it and reload the model."""
+        retiring: set[int] = set()
+        while not self._stopping.wait(period) and self.process.poll() is None:
+            try:
+                self._check_stubs(known, retiring)
+            except Exception as error:  # the supervisor must outlive surprises in /proc
+                self._event(f"stub supervision error: {error!r}")
+
+    def _check_stubs(self, known: dict[int, str], retiring: set[int]) -> None:
+        """Report and reload once per vanished stub; the old stubs a reload retires are expected to go."""
+        alive = self.stub_processes()
+        for pid, instance in list(known.items()):
+            if pid in alive:
+                continue
+            del known[pid]
+            if pid in retiring:
+                retiring.discard(pid)
+                continue
+            model = instance.rsplit("_", 2)[0]
+            retiring.update(p for p, name in known.items() if name.rsplit("_", 2)[0] == model)
+            self._event(f"model instance {instance} died (stub pid {pid}); requests routed to it fail "
+                        f"until the model is reloaded: reloading {model!r}")
+            try:
+                # Triton treats a load of an unchanged model as a no-op that keeps the dead
+                # instance (touching its files is not enough): unload it, then load it again.
+                # Requests to it fail for the few seconds in between.
+                for action in ("unload", "load"):
+                    request = urllib.request.Request(f"http://{self.http_url}/v2/repository/models/{model}/{action}",
+                                                     data=b"{}", method="POST")
+                    urllib.request.urlopen(request, timeout=600).close()
+                self._event(f"model {model!r} reloaded")
+            except OSError as error:
+                self._event(f"reloading model {model!r} failed: {error}")
+        known.update({pid: name for pid, name in alive.items() if pid not in known and pid not in retiring})
+
+    def _event(self, message: str) -> None:
+        self.events.append(message)
+        self.report(message)
+
     def forward_signal(self, signum: int) -> None:
         """Pass a signal on to the server (safe inside a signal handler: it does not wait)."""
+        self._stopping.set()
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signum)
 
@@ -142,6 +207,7 @@ class TritonServer:
         return code
 
     def stop(self, timeout: float = 30.0) -> None:
+        self._stopping.set()
         if self.process is None or self.process.poll() is not None:
             return
         self.process.send_signal(signal.SIGINT)
