@@ -25,7 +25,7 @@ import tritonclient.grpc as grpcclient
 
 from triton_vlm import samples
 from triton_vlm.checkpoint import write_demo_checkpoint
-from triton_vlm.client import RequestError, generate, request_values
+from triton_vlm.client import RequestError, generate, grpc_inputs, request_values
 from triton_vlm.families import get_family
 from triton_vlm.repository import build_repository
 from triton_vlm.server import TritonServer
@@ -61,11 +61,7 @@ def kv_blocks_used(server: TritonServer) -> float:
 
 def cancelled_stream(url: str, prompt: str, images: list[bytes]) -> None:
     """Start a long stream and cancel it after two responses."""
-    inputs = []
-    for name, (value, dtype) in request_values(prompt, images, max_tokens=1000, stream=True).items():
-        tensor = grpcclient.InferInput(name, list(value.shape), dtype)
-        tensor.set_data_from_numpy(value)
-        inputs.append(tensor)
+    inputs = grpc_inputs(request_values(prompt, images, max_tokens=1000, stream=True))
     responses: queue.Queue = queue.Queue()
     with grpcclient.InferenceServerClient(url) as client:
         client.start_stream(callback=lambda result, error: responses.put((result, error)))

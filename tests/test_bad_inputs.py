@@ -15,7 +15,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from triton_vlm import samples
-from triton_vlm.client import RequestError, generate, generate_payload, http_generate, request_values
+from triton_vlm.client import RequestError, generate, generate_payload, grpc_inputs, http_generate, request_values
 from triton_vlm.families.qwen2_5_vl import QWEN2_5_VL
 
 IMG, VID = QWEN2_5_VL.image_placeholder, QWEN2_5_VL.video_placeholder
@@ -69,11 +69,7 @@ def _stream_error(url: str, values: dict) -> str:
     """Send raw request values over gRPC streaming; the error message the server answers with."""
     import queue
 
-    inputs = []
-    for name, (value, dtype) in values.items():
-        tensor = grpcclient.InferInput(name, list(value.shape), dtype)
-        tensor.set_data_from_numpy(value)
-        inputs.append(tensor)
+    inputs = grpc_inputs(values)
     responses: queue.Queue = queue.Queue()
     with grpcclient.InferenceServerClient(url) as client:
         client.start_stream(callback=lambda result, error: responses.put((result, error)))

@@ -10,20 +10,15 @@ import time
 import pytest
 import tritonclient.grpc as grpcclient
 
-from tests.metrics import metrics, wait_for
-from triton_vlm.client import RequestError, generate, request_values
+from tests.metrics import wait_for
+from triton_vlm.client import RequestError, generate, grpc_inputs, request_values
 
 PROMPT = "<|im_start|>user\nTell me a long story about a red car.<|im_end|>\n<|im_start|>assistant\n"
 LONG = 3000  # tokens asked for; the tiny model's context is 4096
 
 
 def _inputs(max_tokens: int) -> list:
-    inputs = []
-    for name, (value, dtype) in request_values(PROMPT, max_tokens=max_tokens, stream=True).items():
-        tensor = grpcclient.InferInput(name, list(value.shape), dtype)
-        tensor.set_data_from_numpy(value)
-        inputs.append(tensor)
-    return inputs
+    return grpc_inputs(request_values(PROMPT, max_tokens=max_tokens, stream=True))
 
 
 def _idle(values: dict) -> bool:

@@ -63,16 +63,24 @@ def request_values(prompt: str, images=(), videos=(), mm_options: dict | None = 
     return values
 
 
+def grpc_inputs(values: dict[str, tuple]) -> list:
+    """tritonclient gRPC inputs from `request_values`-style {name: (array, datatype)}."""
+    import tritonclient.grpc as grpcclient
+
+    inputs = []
+    for name, (value, dtype) in values.items():
+        tensor = grpcclient.InferInput(name, list(value.shape), dtype)
+        tensor.set_data_from_numpy(value)
+        inputs.append(tensor)
+    return inputs
+
+
 def generate(url: str, prompt: str, images=(), videos=(), *, on_text: Callable[[str], None] | None = None,
              timeout: float = 600.0, **kwargs) -> GenerationResult:
     """One request over gRPC streaming; `on_text` sees each text increment as it arrives."""
     import tritonclient.grpc as grpcclient
 
-    inputs = []
-    for name, (value, dtype) in request_values(prompt, images, videos, **kwargs).items():
-        tensor = grpcclient.InferInput(name, list(value.shape), dtype)
-        tensor.set_data_from_numpy(value)
-        inputs.append(tensor)
+    inputs = grpc_inputs(request_values(prompt, images, videos, **kwargs))
     responses: queue.Queue = queue.Queue()
     result = GenerationResult()
     with grpcclient.InferenceServerClient(url) as client:

@@ -73,14 +73,9 @@ def _b64decode(text: bytes, name: str) -> bytes:
 
 # ---------------------------------------------------------------------------------------- images
 
-def decode_image(data: bytes, name: str, limits: Limits = DEFAULT_LIMITS) -> np.ndarray:
-    """Decode an image file to uint8 RGB [H, W, 3] (first frame of animated images).
-
-    RGB conversion follows transformers' `convert_to_rgb`: images with transparency are
-    composited onto white, everything else goes through Pillow's `convert("RGB")`. EXIF
-    orientation is applied as transformers' `load_image` does.
-    """
-    from PIL import Image, ImageOps
+def _open_image(data: bytes, name: str, limits: Limits):
+    """Open an image from its header alone (nothing decoded yet) and check its size limits."""
+    from PIL import Image
 
     try:
         with warnings.catch_warnings():
@@ -90,8 +85,20 @@ def decode_image(data: bytes, name: str, limits: Limits = DEFAULT_LIMITS) -> np.
         raise InvalidInput(f"{name}: image exceeds max_image_pixels={limits.max_image_pixels}") from None
     except Exception:
         raise InvalidInput(f"{name}: not a decodable image") from None
-    width, height = image.size
-    _check_frame_size(width, height, name, limits, "image")
+    _check_frame_size(*image.size, name, limits, "image")
+    return image
+
+
+def decode_image(data: bytes, name: str, limits: Limits = DEFAULT_LIMITS) -> np.ndarray:
+    """Decode an image file to uint8 RGB [H, W, 3] (first frame of animated images).
+
+    RGB conversion follows transformers' `convert_to_rgb`: images with transparency are
+    composited onto white, everything else goes through Pillow's `convert("RGB")`. EXIF
+    orientation is applied as transformers' `load_image` does.
+    """
+    from PIL import Image, ImageOps
+
+    image = _open_image(data, name, limits)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -117,18 +124,8 @@ def decode_image(data: bytes, name: str, limits: Limits = DEFAULT_LIMITS) -> np.
 def probe_image(data: bytes, name: str, limits: Limits = DEFAULT_LIMITS) -> tuple[int, int] | None:
     """(height, width) `decode_image` will return, read from the header (limits checked), or None
     when the header cannot tell (then decode to know)."""
-    from PIL import Image
-
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            image = Image.open(io.BytesIO(data))
-    except Image.DecompressionBombError:
-        raise InvalidInput(f"{name}: image exceeds max_image_pixels={limits.max_image_pixels}") from None
-    except Exception:
-        raise InvalidInput(f"{name}: not a decodable image") from None
+    image = _open_image(data, name, limits)
     width, height = image.size
-    _check_frame_size(width, height, name, limits, "image")
     if image.format != "JPEG":  # other formats may carry EXIF after the pixels
         return None
     try:
