@@ -36,3 +36,36 @@ def server(tiny_repo, tmp_path_factory):
 
     with TritonServer(tiny_repo, log_file=tmp_path_factory.mktemp("logs") / "tritonserver.log") as running:
         yield running
+
+
+# Preprocess fixtures shared by the tests/test_preprocess*.py files.
+@pytest.fixture(scope="session")
+def ckpt(tiny_checkpoint):
+    return tiny_checkpoint
+
+
+@pytest.fixture(scope="session")
+def pre(ckpt):
+    from triton_vlm.preprocess import Preprocessor
+
+    return Preprocessor(ckpt)
+
+
+@pytest.fixture(scope="session")
+def hf_processor(hf):
+    processor = hf.processor
+    assert type(processor.image_processor).__name__ == "Qwen2VLImageProcessor"  # torchvision backend
+    assert type(processor.video_processor).__name__ == "Qwen2VLVideoProcessor"
+    return processor
+
+
+@pytest.fixture(scope="session")
+def hf_model(hf):
+    return hf.model
+
+
+@pytest.fixture(scope="session")
+def ckpt_config(ckpt):
+    import json
+
+    return json.loads((ckpt / "config.json").read_text())

@@ -36,29 +36,6 @@ PIXEL_TOL = 1e-4
 
 # ----------------------------------------------------------------------------------- fixtures
 
-@pytest.fixture(scope="session")
-def ckpt(tiny_checkpoint):
-    return tiny_checkpoint
-
-
-@pytest.fixture(scope="session")
-def pre(ckpt):
-    return Preprocessor(ckpt)
-
-
-@pytest.fixture(scope="session")
-def hf_processor(hf):
-    processor = hf.processor
-    assert type(processor.image_processor).__name__ == "Qwen2VLImageProcessor"  # torchvision backend
-    assert type(processor.video_processor).__name__ == "Qwen2VLVideoProcessor"
-    return processor
-
-
-@pytest.fixture(scope="session")
-def hf_model(hf):
-    return hf.model
-
-
 def _image_bytes(width, height, fmt, mode="RGB", seed=0):
     rng = np.random.default_rng(seed)
     array = rng.integers(0, 256, (height, width, len(mode)), dtype=np.uint8)
@@ -207,13 +184,6 @@ def _reference_positions(ckpt_config, hf_out, ids):
     vision = ckpt_config["vision_config"]
     return vllm_get_mrope_input_positions(ids.tolist(), items, vision["spatial_merge_size"],
                                           vision["tokens_per_second"])
-
-
-@pytest.fixture(scope="session")
-def ckpt_config(ckpt):
-    import json
-
-    return json.loads((ckpt / "config.json").read_text())
 
 
 def _long_video_regime(hf_out, ckpt_config) -> bool:

@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.test_preprocess import (IMG, VID, _check_against_hf, _image_bytes, _video_bytes,  # noqa: F401
-                                   ckpt, ckpt_config, hf_model, hf_processor, pre)
+from tests.test_preprocess import IMG, VID, _check_against_hf, _image_bytes
 from triton_vlm.errors import InvalidInput
 
 

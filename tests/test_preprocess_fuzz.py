@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from tests.test_preprocess import IMG, VID, ckpt, pre  # noqa: F401
+from tests.test_preprocess import IMG, VID
 from triton_vlm.errors import InvalidInput
 from triton_vlm.limits import Limits
 from triton_vlm.preprocess import Preprocessor

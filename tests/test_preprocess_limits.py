@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.test_preprocess import IMG, VID, _image_bytes, _video_bytes, ckpt, pre  # noqa: F401
+from tests.test_preprocess import IMG, VID, _image_bytes, _video_bytes
 from triton_vlm.errors import InvalidInput
 from triton_vlm.limits import DEFAULT_LIMITS, Limits
 from triton_vlm.preprocess import Preprocessor
