@@ -8,7 +8,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from tests.metrics import wait_for
-from triton_vlm.client import generate
+from triton_vlm.client import generate, grpc_inputs
 
 PROMPT = "<|im_start|>user\nTell me about a red car on the road.<|im_end|>\n<|im_start|>assistant\n"
 
@@ -20,12 +20,7 @@ def direct_llm_inputs(hf, max_tokens: int) -> list:
               "mrope_position_ids": (np.tile(np.arange(ids.size, dtype=np.int64), (3, 1)), "INT64"),
               "mrope_position_delta": (np.zeros(1, np.int64), "INT64"),
               "max_tokens": (np.array([max_tokens], np.int32), "INT32"), "stream": (np.array([True]), "BOOL")}
-    inputs = []
-    for name, (value, dtype) in values.items():
-        tensor = grpcclient.InferInput(name, list(value.shape), dtype)
-        tensor.set_data_from_numpy(value)
-        inputs.append(tensor)
-    return inputs
+    return grpc_inputs(values)
 
 
 def test_metrics_and_repetition_penalty(server, hf):

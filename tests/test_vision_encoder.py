@@ -47,11 +47,6 @@ def checkpoint(tiny_checkpoint):
 
 
 @pytest.fixture(scope="session")
-def hf_model(hf):
-    return hf.model
-
-
-@pytest.fixture(scope="session")
 def settings(checkpoint):
     return q.read_vision_config(checkpoint)
 

@@ -6,6 +6,7 @@ the build is called done, so a typo in a field name or type cannot reach the ser
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -198,8 +199,10 @@ def model_configs(family: Family, checkpoint_config: dict, options: BuildOptions
         llm_params["kv_cache_tokens"] = str(options.kv_cache_tokens)
     if options.kv_cache_bytes:
         llm_params["kv_cache_bytes"] = str(options.kv_cache_bytes)
-    llm = _python_model("llm", llm_in + SAMPLING_INPUTS + (STOP_INPUT,), GENERATION_OUTPUTS, 1, llm_params,
-                        decoupled=True)
+    # Optional in the config so that a `stop` request needs nothing else; the llm itself answers a
+    # generation request that lacks one of them with INVALID_ARG naming it.
+    llm_inputs = tuple(dataclasses.replace(t, optional=True) for t in llm_in + SAMPLING_INPUTS)
+    llm = _python_model("llm", llm_inputs + (STOP_INPUT,), GENERATION_OUTPUTS, 1, llm_params, decoupled=True)
     ensemble = _pipeline([preprocess, encoder, llm], options)
     return {c.name: c for c in (preprocess, encoder, encoder_batch, llm, ensemble)}
 

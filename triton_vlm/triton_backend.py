@@ -289,7 +289,6 @@ class PipelineModel:
                 for name in step["outputs"]:
                     tensors[name] = pb_utils.get_output_tensor_by_name(response, name)
             last = self.steps[-1]
-            flight.last_inputs = [tensors[n] for n in last["inputs"] if n in tensors]
             flight.last_started = True
             for response in self._request(last, tensors, request_id).exec(decoupled=True):
                 if flight.done:
@@ -322,10 +321,10 @@ class PipelineModel:
                 try:
                     if flight.is_cancelled():
                         flight.stop_sent = True
+                        # Only fresh tensors: the flight's own may be freed once its last step ends.
                         stop = pb_utils.Tensor("stop", np.array([True]))
-                        last = self.steps[-1]
-                        request = pb_utils.InferenceRequest(model_name=last["model"], request_id=request_id,
-                                                            inputs=flight.last_inputs + [stop], requested_output_names=[])
+                        request = pb_utils.InferenceRequest(model_name=self.steps[-1]["model"], request_id=request_id,
+                                                            inputs=[stop], requested_output_names=[])
                         for _ in request.exec(decoupled=True):
                             pass
                 except Exception:
@@ -350,7 +349,6 @@ class _Flight:
         self.done = False
         self.last_started = False
         self.stop_sent = False
-        self.last_inputs: list = []
 
     def send(self, response, final: bool) -> None:
         with self._lock:
