@@ -37,8 +37,8 @@ def train_tokenizer(family: Family, vocab_size: int, seed: int = 0):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     bpe.train_from_iterator(_corpus(4000, seed), trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, eos_token=family.special_tokens[2] if len(family.special_tokens) > 2 else None,
-        pad_token=family.special_tokens[0], extra_special_tokens=dict(family.named_special_tokens))
+        tokenizer_object=bpe, eos_token=family.eos_tokens[0], pad_token=family.special_tokens[0],
+        extra_special_tokens=dict(family.named_special_tokens))
     for token in family.special_tokens:
         ids = tokenizer.encode(token, add_special_tokens=False)
         if len(ids) != 1:

@@ -9,9 +9,10 @@ import json
 from pathlib import Path
 
 from triton_vlm.families.base import Family
+from triton_vlm.families.glm4v import GLM4V, GLM46V, GLMGA
 from triton_vlm.families.qwen2_5_vl import QWEN2_5_VL
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (QWEN2_5_VL,)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (QWEN2_5_VL, GLM4V, GLM46V, GLMGA)}
 
 
 def get_family(name: str) -> Family:
@@ -21,12 +22,26 @@ def get_family(name: str) -> Family:
         raise ValueError(f"unknown family {name!r}; supported: {', '.join(FAMILIES)}") from None
 
 
+def _video_processor_type(checkpoint: Path) -> str | None:
+    """The checkpoint's video processor class, from the v5 nested or the older separate file."""
+    for name, key in (("processor_config.json", "video_processor"), ("video_preprocessor_config.json", None)):
+        path = checkpoint / name
+        if path.is_file():
+            section = json.loads(path.read_text())
+            section = section.get(key) or {} if key else section
+            if section.get("video_processor_type"):
+                return section["video_processor_type"]
+    return None
+
+
 def detect_family(checkpoint: str | Path) -> Family:
-    """The family whose `model_types` holds the checkpoint config's `model_type`."""
-    config = json.loads((Path(checkpoint) / "config.json").read_text())
-    model_type = config.get("model_type")
-    for family in FAMILIES.values():
-        if model_type in family.model_types:
-            return family
-    raise ValueError(f"{checkpoint}: model_type {model_type!r} is not supported; supported: "
-                     + ", ".join(t for f in FAMILIES.values() for t in f.model_types))
+    """The family serving a checkpoint: among those listing the config's `model_type`, the one whose
+    video processor class matches the checkpoint's, else the one whose own model type it is."""
+    checkpoint = Path(checkpoint)
+    model_type = json.loads((checkpoint / "config.json").read_text()).get("model_type")
+    candidates = [f for f in FAMILIES.values() if model_type in f.model_types]
+    if not candidates:
+        raise ValueError(f"{checkpoint}: model_type {model_type!r} is not supported; supported: "
+                         + ", ".join(dict.fromkeys(t for f in FAMILIES.values() for t in f.model_types)))
+    video_processor = _video_processor_type(checkpoint)
+    return max(candidates, key=lambda f: (video_processor in f.video_processor_types, f.model_types[0] == model_type))

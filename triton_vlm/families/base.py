@@ -29,3 +29,8 @@ class Family:
     default_video_fps: float = 2.0
     # M-RoPE temporal scale of a video: `video_t_factor(config_json, second_per_grid_ts)`.
     video_t_factor: Callable[[dict, float], float] | None = None
+    # Generation stops on these; the first is the tokenizer's eos. The pad token is special_tokens[0].
+    eos_tokens: tuple[str, ...] = ()
+    # Video processor classes (`video_processor_type`) that pick this family among several sharing a
+    # `model_type`; see `detect_family`.
+    video_processor_types: tuple[str, ...] = ()

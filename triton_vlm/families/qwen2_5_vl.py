@@ -52,7 +52,7 @@ def write_demo(out: Path, size: str, tokenizer, seed: int) -> None:
 
     shape = DEMO_SIZES[size]
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN2_5_VL.special_tokens}
-    eos_ids = [ids["<|im_end|>"], ids["<|endoftext|>"]]
+    eos_ids = [ids[t] for t in QWEN2_5_VL.eos_tokens]
     text = dict(shape["text"])
     mrope_section = text.pop("mrope_section")
     config = Qwen2_5_VLConfig(
@@ -149,4 +149,5 @@ QWEN2_5_VL = Family(
     sample_frames=sample_frames,
     default_video_fps=2.0,
     video_t_factor=video_t_factor,
+    eos_tokens=("<|im_end|>", "<|endoftext|>"),
 )
