@@ -34,3 +34,19 @@ class Family:
     # Video processor classes (`video_processor_type`) that pick this family among several sharing a
     # `model_type`; see `detect_family`.
     video_processor_types: tuple[str, ...] = ()
+
+
+def chat_template(*, prefix: str, message_start: str, message_end: str, image: str, video: str,
+                  generation_prompt: str) -> str:
+    """A Jinja chat template reduced to what the demo needs: text, image and video content parts.
+    `message_start` may use `{{ message['role'] }}`."""
+    return (
+        prefix + "{% for message in messages %}" + message_start
+        + "{% if message['content'] is string %}{{ message['content'] }}"
+        "{% else %}{% for part in message['content'] %}"
+        "{% if part['type'] == 'image' %}" + image
+        + "{% elif part['type'] == 'video' %}" + video
+        + "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+        "{% endfor %}{% endif %}" + message_end + "{% endfor %}"
+        "{% if add_generation_prompt %}" + generation_prompt + "{% endif %}"
+    )

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from triton_vlm.families.base import Family
+from triton_vlm.families.base import Family, chat_template
 
 IMAGE_TOKEN, VIDEO_TOKEN = "<|image|>", "<|video|>"
 BEGIN_IMAGE, END_IMAGE = "<|begin_of_image|>", "<|end_of_image|>"
@@ -21,17 +21,11 @@ SPECIAL_TOKENS = (ENDOFTEXT, "[gMASK]", "<sop>", "<|system|>", USER, ASSISTANT, 
 # What generation stops on, as in the released checkpoints' generation_config.json.
 EOS_TOKENS = (ENDOFTEXT, USER, OBSERVATION)
 
-# GLM's chat template, reduced to what the demo needs: text, image and video content parts.
-CHAT_TEMPLATE = (
-    "[gMASK]<sop>{% for message in messages %}<|{{ message['role'] }}|>\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}<|begin_of_image|><|image|><|end_of_image|>"
-    "{% elif part['type'] == 'video' %}<|begin_of_video|><|video|><|end_of_video|>"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
+# GLM's chat template, reduced to what the demo needs.
+CHAT_TEMPLATE = chat_template(
+    prefix="[gMASK]<sop>", message_start="<|{{ message['role'] }}|>\n", message_end="",
+    image=BEGIN_IMAGE + IMAGE_TOKEN + END_IMAGE, video=BEGIN_VIDEO + VIDEO_TOKEN + END_VIDEO,
+    generation_prompt="<|assistant|>\n")
 
 # Random-weight demo shapes. Rotary covers half of each head (`partial_rotary_factor` 0.5), so
 # `mrope_section` sums to head_dim / 4. `image_size` sets the learned position-embedding grid that

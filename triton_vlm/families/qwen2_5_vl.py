@@ -6,22 +6,16 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from triton_vlm.families.base import Family
+from triton_vlm.families.base import Family, chat_template
 
 IMAGE_PAD, VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
 VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
 
-# Qwen's chat template, reduced to what the demo needs: text, image and video content parts.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif part['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+# Qwen's chat template, reduced to what the demo needs.
+CHAT_TEMPLATE = chat_template(
+    prefix="", message_start="<|im_start|>{{ message['role'] }}\n", message_end="<|im_end|>\n",
+    image=VISION_START + IMAGE_PAD + VISION_END, video=VISION_START + VIDEO_PAD + VISION_END,
+    generation_prompt="<|im_start|>assistant\n")
 
 # Random-weight demo shapes. `tiny` keeps tests to seconds; `small` is tens of millions of
 # parameters for the demo and benchmarks. Windows and full-attention blocks are as in the
