@@ -1,5 +1,6 @@
 """Pixels into the vision tower's `pixel_values` rows, as the Hugging Face torchvision-backend
-processors (`Qwen2VLImageProcessor`, `Qwen2VLVideoProcessor`) compute them:
+processors (`Qwen2VLImageProcessor`, `Qwen2VLVideoProcessor`, and GLM's, which share the layout)
+compute them:
 
 resize on uint8 (torchvision BICUBIC, antialias), then float32 with the fused
 rescale + normalize (mean and std scaled by 1 / rescale_factor), then the patch layout

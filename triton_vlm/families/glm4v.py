@@ -209,13 +209,13 @@ def _no_frame_count(num_frames: int | None) -> None:
         raise InvalidInput("num_frames: GLM samples video frames by time, not by count; use fps")
 
 
-def sample_frames_glm4v(metadata, *, fps: float | None = 2.0, num_frames: int | None = None,
+def sample_frames_glm4v(metadata, *, fps: float = 2.0, num_frames: int | None = None,
                         max_duration: float = 300, **_other_options) -> np.ndarray:
     """`Glm4vVideoProcessor.sample_frames`: `fps` frames a second up to `max_duration` seconds;
-    a longer video gets `max_duration * fps` frames spread over its whole length."""
+    a longer video gets `max_duration * fps` frames spread over its whole length. The shared
+    sampler options it is also called with (min / max frames, ...) play no part, as in transformers."""
     _no_frame_count(num_frames)
     total, video_fps, duration = video_facts(metadata)
-    fps = fps if fps is not None else 2.0
     max_idx = total - 1
     if duration <= max_duration:
         # Candidates past `bound` all give max_idx: enumerating one of them is enough.
@@ -223,7 +223,7 @@ def sample_frames_glm4v(metadata, *, fps: float | None = 2.0, num_frames: int | 
         limit = min(duration * fps, bound + 2)
         if limit > _MAX_SAMPLES:
             raise InvalidInput(f"fps={fps:g} samples a {duration:g} s video more than {_MAX_SAMPLES} times")
-        n = max(int(math.floor(limit)), 1)
+        n = max(math.floor(limit), 1)
         indices = np.minimum(max_idx, np.ceil(np.arange(n) * video_fps / fps).astype(np.int64))
     else:
         num_samples = int(max_duration * fps)
@@ -270,7 +270,7 @@ def sample_frames_glm46v(metadata, *, num_frames: int | None = None, temporal_pa
                          **_other_options) -> np.ndarray:
     """`Glm46VVideoProcessor.sample_frames`: a frame rate chosen by the video's duration
     (`GLM46V_DYNAMIC_FPS`), `temporal_patch_size` frames per tick. Like transformers, the
-    requested `fps` plays no part."""
+    requested `fps` (and the other shared sampler options) play no part."""
     _no_frame_count(num_frames)
     total, video_fps, duration = video_facts(metadata)
     effective = min(duration, GLM46V_MAX_DURATION)
@@ -282,15 +282,14 @@ def sample_frames_glm46v(metadata, *, num_frames: int | None = None, temporal_pa
     return _distinct(indices)
 
 
-def sample_frames_glmga(metadata, *, fps: float | None = 2.0, num_frames: int | None = None,
+def sample_frames_glmga(metadata, *, fps: float = 2.0, num_frames: int | None = None,
                         max_frames: int = 640, **_other_options) -> np.ndarray:
     """`GlmgaVideoProcessor.sample_frames`: `fps` (2) frames a second, at most `max_frames`."""
     _no_frame_count(num_frames)
     total, video_fps, duration = video_facts(metadata)
-    target_fps = fps if fps is not None else 2.0
-    extract_t = min(int(duration * target_fps), max_frames)
+    extract_t = min(int(duration * fps), max_frames)
     indices = _sample_by_seconds(
-        total, video_fps, extract_t, step=1 / target_fps, stop=duration - 1 / target_fps,
+        total, video_fps, extract_t, step=1 / fps, stop=duration - 1 / fps,
         spread=lambda n: [math.floor(i * total / n) for i in range(n)])
     return _distinct(indices)
 
