@@ -73,7 +73,7 @@ def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 56
 
 
 # A family's resize rule: (height, width, settings, num_frames, name) -> (height, width) to resize to.
-ResizeRule = Callable[[int, int, "VisionSettings", int, str], tuple[int, int]]
+ResizeRule = Callable[[int, int, VisionSettings, int, str], tuple[int, int]]
 
 
 def qwen2_vl_resize(height: int, width: int, settings: VisionSettings, num_frames: int, name: str) -> tuple[int, int]:
