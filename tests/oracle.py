@@ -43,8 +43,10 @@ class Oracle:
 
         return AutoModelForImageTextToText.from_pretrained(self.checkpoint).eval()
 
-    def inputs(self, prompt: str, images: list[bytes] = (), videos: list[bytes] = ()) -> dict:
-        """The HF processor's output: fps-2 sampling of every video, as our server does by default."""
+    def inputs(self, prompt: str, images: list[bytes] = (), videos: list[bytes] = (),
+               fps: float | None = 2.0) -> dict:
+        """The HF processor's output: fps-2 sampling of every video, as our server does by default
+        (`fps=None`: the video processor's own default)."""
         from PIL import Image
 
         kwargs = {}
@@ -53,7 +55,9 @@ class Oracle:
         if videos:
             decoded = [decode_frames(v) for v in videos]
             kwargs.update(videos=[f for f, _ in decoded], video_metadata=[m for _, m in decoded],
-                          do_sample_frames=True, fps=2.0)
+                          do_sample_frames=True)
+            if fps is not None:
+                kwargs["fps"] = fps
         return self.processor(text=[prompt], return_tensors="pt", **kwargs)
 
     def rope_index(self, inputs: dict) -> tuple[np.ndarray, int]:

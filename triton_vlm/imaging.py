@@ -1,5 +1,6 @@
 """Pixels into the vision tower's `pixel_values` rows, as the Hugging Face torchvision-backend
-processors (`Qwen2VLImageProcessor`, `Qwen2VLVideoProcessor`) compute them:
+processors (`Qwen2VLImageProcessor`, `Qwen2VLVideoProcessor`, and GLM's, which share the layout)
+compute them:
 
 resize on uint8 (torchvision BICUBIC, antialias), then float32 with the fused
 rescale + normalize (mean and std scaled by 1 / rescale_factor), then the patch layout
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +30,8 @@ class VisionSettings:
     patch_size: int = 14
     temporal_patch_size: int = 2
     merge_size: int = 2
+    # GLMGA: sizes snap to multiples of patch_size * merge_size * patch_expand_factor.
+    patch_expand_factor: int = 1
     min_pixels: int = 56 * 56
     max_pixels: int = 28 * 28 * 1280
     image_mean: tuple[float, ...] = (0.48145466, 0.4578275, 0.40821073)
@@ -40,7 +44,7 @@ class VisionSettings:
 
     @property
     def factor(self) -> int:
-        return self.patch_size * self.merge_size
+        return self.patch_size * self.merge_size * self.patch_expand_factor
 
     @property
     def row_size(self) -> int:
@@ -68,14 +72,25 @@ def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 56
     return h_bar, w_bar
 
 
-def target_size(height: int, width: int, settings: VisionSettings, name: str) -> tuple[int, int]:
-    """The (height, width) the frames are resized to."""
+# A family's resize rule: (height, width, settings, num_frames, name) -> (height, width) to resize to.
+ResizeRule = Callable[[int, int, VisionSettings, int, str], tuple[int, int]]
+
+
+def qwen2_vl_resize(height: int, width: int, settings: VisionSettings, num_frames: int, name: str) -> tuple[int, int]:
+    """Qwen2-VL's rule: every frame on its own (the frame count plays no part)."""
+    return smart_resize(height, width, settings.factor, settings.min_pixels, settings.max_pixels, name)
+
+
+def target_size(height: int, width: int, settings: VisionSettings, name: str, num_frames: int = 1,
+                rule: ResizeRule | None = None) -> tuple[int, int]:
+    """The (height, width) `num_frames` frames (1 for an image) are resized to, by the family's
+    `rule` (default: Qwen2-VL's)."""
     if not settings.do_resize:
         f = settings.factor
         if height % f or width % f:
             raise InvalidInput(f"{name}: {width}x{height} is not a multiple of {f} and resizing is off")
         return height, width
-    return smart_resize(height, width, settings.factor, settings.min_pixels, settings.max_pixels, name)
+    return (rule or qwen2_vl_resize)(height, width, settings, num_frames, name)
 
 
 def grid_thw(num_frames: int, size: tuple[int, int], settings: VisionSettings) -> tuple[int, int, int]:

@@ -166,6 +166,11 @@ class VideoMetadata:
             return self.fps
         return len(self.frames_indices) / self.total_num_frames * self.fps
 
+    @property
+    def timestamps(self) -> np.ndarray:
+        """Seconds of the sampled frames (transformers' `VideoMetadata.timestamps`)."""
+        return np.asarray(self.frames_indices) / self.fps
+
 
 # A sampler gets the file's metadata and returns the frame indices to keep, increasing.
 Sampler = Callable[[VideoMetadata], np.ndarray]

@@ -17,7 +17,8 @@ import numpy as np
 
 @dataclass(frozen=True)
 class MediaSpan:
-    """One media item's placeholder run in the expanded prompt."""
+    """One run of media tokens in the expanded prompt: a media item, or one temporal patch of a
+    video whose frames the family separates with text (GLM's timestamps)."""
     offset: int        # index of its first placeholder token
     grid_t: int        # LLM grid after the spatial merge
     grid_h: int

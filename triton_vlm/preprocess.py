@@ -57,6 +57,8 @@ class VideoSampling:
     max_frames: int
     cap_pixels_per_frame: bool = False
     max_video_tokens: int = 128000
+    # The family's extra sampler options from the processor config (`Family.video_sampler_keys`).
+    extra: tuple[tuple[str, Any], ...] = ()
 
 
 def _settings(section: dict, size_default: tuple[int, int]) -> VisionSettings:
@@ -112,7 +114,9 @@ class Preprocessor:
             min_frames=int(video_section.get("min_frames") or 4),
             max_frames=int(video_section.get("max_frames") or 768),
             cap_pixels_per_frame=bool(video_section.get("cap_pixels_per_frame")),
-            max_video_tokens=int(video_section.get("max_video_tokens") or 128000))
+            max_video_tokens=int(video_section.get("max_video_tokens") or 128000),
+            extra=tuple((key, video_section[key]) for key in self.family.video_sampler_keys
+                        if video_section.get(key) is not None))
 
         named = self.family.named_special_tokens
         self.image_token_id = self._token_id("image_token_id", named["image_token"])
@@ -127,11 +131,13 @@ class Preprocessor:
 
     def _token_id(self, config_key: str, token: str) -> int:
         value = self.config.get(config_key)
-        if value is None:
-            value = self.tokenizer.token_to_id(token)
+        return self._vocab_id(token) if value is None else int(value)
+
+    def _vocab_id(self, token: str) -> int:
+        value = self.tokenizer.token_to_id(token)
         if value is None:
             raise ValueError(f"checkpoint has no id for {token}")
-        return int(value)
+        return value
 
     # ------------------------------------------------------------------------------ options
     def _options(self, mm_options: Any) -> tuple[VisionSettings, VisionSettings, VideoSampling, dict]:
@@ -193,6 +199,21 @@ class Preprocessor:
 
     def _encode(self, text: str) -> np.ndarray:
         return np.asarray(self.tokenizer.encode(text).ids, dtype=np.int32)
+
+    def _encode_pieces(self, texts: list[str]) -> list[list[int]]:
+        """Ids of text pieces spliced between special tokens (no special tokens added)."""
+        return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+    def _expand(self, item: _Item) -> tuple[np.ndarray, list[MediaSpan]]:
+        """The ids `item`'s placeholder token becomes, and the M-RoPE spans of its embedding runs
+        (offsets relative to the first id)."""
+        m = item.settings.merge_size
+        grid = (item.grid[0], item.grid[1] // m, item.grid[2] // m)
+        video = item.name.startswith("videos")
+        if video and self.family.expand_video is not None:
+            return self.family.expand_video(grid, item.timestamps, self._vocab_id, self._encode_pieces)
+        token = self.video_token_id if video else self.image_token_id
+        return np.full(grid[0] * grid[1] * grid[2], token, dtype=np.int32), [MediaSpan(0, *grid, item.t_factor)]
 
     def __call__(self, text: str | bytes, images: list[bytes] | None = None, videos: list[bytes] | None = None,
                  mm_options: dict | str | bytes | None = None) -> PreprocessOutput:
@@ -263,7 +284,8 @@ class Preprocessor:
                 if item.planned is not None:
                     meta = item.planned.meta
                     item.settings = self._video_settings(video_settings, sampling, len(meta.frames_indices))
-                    item.size = target_size(meta.height, meta.width, item.settings, name)
+                    item.size = target_size(meta.height, meta.width, item.settings, name,
+                                            len(meta.frames_indices), self.family.resize_rule)
                     n_frames = len(meta.frames_indices)
                 else:
                     chosen = {}
@@ -271,7 +293,8 @@ class Preprocessor:
                     def resizer(meta):
                         chosen["settings"] = self._video_settings(video_settings, sampling,
                                                                   len(meta.frames_indices))
-                        chosen["size"] = target_size(meta.height, meta.width, chosen["settings"], name)
+                        chosen["size"] = target_size(meta.height, meta.width, chosen["settings"], name,
+                                                     len(meta.frames_indices), self.family.resize_rule)
                         return chosen["size"], lambda f: resize_frames(f, chosen["size"], chosen["settings"])
 
                     item.frames, meta = decode_video(data, name, sampler, limits, resizer)
@@ -280,6 +303,7 @@ class Preprocessor:
                 second_per_grid_ts = item.settings.temporal_patch_size / meta.sampled_fps
                 item.t_factor = (self.family.video_t_factor(self.config, second_per_grid_ts)
                                  if self.family.video_t_factor else 1.0)
+                item.timestamps = meta.timestamps
                 key = {"kind": "video", "fps": sampling.fps, "num_frames": sampling.num_frames,
                        "max_frames": sampling.max_frames}
             else:
@@ -288,7 +312,7 @@ class Preprocessor:
                 if probed is None:
                     item.frames = decode_image(data, name, limits)[None]
                     probed = item.frames.shape[1:3]
-                item.size = target_size(probed[0], probed[1], item.settings, name)
+                item.size = target_size(probed[0], probed[1], item.settings, name, 1, self.family.resize_rule)
                 item.probed = tuple(probed)
                 if item.frames is not None:
                     item.frames = resize_frames(item.frames, item.size, item.settings)
@@ -305,25 +329,27 @@ class Preprocessor:
         hashes: list[bytes] = [item.digest for item in items]
         grids = np.array([item.grid for item in items], dtype=np.int64).reshape(-1, 3)
         rows = grids.prod(axis=1)
-        merge = np.array([item.settings.merge_size ** 2 for item in items], dtype=np.int64)
-        n_tokens = int(ids.shape[0] + (rows // merge).sum() - len(items)) if items else int(ids.shape[0])
+        # Each placeholder token becomes its item's ids (media tokens, and for some families
+        # per-frame markers and timestamps), known from the grids alone: the prompt's real length is
+        # checked before anything is decoded into the output.
+        expansions = [self._expand(item) for item in items]
+        n_tokens = int(ids.shape[0]) - len(items) + sum(int(e.shape[0]) for e, _ in expansions)
         if n_tokens > limits.max_prompt_tokens:
             raise InvalidInput(f"text_input: prompt is {n_tokens} tokens after expanding media, exceeds "
                                f"max_prompt_tokens={limits.max_prompt_tokens}")
         pixel_values = np.empty((int(rows.sum()), self.image_settings.row_size), dtype=np.float32)
         starts = np.concatenate(([0], np.cumsum(rows))).astype(np.int64)
         _map(lambda i: _fill(items[i], pixel_values[starts[i]:starts[i + 1]], limits), range(len(items)))
-        spans_meta = [(item.settings.merge_size, item.t_factor) for item in items]
 
-        # Expand each placeholder token to its item's token count, in id space.
-        tokens = np.array([int(rows[i]) // (m * m) for i, (m, _) in enumerate(spans_meta)], dtype=np.int64)
-        repeats = np.ones(ids.shape[0], dtype=np.int64)
-        repeats[pad_positions] = tokens
-        input_ids = np.repeat(ids, repeats)
-        offsets = pad_positions + np.concatenate(([0], np.cumsum(tokens - 1)[:-1])).astype(np.int64) \
-            if tokens.size else pad_positions
-        spans = [MediaSpan(int(offsets[i]), int(grids[i, 0]), int(grids[i, 1]) // m, int(grids[i, 2]) // m, t_factor)
-                 for i, (m, t_factor) in enumerate(spans_meta)]
+        pieces, spans, previous, length = [], [], 0, 0
+        for position, (expanded, item_spans) in zip(pad_positions.tolist(), expansions):
+            pieces += [ids[previous:position], expanded]
+            length += position - previous
+            spans += [dataclasses.replace(span, offset=span.offset + length) for span in item_spans]
+            length += expanded.shape[0]
+            previous = position + 1
+        pieces.append(ids[previous:])
+        input_ids = np.concatenate(pieces).astype(np.int32, copy=False)
         positions, delta = mrope_positions(input_ids.shape[0], spans)
         return PreprocessOutput(input_ids=input_ids, pixel_values=pixel_values, grid_thw=grids,
                                 mrope_position_ids=positions, mrope_position_delta=delta, media_hashes=hashes)
@@ -338,6 +364,7 @@ class _Item:
     size: tuple[int, int] = (0, 0)
     grid: tuple[int, int, int] = (0, 0, 0)
     t_factor: float = 1.0
+    timestamps: np.ndarray | None = None  # a video's sampled frames, in seconds
     digest: bytes = b""
     frames: np.ndarray | None = None    # resized uint8 frames, when phase 1 had to decode
     planned: PlannedVideo | None = None  # an H.264 video whose frames phase 2 decodes
@@ -403,7 +430,7 @@ def _bind_sampler(sample_frames, sampling: VideoSampling, settings: VisionSettin
         return lambda meta: np.arange(meta.total_num_frames)
     return partial(sample_frames, fps=sampling.fps, num_frames=sampling.num_frames,
                    min_frames=sampling.min_frames, max_frames=sampling.max_frames,
-                   temporal_patch_size=settings.temporal_patch_size)
+                   temporal_patch_size=settings.temporal_patch_size, **dict(sampling.extra))
 
 
 def _capped(settings: VisionSettings, sampling: VideoSampling, num_frames: int) -> VisionSettings:

@@ -25,8 +25,22 @@ class Family:
     # Video frame sampling (`preprocess`): `sample_frames(metadata, *, fps, num_frames, min_frames,
     # max_frames, temporal_patch_size) -> increasing frame indices`; videos are always sampled, at
     # `default_video_fps` unless the request or the checkpoint's processor config says otherwise.
+    # Indices are distinct: a last temporal patch short of frames repeats its last one (the patchifier
+    # pads it), which is what HF's "append the last index to make the count even" gives.
     sample_frames: Callable[..., Any] | None = None
     default_video_fps: float = 2.0
+    # Video processor config keys `sample_frames` also takes (as keyword arguments) where the
+    # checkpoint sets them, e.g. GLM-4.1V's `max_duration`.
+    video_sampler_keys: tuple[str, ...] = ()
+    # Target frame size: `resize_rule(height, width, settings, num_frames, name) -> (h, w)`
+    # (`triton_vlm.imaging.ResizeRule`); None: Qwen2-VL's `smart_resize`, frame by frame.
+    resize_rule: Callable[..., tuple[int, int]] | None = None
+    # What a video's placeholder token becomes: `expand_video(grid, timestamps, token_id, encode) ->
+    # (ids int32 [n], spans)`, `grid` the LLM grid (t, h, w) after the spatial merge, `timestamps` the
+    # sampled frames' seconds, `token_id(token) -> id`, `encode(texts) -> ids per text` (no special
+    # tokens added), `spans` the `MediaSpan`s of its embedding runs, offsets relative to the first id.
+    # None: t * h * w copies of the placeholder token, one span.
+    expand_video: Callable[..., Any] | None = None
     # M-RoPE temporal scale of a video: `video_t_factor(config_json, second_per_grid_ts)`.
     video_t_factor: Callable[[dict, float], float] | None = None
     # Generation stops on these; the first is the tokenizer's eos. The pad token is special_tokens[0].

@@ -6,11 +6,18 @@ size limits. Each variant is a `Family`; which one serves a checkpoint is read f
 """
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from triton_vlm.errors import InvalidInput
 from triton_vlm.families.base import Family, chat_template
+from triton_vlm.mrope import MediaSpan
 
 IMAGE_TOKEN, VIDEO_TOKEN = "<|image|>", "<|video|>"
 BEGIN_IMAGE, END_IMAGE = "<|begin_of_image|>", "<|end_of_image|>"
@@ -116,9 +123,202 @@ def encoder_dims(config: dict) -> tuple[int, int]:
     return patch_dim, vision["out_hidden_size"]
 
 
-def _family(name: str, model_types: tuple[str, ...]) -> Family:
-    from functools import partial
+# ------------------------------------------------------------------------------------- resizing
 
+def resize_rule(height: int, width: int, settings, num_frames: int, name: str) -> tuple[int, int]:
+    """transformers' GLM `smart_resize`: the pixel budget `max_pixels` (`size.longest_edge`) covers
+    all frames of a video (`t_bar * h_bar * w_bar`); an image counts as `temporal_patch_size` frames,
+    a video as its frame count padded to a multiple of `temporal_patch_size`. Frames smaller than
+    one `factor` are scaled up first. An aspect ratio over 200 raises `InvalidInput`."""
+    factor, tps = settings.factor, settings.temporal_patch_size
+    num_frames = max(tps, -(-num_frames // tps) * tps)
+    if height <= 0 or width <= 0:
+        raise InvalidInput(f"{name}: image has no pixels")
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    if max(height, width) / min(height, width) > 200:
+        raise InvalidInput(f"{name}: aspect ratio {max(height, width) / min(height, width):.1f} "
+                           f"exceeds max_aspect_ratio=200")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    t_bar = round(num_frames / tps) * tps
+    if t_bar * h_bar * w_bar > settings.max_pixels:
+        beta = math.sqrt((num_frames * height * width) / settings.max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < settings.min_pixels:
+        beta = math.sqrt(settings.min_pixels / (num_frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+# ------------------------------------------------------------------------------- frame sampling
+# Ports of the three transformers video processors' `sample_frames`. They return distinct
+# increasing indices: where transformers appends the last index again to make the count even, the
+# patchifier repeats the last frame to fill the temporal patch, which gives the same pixels, grid
+# and timestamps. Where transformers fails (a clip too short to sample anything), the first frame
+# is kept.
+
+_MAX_SAMPLES = 1_000_000  # candidate indices one request may make the GLM-4.1V rule enumerate
+
+
+def _positive(value) -> float | None:
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return None
+    return value if value > 0 and math.isfinite(value) else None
+
+
+def video_facts(metadata) -> tuple[int, float, float]:
+    """(total frames, fps, duration) of a video's metadata: a `VideoMetadata`-like object or a
+    mapping; other keys or attributes are ignored. A missing, zero or non-finite fps is derived
+    from the frame count and duration; with neither, `InvalidInput` (never a division by zero).
+    A missing duration is transformers' `round((total - 1) / fps) + 1`."""
+    get = metadata.get if isinstance(metadata, Mapping) else (lambda key: getattr(metadata, key, None))
+    total = _positive(get("total_num_frames"))
+    if total is None or total != int(total):
+        raise InvalidInput("video has no frames")
+    total = int(total)
+    fps, duration = _positive(get("fps")), _positive(get("duration"))
+    if fps is None:
+        if duration is None:
+            raise InvalidInput("video has neither a frame rate nor a duration")
+        fps = total / duration
+    if duration is None:
+        duration = round((total - 1) / fps) + 1
+    return total, fps, duration
+
+
+def _distinct(indices) -> np.ndarray:
+    """The indices without repeats, first occurrences in order; the first frame if none."""
+    indices = [int(i) for i in indices]
+    return np.array(list(dict.fromkeys(indices)) or [0], dtype=np.int64)
+
+
+def _no_frame_count(num_frames: int | None) -> None:
+    if num_frames is not None:
+        raise InvalidInput("num_frames: GLM samples video frames by time, not by count; use fps")
+
+
+def sample_frames_glm4v(metadata, *, fps: float = 2.0, num_frames: int | None = None,
+                        max_duration: float = 300, **_other_options) -> np.ndarray:
+    """`Glm4vVideoProcessor.sample_frames`: `fps` frames a second up to `max_duration` seconds;
+    a longer video gets `max_duration * fps` frames spread over its whole length. The shared
+    sampler options it is also called with (min / max frames, ...) play no part, as in transformers."""
+    _no_frame_count(num_frames)
+    total, video_fps, duration = video_facts(metadata)
+    max_idx = total - 1
+    if duration <= max_duration:
+        # Candidates past `bound` all give max_idx: enumerating one of them is enough.
+        bound = (max_idx + 1) * fps / video_fps
+        limit = min(duration * fps, bound + 2)
+        if limit > _MAX_SAMPLES:
+            raise InvalidInput(f"fps={fps:g} samples a {duration:g} s video more than {_MAX_SAMPLES} times")
+        n = max(math.floor(limit), 1)
+        indices = np.minimum(max_idx, np.ceil(np.arange(n) * video_fps / fps).astype(np.int64))
+    else:
+        num_samples = int(max_duration * fps)
+        if num_samples >= total:
+            indices = range(total)
+        else:
+            seconds = np.linspace(0, duration, num_samples, endpoint=True)
+            indices = np.minimum(max_idx, np.ceil(seconds * video_fps).astype(np.int64))
+    return _distinct(indices)
+
+
+def _sample_by_seconds(total: int, video_fps: float, extract_t: int, step: float, stop: float,
+                       spread) -> list[int]:
+    """The loop GLM-4.6V and GLMGA share: each frame whose time reaches the next mark (marks `step`
+    seconds apart) until a mark reaches `stop`; `spread(extract_t)` when the video has fewer frames
+    than wanted; then stretched or thinned to exactly `extract_t` by `np.linspace`."""
+    if total < extract_t:
+        indices = spread(extract_t)
+    else:
+        indices, current = [], 0
+        duration_per_frame = 1 / video_fps
+        for i in range(total):
+            if i * duration_per_frame >= current:
+                current += step
+                indices.append(i)
+                if current >= stop:
+                    break
+    if len(indices) < extract_t:
+        start, end = (indices[0], indices[-1]) if indices else (0, max(total - 1, 0))
+        indices = np.linspace(start, end, extract_t, dtype=int).tolist()
+    elif len(indices) > extract_t:
+        indices = np.linspace(0, total - 1, extract_t, dtype=int).tolist()
+    return indices
+
+
+# GLM-4.6V: target fps by duration (up to 30 s: 3, up to 300 s: 1, longer: 0.5), durations past
+# 2400 s count as 2400 s, at most 640 frames.
+GLM46V_DYNAMIC_FPS = ((30, 3.0), (300, 1.0), (2400, 0.5))
+GLM46V_MAX_FRAMES = 640
+GLM46V_MAX_DURATION = 2400
+
+
+def sample_frames_glm46v(metadata, *, num_frames: int | None = None, temporal_patch_size: int = 2,
+                         **_other_options) -> np.ndarray:
+    """`Glm46VVideoProcessor.sample_frames`: a frame rate chosen by the video's duration
+    (`GLM46V_DYNAMIC_FPS`), `temporal_patch_size` frames per tick. Like transformers, the
+    requested `fps` (and the other shared sampler options) play no part."""
+    _no_frame_count(num_frames)
+    total, video_fps, duration = video_facts(metadata)
+    effective = min(duration, GLM46V_MAX_DURATION)
+    target_fps = next(rate for limit, rate in GLM46V_DYNAMIC_FPS if effective <= limit)
+    extract_t = min(int(effective * target_fps * temporal_patch_size), GLM46V_MAX_FRAMES)
+    indices = _sample_by_seconds(
+        total, video_fps, extract_t, step=1 / (temporal_patch_size * target_fps), stop=int(duration),
+        spread=lambda n: np.linspace(0, total - 1, n, dtype=int).tolist())
+    return _distinct(indices)
+
+
+def sample_frames_glmga(metadata, *, fps: float = 2.0, num_frames: int | None = None,
+                        max_frames: int = 640, **_other_options) -> np.ndarray:
+    """`GlmgaVideoProcessor.sample_frames`: `fps` (2) frames a second, at most `max_frames`."""
+    _no_frame_count(num_frames)
+    total, video_fps, duration = video_facts(metadata)
+    extract_t = min(int(duration * fps), max_frames)
+    indices = _sample_by_seconds(
+        total, video_fps, extract_t, step=1 / fps, stop=duration - 1 / fps,
+        spread=lambda n: [math.floor(i * total / n) for i in range(n)])
+    return _distinct(indices)
+
+
+# ------------------------------------------------------------------------------ video prompt
+
+def timestamp_glm4v(seconds: float) -> str:
+    return str(int(seconds))
+
+
+def timestamp_seconds(seconds: float) -> str:
+    return f"{seconds:.1f} seconds"
+
+
+def expand_video(grid: tuple[int, int, int], timestamps: Sequence[float], token_id: Callable[[str], int],
+                 encode: Callable[[list[str]], list[list[int]]], *,
+                 timestamp_text: Callable[[float], str]) -> tuple[np.ndarray, list[MediaSpan]]:
+    """The ids a `<|video|>` token becomes (`Glm4vProcessor.replace_video_token`): per temporal
+    patch `<|begin_of_image|>`, h * w `<|image|>` tokens, `<|end_of_image|>` and the timestamp
+    text of its first frame; each temporal patch is its own M-RoPE grid (t = 1)."""
+    t, h, w = grid
+    stamps = list(timestamps[::2])[:t]  # transformers takes every second frame's time, not every tps-th
+    stamps += [stamps[-1] if stamps else 0] * (t - len(stamps))
+    texts = encode([timestamp_text(s) for s in stamps])
+    begin, end, frame = token_id(BEGIN_IMAGE), token_id(END_IMAGE), token_id(IMAGE_TOKEN)
+    pieces, spans, offset = [], [], 0
+    for text in texts:
+        pieces += [np.array([begin], np.int32), np.full(h * w, frame, np.int32), np.array([end, *text], np.int32)]
+        spans.append(MediaSpan(offset + 1, 1, h, w))
+        offset += h * w + 2 + len(text)
+    return np.concatenate(pieces), spans
+
+
+def _family(name: str, model_types: tuple[str, ...], sample_frames, timestamp_text,
+            video_sampler_keys: tuple[str, ...] = ()) -> Family:
     return Family(
         name=name,
         model_types=model_types,
@@ -132,11 +332,16 @@ def _family(name: str, model_types: tuple[str, ...]) -> Family:
         demo_sizes=DEMO_SIZES,
         write_demo=partial(write_demo, variant=name),
         chat_template=CHAT_TEMPLATE,
+        sample_frames=sample_frames,
+        default_video_fps=2.0,
+        video_sampler_keys=video_sampler_keys,
+        resize_rule=resize_rule,
+        expand_video=partial(expand_video, timestamp_text=timestamp_text),
     )
 
 
 # Released GLM-4.6V-Flash and GLMGA checkpoints may say `model_type: glm4v`; their video processor
 # tells them apart.
-GLM4V = _family("glm4v", ("glm4v",))
-GLM46V = _family("glm46v", ("glm46v", "glm4v"))
-GLMGA = _family("glmga", ("glmga", "glm4v"))
+GLM4V = _family("glm4v", ("glm4v",), sample_frames_glm4v, timestamp_glm4v, ("max_duration",))
+GLM46V = _family("glm46v", ("glm46v", "glm4v"), sample_frames_glm46v, timestamp_seconds)
+GLMGA = _family("glmga", ("glmga", "glm4v"), sample_frames_glmga, timestamp_seconds)
