@@ -1,16 +1,22 @@
-"""The Qwen2 decoder of Qwen2.5-VL with M-RoPE, float32 on CPU, read from a Hugging Face checkpoint.
+"""The decoders of the served VLMs with M-RoPE, float32 on CPU, read from a Hugging Face checkpoint.
 
-Follows `transformers.models.qwen2_5_vl.modeling_qwen2_5_vl` (text model) closely enough that greedy
-tokens equal Hugging Face's: RMSNorm, GQA attention with q/k/v biases, SwiGLU MLP, M-RoPE whose
-rotary frequencies are split by `mrope_section` over the temporal / height / width position axes.
+Follows transformers' text models closely enough that greedy tokens equal Hugging Face's:
+- Qwen2 (Qwen2.5-VL, `modeling_qwen2_5_vl`): RMSNorm, GQA attention with q/k/v biases, SwiGLU
+  MLP, rotate-half rotary over the whole head;
+- GLM-4 (GLM-4.1V, GLM-4.6V, GLMGA: `glm4v_text`, `modeling_glm4v`): the same attention and MLP
+  with an RMSNorm after each of them too, rotary over the first `partial_rotary_factor` of each
+  head with interleaved pairs (0, 1), (2, 3), ...
+Both split the rotary frequencies by `mrope_section` over the temporal / height / width axes.
 
-Every size, token id, eos id, rope theta and `mrope_section` comes from the checkpoint's files.
+Every size, token id, eos id, rope theta, `mrope_section` and `partial_rotary_factor` comes from
+the checkpoint's files.
 The KV cache is paged (`triton_vlm.llm.paged.KVPool`): `forward` runs one flat batch of token rows
 from many sequences (prefill chunks and decode tokens together) through every linear layer at once,
 writes each row's K/V into its slot of the pool and attends per sequence through its block table;
 decode rows read their K/V from the pool's dense `DecodeCache` (copied in once per sequence, one
 row appended per step) rather than gathering every block of every layer each step.
-The decoder layer is pluggable per family (`LAYER_TYPES`, keyed by the config's `model_type`).
+What differs per family is data (`DECODERS`, keyed by the config's `model_type`): the layer class,
+how rotary dims pair up, which token ids are image/video placeholders.
 """
 from __future__ import annotations
 
@@ -47,13 +53,13 @@ class DecoderConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    rotary_dim: int  # the first `rotary_dim` dims of each head rotate (`partial_rotary_factor`)
     rms_norm_eps: float
     rope_theta: float
     mrope_section: tuple[int, ...]
     max_position_embeddings: int
     tie_word_embeddings: bool
-    image_token_id: int | None
-    video_token_id: int | None
+    placeholder_token_ids: tuple[int, ...]  # prompt tokens replaced by image/video embedding rows
     eos_token_ids: tuple[int, ...]
     model_type: str = "qwen2_5_vl"
 
@@ -65,7 +71,9 @@ class DecoderConfig:
     def from_checkpoint(cls, checkpoint_dir: str | Path) -> "DecoderConfig":
         root = Path(checkpoint_dir)
         cfg = json.loads((root / "config.json").read_text())
-        # Older Qwen2.5-VL configs hold the text fields at top level; v5 nests them in text_config.
+        model_type = str(cfg.get("model_type", "qwen2_5_vl"))
+        spec = decoder_spec(model_type)
+        # Older Qwen2.5-VL configs hold the text fields at top level; v5 (and GLM) nest them in text_config.
         text = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")}
         text.update(cfg.get("text_config") or {})
 
@@ -86,23 +94,25 @@ class DecoderConfig:
 
         hidden, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
         head_dim = int(text.get("head_dim") or hidden // heads)
-        if sum(section) * 2 != head_dim:
-            raise ValueError(f"mrope_section {section} does not cover head_dim {head_dim}")
+        factor = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0))
+        rotary_dim = int(head_dim * float(factor))
+        if sum(section) * 2 != rotary_dim:
+            raise ValueError(f"mrope_section {section} does not cover the {rotary_dim} rotary dims of each head")
 
         eos = _ids(cfg.get("eos_token_id")) + _ids((cfg.get("text_config") or {}).get("eos_token_id"))
         gen_path = root / "generation_config.json"
         if gen_path.exists():
             eos = _ids(json.loads(gen_path.read_text()).get("eos_token_id")) + eos
         tie = bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+        placeholders = tuple(int(cfg[k]) for k in spec.placeholder_keys if cfg.get(k) is not None)
         return cls(
             vocab_size=int(text["vocab_size"]), hidden_size=hidden,
             intermediate_size=int(text["intermediate_size"]), num_layers=int(text["num_hidden_layers"]),
             num_heads=heads, num_kv_heads=int(text.get("num_key_value_heads") or heads), head_dim=head_dim,
-            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
+            rotary_dim=rotary_dim, rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
             mrope_section=tuple(int(s) for s in section),
             max_position_embeddings=int(text["max_position_embeddings"]), tie_word_embeddings=tie,
-            image_token_id=cfg.get("image_token_id"), video_token_id=cfg.get("video_token_id"),
-            eos_token_ids=tuple(dict.fromkeys(eos)), model_type=str(cfg.get("model_type", "qwen2_5_vl")),
+            placeholder_token_ids=placeholders, eos_token_ids=tuple(dict.fromkeys(eos)), model_type=model_type,
         )
 
 
@@ -126,64 +136,140 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x * torch.rsqrt(variance + eps))
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+# ---- rotary -------------------------------------------------------------------------------------
+# A pairing says, for each of the r rotary dims of a head: the dim it turns with (`partner`), the
+# sign of the partner's term, and which of the r/2 frequencies turns the pair.
+RotaryPairing = Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
+def half_pairs(r: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """rotate_half: dim i pairs with i + r/2, both turned by frequency i (Qwen2)."""
+    i, h = torch.arange(r), r // 2
+    return (i + h) % r, torch.where(i < h, -1.0, 1.0), i % h
+
+
+def interleaved_pairs(r: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """rotate_half_llm: dims (0, 1), (2, 3), ... pair up, pair j turned by frequency j (GLM-4)."""
+    i = torch.arange(r)
+    return i ^ 1, torch.where(i % 2 == 0, -1.0, 1.0), i // 2
+
+
+class Rotary:
+    """M-RoPE as per-dim tables: dim i of a head (i < rotary_dim) turns by the angle
+    `positions[axis[i]] * inv_freq[i]` together with dim `partner[i]`, so for any pairing
+    `x * cos + x[..., partner] * sin` (the partner's sign folded into `sin`) is exactly what
+    transformers computes. `mrope_section` assigns the frequencies to the temporal / height / width
+    axes in turn; the dims past `rotary_dim` pass through (cos 1, sin 0, partner itself)."""
+
+    def __init__(self, config: DecoderConfig, pairing: RotaryPairing):
+        r, d = config.rotary_dim, config.head_dim
+        partner, sign, freq = pairing(r)
+        axis_of_freq = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(config.mrope_section)])
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float) / r))
+        self.axis, self.inv_freq, self.sign = axis_of_freq[freq], inv_freq[freq], sign
+        self.partner = torch.cat([partner, torch.arange(r, d)])
+        self.pass_dims = d - r
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [n, head_dim] for 3-D positions [3, n]."""
+        angles = positions[self.axis].t().float() * self.inv_freq  # [n, rotary_dim]
+        cos, sin = angles.cos(), angles.sin() * self.sign
+        if self.pass_dims:
+            n = angles.shape[0]
+            cos = torch.cat([cos, torch.ones(n, self.pass_dims)], dim=-1)
+            sin = torch.cat([sin, torch.zeros(n, self.pass_dims)], dim=-1)
+        return cos, sin
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, head_dim] rotated; cos, sin [T, 1, head_dim]."""
+        return x * cos + x[..., self.partner] * sin
+
+
+# ---- layers -------------------------------------------------------------------------------------
 class Qwen2Layer:
-    """One Qwen2 decoder layer: RMSNorm, GQA attention with q/k/v biases and rotate-half rotary,
-    SwiGLU MLP. A family with another layer (GLM-4: partial rotary, interleaved rotation, extra
-    norms) adds its own class with the same two methods to `LAYER_TYPES`."""
+    """One Qwen2 decoder layer: RMSNorm, GQA attention with q/k/v biases, SwiGLU MLP. The model
+    applies the rotary between `qkv` and attention; `finish` takes the attention output."""
 
-    def __init__(self, w: Callable[[str], torch.Tensor], config: "DecoderConfig"):
+    def __init__(self, w: Callable[[str], torch.Tensor], config: DecoderConfig):
         self.c = config
         self.ln1, self.ln2 = w("input_layernorm.weight"), w("post_attention_layernorm.weight")
         # q/k/v and gate/up run as one matmul each (weights concatenated once, at load)
         self.w_qkv = torch.cat([w(f"self_attn.{p}_proj.weight") for p in "qkv"])
         self.b_qkv = torch.cat([w(f"self_attn.{p}_proj.bias") for p in "qkv"])
         self.wo = w("self_attn.o_proj.weight")
-        self.w_gate_up = torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")])
+        self.w_gate_up = self.gate_up_weight(w)
         self.w_down = w("mlp.down_proj.weight")
         self._split = (config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim,
                        config.num_kv_heads * config.head_dim)
 
-    def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """h [T, hidden] -> q [T, heads, d], k, v [T, kv_heads, d], rotary applied; cos, sin [T, 1, d]."""
+    @staticmethod
+    def gate_up_weight(w: Callable[[str], torch.Tensor]) -> torch.Tensor:
+        return torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")])
+
+    def qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h [T, hidden] -> q [T, heads, d], k, v [T, kv_heads, d], before the rotary."""
         c, n = self.c, h.shape[0]
         x = _rms(h, self.ln1, c.rms_norm_eps)
         q, k, v = F.linear(x, self.w_qkv, self.b_qkv).split(self._split, dim=-1)
-        q = q.view(n, c.num_heads, c.head_dim)
-        k = k.view(n, c.num_kv_heads, c.head_dim)
-        v = v.view(n, c.num_kv_heads, c.head_dim)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+        return (q.view(n, c.num_heads, c.head_dim), k.view(n, c.num_kv_heads, c.head_dim),
+                v.view(n, c.num_kv_heads, c.head_dim))
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.w_gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.w_down)
 
     def finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Residual of the attention output [T, heads * d], then the MLP block."""
         h = h + F.linear(attn, self.wo)
-        x = _rms(h, self.ln2, self.c.rms_norm_eps)
-        gate, up = F.linear(x, self.w_gate_up).chunk(2, dim=-1)
-        return h + F.linear(F.silu(gate) * up, self.w_down)
+        return h + self.mlp(_rms(h, self.ln2, self.c.rms_norm_eps))
 
 
-def mrope_cos_sin(config: "DecoderConfig", inv_freq: torch.Tensor, positions: torch.Tensor):
-    """cos, sin [n, head_dim] from 3-D positions [3, n], frequencies split by mrope_section."""
-    freqs = positions[..., None].float() * inv_freq  # [3, n, head_dim/2]
-    cos, sin = freqs.cos(), freqs.sin()
+class Glm4Layer(Qwen2Layer):
+    """One GLM-4 decoder layer (`Glm4vTextDecoderLayer`): Qwen2's attention and SwiGLU MLP (gate
+    and up stored fused), each output RMS-normed again (`post_self_attn_layernorm`,
+    `post_mlp_layernorm`) before its residual add."""
 
-    def recompose(f: torch.Tensor) -> torch.Tensor:
-        parts = f.split(list(config.mrope_section), dim=-1)
-        f = torch.cat([m[i % 3] for i, m in enumerate(parts)], dim=-1)
-        return torch.cat((f, f), dim=-1)
+    def __init__(self, w: Callable[[str], torch.Tensor], config: DecoderConfig):
+        super().__init__(w, config)
+        self.ln_post_attn = w("post_self_attn_layernorm.weight")
+        self.ln_post_mlp = w("post_mlp_layernorm.weight")
 
-    return recompose(cos), recompose(sin)
+    @staticmethod
+    def gate_up_weight(w: Callable[[str], torch.Tensor]) -> torch.Tensor:
+        return w("mlp.gate_up_proj.weight")
+
+    def finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        eps = self.c.rms_norm_eps
+        h = h + _rms(F.linear(attn, self.wo), self.ln_post_attn, eps)
+        return h + _rms(self.mlp(_rms(h, self.ln2, eps)), self.ln_post_mlp, eps)
 
 
-# model_type -> (layer class, rotary embedding). One entry per family; no branches in the model.
-LAYER_TYPES: dict[str, tuple[type, Callable]] = {
-    "qwen2_5_vl": (Qwen2Layer, mrope_cos_sin),
-    "qwen2_vl": (Qwen2Layer, mrope_cos_sin),
+# ---- the families' decoders ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class DecoderSpec:
+    """What one family's decoder is made of: its layer class, how its rotary dims pair up, and
+    the config keys of the token ids its prompts hold image/video placeholders under."""
+    layer: type
+    rotary_pairing: RotaryPairing
+    placeholder_keys: tuple[str, ...]
+
+
+_QWEN2 = DecoderSpec(Qwen2Layer, half_pairs, ("image_token_id", "video_token_id"))
+# GLM's processor writes every video frame as image tokens; transformers replaces image_token_id only.
+_GLM4 = DecoderSpec(Glm4Layer, interleaved_pairs, ("image_token_id",))
+
+# config.json `model_type` -> decoder. One entry per model type; no branches in the model.
+DECODERS: dict[str, DecoderSpec] = {
+    "qwen2_5_vl": _QWEN2, "qwen2_vl": _QWEN2,
+    "glm4v": _GLM4, "glm46v": _GLM4, "glmga": _GLM4,
 }
+
+
+def decoder_spec(model_type: str) -> DecoderSpec:
+    if model_type not in DECODERS:
+        raise NotImplementedError(f"model_type {model_type!r}: no decoder registered "
+                                  f"(known: {', '.join(sorted(DECODERS))})")
+    return DECODERS[model_type]
 
 
 class DecoderModel:
@@ -191,9 +277,7 @@ class DecoderModel:
 
     def __init__(self, config: DecoderConfig, weights: dict[str, torch.Tensor]):
         self.config = c = config
-        if c.model_type not in LAYER_TYPES:
-            raise NotImplementedError(f"model_type {c.model_type!r}: no decoder layer registered")
-        layer_cls, self._rope = LAYER_TYPES[c.model_type]
+        spec = decoder_spec(c.model_type)
         prefix = next((p for p in _DECODER_PREFIXES if p + "embed_tokens.weight" in weights), None)
         if prefix is None:
             raise ValueError("checkpoint has no embed_tokens.weight for the language model")
@@ -205,9 +289,9 @@ class DecoderModel:
         self.norm = w("norm.weight")
         head = next((weights[k] for k in _LM_HEAD_KEYS if k in weights), None)
         self.lm_head = self.embed_tokens if (c.tie_word_embeddings or head is None) else head.contiguous()
-        self.layers = [layer_cls(lambda name, i=i: w(f"layers.{i}.{name}"), c) for i in range(c.num_layers)]
-        self.inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float) / c.head_dim))
-        self.mm_token_ids = [t for t in (c.image_token_id, c.video_token_id) if t is not None]
+        self.layers = [spec.layer(lambda name, i=i: w(f"layers.{i}.{name}"), c) for i in range(c.num_layers)]
+        self.rotary = Rotary(c, spec.rotary_pairing)
+        self.mm_token_ids = list(c.placeholder_token_ids)
 
     @classmethod
     def from_checkpoint(cls, checkpoint_dir: str | Path) -> "DecoderModel":
@@ -217,7 +301,7 @@ class DecoderModel:
         return cls(config, weights)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._rope(self.config, self.inv_freq, positions)
+        return self.rotary.cos_sin(positions)
 
     # ---- inputs --------------------------------------------------------------------------------
     def placeholder_mask(self, ids: torch.Tensor) -> torch.Tensor:
@@ -305,7 +389,8 @@ class DecoderModel:
         scale = c.head_dim ** -0.5
         gqa = c.num_kv_heads != c.num_heads
         for li, layer in enumerate(self.layers):
-            q, k, v = layer.qkv(h, cos, sin)
+            q, k, v = layer.qkv(h)
+            q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
             kp, vp = pool.k[li], pool.v[li]
             kp.index_copy_(0, new_slots, k)
             vp.index_copy_(0, new_slots, v)
