@@ -317,7 +317,7 @@ def _together(eng, requests, jobs, tag):
     return [c.wait() for c in cols]
 
 
-def _assert_same(together, alone, atol=1e-4):
+def assert_same(together, alone, atol=1e-4):
     """Tokens equal; logits of every step within `atol` (batched matmuls sum in another order, so
     rows are not bitwise batch-invariant on CPU: see bench/RESULTS.md)."""
     for t, a in zip(together, alone):
@@ -341,7 +341,7 @@ def test_eight_concurrent_requests_equal_alone(batching_engine, requests):
     assert eng.kv_blocks_free == eng.pool.num_blocks
     steps = eng.num_steps
     together = _together(eng, requests, jobs, "b")
-    _assert_same(together, alone)
+    assert_same(together, alone)
     assert eng.num_steps - steps < sum(len(a.ids) for a in alone)  # rows of many requests shared steps
     assert eng.kv_blocks_free == eng.pool.num_blocks and eng.kv_blocks_used == 0
     assert (eng.num_running, eng.num_waiting) == (0, 0)
@@ -366,7 +366,7 @@ def test_decode_cache_equals_gather_from_pool(ckpt, engine, requests):
             assert cache.k is None and cache.nbytes == 0 and eng.kv_blocks_used == 0
         finally:
             eng.shutdown()
-    _assert_same(out[None], out[0])
+    assert_same(out[None], out[0])
 
 
 def test_batched_step_mixes_prefill_chunks_and_decodes(ckpt, engine, requests):
@@ -415,7 +415,7 @@ def test_prefix_cache_hit_equals_miss(ckpt, engine, requests):
             hits = eng.pool.hits
             hit = submit(eng, requests[name], params, f"hit-{name}").wait()
             assert eng.pool.hits > hits  # blocks really were reused
-            _assert_same([hit], [miss])
+            assert_same([hit], [miss])
             assert eng.kv_blocks_free == eng.pool.num_blocks
         # same token ids, other embedding rows: no false hit
         llm = dict(requests["image"]["llm"], embeddings=requests["image"]["llm"]["embeddings"] + 1.0)
@@ -439,7 +439,7 @@ def test_preemption_under_small_pool_gives_same_tokens(ckpt, engine, batching_en
     try:
         together = _together(eng, requests, jobs, "p")
         assert eng.num_preempted > 0
-        _assert_same(together, alone)
+        assert_same(together, alone)
         assert eng.kv_blocks_free == eng.pool.num_blocks
     finally:
         eng.shutdown()
