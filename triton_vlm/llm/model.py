@@ -137,52 +137,60 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 # ---- rotary -------------------------------------------------------------------------------------
-# A pairing says, for each of the r rotary dims of a head: the dim it turns with (`partner`), the
-# sign of the partner's term, and which of the r/2 frequencies turns the pair.
-RotaryPairing = Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+class HalfPairs:
+    """rotate_half (Qwen2): rotary dim i pairs with dim i +- r/2; both turn by frequency i mod r/2."""
+
+    @staticmethod
+    def partners(x: torch.Tensor) -> torch.Tensor:
+        return x.roll(x.shape[-1] // 2, -1)
+
+    @staticmethod
+    def tables(r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        i = torch.arange(r)
+        return torch.where(i < r // 2, -1.0, 1.0), i % (r // 2)
 
 
-def half_pairs(r: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """rotate_half: dim i pairs with i + r/2, both turned by frequency i (Qwen2)."""
-    i, h = torch.arange(r), r // 2
-    return (i + h) % r, torch.where(i < h, -1.0, 1.0), i % h
+class InterleavedPairs:
+    """rotate_half_llm (GLM-4): rotary dims (0, 1), (2, 3), ... pair up; pair j turns by frequency j."""
 
+    @staticmethod
+    def partners(x: torch.Tensor) -> torch.Tensor:
+        return torch.stack((x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
 
-def interleaved_pairs(r: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """rotate_half_llm: dims (0, 1), (2, 3), ... pair up, pair j turned by frequency j (GLM-4)."""
-    i = torch.arange(r)
-    return i ^ 1, torch.where(i % 2 == 0, -1.0, 1.0), i // 2
+    @staticmethod
+    def tables(r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        i = torch.arange(r)
+        return torch.where(i % 2 == 0, -1.0, 1.0), i // 2
 
 
 class Rotary:
-    """M-RoPE as per-dim tables: dim i of a head (i < rotary_dim) turns by the angle
-    `positions[axis[i]] * inv_freq[i]` together with dim `partner[i]`, so for any pairing
-    `x * cos + x[..., partner] * sin` (the partner's sign folded into `sin`) is exactly what
-    transformers computes. `mrope_section` assigns the frequencies to the temporal / height / width
-    axes in turn; the dims past `rotary_dim` pass through (cos 1, sin 0, partner itself)."""
+    """M-RoPE over the first `rotary_dim` dims of each head (the rest pass through). A pairing
+    (`HalfPairs`, `InterleavedPairs`) gives each rotary dim its partner's value (`partners`), the
+    sign of the partner's term and the frequency that turns the pair (`tables`); `mrope_section`
+    assigns the frequencies to the temporal / height / width position axes in turn. Dim i turns by
+    `positions[axis[i]] * inv_freq[i]`, and `x * cos + partners(x) * sin` (sign folded into `sin`)
+    is exactly transformers' `x * cos + rotate_half(x) * sin`."""
 
-    def __init__(self, config: DecoderConfig, pairing: RotaryPairing):
-        r, d = config.rotary_dim, config.head_dim
-        partner, sign, freq = pairing(r)
+    def __init__(self, config: DecoderConfig, pairing: type):
+        r = self.rotary_dim = config.rotary_dim
+        sign, freq = pairing.tables(r)
         axis_of_freq = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(config.mrope_section)])
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float) / r))
         self.axis, self.inv_freq, self.sign = axis_of_freq[freq], inv_freq[freq], sign
-        self.partner = torch.cat([partner, torch.arange(r, d)])
-        self.pass_dims = d - r
+        self.partners = pairing.partners
+        self.partial = r < config.head_dim
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [n, head_dim] for 3-D positions [3, n]."""
-        angles = positions[self.axis].t().float() * self.inv_freq  # [n, rotary_dim]
-        cos, sin = angles.cos(), angles.sin() * self.sign
-        if self.pass_dims:
-            n = angles.shape[0]
-            cos = torch.cat([cos, torch.ones(n, self.pass_dims)], dim=-1)
-            sin = torch.cat([sin, torch.zeros(n, self.pass_dims)], dim=-1)
-        return cos, sin
+        """cos, sin [n, rotary_dim] for 3-D positions [3, n]."""
+        angles = positions[self.axis].t().float() * self.inv_freq
+        return angles.cos(), angles.sin() * self.sign
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, head_dim] rotated; cos, sin [T, 1, head_dim]."""
-        return x * cos + x[..., self.partner] * sin
+        """x [T, heads, head_dim] rotated; cos, sin [T, 1, rotary_dim]."""
+        if not self.partial:
+            return x * cos + self.partners(x) * sin
+        rot = x[..., :self.rotary_dim]
+        return torch.cat([rot * cos + self.partners(rot) * sin, x[..., self.rotary_dim:]], dim=-1)
 
 
 # ---- layers -------------------------------------------------------------------------------------
@@ -250,13 +258,13 @@ class DecoderSpec:
     """What one family's decoder is made of: its layer class, how its rotary dims pair up, and
     the config keys of the token ids its prompts hold image/video placeholders under."""
     layer: type
-    rotary_pairing: RotaryPairing
+    rotary_pairing: type  # HalfPairs or InterleavedPairs
     placeholder_keys: tuple[str, ...]
 
 
-_QWEN2 = DecoderSpec(Qwen2Layer, half_pairs, ("image_token_id", "video_token_id"))
+_QWEN2 = DecoderSpec(Qwen2Layer, HalfPairs, ("image_token_id", "video_token_id"))
 # GLM's processor writes every video frame as image tokens; transformers replaces image_token_id only.
-_GLM4 = DecoderSpec(Glm4Layer, interleaved_pairs, ("image_token_id",))
+_GLM4 = DecoderSpec(Glm4Layer, InterleavedPairs, ("image_token_id",))
 
 # config.json `model_type` -> decoder. One entry per model type; no branches in the model.
 DECODERS: dict[str, DecoderSpec] = {
