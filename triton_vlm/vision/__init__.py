@@ -3,8 +3,10 @@
 A tower module provides: `FAMILY`, `INPUT_NAMES` / `METADATA_INPUTS` / `OUTPUT_NAME`,
 `vision_settings(config) -> dict`, `encoder_metadata(grid_thw, settings) -> dict[str, np.ndarray]`,
 `num_patches(grid_thw)`, `num_tokens(grid_thw, settings)`, `load_tower(checkpoint_dir, dtype)`,
-`read_vision_config(checkpoint_dir)`, `example_inputs(settings)`, `dynamic_axes()` and
-`FRAMES_INDEPENDENT` (whether each temporal grid step may be encoded on its own).
+`read_vision_config(checkpoint_dir)`, `example_inputs(settings)`, `dynamic_axes()`,
+`profile_shapes(settings, (min, opt, max) patches)` (TensorRT shapes of every input) and
+`FRAMES_INDEPENDENT` (whether each temporal grid step may be encoded on its own). What towers
+share (group metadata, rotary tables, layers, weight loading) is in `common`.
 """
 from __future__ import annotations
 
