@@ -72,6 +72,14 @@ def add_derived(out: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def settings_of(vision_config: Any, vision_settings) -> dict[str, Any]:
+    """Settings that a tower's `vision_settings` already normalised (they hold `patch_dim`) pass
+    through; any other vision config is normalised with it."""
+    if isinstance(vision_config, dict) and "patch_dim" in vision_config:
+        return vision_config
+    return vision_settings(vision_config)
+
+
 def read_config_json(checkpoint_dir: str | Path) -> dict[str, Any]:
     """`config.json`'s `vision_config`."""
     config = json.loads((Path(checkpoint_dir) / "config.json").read_text())
@@ -152,10 +160,24 @@ def rotary_tables(hpos: np.ndarray, wpos: np.ndarray, inv_freq: np.ndarray) -> t
     return np.concatenate([cos, cos], axis=1), np.concatenate([sin, sin], axis=1)
 
 
-def example_pixels(settings: dict[str, Any], grid: np.ndarray) -> np.ndarray:
-    """Random float32 pixel rows for `grid` (tracing, smoke tests)."""
+def num_tokens(grid_thw: np.ndarray, settings: dict[str, Any]) -> int:
+    return num_patches(grid_thw) // settings["spatial_merge_size"] ** 2
+
+
+def example_inputs(settings: dict[str, Any], encoder_metadata, grid_thw) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Random float32 pixel rows for `grid_thw` and their metadata (tracing, smoke tests)."""
+    grid = np.asarray(grid_thw, dtype=np.int64)
     rng = np.random.default_rng(0)
-    return rng.standard_normal((num_patches(grid), settings["patch_dim"])).astype(np.float32)
+    pixels = rng.standard_normal((num_patches(grid), settings["patch_dim"])).astype(np.float32)
+    return pixels, encoder_metadata(grid, settings)
+
+
+# ONNX dynamic axes of the inputs every tower has.
+FRAME_AXES: dict[str, dict[int, str]] = {
+    "pixel_values": {0: "patches"}, "rotary_cos": {0: "patches"}, "rotary_sin": {0: "patches"},
+    "full_index": {0: "frames", 1: "frame_len"}, "full_mask": {0: "frames", 1: "frame_len"},
+    "full_inverse": {0: "patches"},
+}
 
 
 # --------------------------------------------------------------------------------------------
@@ -169,7 +191,7 @@ def frame_profile(settings: dict[str, Any], patches: tuple[int, int, int]) -> Sh
     """(min, opt, max) shapes of `pixel_values`, the rotary tables and the `full_*` inputs for
     engine runs of `patches` = (min, opt, max) patch rows; opt is one frame of opt patches.
     Frames <= patches / merge^2, frame length <= patches."""
-    lo, opt, hi = patches
+    _, opt, hi = patches
     frames = ((1, 1), (1, opt), (max(1, hi // settings["spatial_merge_size"] ** 2), hi))
     rotary = per_patch(patches, settings["head_dim"])
     return {"pixel_values": per_patch(patches, settings["patch_dim"]), "rotary_cos": rotary,
@@ -285,11 +307,11 @@ class VisionAttention(nn.Module):
 class VisionMLP(nn.Module):
     """SwiGLU-style: down(act(gate(x)) * up(x))."""
 
-    def __init__(self, dim: int, hidden: int, act: str, bias: bool, out_dim: int | None = None):
+    def __init__(self, dim: int, hidden: int, act: str, bias: bool):
         super().__init__()
         self.gate_proj = nn.Linear(dim, hidden, bias=bias)
         self.up_proj = nn.Linear(dim, hidden, bias=bias)
-        self.down_proj = nn.Linear(hidden, out_dim or dim, bias=bias)
+        self.down_proj = nn.Linear(hidden, dim, bias=bias)
         self.act_fn = activation(act)
 
     def forward(self, x):

@@ -58,9 +58,7 @@ def vision_settings(vision_config: Any) -> dict[str, Any]:
 
 
 def _settings(vision_config: Any) -> dict[str, Any]:
-    if isinstance(vision_config, dict) and "patch_dim" in vision_config:
-        return vision_config
-    return vision_settings(vision_config)
+    return common.settings_of(vision_config, vision_settings)
 
 
 # --------------------------------------------------------------------------------------------
@@ -68,8 +66,7 @@ def _settings(vision_config: Any) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 
 def num_tokens(grid_thw: np.ndarray, vision_config: Any) -> int:
-    merge = _settings(vision_config)["spatial_merge_size"]
-    return num_patches(grid_thw) // (merge * merge)
+    return common.num_tokens(grid_thw, _settings(vision_config))
 
 
 def _frame_layout(h: int, w: int, m: int, vws: int, inv_freq: np.ndarray):
@@ -124,7 +121,7 @@ def profile_shapes(settings: dict[str, Any], patches: tuple[int, int, int]) -> c
     """TensorRT (min, opt, max) shape of every input for runs of `patches` (min, opt, max) rows.
     Windows <= patches / merge^2 (a window holds at least one merge unit), window length <= the
     window's area in patches; opt is one square image of opt patches."""
-    lo, opt, hi = patches
+    _, opt, hi = patches
     merge_unit = settings["spatial_merge_size"] ** 2
     window = max(merge_unit, (settings["window_size"] // settings["patch_size"]) ** 2)
     windows = ((1, 1), (max(1, opt // window), min(window, opt)), (max(1, hi // merge_unit), min(window, hi)))
@@ -192,18 +189,13 @@ def load_tower(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32) -
 
 def example_inputs(vision_config: Any, grid_thw=((1, 4, 6), (2, 8, 8))) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """Small random inputs for tracing / smoke tests."""
-    cfg = _settings(vision_config)
-    grid = np.asarray(grid_thw, dtype=np.int64)
-    return common.example_pixels(cfg, grid), encoder_metadata(grid, cfg)
+    return common.example_inputs(_settings(vision_config), encoder_metadata, grid_thw)
 
 
 def dynamic_axes() -> dict[str, dict[int, str]]:
     return {
-        "pixel_values": {0: "patches"},
-        "rotary_cos": {0: "patches"}, "rotary_sin": {0: "patches"},
+        **common.FRAME_AXES,
         "window_index": {0: "windows", 1: "window_len"}, "window_mask": {0: "windows", 1: "window_len"},
         "window_inverse": {0: "patches"},
-        "full_index": {0: "frames", 1: "frame_len"}, "full_mask": {0: "frames", 1: "frame_len"},
-        "full_inverse": {0: "patches"},
         OUTPUT_NAME: {0: "tokens"},
     }
