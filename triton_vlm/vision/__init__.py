@@ -13,8 +13,9 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-# family name -> module path; GLM / MiniCPM towers go next to qwen2_5_vl.
-_TOWERS = {"qwen2_5_vl": "triton_vlm.vision.qwen2_5_vl"}
+# family name -> module path; the three GLM variants share one tower. MiniCPM goes next to them.
+_TOWERS = {"qwen2_5_vl": "triton_vlm.vision.qwen2_5_vl", "glm4v": "triton_vlm.vision.glm4v",
+           "glm46v": "triton_vlm.vision.glm4v", "glmga": "triton_vlm.vision.glm4v"}
 
 
 def get_tower(family: str) -> ModuleType:
