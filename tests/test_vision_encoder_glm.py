@@ -325,3 +325,26 @@ def test_build_repository_serves_the_glm_tower(repo, checkpoints, encoder, setti
     assert list(front.input[0].dims) == [-1, settings["patch_dim"]]
     encoder.warmup()
     assert encoder.settings == settings and encoder.merge_unit == 4
+
+
+def test_served_by_tritonserver(repo, oracles, tmp_path):
+    """The build's two encoder models in a real tritonserver: a video (split into frames by the
+    front, as the tower allows) and images of several sizes in one request."""
+    import shutil
+
+    import tritonclient.grpc as grpcclient
+
+    from triton_vlm.server import TritonServer
+
+    served = tmp_path / "repository"
+    for name in ("vision_encoder", "vision_encoder_batch"):
+        shutil.copytree(repo / name, served / name)
+    pixels, grid, ref = oracles["glm4v"]("images and video")
+    inputs = [grpcclient.InferInput("pixel_values", list(pixels.shape), "FP32"),
+              grpcclient.InferInput("grid_thw", list(grid.shape), "INT64")]
+    inputs[0].set_data_from_numpy(pixels)
+    inputs[1].set_data_from_numpy(grid)
+    with TritonServer(served, log_file=tmp_path / "tritonserver.log") as server, \
+            grpcclient.InferenceServerClient(server.grpc_url) as client:
+        out = client.infer("vision_encoder", inputs).as_numpy("embeddings")
+    assert rel_err(out, ref) < 1e-4
