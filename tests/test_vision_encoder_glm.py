@@ -164,7 +164,8 @@ def test_metadata_equals_transformers_positions_and_rotary(oracles, settings):
     cos, sin = visual.rotary_pos_emb(torch.zeros(1), positions)
     np.testing.assert_allclose(md["rotary_cos"], cos.numpy(), rtol=0, atol=1e-6)
     np.testing.assert_allclose(md["rotary_sin"], sin.numpy(), rtol=0, atol=1e-6)
-    # The sample points transformers hands grid_sample, formed the same way (bit-equal).
+    # The sample points, bit-equal to those transformers' Glm4vVisionEmbeddings forms (its formula,
+    # from the same position ids); the parity tests below check the resampling itself.
     size = torch.from_numpy(np.repeat(frames[:, 1:], frames.prod(1), axis=0)).float()
     norm = ((positions + 0.5) / size) * 2 - 1
     np.testing.assert_array_equal(md["pos_grid"], norm.flip(1).numpy())
