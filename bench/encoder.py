@@ -1,10 +1,11 @@
 """Vision encoder benchmark (issue #4): ONNX Runtime vs Hugging Face eager PyTorch, CPU, one run.
 
-    .venv/bin/python bench/encoder.py [--repeats 5] [--threads 0] [--clock wall|cpu]
+    .venv/bin/python bench/encoder.py [--family qwen2_5_vl] [--repeats 5] [--threads 0] [--clock wall|cpu]
 
-Writes the `small` Qwen2.5-VL demo checkpoint (random weights) to a temporary folder, exports its
-vision tower to ONNX (float32), and times, on the same inputs, interleaved (the two alternate, and
-which goes first alternates too, so machine noise hits both alike):
+Writes the `small` demo checkpoint of `--family` (random weights; qwen2_5_vl, glm4v, glm46v,
+glmga) to a temporary folder, exports its vision tower to ONNX (float32), and times, on the same
+inputs, interleaved (the two alternate, and which goes first alternates too, so machine noise hits
+both alike):
 
 - HF: `model.model.visual(pixel_values, grid_thw=...)` of `AutoModelForImageTextToText` (float32,
   eager PyTorch, its default attention implementation), under `torch.no_grad()`;
@@ -37,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--family", default="qwen2_5_vl")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall")
@@ -58,13 +60,13 @@ def main() -> int:
     threads = args.threads or default_threads(1)
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as tmp:
-        checkpoint = write_demo_checkpoint("qwen2_5_vl", Path(tmp) / "small", "small")
+        checkpoint = write_demo_checkpoint(args.family, Path(tmp) / "small", "small")
         onnx_path = export_onnx(checkpoint, Path(tmp) / "encoder.onnx", dtype="float32")
         processor = AutoProcessor.from_pretrained(checkpoint)
         model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32).eval()
         tower = model.model.visual
         encoder = VisionEncoder(onnx_path, intra_op_threads=threads)
-        print(f"small checkpoint: vision depth {model.config.vision_config.depth}, hidden "
+        print(f"{args.family} small checkpoint: vision depth {model.config.vision_config.depth}, hidden "
               f"{model.config.vision_config.hidden_size}, {sum(p.numel() for p in tower.parameters()) / 1e6:.1f} M "
               f"tower parameters; torch {torch.__version__}, transformers {transformers.__version__}, onnxruntime "
               f"{onnxruntime.__version__}; {threads} threads each; {args.clock} clock; median of {args.repeats}, interleaved")

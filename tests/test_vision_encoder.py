@@ -238,7 +238,7 @@ def test_fullatt_blocks_are_full_attention_and_matter(checkpoint, settings, refe
 def test_tensorrt_module_imports_without_tensorrt_and_profiles_cover_the_inputs(settings):
     from triton_vlm.vision import tensorrt_engine as trt_engine
 
-    shapes = trt_engine.profile_shapes(settings, trt_engine.EngineProfile(4, 1024, 4096))
+    shapes = trt_engine.profile_shapes("qwen2_5_vl", settings, trt_engine.EngineProfile(4, 1024, 4096))
     assert set(shapes) == set(q.INPUT_NAMES)
     for name, (lo, mid, hi) in shapes.items():
         assert all(a <= b <= c for a, b, c in zip(lo, mid, hi)), name

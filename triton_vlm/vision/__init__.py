@@ -3,16 +3,19 @@
 A tower module provides: `FAMILY`, `INPUT_NAMES` / `METADATA_INPUTS` / `OUTPUT_NAME`,
 `vision_settings(config) -> dict`, `encoder_metadata(grid_thw, settings) -> dict[str, np.ndarray]`,
 `num_patches(grid_thw)`, `num_tokens(grid_thw, settings)`, `load_tower(checkpoint_dir, dtype)`,
-`read_vision_config(checkpoint_dir)`, `example_inputs(settings)`, `dynamic_axes()` and
-`FRAMES_INDEPENDENT` (whether each temporal grid step may be encoded on its own).
+`read_vision_config(checkpoint_dir)`, `example_inputs(settings)`, `dynamic_axes()`,
+`profile_shapes(settings, (min, opt, max) patches)` (TensorRT shapes of every input) and
+`FRAMES_INDEPENDENT` (whether each temporal grid step may be encoded on its own). What towers
+share (group metadata, rotary tables, layers, weight loading) is in `common`.
 """
 from __future__ import annotations
 
 import importlib
 from types import ModuleType
 
-# family name -> module path; GLM / MiniCPM towers go next to qwen2_5_vl.
-_TOWERS = {"qwen2_5_vl": "triton_vlm.vision.qwen2_5_vl"}
+# family name -> module path; the three GLM variants share one tower. MiniCPM goes next to them.
+_TOWERS = {"qwen2_5_vl": "triton_vlm.vision.qwen2_5_vl", "glm4v": "triton_vlm.vision.glm4v",
+           "glm46v": "triton_vlm.vision.glm4v", "glmga": "triton_vlm.vision.glm4v"}
 
 
 def get_tower(family: str) -> ModuleType:

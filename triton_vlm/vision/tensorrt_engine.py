@@ -6,11 +6,12 @@ It is importable without `tensorrt` or CUDA (every import is inside a function).
 
 Build: the same ONNX file the CPU path uses (float32 weights; TensorRT picks FP16/BF16 kernels
 when the precision flag allows), one optimisation profile. Every dynamic input dimension derives
-from the number of patch rows of one engine run, so the profile is given as min/opt/max patches:
+from the number of patch rows of one engine run, so the profile is given as min/opt/max patches
+and the tower module turns it into shapes (`profile_shapes` of `triton_vlm.vision.<family>`):
 
-- `pixel_values`, `rotary_cos/sin`, `*_inverse`: [patches, ...];
-- `window_index/mask`: [windows, window_len], windows <= patches / merge^2 (a window holds at
-  least one merge unit), window_len <= the window's area in patches;
+- `pixel_values`, `rotary_cos/sin`, `*_inverse`, GLM's `pos_grid`: [patches, ...];
+- Qwen2.5-VL's `window_index/mask`: [windows, window_len], windows <= patches / merge^2 (a window
+  holds at least one merge unit), window_len <= the window's area in patches;
 - `full_index/mask`: [frames, frame_len], frames <= patches / merge^2, frame_len <= patches.
 
 Run: `TensorRTEncoder` has the interface of the ONNX Runtime `VisionEncoder` (`encode`,
@@ -43,32 +44,10 @@ class EngineProfile:
                              f"{self.min_patches}/{self.opt_patches}/{self.max_patches}")
 
 
-def profile_shapes(settings: dict, profile: EngineProfile) -> dict[str, tuple[tuple[int, ...], ...]]:
-    """(min, opt, max) shape of every engine input for a Qwen2.5-VL-style tower's settings."""
-    merge_unit = settings["spatial_merge_size"] ** 2
-    window = max(merge_unit, (settings["window_size"] // settings["patch_size"]) ** 2)
-    dim, head_dim = settings["patch_dim"], settings["head_dim"]
-
-    def at(patches: int) -> dict[str, tuple[int, ...]]:
-        units = max(1, patches // merge_unit)
-        win_len = min(window, patches)
-        return {
-            "pixel_values": (patches, dim), "rotary_cos": (patches, head_dim), "rotary_sin": (patches, head_dim),
-            "window_index": (units, win_len), "window_mask": (units, win_len), "window_inverse": (patches,),
-            "full_index": (units, patches), "full_mask": (units, patches), "full_inverse": (patches,),
-        }
-
-    lo, mid, hi = at(profile.min_patches), at(profile.opt_patches), at(profile.max_patches)
-    # Minimum group counts / lengths are 1 (one small window, one frame); the opt point is one
-    # square image of opt patches.
-    lo = {k: tuple(1 if k.endswith(("_index", "_mask")) else d for d in v) for k, v in lo.items()}
-    mid = dict(mid)
-    frames_opt = 1
-    wins_opt = max(1, profile.opt_patches // window)
-    mid.update(window_index=(wins_opt, min(window, profile.opt_patches)),
-               window_mask=(wins_opt, min(window, profile.opt_patches)),
-               full_index=(frames_opt, profile.opt_patches), full_mask=(frames_opt, profile.opt_patches))
-    return {k: (lo[k], mid[k], hi[k]) for k in hi}
+def profile_shapes(family: str, settings: dict, profile: EngineProfile) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """(min, opt, max) shape of every engine input: the family's tower module knows its inputs."""
+    return get_tower(family).profile_shapes(
+        settings, (profile.min_patches, profile.opt_patches, profile.max_patches))
 
 
 def build_engine(onnx_path: str | Path, engine_path: str | Path, profile: EngineProfile = EngineProfile(),
@@ -108,7 +87,7 @@ def build_engine(onnx_path: str | Path, engine_path: str | Path, profile: Engine
     elif precision == "bf16":
         config.set_flag(trt.BuilderFlag.BF16)
     opt_profile = builder.create_optimization_profile()
-    shapes = profile_shapes(settings, profile)
+    shapes = profile_shapes(meta["family"], settings, profile)
     for i in range(network.num_inputs):
         name = network.get_input(i).name
         lo, mid, hi = shapes[name]

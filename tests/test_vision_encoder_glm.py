@@ -1,0 +1,351 @@
+"""GLM vision tower (GLM-4.1V, GLM-4.6V-Flash, GLMGA): torch re-implementation, ONNX Runtime export
+(float32 fused, float16, the unfused TensorRT form) and the repository build, against transformers.
+
+Oracle: `model.model.get_image_features(pixel_values, image_grid_thw)` and
+`get_video_features(pixel_values_videos, video_grid_thw)` (pooler outputs, concatenated in item
+order) of tiny random checkpoints (vision depth 2, hidden 32, 2 heads, position-embedding grid 8x8),
+with inputs from each checkpoint's own transformers processor. The glm4v checkpoint has every
+parameter drawn at random (the demo writer leaves biases at zero and norm weights at one, which
+would hide a missing bias or norm). Error = max |ours - ref| / max |ref|.
+"""
+from __future__ import annotations
+
+import collections
+import io
+import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np
+import pytest
+import torch
+
+from triton_vlm import samples
+from triton_vlm.vision import get_tower
+from triton_vlm.vision import glm4v as g
+
+# Image sizes (width, height) -> the tiny processor's grids: 22x22 (merged 11x11: odd, larger than
+# the 8x8 embedding grid), 18x28, 6x6 (smaller than it), 22x14, 72x6.
+SINGLE = [(448, 448)]
+SIZES = [(448, 448), (517, 333), (56, 56), (200, 300), (90, 1000)]
+CASES = {
+    "one image": (SINGLE, False),
+    "several sizes": (SIZES, False),
+    "video": ([], True),  # 4 s at 4 fps: 8 frames -> 4 temporal steps of 6x8
+    "images and video": (SIZES[1:3], True),
+}
+
+
+def rel_err(out, ref) -> float:
+    out, ref = np.asarray(out, dtype=np.float64), np.asarray(ref, dtype=np.float64)
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    return float(np.abs(out - ref).max() / np.abs(ref).max())
+
+
+class Oracle:
+    """One checkpoint's transformers processor and model; reference outputs per case."""
+
+    def __init__(self, checkpoint):
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        self.checkpoint = checkpoint
+        self.processor = AutoProcessor.from_pretrained(checkpoint)
+        self.model = AutoModelForImageTextToText.from_pretrained(checkpoint).eval()
+        self._cache: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def __call__(self, case: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(pixel_values, grid_thw, reference embeddings) of a case: images first, then the video."""
+        if case not in self._cache:
+            from PIL import Image
+
+            from tests.oracle import decode_frames
+
+            sizes, with_video = CASES[case]
+            pixels, grids, refs = [], [], []
+            if sizes:
+                images = [Image.open(io.BytesIO(samples.image_bytes(w, h, seed=float(i)))).convert("RGB")
+                          for i, (w, h) in enumerate(sizes)]
+                out = self.processor.image_processor(images=images, return_tensors="pt")
+                with torch.no_grad():
+                    feats = self.model.model.get_image_features(out["pixel_values"], out["image_grid_thw"])
+                pixels.append(out["pixel_values"])
+                grids.append(out["image_grid_thw"])
+                refs.extend(feats.pooler_output)
+            if with_video:
+                frames, metadata = decode_frames(samples.video_bytes(seconds=4.0, fps=2))
+                out = self.processor.video_processor(videos=[frames], video_metadata=[metadata], return_tensors="pt")
+                with torch.no_grad():
+                    feats = self.model.model.get_video_features(out["pixel_values_videos"], out["video_grid_thw"])
+                pixels.append(out["pixel_values_videos"])
+                grids.append(out["video_grid_thw"])
+                refs.extend(feats.pooler_output)
+            self._cache[case] = (torch.cat(pixels).numpy(), torch.cat(grids).numpy().astype(np.int64),
+                                 torch.cat(refs).numpy())
+        return self._cache[case]
+
+
+def _randomise_weights(checkpoint) -> None:
+    """Add noise to every 1-D vision parameter: the demo writes biases as zeros, norm weights as ones."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(checkpoint).eval()
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for param in model.model.visual.parameters():
+            if param.ndim == 1:
+                param.add_(0.1 * torch.randn(param.shape, generator=gen))
+    model.save_pretrained(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    from triton_vlm.checkpoint import write_demo_checkpoint
+
+    root = tmp_path_factory.mktemp("glm_vision")
+    out = {v: write_demo_checkpoint(v, root / v, "tiny") for v in ("glm4v", "glm46v", "glmga")}
+    _randomise_weights(out["glm4v"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def oracles(checkpoints):
+    return {v: Oracle(path) for v, path in checkpoints.items()}
+
+
+@pytest.fixture(scope="module")
+def settings(checkpoints):
+    return g.read_vision_config(checkpoints["glm4v"])
+
+
+@pytest.fixture(scope="module")
+def repo(checkpoints, tmp_path_factory):
+    """A full repository build of the glm4v checkpoint (float32 vision encoder)."""
+    from triton_vlm.repository import build_repository
+
+    return build_repository(checkpoints["glm4v"], tmp_path_factory.mktemp("glm_repo") / "repository")
+
+
+@pytest.fixture(scope="module")
+def onnx_path(repo):
+    """The float32 encoder the build wrote."""
+    return repo / "vision_encoder" / "1" / "encoder.onnx"
+
+
+@pytest.fixture(scope="module")
+def encoder(onnx_path):
+    """The build's encoder through the runtime that serves it."""
+    from triton_vlm.vision.encoder import VisionEncoder
+
+    return VisionEncoder(onnx_path)
+
+
+@pytest.fixture(scope="module")
+def exported(checkpoints, tmp_path_factory):
+    from triton_vlm.vision.export import export_onnx
+
+    out = tmp_path_factory.mktemp("glm_onnx")
+    return {"glm4v-float16": export_onnx(checkpoints["glm4v"], out / "glm4v-float16.onnx", dtype="float16"),
+            **{v: export_onnx(checkpoints[v], out / f"{v}.onnx") for v in ("glm46v", "glmga")}}
+
+
+# ---------------------------------------------------------------------------------------------
+# Host metadata and the torch tower
+# ---------------------------------------------------------------------------------------------
+
+def test_metadata_equals_transformers_positions_and_rotary(oracles, settings):
+    from transformers.vision_utils import get_vision_position_ids
+
+    _, grid, _ = oracles["glm4v"]("images and video")
+    frames = np.repeat(np.concatenate([np.ones_like(grid[:, :1]), grid[:, 1:]], 1), grid[:, 0], axis=0)
+    md = g.encoder_metadata(grid, settings)
+    visual = oracles["glm4v"].model.model.visual
+    positions = get_vision_position_ids(torch.from_numpy(frames), settings["spatial_merge_size"])
+    cos, sin = visual.rotary_pos_emb(torch.zeros(1), positions)
+    np.testing.assert_allclose(md["rotary_cos"], cos.numpy(), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(md["rotary_sin"], sin.numpy(), rtol=0, atol=1e-6)
+    # The sample points, bit-equal to those transformers' Glm4vVisionEmbeddings forms (its formula,
+    # from the same position ids); the parity tests below check the resampling itself.
+    size = torch.from_numpy(np.repeat(frames[:, 1:], frames.prod(1), axis=0)).float()
+    norm = ((positions + 0.5) / size) * 2 - 1
+    np.testing.assert_array_equal(md["pos_grid"], norm.flip(1).numpy())
+    # one attention group per temporal step, no padding beyond the largest frame
+    assert md["full_index"].shape == (len(frames), int((frames[:, 1] * frames[:, 2]).max()))
+
+
+def test_tower_loads_hf_state_dict_strictly(checkpoints, oracles):
+    tower = g.load_tower(checkpoints["glm4v"])  # strict=True inside
+    ours, theirs = tower.state_dict(), oracles["glm4v"].model.model.visual.state_dict()
+    assert set(ours) == set(theirs)
+    for key in ours:
+        torch.testing.assert_close(ours[key], theirs[key], rtol=0, atol=0)
+
+
+def _torch_tower(tower, settings, pixels, grid) -> np.ndarray:
+    md = g.encoder_metadata(grid, settings)
+    with torch.no_grad():
+        return tower(torch.from_numpy(pixels), *[torch.from_numpy(md[k]) for k in g.METADATA_INPUTS]).numpy()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_torch_tower_matches_hf(case, checkpoints, oracles, settings):
+    pixels, grid, ref = oracles["glm4v"](case)
+    assert rel_err(_torch_tower(g.load_tower(checkpoints["glm4v"]), settings, pixels, grid), ref) < 1e-5
+
+
+def test_position_embeddings_matter(checkpoints, oracles, settings):
+    """The parity tests see the resampled position embeddings: without them the output moves by
+    far more than the tolerance."""
+    pixels, grid, ref = oracles["glm4v"]("several sizes")
+    tower = g.load_tower(checkpoints["glm4v"])
+    with torch.no_grad():
+        tower.embeddings.position_embedding.weight.zero_()
+    assert rel_err(_torch_tower(tower, settings, pixels, grid), ref) > 1e-3
+
+
+# ---------------------------------------------------------------------------------------------
+# ONNX Runtime
+# ---------------------------------------------------------------------------------------------
+
+def test_onnx_graph(encoder, onnx_path, settings):
+    import onnx
+
+    inputs = {i.name: i for i in encoder.session.get_inputs()}
+    assert list(inputs) == list(g.INPUT_NAMES)
+    assert all(isinstance(d, str) for name in g.INPUT_NAMES for d in inputs[name].shape[:1])
+    assert encoder.family == "glm4v" and get_tower(encoder.family) is g
+    proto = onnx.load(str(onnx_path))
+    ops = collections.Counter(n.op_type for n in proto.graph.node)
+    assert ops["If"] == settings["depth"]  # fused attention, unmasked when no frame is padded
+    (sample,) = [n for n in proto.graph.node if n.op_type == "GridSample"]
+    attrs = {a.name: a for a in sample.attribute}
+    assert attrs["mode"].s == b"bicubic" and attrs["padding_mode"].s == b"border" and attrs["align_corners"].i == 0
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_onnx_fp32_matches_hf(case, encoder, oracles):
+    pixels, grid, ref = oracles["glm4v"](case)
+    out = encoder.encode(pixels, grid)
+    assert out.dtype == np.float32
+    assert rel_err(out, ref) < 1e-4
+
+
+@pytest.mark.parametrize("case", ["several sizes", "images and video"])
+def test_onnx_one_run_with_padded_frames(case, encoder, oracles):
+    # Every item in one session run: frames padded to the largest one.
+    pixels, grid, ref = oracles["glm4v"](case)
+    assert rel_err(encoder._run(pixels, grid), ref) < 1e-4
+
+
+def test_onnx_small_runs(onnx_path, oracles):
+    from triton_vlm.vision.encoder import VisionEncoder
+
+    enc = VisionEncoder(onnx_path, intra_op_threads=1, max_patches_per_run=64)
+    pixels, grid, ref = oracles["glm4v"]("images and video")
+    assert rel_err(enc.encode(pixels, grid), ref) < 1e-4
+
+
+def test_onnx_fp16_matches_hf(exported, oracles):
+    from triton_vlm.vision.encoder import VisionEncoder
+
+    enc = VisionEncoder(exported["glm4v-float16"])
+    assert enc.dtype == "float16"
+    for case in ("several sizes", "images and video"):
+        pixels, grid, ref = oracles["glm4v"](case)
+        out = enc.encode(pixels, grid)
+        assert out.dtype == np.float32
+        assert rel_err(out, ref) < 1e-2, case
+
+
+@pytest.mark.parametrize("variant", ["glm46v", "glmga"])
+def test_other_variants_match_hf(variant, exported, oracles):
+    import onnx
+
+    from triton_vlm.vision.encoder import VisionEncoder
+
+    enc = VisionEncoder(exported[variant])
+    assert enc.family == variant and enc.tower is g
+    assert {p.key: p.value for p in onnx.load(str(exported[variant]), load_external_data=False).metadata_props}[
+        "family"] == variant
+    pixels, grid, ref = oracles[variant]("images and video")
+    assert rel_err(enc.encode(pixels, grid), ref) < 1e-4
+
+
+# ---------------------------------------------------------------------------------------------
+# TensorRT's input: the unfused graph and the profile (no GPU here: TensorRT itself is not run)
+# ---------------------------------------------------------------------------------------------
+
+def test_unfused_graph_runs_standard_ops_and_matches(onnx_path, settings, oracles, tmp_path):
+    import onnx
+    import onnxruntime as ort
+
+    from triton_vlm.vision.export import unfuse_attention
+
+    proto = onnx.load(str(onnx_path))
+    assert unfuse_attention(proto)
+    onnx.checker.check_model(proto)
+    assert {n.domain for n in proto.graph.node} == {""} and [o.domain for o in proto.opset_import] == [""]
+    assert not any(n.op_type == "If" for n in proto.graph.node)
+    path = tmp_path / "unfused.onnx"
+    onnx.save(proto, str(path))
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for case in ("one image", "images and video"):
+        pixels, grid, ref = oracles["glm4v"](case)
+        feeds = {"pixel_values": pixels, **g.encoder_metadata(grid, settings)}
+        assert rel_err(session.run(None, feeds)[0], ref) < 1e-4, case
+
+
+def test_tensorrt_profile_covers_the_inputs(settings):
+    from triton_vlm.vision import tensorrt_engine as trt_engine
+
+    shapes = trt_engine.profile_shapes("glm4v", settings, trt_engine.EngineProfile(4, 1024, 4096))
+    assert set(shapes) == set(g.INPUT_NAMES)
+    for name, (lo, mid, hi) in shapes.items():
+        assert all(a <= b <= c for a, b, c in zip(lo, mid, hi)), name
+    for grid in ([[1, 64, 64]], [[16, 16, 16]], [[1, 2, 2]] * 1024, [[1, 34, 46]], [[1, 2, 2]]):
+        md = g.encoder_metadata(np.array(grid), settings)
+        for name, value in md.items():
+            lo, _, hi = shapes[name]
+            assert all(a <= v <= b for a, v, b in zip(lo, value.shape, hi)), (grid, name)
+
+
+# ---------------------------------------------------------------------------------------------
+# The repository build
+# ---------------------------------------------------------------------------------------------
+
+def test_build_repository_serves_the_glm_tower(repo, checkpoints, encoder, settings):
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    config = json.loads((checkpoints["glm4v"] / "config.json").read_text())
+    front = text_format.Parse((repo / "vision_encoder" / "config.pbtxt").read_text(), mc.ModelConfig())
+    params = {k: v.string_value for k, v in front.parameters.items()}
+    assert params["family"] == "glm4v" and params["frames_independent"] == "1"
+    assert int(params["patch_dim"]) == settings["patch_dim"] == 3 * 2 * 14 * 14
+    assert int(params["hidden"]) == settings["out_hidden_size"] == config["text_config"]["hidden_size"]
+    assert list(front.input[0].dims) == [-1, settings["patch_dim"]]
+    encoder.warmup()
+    assert encoder.settings == settings and encoder.merge_unit == 4
+
+
+def test_served_by_tritonserver(repo, oracles, tmp_path):
+    """The build's two encoder models in a real tritonserver: a video (split into frames by the
+    front, as the tower allows) and images of several sizes in one request."""
+    import shutil
+
+    import tritonclient.grpc as grpcclient
+
+    from triton_vlm.server import TritonServer
+
+    served = tmp_path / "repository"
+    for name in ("vision_encoder", "vision_encoder_batch"):
+        shutil.copytree(repo / name, served / name)
+    pixels, grid, ref = oracles["glm4v"]("images and video")
+    inputs = [grpcclient.InferInput("pixel_values", list(pixels.shape), "FP32"),
+              grpcclient.InferInput("grid_thw", list(grid.shape), "INT64")]
+    inputs[0].set_data_from_numpy(pixels)
+    inputs[1].set_data_from_numpy(grid)
+    with TritonServer(served, log_file=tmp_path / "tritonserver.log") as server, \
+            grpcclient.InferenceServerClient(server.grpc_url) as client:
+        out = client.infer("vision_encoder", inputs).as_numpy("embeddings")
+    assert rel_err(out, ref) < 1e-4

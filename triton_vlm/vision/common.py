@@ -1,0 +1,371 @@
+"""What the vision towers share: host-side group metadata, 2-D rotary tables, the torch layers
+(RMSNorm, grouped attention, SwiGLU MLP, pre-norm block, Conv3d patch embedding as one MatMul),
+checkpoint reading and the TensorRT profile of the shared inputs.
+
+Attention runs in groups (every frame, as `cu_seqlens`, and for Qwen2.5-VL also every window).
+The host computes, with numpy, for each kind of group:
+
+- ``*_index``   int64 [G, L]: patch indices of each group, padded at the end with a real index of
+  the same group (never a negative pad value);
+- ``*_mask``    float32 [G, L]: additive key mask, 0 for real keys and a large negative (finite)
+  value for padding;
+- ``*_inverse`` int64 [N]: for each patch, its position in the flattened [G * L] layout.
+
+plus the rotary ``cos`` / ``sin`` per patch [N, head_dim]. Each block gathers q/k/v into
+[G, L, dim], attends, and gathers the result back with the inverse index. Padded query rows are
+computed and dropped by the inverse gather. No dense N x N mask is ever built. In float32 ONNX
+exports the attention is one `com.microsoft::MultiHeadAttention` node (key padding mask = valid
+keys per group, derived in the graph from the additive mask); `export.mask_only_when_padded` lets
+it drop the mask when no group is padded, and `export.unfuse_attention` turns it back into standard
+ops for TensorRT.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from triton_vlm.weights import read_safetensors
+
+MASK_VALUE = -1.0e9  # large negative, finite: every group holds at least one real key
+FULL_INPUTS = ("full_index", "full_mask", "full_inverse")
+ROTARY_INPUTS = ("rotary_cos", "rotary_sin")
+
+
+# --------------------------------------------------------------------------------------------
+# Vision config
+# --------------------------------------------------------------------------------------------
+
+def as_dict(vision_config: Any) -> dict[str, Any]:
+    """A vision config (HF config object or dict, e.g. `config.json`'s `vision_config`) as a dict."""
+    if not isinstance(vision_config, Mapping):
+        vision_config = vision_config.to_dict() if hasattr(vision_config, "to_dict") else vars(vision_config)
+    return dict(vision_config)
+
+
+def config_fields(vision_config: Any, defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields of `defaults` read from a vision config, plus `rope_theta` wherever the config
+    keeps it."""
+    cfg = as_dict(vision_config)
+    out = {key: cfg.get(key, default) for key, default in defaults.items()}
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    out["rope_theta"] = float(rope.get("rope_theta", cfg.get("rope_theta", defaults.get("rope_theta", 10000.0))))
+    return out
+
+
+def square(value: Any, key: str) -> int:
+    """An int from a size that may be given per axis (`[14, 14]`); non-square sizes are refused."""
+    if isinstance(value, (list, tuple)):
+        if len(set(value)) != 1:
+            raise ValueError(f"non-square {key} {value} is not supported")
+        value = value[0]
+    return int(value)
+
+
+def add_derived(out: dict[str, Any]) -> dict[str, Any]:
+    out["head_dim"] = out["hidden_size"] // out["num_heads"]
+    out["patch_dim"] = out["in_channels"] * out["temporal_patch_size"] * out["patch_size"] ** 2
+    return out
+
+
+def settings_of(vision_config: Any, vision_settings) -> dict[str, Any]:
+    """Settings that a tower's `vision_settings` already normalised (they hold `patch_dim`) pass
+    through; any other vision config is normalised with it."""
+    if isinstance(vision_config, dict) and "patch_dim" in vision_config:
+        return vision_config
+    return vision_settings(vision_config)
+
+
+def read_config_json(checkpoint_dir: str | Path) -> dict[str, Any]:
+    """`config.json`'s `vision_config`."""
+    config = json.loads((Path(checkpoint_dir) / "config.json").read_text())
+    if "vision_config" not in config:
+        raise ValueError(f"{checkpoint_dir}: config.json has no vision_config")
+    return config["vision_config"]
+
+
+# --------------------------------------------------------------------------------------------
+# Host-side metadata (numpy)
+# --------------------------------------------------------------------------------------------
+
+def groups(order: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Group layout for patches `order` (concatenated groups of lengths `sizes`, all > 0).
+
+    Returns gather index [G, L] (padded with the group's last real index), additive key mask
+    [G, L] and the inverse index [N] into the flattened [G * L] layout."""
+    sizes = sizes.astype(np.int64)
+    n_groups = len(sizes)
+    length = int(sizes.max())
+    starts = np.zeros(n_groups, dtype=np.int64)
+    np.cumsum(sizes[:-1], out=starts[1:])
+    slot = np.arange(length, dtype=np.int64)
+    valid = slot[None, :] < sizes[:, None]
+    pos = np.minimum(starts[:, None] + slot[None, :], (starts + sizes - 1)[:, None])
+    index = order[pos]
+    mask = np.where(valid, np.float32(0.0), np.float32(MASK_VALUE)).astype(np.float32)
+    group_of = np.repeat(np.arange(n_groups, dtype=np.int64), sizes)
+    flat = group_of * length + (np.arange(len(order), dtype=np.int64) - starts[group_of])
+    inverse = np.empty(len(order), dtype=np.int64)
+    inverse[order] = flat
+    return index, mask, inverse
+
+
+def frame_groups(grid: np.ndarray) -> dict[str, np.ndarray]:
+    """`full_*` metadata: one attention group per frame (`cu_seqlens`)."""
+    sizes = np.repeat(grid[:, 1] * grid[:, 2], grid[:, 0])
+    index, mask, inverse = groups(np.arange(int(sizes.sum()), dtype=np.int64), sizes)
+    return dict(full_index=index, full_mask=mask, full_inverse=inverse)
+
+
+def check_grid(grid_thw: np.ndarray, merge: int) -> np.ndarray:
+    """`grid_thw` as int64 [M, 3], M >= 1, h and w multiples of `merge`."""
+    grid = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
+    if len(grid) == 0:
+        raise ValueError("encoder_metadata needs at least one item")
+    if (grid <= 0).any() or (grid[:, 1:] % merge).any():
+        raise ValueError(f"grid_thw rows must be positive with h and w multiples of {merge}: {grid.tolist()}")
+    return grid
+
+
+def num_patches(grid_thw: np.ndarray) -> int:
+    grid = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
+    return int(grid.prod(axis=1).sum())
+
+
+def patch_positions(h: int, w: int, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """Row and column of every patch of an h x w grid in processor order: merge block row, merge
+    block column, then the m x m patches of the block, i.e. (bh, bw, i, j) -> (bh*m + i, bw*m + j)."""
+    bh, bw, i, j = np.meshgrid(np.arange(h // m), np.arange(w // m), np.arange(m), np.arange(m), indexing="ij")
+    return (bh * m + i).reshape(-1), (bw * m + j).reshape(-1)
+
+
+def rotary_inv_freq(head_dim: int, theta: float) -> np.ndarray:
+    """2-D rotary: each of the two axes rotates a quarter of the head's frequencies."""
+    spatial_dim = head_dim // 2
+    return (1.0 / (theta ** (np.arange(0, spatial_dim, 2, dtype=np.float64) / spatial_dim))).astype(np.float32)
+
+
+def rotary_tables(hpos: np.ndarray, wpos: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cos / sin [N, head_dim] for patches at (hpos, wpos): `[h-freqs, w-freqs, h-freqs, w-freqs]`,
+    angles formed as transformers does (float32 position * float32 inv_freq), rounded once."""
+    size = int(max(hpos.max(), wpos.max())) + 1
+    angles = (np.arange(size, dtype=np.float32)[:, None] * inv_freq[None, :]).astype(np.float64)
+    cos_t, sin_t = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    cos = np.concatenate([cos_t[hpos], cos_t[wpos]], axis=1)
+    sin = np.concatenate([sin_t[hpos], sin_t[wpos]], axis=1)
+    return np.concatenate([cos, cos], axis=1), np.concatenate([sin, sin], axis=1)
+
+
+def num_tokens(grid_thw: np.ndarray, settings: dict[str, Any]) -> int:
+    return num_patches(grid_thw) // settings["spatial_merge_size"] ** 2
+
+
+def example_inputs(settings: dict[str, Any], encoder_metadata, grid_thw) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Random float32 pixel rows for `grid_thw` and their metadata (tracing, smoke tests)."""
+    grid = np.asarray(grid_thw, dtype=np.int64)
+    rng = np.random.default_rng(0)
+    pixels = rng.standard_normal((num_patches(grid), settings["patch_dim"])).astype(np.float32)
+    return pixels, encoder_metadata(grid, settings)
+
+
+# ONNX dynamic axes of the inputs every tower has.
+FRAME_AXES: dict[str, dict[int, str]] = {
+    "pixel_values": {0: "patches"}, "rotary_cos": {0: "patches"}, "rotary_sin": {0: "patches"},
+    "full_index": {0: "frames", 1: "frame_len"}, "full_mask": {0: "frames", 1: "frame_len"},
+    "full_inverse": {0: "patches"},
+}
+
+
+# --------------------------------------------------------------------------------------------
+# TensorRT optimisation profile of the shared inputs
+# --------------------------------------------------------------------------------------------
+
+Shapes = dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
+
+
+def frame_profile(settings: dict[str, Any], patches: tuple[int, int, int]) -> Shapes:
+    """(min, opt, max) shapes of `pixel_values`, the rotary tables and the `full_*` inputs for
+    engine runs of `patches` = (min, opt, max) patch rows; opt is one frame of opt patches.
+    Frames <= patches / merge^2, frame length <= patches."""
+    _, opt, hi = patches
+    frames = ((1, 1), (1, opt), (max(1, hi // settings["spatial_merge_size"] ** 2), hi))
+    rotary = per_patch(patches, settings["head_dim"])
+    return {"pixel_values": per_patch(patches, settings["patch_dim"]), "rotary_cos": rotary,
+            "rotary_sin": rotary, "full_index": frames, "full_mask": frames, "full_inverse": per_patch(patches)}
+
+
+def per_patch(patches: tuple[int, int, int], *width: int) -> tuple[tuple[int, ...], ...]:
+    """(min, opt, max) shapes of an input with one row per patch."""
+    return tuple((p, *width) for p in patches)
+
+
+# --------------------------------------------------------------------------------------------
+# Torch layers (parameter names match the Hugging Face state_dicts)
+# --------------------------------------------------------------------------------------------
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def activation(name: str):
+    from transformers.activations import ACT2FN
+    return ACT2FN[name]
+
+
+class _GroupAttention(torch.autograd.Function):
+    """Attention inside groups: q, k, v [G, L, dim] (heads packed in dim), additive key mask [G, L]
+    and the valid key count per group `lengths` int32 [G] (real keys first). Eager torch uses the
+    mask; the ONNX export is one `com.microsoft::MultiHeadAttention` node with `lengths` as its key
+    padding mask (ONNX Runtime's fused CPU kernel: no transposes, no separate mask/scale passes)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, lengths, num_heads: int):
+        return group_attention(q, k, v, mask, num_heads)
+
+    @staticmethod
+    def symbolic(g, q, k, v, mask, lengths, num_heads):
+        from torch.onnx import symbolic_helper
+        out = g.op("com.microsoft::MultiHeadAttention", q, k, v,
+                   symbolic_helper._optional_input_placeholder_tensor(g), lengths,
+                   num_heads_i=num_heads, mask_filter_value_f=MASK_VALUE)
+        out.setType(q.type())
+        return out
+
+
+def group_attention(q, k, v, mask, num_heads: int):
+    groups_, length, dim = q.shape
+    head_dim = dim // num_heads
+    dtype = q.dtype
+    q = q.reshape(groups_, length, num_heads, head_dim).transpose(1, 2)
+    k = k.reshape(groups_, length, num_heads, head_dim).transpose(1, 2)
+    v = v.reshape(groups_, length, num_heads, head_dim).transpose(1, 2)
+    scores = torch.matmul(q, k.transpose(2, 3)).float() * head_dim ** -0.5 + mask[:, None, None, :]
+    probs = torch.softmax(scores, dim=-1).to(dtype)
+    return torch.matmul(probs, v).transpose(1, 2).reshape(groups_, length, dim)
+
+
+def key_lengths(mask: torch.Tensor) -> torch.Tensor:
+    """Valid keys per group (real keys come first): the fused attention's key padding mask."""
+    return (mask == 0).sum(-1, dtype=torch.int32)
+
+
+class VisionAttention(nn.Module):
+    # The fused ONNX Runtime attention node is used for float32 exports (ORT's CPU kernel is
+    # float32); float16 graphs and eager torch use the plain MatMul / Softmax form.
+    fused = True
+
+    def __init__(self, dim: int, num_heads: int, qkv_bias: bool, proj_bias: bool):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        self.proj = nn.Linear(dim, dim, bias=proj_bias)
+
+    def forward(self, x, cos, sin, index, mask, inverse, lengths):
+        n, dim = x.shape
+        groups_, length = index.shape
+        flat = index.reshape(-1)
+        # q and k from one matrix multiply (their rows of the qkv weight), v from another: no
+        # split copy of a [N, 3, H, D] result; rotary on q and k together.
+        w, b = self.qkv.weight, self.qkv.bias
+        qk = nn.functional.linear(x, w[:2 * dim], None if b is None else b[:2 * dim])
+        qk = qk.reshape(n, 2, self.num_heads, self.head_dim)
+        v = nn.functional.linear(x, w[2 * dim:], None if b is None else b[2 * dim:])
+        dtype = qk.dtype
+        qk = qk.float()
+        qk = (qk * cos + rotate_half(qk) * sin).to(dtype)
+        # rows gathered into groups: [G, L, dim] each
+        qk = qk.reshape(n, 2 * dim).index_select(0, flat)
+        q, k = qk.reshape(groups_, length, 2, dim).unbind(2)
+        v = v.index_select(0, flat).reshape(groups_, length, dim)
+        if self.fused and dtype == torch.float32 and torch.onnx.is_in_onnx_export():
+            out = _GroupAttention.apply(q, k, v, mask, lengths, self.num_heads)
+        else:
+            out = group_attention(q, k, v, mask, self.num_heads)
+        out = out.reshape(groups_ * length, dim).index_select(0, inverse)
+        return self.proj(out)
+
+
+class VisionMLP(nn.Module):
+    """SwiGLU-style: down(act(gate(x)) * up(x))."""
+
+    def __init__(self, dim: int, hidden: int, act: str, bias: bool):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=bias)
+        self.up_proj = nn.Linear(dim, hidden, bias=bias)
+        self.down_proj = nn.Linear(hidden, dim, bias=bias)
+        self.act_fn = activation(act)
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class VisionBlock(nn.Module):
+    """Pre-norm block: x + attn(norm1(x)), then x + mlp(norm2(x))."""
+
+    def __init__(self, dim: int, num_heads: int, mlp_hidden: int, act: str, eps: float, *,
+                 qkv_bias: bool, proj_bias: bool, mlp_bias: bool):
+        super().__init__()
+        self.norm1 = RMSNorm(dim, eps)
+        self.norm2 = RMSNorm(dim, eps)
+        self.attn = VisionAttention(dim, num_heads, qkv_bias, proj_bias)
+        self.mlp = VisionMLP(dim, mlp_hidden, act, mlp_bias)
+
+    def forward(self, x, cos, sin, index, mask, inverse, lengths):
+        x = x + self.attn(self.norm1(x), cos, sin, index, mask, inverse, lengths)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchEmbed(nn.Module):
+    """Conv3d with stride == kernel over [N, C*T*P*P] rows is one MatMul."""
+
+    def __init__(self, cfg: dict[str, Any], bias: bool):
+        super().__init__()
+        k = (cfg["temporal_patch_size"], cfg["patch_size"], cfg["patch_size"])
+        self.proj = nn.Conv3d(cfg["in_channels"], cfg["hidden_size"], kernel_size=k, stride=k, bias=bias)
+
+    def forward(self, x):
+        weight = self.proj.weight.reshape(self.proj.weight.shape[0], -1)
+        return nn.functional.linear(x.to(weight.dtype), weight, self.proj.bias)
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoint loading
+# --------------------------------------------------------------------------------------------
+
+_PREFIXES = ("model.visual.", "visual.")
+
+
+def load_state_dict(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
+    """The tower's weights (`model.visual.*` or `visual.*`, prefix stripped) from the safetensors,
+    reading only those tensors."""
+    def strip_prefix(key: str) -> str | None:
+        return next((key[len(p):] for p in _PREFIXES if key.startswith(p)), None)
+
+    state = read_safetensors(checkpoint_dir, strip_prefix)
+    if not state:
+        raise ValueError(f"{checkpoint_dir}: no vision tower weights (prefixes {_PREFIXES})")
+    return state
+
+
+def load_strict(tower: nn.Module, checkpoint_dir: str | Path, dtype: torch.dtype) -> nn.Module:
+    tower.load_state_dict(load_state_dict(checkpoint_dir), strict=True)
+    return tower.to(dtype).eval()

@@ -1,0 +1,210 @@
+"""GLM-4.1V vision tower (`glm4v_vision`, shared by GLM-4.1V, GLM-4.6V-Flash and GLMGA): an
+export-friendly re-implementation of transformers' `Glm4vVisionModel` plus its host-side metadata.
+
+Op order, as transformers runs it: Conv3d patch embedding (with bias), RMSNorm
+(`post_conv_layernorm`), plus the learned position embeddings (a square grid of
+image_size / patch_size per side) resampled to each image's h x w patch grid with bicubic
+`grid_sample` (border padding, align_corners False); blocks (RMSNorm, attention over each frame
+with 2-D rotary, RMSNorm, SwiGLU MLP); RMSNorm (`post_layernorm`); the 2x2 merge as a Conv2d
+(`downsample`); the merger (Linear, LayerNorm, GELU, SwiGLU).
+
+Patches stay in the processor's order (frame, merge-block row, merge-block column, 2x2 patches
+of the block), so the four patches a `downsample` merges are adjacent rows. The host computes
+(see `triton_vlm.vision.common`) the rotary tables, the per-frame attention groups (`full_*`,
+i.e. `cu_seqlens`) and `pos_grid` float32 [N, 2]: each patch's (x, y) sample point in [-1, 1]
+for the position-embedding resampling, ((w + 0.5) / W) * 2 - 1 and the same for h, in float32
+as transformers forms it. The resampling itself is in the graph (ONNX `GridSample`, bicubic,
+border), so any patch grid works, larger or smaller than the embedding grid.
+
+Videos: every temporal step is encoded as its own frame with its item's (h, w), as transformers'
+`get_video_features` does (it flattens `video_grid_thw` to one row per step before the tower).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from triton_vlm.vision import common
+
+# Registered for the families glm4v, glm46v and glmga (`triton_vlm.vision._TOWERS`).
+FAMILY = "glm4v"
+# Attention is per frame, rotary positions and position embeddings depend only on (h, w): every
+# temporal step may be encoded on its own, and steps of one spatial size run together.
+FRAMES_INDEPENDENT = True
+
+METADATA_INPUTS = common.ROTARY_INPUTS + ("pos_grid",) + common.FULL_INPUTS
+INPUT_NAMES = ("pixel_values",) + METADATA_INPUTS
+OUTPUT_NAME = "embeddings"
+
+num_patches = common.num_patches
+
+# The vision-config fields the tower and its metadata read, with Hugging Face's defaults
+# (`Glm4vVisionConfig`).
+_DEFAULTS: dict[str, Any] = dict(
+    depth=24, hidden_size=1536, hidden_act="silu", attention_bias=False, num_heads=12, in_channels=3,
+    image_size=336, patch_size=14, rms_norm_eps=1e-5, spatial_merge_size=2, temporal_patch_size=2,
+    out_hidden_size=4096, intermediate_size=13696, rope_theta=10000.0,
+)
+
+
+def vision_settings(vision_config: Any) -> dict[str, Any]:
+    """Normalise a vision config (HF config object or dict, e.g. `config.json`'s `vision_config`)
+    into a plain JSON-able dict of the fields this module uses."""
+    out = common.config_fields(vision_config, _DEFAULTS)
+    for key in ("image_size", "patch_size", "temporal_patch_size"):
+        out[key] = common.square(out[key], key)
+    for key in ("depth", "hidden_size", "num_heads", "in_channels", "spatial_merge_size", "out_hidden_size",
+                "intermediate_size"):
+        out[key] = int(out[key])
+    out["attention_bias"] = bool(out["attention_bias"])
+    out["rms_norm_eps"] = float(out["rms_norm_eps"])
+    out["pos_embed_size"] = out["image_size"] // out["patch_size"]  # position-embedding grid side
+    return common.add_derived(out)
+
+
+def _settings(vision_config: Any) -> dict[str, Any]:
+    return common.settings_of(vision_config, vision_settings)
+
+
+# --------------------------------------------------------------------------------------------
+# Host-side metadata (numpy)
+# --------------------------------------------------------------------------------------------
+
+def num_tokens(grid_thw: np.ndarray, vision_config: Any) -> int:
+    return common.num_tokens(grid_thw, _settings(vision_config))
+
+
+def _frame_layout(h: int, w: int, m: int, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One frame of an h x w patch grid, processor order: rotary cos / sin [h*w, head_dim] and the
+    position-embedding sample points [h*w, 2] (x from the column, y from the row)."""
+    hpos, wpos = common.patch_positions(h, w, m)
+    cos, sin = common.rotary_tables(hpos, wpos, inv_freq)
+    half, two, one = np.float32(0.5), np.float32(2.0), np.float32(1.0)
+    x = (wpos.astype(np.float32) + half) / np.float32(w) * two - one
+    y = (hpos.astype(np.float32) + half) / np.float32(h) * two - one
+    return cos, sin, np.stack([x, y], axis=1)
+
+
+def encoder_metadata(grid_thw: np.ndarray, vision_config: Any) -> dict[str, np.ndarray]:
+    """The tower's metadata inputs for `grid_thw` [M, 3] (processor order), computed with numpy.
+
+    Keys: `METADATA_INPUTS`. Requires at least one item."""
+    cfg = _settings(vision_config)
+    m = cfg["spatial_merge_size"]
+    grid = common.check_grid(grid_thw, m)
+    inv_freq = common.rotary_inv_freq(cfg["head_dim"], cfg["rope_theta"])
+    per_size: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
+    parts: list[tuple[np.ndarray, ...]] = []
+    for t, h, w in grid.tolist():
+        if (h, w) not in per_size:
+            per_size[(h, w)] = _frame_layout(h, w, m, inv_freq)
+        parts.append(tuple(np.tile(a, (t, 1)) if t > 1 else a for a in per_size[(h, w)]))
+    cos, sin, pos = (np.concatenate(column) for column in zip(*parts))
+    return dict(rotary_cos=cos, rotary_sin=sin, pos_grid=pos, **common.frame_groups(grid))
+
+
+def profile_shapes(settings: dict[str, Any], patches: tuple[int, int, int]) -> common.Shapes:
+    """TensorRT (min, opt, max) shape of every input for runs of `patches` (min, opt, max) rows."""
+    return {**common.frame_profile(settings, patches), "pos_grid": common.per_patch(patches, 2)}
+
+
+# --------------------------------------------------------------------------------------------
+# Torch tower (parameter names match the Hugging Face state_dict under `visual.`)
+# --------------------------------------------------------------------------------------------
+
+class PositionEmbedding(nn.Module):
+    """Learned embeddings on a side x side grid, resampled bicubically at each patch's sample point."""
+
+    def __init__(self, side: int, dim: int):
+        super().__init__()
+        self.side = side
+        self.position_embedding = nn.Embedding(side * side, dim)
+
+    def forward(self, x: torch.Tensor, pos_grid: torch.Tensor) -> torch.Tensor:
+        weight = self.position_embedding.weight
+        # transformers resamples in float32 whatever the model dtype (and so must ORT's GridSample).
+        table = weight.float().reshape(self.side, self.side, -1).permute(2, 0, 1).unsqueeze(0)
+        sampled = nn.functional.grid_sample(table, pos_grid.float()[None, :, None, :], mode="bicubic",
+                                            padding_mode="border", align_corners=False)  # [1, C, N, 1]
+        return x + sampled[0, :, :, 0].t().to(x.dtype)
+
+
+class PatchMerger(common.VisionMLP):
+    """proj -> LayerNorm -> GELU -> SwiGLU (gate / up / down)."""
+
+    def __init__(self, dim: int, context: int, act: str):
+        super().__init__(dim, context, act, bias=False)
+        self.proj = nn.Linear(dim, dim, bias=False)
+        self.post_projection_norm = nn.LayerNorm(dim)
+        self.act1 = nn.GELU()
+
+    def forward(self, x):
+        return super().forward(self.act1(self.post_projection_norm(self.proj(x))))
+
+
+class Glm4vVisionTower(nn.Module):
+    """Inputs: `pixel_values` [N, patch_dim] plus `METADATA_INPUTS`; output float32 [N / merge^2, out_hidden]."""
+
+    def __init__(self, vision_config: Any):
+        super().__init__()
+        cfg = vision_settings(vision_config)
+        self.settings = cfg
+        dim, m, eps = cfg["hidden_size"], cfg["spatial_merge_size"], cfg["rms_norm_eps"]
+        self.patch_embed = common.PatchEmbed(cfg, bias=True)
+        self.post_conv_layernorm = common.RMSNorm(dim, eps)
+        self.embeddings = PositionEmbedding(cfg["pos_embed_size"], dim)
+        # The block MLP is out_hidden_size wide, the merger's intermediate_size (as in transformers).
+        self.blocks = nn.ModuleList([
+            common.VisionBlock(dim, cfg["num_heads"], cfg["out_hidden_size"], cfg["hidden_act"], eps,
+                               qkv_bias=cfg["attention_bias"], proj_bias=False, mlp_bias=False)
+            for _ in range(cfg["depth"])])
+        self.post_layernorm = common.RMSNorm(dim, eps)
+        self.downsample = nn.Conv2d(dim, cfg["out_hidden_size"], kernel_size=m, stride=m)
+        self.merger = PatchMerger(cfg["out_hidden_size"], cfg["intermediate_size"], cfg["hidden_act"])
+
+    def _downsample(self, x: torch.Tensor) -> torch.Tensor:
+        """The m x m Conv2d over each merge block's adjacent rows as one MatMul: rows [N/m^2, m*m*C]
+        in (i, j, channel) order against the weight permuted to the same order."""
+        weight = self.downsample.weight  # [out, C, m, m]
+        flat = weight.permute(0, 2, 3, 1).reshape(weight.shape[0], -1)
+        return nn.functional.linear(x.reshape(-1, flat.shape[1]), flat, self.downsample.bias)
+
+    def forward(self, pixel_values, rotary_cos, rotary_sin, pos_grid, full_index, full_mask, full_inverse):
+        x = self.post_conv_layernorm(self.patch_embed(pixel_values))
+        x = self.embeddings(x, pos_grid)
+        cos, sin = rotary_cos.float()[:, None, None, :], rotary_sin.float()[:, None, None, :]
+        full_mask = full_mask.float()
+        full_len = common.key_lengths(full_mask)
+        for block in self.blocks:
+            x = block(x, cos, sin, full_index, full_mask, full_inverse, full_len)
+        x = self._downsample(self.post_layernorm(x))
+        return self.merger(x).float()
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoint loading
+# --------------------------------------------------------------------------------------------
+
+def read_vision_config(checkpoint_dir: str | Path) -> dict[str, Any]:
+    return vision_settings(common.read_config_json(checkpoint_dir))
+
+
+def load_tower(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32) -> Glm4vVisionTower:
+    return common.load_strict(Glm4vVisionTower(read_vision_config(checkpoint_dir)), checkpoint_dir, dtype)
+
+
+def example_inputs(vision_config: Any, grid_thw=((1, 4, 6), (2, 8, 8))) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Small random inputs for tracing / smoke tests."""
+    return common.example_inputs(_settings(vision_config), encoder_metadata, grid_thw)
+
+
+def dynamic_axes() -> dict[str, dict[int, str]]:
+    return {
+        **common.FRAME_AXES,
+        "pos_grid": {0: "patches"},
+        OUTPUT_NAME: {0: "tokens"},
+    }
