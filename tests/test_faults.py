@@ -1,4 +1,5 @@
-"""Issue #6 faults through the `ensemble`: cancellation, client disconnect, overload."""
+"""Issue #6 faults through the `ensemble`: cancellation, client disconnect, overload, queue
+timeouts, a dead stub."""
 from __future__ import annotations
 
 import queue
@@ -7,11 +8,14 @@ import sys
 import textwrap
 import time
 
+import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
 from tests.metrics import wait_for
-from triton_vlm.client import RequestError, generate, grpc_inputs, request_values
+from triton_vlm import samples
+from triton_vlm.client import RequestError, generate, generate_payload, grpc_inputs, http_generate, request_values
+from triton_vlm.families.qwen2_5_vl import QWEN2_5_VL
 
 PROMPT = "<|im_start|>user\nTell me a long story about a red car.<|im_end|>\n<|im_start|>assistant\n"
 LONG = 3000  # tokens asked for; the tiny model's context is 4096
@@ -22,7 +26,8 @@ def _inputs(max_tokens: int) -> list:
 
 
 def _idle(values: dict) -> bool:
-    return values.get("triton_vlm_llm_requests:running") == 0 and values.get("triton_vlm_llm_kv_blocks:used") == 0
+    return (values.get("triton_vlm_llm_requests:running") == 0 and values.get("triton_vlm_llm_requests:waiting") == 0
+            and values.get("triton_vlm_llm_kv_blocks:used") == 0)
 
 
 def test_cancelled_stream_stops_the_llm_and_frees_its_blocks(server):
@@ -105,6 +110,102 @@ def test_overload_is_a_quick_unavailable_and_the_running_request_completes(one_s
         assert (tokens, reason) == (200, b"length") or reason == b"stop"
         assert refused_in < 5
     assert len(generate(one_slot_server.grpc_url, PROMPT, max_tokens=4).output_ids) == 4
+
+
+def test_queue_limits_are_build_options(tiny_checkpoint):
+    """Triton's queues of the non-decoupled models and the llm's own queue, from BuildOptions and
+    `triton-vlm build` flags (each config is parsed back by write_config when built)."""
+    import json
+
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    from triton_vlm.cli import build_options, parser
+    from triton_vlm.families import detect_family
+    from triton_vlm.repository import BuildOptions, model_configs
+
+    args = parser().parse_args(["build", "--checkpoint", "c", "--repo", "r", "--queue-timeout-ms", "1500",
+                                "--max-queue-size", "7", "--llm-queue-timeout-ms", "250", "--max-inflight-requests", "3"])
+    options = build_options(args)
+    assert options == BuildOptions(queue_timeout_ms=1500, max_queue_size=7, llm_queue_timeout_ms=250,
+                                   max_inflight_requests=3)
+    configs = model_configs(detect_family(tiny_checkpoint), json.loads((tiny_checkpoint / "config.json").read_text()),
+                            options)
+    for name in ("preprocess", "vision_encoder", "vision_encoder_batch"):
+        policy = configs[name].dynamic_batching.default_queue_policy
+        assert (policy.timeout_action, policy.default_timeout_microseconds, policy.max_queue_size) == \
+            (mc.ModelQueuePolicy.REJECT, 1_500_000, 7), name
+    assert configs["preprocess"].max_batch_size == configs["vision_encoder"].max_batch_size == 0
+    for name in ("llm", "ensemble"):  # decoupled: execute only hands the request on
+        assert not configs[name].HasField("dynamic_batching"), name
+    assert configs["llm"].parameters["queue_timeout_ms"].string_value == "250"
+    assert configs["ensemble"].parameters["max_inflight_requests"].string_value == "3"
+
+
+@pytest.fixture(scope="module")
+def queue_server(tiny_checkpoint, tmp_path_factory):
+    """A server whose llm runs one request at a time and lets the next wait 200 ms at most, and
+    whose vision_encoder_batch holds every request 2 s for a batch, past the 1 s queue timeout."""
+    from triton_vlm.repository import BuildOptions, build_repository
+    from triton_vlm.server import TritonServer
+
+    options = BuildOptions(llm_max_running=1, llm_queue_timeout_ms=200, queue_timeout_ms=1000, max_queue_size=16,
+                           encoder_max_queue_delay_us=2_000_000, preprocess_instances=1, encoder_frontends=1)
+    repo = build_repository(tiny_checkpoint, tmp_path_factory.mktemp("queue") / "repository", options)
+    with TritonServer(repo) as running:
+        yield running
+
+
+def test_a_request_waiting_for_the_llm_past_its_timeout_is_unavailable(queue_server):
+    busy = r"server busy: waited \d+ ms for a place in the llm batch, llm_queue_timeout_ms=200; retry later"
+    responses: queue.Queue = queue.Queue()
+    with grpcclient.InferenceServerClient(queue_server.grpc_url) as client:
+        client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        client.async_stream_infer("ensemble", _inputs(LONG))  # takes the llm's one place
+        result, error = responses.get(timeout=60)
+        assert error is None
+        # A client of the decoupled ensemble sees the message only (Triton 2.51: gRPC streaming
+        # carries no code, HTTP generate answers 400 to every error).
+        with pytest.raises(RequestError, match=busy):
+            generate(queue_server.grpc_url, PROMPT, max_tokens=4)
+        with pytest.raises(RequestError, match=busy):
+            http_generate(queue_server.http_url, generate_payload(PROMPT, max_tokens=4))
+        result, error = responses.get(timeout=60)  # the long request goes on streaming
+        assert error is None and not result.as_numpy("finish_reason")[0]
+        client.stop_stream(cancel_requests=True)
+    after = wait_for(queue_server, _idle, timeout=10)
+    assert _idle(after)  # the refused requests left nothing behind
+    assert len(generate(queue_server.grpc_url, PROMPT, max_tokens=4).output_ids) == 4
+
+
+def test_a_request_past_a_triton_queue_timeout_is_unavailable(queue_server, tiny_checkpoint):
+    """vision_encoder_batch's queue policy refuses the request (it waits for a batch longer than its
+    timeout); vision_encoder answers UNAVAILABLE, the ensemble passes the message on."""
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    from triton_vlm.vision.qwen2_5_vl import read_vision_config
+
+    client = httpclient.InferenceServerClient(queue_server.http_url)
+    try:
+        for name in ("preprocess", "vision_encoder", "vision_encoder_batch"):
+            policy = client.get_model_config(name)["dynamic_batching"]["default_queue_policy"]
+            assert (policy["timeout_action"], policy["default_timeout_microseconds"], policy["max_queue_size"]) == \
+                ("REJECT", 1_000_000, 16), name
+    finally:
+        client.close()
+    refused = "vision_encoder_batch: Request timeout expired"
+    grid = np.array([[1, 4, 4]], np.int64)
+    inputs = [grpcclient.InferInput("pixel_values", [16, read_vision_config(tiny_checkpoint)["patch_dim"]], "FP32"),
+              grpcclient.InferInput("grid_thw", list(grid.shape), "INT64")]
+    inputs[0].set_data_from_numpy(np.zeros(inputs[0].shape(), np.float32))
+    inputs[1].set_data_from_numpy(grid)
+    with grpcclient.InferenceServerClient(queue_server.grpc_url) as client, \
+            pytest.raises(InferenceServerException) as error:
+        client.infer("vision_encoder", inputs)
+    assert error.value.status() == "StatusCode.UNAVAILABLE" and refused in error.value.message()
+    prompt, image = QWEN2_5_VL.image_placeholder + "What is this?", samples.image_bytes(64, 48)
+    with pytest.raises(RequestError, match=refused):
+        generate(queue_server.grpc_url, prompt, [image], max_tokens=4)
 
 
 def test_a_dead_preprocess_instance_is_reported_and_its_model_reloaded(tiny_repo, tmp_path):

@@ -66,14 +66,36 @@ def _scalar(request, name: str, kind: Callable[[Any], Any]) -> Any:
     return kind(value.reshape(-1)[0])
 
 
+# A BLS caller in Triton 2.51 gets every error as INTERNAL, whatever its code: refusals for now
+# (Triton's queue policy, the llm's queue timeout) are told by their messages and passed on as
+# UNAVAILABLE, so a client of a non-decoupled model sees them as such.
+_REFUSALS = ("Request timeout expired", "Exceeds maximum queue size", "server busy: ")
+
+
+def _bls_error(error) -> pb_utils.TritonError:
+    """The error of a BLS response, with the code to pass on."""
+    code = error.code()
+    if code == pb_utils.TritonError.INTERNAL and any(m in error.message() for m in _REFUSALS):
+        code = pb_utils.TritonError.UNAVAILABLE
+    return pb_utils.TritonError(error.message(), code)
+
+
+class _Unavailable(Exception):
+    """A model this one calls refused the request for now (its queue was full or timed out):
+    answered UNAVAILABLE, as that model did, so the client knows it may retry."""
+
+
 def _serve_each(requests, handle: Callable[[Any], list]) -> list:
-    """One response per request: outputs, or INVALID_ARG for this request alone."""
+    """One response per request: outputs, or INVALID_ARG / UNAVAILABLE for this request alone."""
     responses = []
     for request in requests:
         try:
             responses.append(pb_utils.InferenceResponse(output_tensors=handle(request)))
         except InvalidInput as error:
             responses.append(_invalid(str(error)))
+        except _Unavailable as error:
+            responses.append(pb_utils.InferenceResponse(
+                error=pb_utils.TritonError(str(error), pb_utils.TritonError.UNAVAILABLE)))
     return responses
 
 
@@ -138,10 +160,11 @@ class VisionEncoderModel:
                     pb_utils.Tensor("patch_grid", patch_grid(grid))])
         response = request.exec()
         if response.has_error():
-            error = response.error()
-            code = error.code() if hasattr(error, "code") else None
-            if code == pb_utils.TritonError.INVALID_ARG:
+            error = _bls_error(response.error())
+            if error.code() == pb_utils.TritonError.INVALID_ARG:
                 raise InvalidInput(error.message())
+            if error.code() == pb_utils.TritonError.UNAVAILABLE:
+                raise _Unavailable(f"{self.batch_model}: {error.message()}")
             raise RuntimeError(f"{self.batch_model}: {error.message()}")
         return pb_utils.get_output_tensor_by_name(response, "embeddings").as_numpy()
 
@@ -284,7 +307,7 @@ class PipelineModel:
                     return
                 response = self._request(step, tensors, request_id).exec()
                 if response.has_error():
-                    flight.finish(response.error())
+                    flight.finish(_bls_error(response.error()))
                     return
                 for name in step["outputs"]:
                     tensors[name] = pb_utils.get_output_tensor_by_name(response, name)
@@ -294,7 +317,7 @@ class PipelineModel:
                 if flight.done:
                     continue  # drain to the last step's own final response
                 if response.has_error():
-                    flight.finish(response.error())
+                    flight.finish(_bls_error(response.error()))
                 elif response.output_tensors():
                     reason = pb_utils.get_output_tensor_by_name(response, self.final_output)
                     final = reason is not None and any(bytes(r) for r in reason.as_numpy().reshape(-1))
@@ -384,7 +407,7 @@ class LLMModel:
         version_dir, params = _model_dir(args)
         options = {}
         for key, kind in (("kv_cache_tokens", int), ("kv_cache_bytes", int), ("kv_block_size", int),
-                          ("max_running", int), ("max_num_tokens", int)):
+                          ("max_running", int), ("max_num_tokens", int), ("queue_timeout_ms", float)):
             if params.get(key):
                 options["block_size" if key == "kv_block_size" else key] = kind(params[key])
         options["prefix_caching"] = params.get("prefix_caching", "false").lower() == "true"
@@ -491,8 +514,11 @@ def _generation_tensors(token_ids: list[int], text: str, finish_reason: str | No
     ]
 
 
-def _send_final_error(sender, message: str) -> None:
-    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=LLMModel.FINAL)
+def _send_final_error(sender, out) -> None:
+    """A request the engine refused for now ("rejected": its queue timeout) is UNAVAILABLE, the
+    client may retry; any other error is INTERNAL."""
+    code = pb_utils.TritonError.UNAVAILABLE if out.finish_reason == "rejected" else pb_utils.TritonError.INTERNAL
+    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(out.error, code)), flags=LLMModel.FINAL)
 
 
 class _StreamEmitter:
@@ -503,7 +529,7 @@ class _StreamEmitter:
 
     def __call__(self, out) -> None:
         if out.error:
-            _send_final_error(self.sender, out.error)
+            _send_final_error(self.sender, out)
             return
         final = out.finish_reason is not None
         self.sender.send(pb_utils.InferenceResponse(output_tensors=_generation_tensors(out.token_ids, out.text, out.finish_reason)),
@@ -518,7 +544,7 @@ class _CollectingEmitter:
 
     def __call__(self, out) -> None:
         if out.error:
-            _send_final_error(self.sender, out.error)
+            _send_final_error(self.sender, out)
             return
         self.token_ids.extend(out.token_ids)
         self.text.append(out.text)
