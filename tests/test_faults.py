@@ -1,12 +1,16 @@
 """Issue #6 faults through the `ensemble`: cancellation, client disconnect, overload, queue
-timeouts, a dead stub."""
+timeouts, a dead stub, a crashed server."""
 from __future__ import annotations
 
+import os
 import queue
+import select
+import signal
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -229,3 +233,85 @@ def test_a_dead_preprocess_instance_is_reported_and_its_model_reloaded(tiny_repo
         for _ in range(6):  # both instances answer again
             assert len(generate(server.grpc_url, PROMPT, max_tokens=3).output_ids) == 3
         assert len(events) == 2, events  # the old instances' exits are not reported as deaths
+
+
+def _children(pid: int) -> list[int]:
+    return [int(p) for task in Path(f"/proc/{pid}/task").iterdir()
+            for p in (task / "children").read_text().split()]
+
+
+def _exited(pidfds: dict[int, int], timeout: float = 60.0) -> set[int]:
+    """Wait for the processes of `pidfds` (pid -> pidfd) to exit; the pids still running at the timeout."""
+    poller = select.poll()
+    for fd in pidfds.values():
+        poller.register(fd, select.POLLIN)
+    left, deadline = set(pidfds), time.monotonic() + timeout
+    while left and time.monotonic() < deadline:
+        ready = {fd for fd, _ in poller.poll(500)}
+        left -= {pid for pid in left if pidfds[pid] in ready}
+    return left
+
+
+def _kill_and_close(pidfds: dict[int, int]) -> None:
+    for fd in pidfds.values():
+        try:
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.close(fd)
+
+
+@pytest.mark.parametrize("goes_first", ["server", "stub"])
+def test_a_stub_watcher_kills_its_stub_when_the_server_goes_and_ends_with_the_stub(goes_first):
+    """triton_vlm.stub_watch with stand-in processes: a "server" whose child "stub" starts a watcher."""
+    stub_code = "from triton_vlm import stub_watch; import time; stub_watch.start(); time.sleep(600)"
+    server_code = ("import subprocess, sys, time; stub = subprocess.Popen([sys.executable, '-c', sys.argv[1]]); "
+                   "print(stub.pid, flush=True); time.sleep(600)")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    server = subprocess.Popen([sys.executable, "-c", server_code, stub_code], stdout=subprocess.PIPE, text=True, env=env)
+    pidfds = {server.pid: os.pidfd_open(server.pid)}
+    try:
+        stub = int(server.stdout.readline())
+        pidfds[stub] = os.pidfd_open(stub)
+        deadline = time.monotonic() + 60
+        while not (watcher := _children(stub)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pidfds[watcher[0]] = os.pidfd_open(watcher[0])
+        signal.pidfd_send_signal(pidfds[server.pid if goes_first == "server" else stub], signal.SIGKILL)
+        if goes_first == "server":
+            assert not _exited({pid: pidfds[pid] for pid in (stub, watcher[0])})  # killed, then done
+        else:
+            assert not _exited({watcher[0]: pidfds[watcher[0]]})
+            assert server.poll() is None  # the watcher never touches the server
+    finally:
+        _kill_and_close(pidfds)
+        server.wait()
+
+
+def test_every_stub_exits_when_tritonserver_is_killed(tiny_repo, tmp_path):
+    """SIGKILL tritonserver while a request streams, so that stub threads are waiting on it (the
+    llm's metrics and responses, the ensemble's BLS calls): every stub, and the watcher process
+    each one starts (triton_vlm.stub_watch), is gone within a bounded wait."""
+    from triton_vlm.server import TritonServer
+
+    server = TritonServer(tiny_repo, log_file=tmp_path / "server.log").start()
+    stubs = server.stub_processes()
+    watchers = {child: stubs[pid] for pid in stubs for child in _children(pid)}
+    pidfds = {pid: os.pidfd_open(pid) for pid in [*stubs, *watchers]}  # exact processes, whatever reuses a pid
+    try:
+        assert {name.rsplit("_", 2)[0] for name in stubs.values()} == {
+            "preprocess", "vision_encoder", "vision_encoder_batch", "llm", "ensemble"}
+        assert sorted(watchers.values()) == sorted(stubs.values())  # one watcher per stub
+        responses: queue.Queue = queue.Queue()
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        client.async_stream_infer("ensemble", _inputs(LONG))
+        assert responses.get(timeout=60)[1] is None
+        os.kill(server.process.pid, signal.SIGKILL)
+        server.process.wait()
+        left = _exited(pidfds)
+        assert not left, sorted(stubs.get(pid) or f"watcher of {watchers[pid]}" for pid in left)
+        client.close()
+    finally:
+        _kill_and_close(pidfds)
+        server.stop()

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from triton_vlm import stub_watch
 from triton_vlm.errors import InvalidInput
 
 log = logging.getLogger("triton_vlm")
@@ -101,10 +102,10 @@ def _serve_each(requests, handle: Callable[[Any], list]) -> list:
 
 class PreprocessModel:
     def initialize(self, args: dict[str, Any]) -> None:
+        from triton_vlm.limits import Limits
         from triton_vlm.preprocess import Preprocessor
 
-        from triton_vlm.limits import Limits
-
+        stub_watch.start()
         version_dir, params = _model_dir(args)
         self.preprocessor = Preprocessor(version_dir / params["checkpoint"], Limits.from_params(params))
         self.preprocessor.warmup()
@@ -142,6 +143,7 @@ class VisionEncoderModel:
     """
 
     def initialize(self, args: dict[str, Any]) -> None:
+        stub_watch.start()
         _, params = _model_dir(args)
         self.batch_model = params["batch_model"]
         self.patch_dim, self.hidden = int(params["patch_dim"]), int(params["hidden"])
@@ -196,6 +198,7 @@ class VisionEncoderBatchModel:
     def initialize(self, args: dict[str, Any]) -> None:
         from triton_vlm.vision.batching import BatchedEncoder, EmbeddingCache
 
+        stub_watch.start()
         version_dir, params = _model_dir(args)
         if params.get("engine_file"):
             from triton_vlm.vision.tensorrt_engine import TensorRTEncoder
@@ -267,8 +270,7 @@ class PipelineModel:
     FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
     def initialize(self, args: dict[str, Any]) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
+        stub_watch.start()
         _, params = _model_dir(args)
         self.steps: list[dict] = json.loads(params["steps"])
         self.final_output = params["final_output"]
@@ -276,7 +278,6 @@ class PipelineModel:
         self._flights: dict[str, _Flight] = {}
         self._lock = threading.Lock()
         self._next_id = 0
-        self._pool = ThreadPoolExecutor(max_workers=self.max_inflight, thread_name_prefix="ensemble")
         self._stopping = threading.Event()
         self._watcher = threading.Thread(target=self._watch_cancellations, name="ensemble-cancel", daemon=True)
         self._watcher.start()
@@ -295,7 +296,10 @@ class PipelineModel:
                 self._next_id += 1
                 request_id = f"{request.request_id() or 'ensemble'}-{self._next_id}"
                 self._flights[request_id] = flight = _Flight(sender)
-            self._pool.submit(self._run, request_id, flight, values)
+            # A daemon thread per request (at most max_inflight_requests): nothing joins a thread
+            # that waits on a step when the stub exits.
+            threading.Thread(target=self._run, args=(request_id, flight, values), name=f"ensemble-{request_id}",
+                             daemon=True).start()
         return None
 
     def _run(self, request_id: str, flight: "_Flight", values: dict[str, np.ndarray]) -> None:
@@ -355,7 +359,6 @@ class PipelineModel:
 
     def finalize(self) -> None:
         self._stopping.set()
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class _Flight:
@@ -404,6 +407,7 @@ class LLMModel:
     def initialize(self, args: dict[str, Any]) -> None:
         from triton_vlm.llm.engine import Engine
 
+        stub_watch.start()
         version_dir, params = _model_dir(args)
         options = {}
         for key, kind in (("kv_cache_tokens", int), ("kv_cache_bytes", int), ("kv_block_size", int),
