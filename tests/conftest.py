@@ -24,9 +24,14 @@ def hf(tiny_checkpoint) -> oracle.Oracle:
 
 @pytest.fixture(scope="session")
 def tiny_repo(tiny_checkpoint, tmp_path_factory):
-    from triton_vlm.repository import build_repository
+    """The session repository. Its preprocess limits are the defaults but for bytes and source
+    frames, which are small enough for tests/test_bad_inputs.py to breach over the wire with
+    small payloads; no other test's media come near them."""
+    from triton_vlm.limits import Limits
+    from triton_vlm.repository import BuildOptions, build_repository
 
-    return build_repository(tiny_checkpoint, tmp_path_factory.mktemp("repo") / "repository")
+    limits = Limits(max_item_bytes=1 << 20, max_request_bytes=2 << 20, max_video_source_frames=500)
+    return build_repository(tiny_checkpoint, tmp_path_factory.mktemp("repo") / "repository", BuildOptions(limits=limits))
 
 
 @pytest.fixture(scope="session")

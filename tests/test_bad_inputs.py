@@ -2,7 +2,8 @@
 
 Each bad request fails alone with a message naming the input (gRPC streaming carries the message
 without the status code; HTTP answers 400), while a streaming request started before them ends
-with the same tokens as alone.
+with the same tokens as alone. The preprocess limits are breached over the wire too, each with
+the whole message naming the input and the limit, sized from the limits the server reports.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import tritonclient.grpc as grpcclient
 from triton_vlm import samples
 from triton_vlm.client import RequestError, generate, generate_payload, grpc_inputs, http_generate, request_values
 from triton_vlm.families.qwen2_5_vl import QWEN2_5_VL
+from triton_vlm.limits import Limits
 
 IMG, VID = QWEN2_5_VL.image_placeholder, QWEN2_5_VL.video_placeholder
 IMAGE = samples.image_bytes(64, 48)
@@ -53,6 +55,61 @@ CASES = {
     "zero max_tokens": ("hi", [], [], {"max_tokens": 0}, "max_tokens"),
     "absurd max_tokens": ("hi", [], [], {"max_tokens": 10**9}, "max_tokens"),
 }
+
+
+def _raw(size: int) -> bytes:
+    """`size` bytes that are not base64, so the server takes them as they are."""
+    return (bytes(range(256)) * (size // 256 + 1))[:size]
+
+
+def _max_item_bytes(lim: Limits) -> tuple:
+    over = lim.max_item_bytes + 1
+    return (IMG + "?", [_raw(over)], [], {}, f"images[0]: {over} bytes exceed max_item_bytes={lim.max_item_bytes}")
+
+
+def _max_request_bytes(lim: Limits) -> tuple:
+    n = lim.max_request_bytes // lim.max_item_bytes + 1  # items of the largest size allowed
+    return (IMG * n + "?", [_raw(lim.max_item_bytes)] * n, [], {},
+            f"images, videos: {n * lim.max_item_bytes} bytes in all exceed max_request_bytes={lim.max_request_bytes}")
+
+
+def _max_media_items(lim: Limits) -> tuple:
+    n = lim.max_media_items + 1
+    return (IMG * n + "?", [IMAGE] * n, [], {}, f"images, videos: {n} media items exceed max_media_items={lim.max_media_items}")
+
+
+def _max_video_frames(lim: Limits) -> tuple:
+    n = lim.max_video_frames + 1
+    return (VID + "?", [], [VIDEO], {"mm_options": {"num_frames": n}},
+            f"mm_options: num_frames={n} exceeds max_frames={lim.max_video_frames}")
+
+
+def _max_video_source_frames(lim: Limits) -> tuple:
+    video = samples.video_bytes(seconds=(lim.max_video_source_frames + 20) / 20, fps=20, width=32, height=32)
+    return (VID + "?", [], [video], {}, f"videos[0]: more than max_video_source_frames={lim.max_video_source_frames} frames")
+
+
+# name -> the case for the server's limits, as in CASES, with the whole message.
+LIMIT_CASES = {
+    "item over max_item_bytes": _max_item_bytes,
+    "request over max_request_bytes": _max_request_bytes,
+    "items over max_media_items": _max_media_items,
+    "num_frames over max_video_frames": _max_video_frames,
+    "video over max_video_source_frames": _max_video_source_frames,
+}
+
+
+@pytest.fixture(scope="module")
+def limits(server) -> Limits:
+    """The preprocess limits the server runs with (its config parameters; see tests/conftest.py)."""
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(server.http_url)
+    try:
+        params = client.get_model_config("preprocess")["parameters"]
+    finally:
+        client.close()
+    return Limits.from_params({name: value["string_value"] for name, value in params.items()})
 
 
 def _grpc_values(prompt, images, videos, extra) -> dict:
@@ -103,15 +160,11 @@ def healthy(server):
     assert answers and all(a == alone for a in answers)  # the first started before any bad request
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_bad_input_over_grpc_streaming(server, healthy, case):
-    prompt, images, videos, extra, named = CASES[case]
+def _check_grpc(server, prompt, images, videos, extra, named) -> None:
     assert named in _stream_error(server.grpc_url, _grpc_values(prompt, images, videos, extra))
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_bad_input_over_http_generate(server, healthy, case):
-    prompt, images, videos, extra, named = CASES[case]
+def _check_http(server, prompt, images, videos, extra, named) -> None:
     options = extra.get("mm_options")
     body = generate_payload(prompt, images, videos, max_tokens=extra.get("max_tokens", 4),
                             **{k: v for k, v in extra.items() if k not in ("mm_options", "max_tokens")})
@@ -120,6 +173,26 @@ def test_bad_input_over_http_generate(server, healthy, case):
     with pytest.raises(RequestError, match="HTTP 400") as error:
         http_generate(server.http_url, body)
     assert named in str(error.value)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_over_grpc_streaming(server, healthy, case):
+    _check_grpc(server, *CASES[case])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_over_http_generate(server, healthy, case):
+    _check_http(server, *CASES[case])
+
+
+@pytest.mark.parametrize("case", LIMIT_CASES)
+def test_limit_over_grpc_streaming(server, healthy, limits, case):
+    _check_grpc(server, *LIMIT_CASES[case](limits))
+
+
+@pytest.mark.parametrize("case", LIMIT_CASES)
+def test_limit_over_http_generate(server, healthy, limits, case):
+    _check_http(server, *LIMIT_CASES[case](limits))
 
 
 TENSOR_CASES = {

@@ -1,17 +1,25 @@
-"""Issue #6 faults through the `ensemble`: cancellation, client disconnect, overload."""
+"""Issue #6 faults through the `ensemble`: cancellation, client disconnect, overload, queue
+timeouts, a dead stub, a crashed server."""
 from __future__ import annotations
 
+import os
 import queue
+import select
+import signal
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
+import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
 from tests.metrics import wait_for
-from triton_vlm.client import RequestError, generate, grpc_inputs, request_values
+from triton_vlm import samples
+from triton_vlm.client import RequestError, generate, generate_payload, grpc_inputs, http_generate, request_values
+from triton_vlm.families.qwen2_5_vl import QWEN2_5_VL
 
 PROMPT = "<|im_start|>user\nTell me a long story about a red car.<|im_end|>\n<|im_start|>assistant\n"
 LONG = 3000  # tokens asked for; the tiny model's context is 4096
@@ -22,7 +30,8 @@ def _inputs(max_tokens: int) -> list:
 
 
 def _idle(values: dict) -> bool:
-    return values.get("triton_vlm_llm_requests:running") == 0 and values.get("triton_vlm_llm_kv_blocks:used") == 0
+    return (values.get("triton_vlm_llm_requests:running") == 0 and values.get("triton_vlm_llm_requests:waiting") == 0
+            and values.get("triton_vlm_llm_kv_blocks:used") == 0)
 
 
 def test_cancelled_stream_stops_the_llm_and_frees_its_blocks(server):
@@ -107,6 +116,102 @@ def test_overload_is_a_quick_unavailable_and_the_running_request_completes(one_s
     assert len(generate(one_slot_server.grpc_url, PROMPT, max_tokens=4).output_ids) == 4
 
 
+def test_queue_limits_are_build_options(tiny_checkpoint):
+    """Triton's queues of the non-decoupled models and the llm's own queue, from BuildOptions and
+    `triton-vlm build` flags (each config is parsed back by write_config when built)."""
+    import json
+
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    from triton_vlm.cli import build_options, parser
+    from triton_vlm.families import detect_family
+    from triton_vlm.repository import BuildOptions, model_configs
+
+    args = parser().parse_args(["build", "--checkpoint", "c", "--repo", "r", "--queue-timeout-ms", "1500",
+                                "--max-queue-size", "7", "--llm-queue-timeout-ms", "250", "--max-inflight-requests", "3"])
+    options = build_options(args)
+    assert options == BuildOptions(queue_timeout_ms=1500, max_queue_size=7, llm_queue_timeout_ms=250,
+                                   max_inflight_requests=3)
+    configs = model_configs(detect_family(tiny_checkpoint), json.loads((tiny_checkpoint / "config.json").read_text()),
+                            options)
+    for name in ("preprocess", "vision_encoder", "vision_encoder_batch"):
+        policy = configs[name].dynamic_batching.default_queue_policy
+        assert (policy.timeout_action, policy.default_timeout_microseconds, policy.max_queue_size) == \
+            (mc.ModelQueuePolicy.REJECT, 1_500_000, 7), name
+    assert configs["preprocess"].max_batch_size == configs["vision_encoder"].max_batch_size == 0
+    for name in ("llm", "ensemble"):  # decoupled: execute only hands the request on
+        assert not configs[name].HasField("dynamic_batching"), name
+    assert configs["llm"].parameters["queue_timeout_ms"].string_value == "250"
+    assert configs["ensemble"].parameters["max_inflight_requests"].string_value == "3"
+
+
+@pytest.fixture(scope="module")
+def queue_server(tiny_checkpoint, tmp_path_factory):
+    """A server whose llm runs one request at a time and lets the next wait 200 ms at most, and
+    whose vision_encoder_batch holds every request 2 s for a batch, past the 1 s queue timeout."""
+    from triton_vlm.repository import BuildOptions, build_repository
+    from triton_vlm.server import TritonServer
+
+    options = BuildOptions(llm_max_running=1, llm_queue_timeout_ms=200, queue_timeout_ms=1000, max_queue_size=16,
+                           encoder_max_queue_delay_us=2_000_000, preprocess_instances=1, encoder_frontends=1)
+    repo = build_repository(tiny_checkpoint, tmp_path_factory.mktemp("queue") / "repository", options)
+    with TritonServer(repo) as running:
+        yield running
+
+
+def test_a_request_waiting_for_the_llm_past_its_timeout_is_unavailable(queue_server):
+    busy = r"server busy: waited \d+ ms for a place in the llm batch, llm_queue_timeout_ms=200; retry later"
+    responses: queue.Queue = queue.Queue()
+    with grpcclient.InferenceServerClient(queue_server.grpc_url) as client:
+        client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        client.async_stream_infer("ensemble", _inputs(LONG))  # takes the llm's one place
+        result, error = responses.get(timeout=60)
+        assert error is None
+        # A client of the decoupled ensemble sees the message only (Triton 2.51: gRPC streaming
+        # carries no code, HTTP generate answers 400 to every error).
+        with pytest.raises(RequestError, match=busy):
+            generate(queue_server.grpc_url, PROMPT, max_tokens=4)
+        with pytest.raises(RequestError, match=busy):
+            http_generate(queue_server.http_url, generate_payload(PROMPT, max_tokens=4))
+        result, error = responses.get(timeout=60)  # the long request goes on streaming
+        assert error is None and not result.as_numpy("finish_reason")[0]
+        client.stop_stream(cancel_requests=True)
+    after = wait_for(queue_server, _idle, timeout=10)
+    assert _idle(after)  # the refused requests left nothing behind
+    assert len(generate(queue_server.grpc_url, PROMPT, max_tokens=4).output_ids) == 4
+
+
+def test_a_request_past_a_triton_queue_timeout_is_unavailable(queue_server, tiny_checkpoint):
+    """vision_encoder_batch's queue policy refuses the request (it waits for a batch longer than its
+    timeout); vision_encoder answers UNAVAILABLE, the ensemble passes the message on."""
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    from triton_vlm.vision.qwen2_5_vl import read_vision_config
+
+    client = httpclient.InferenceServerClient(queue_server.http_url)
+    try:
+        for name in ("preprocess", "vision_encoder", "vision_encoder_batch"):
+            policy = client.get_model_config(name)["dynamic_batching"]["default_queue_policy"]
+            assert (policy["timeout_action"], policy["default_timeout_microseconds"], policy["max_queue_size"]) == \
+                ("REJECT", 1_000_000, 16), name
+    finally:
+        client.close()
+    refused = "vision_encoder_batch: Request timeout expired"
+    grid = np.array([[1, 4, 4]], np.int64)
+    inputs = [grpcclient.InferInput("pixel_values", [16, read_vision_config(tiny_checkpoint)["patch_dim"]], "FP32"),
+              grpcclient.InferInput("grid_thw", list(grid.shape), "INT64")]
+    inputs[0].set_data_from_numpy(np.zeros(inputs[0].shape(), np.float32))
+    inputs[1].set_data_from_numpy(grid)
+    with grpcclient.InferenceServerClient(queue_server.grpc_url) as client, \
+            pytest.raises(InferenceServerException) as error:
+        client.infer("vision_encoder", inputs)
+    assert error.value.status() == "StatusCode.UNAVAILABLE" and refused in error.value.message()
+    prompt, image = QWEN2_5_VL.image_placeholder + "What is this?", samples.image_bytes(64, 48)
+    with pytest.raises(RequestError, match=refused):
+        generate(queue_server.grpc_url, prompt, [image], max_tokens=4)
+
+
 def test_a_dead_preprocess_instance_is_reported_and_its_model_reloaded(tiny_repo, tmp_path):
     """Triton 2.51 keeps reporting ready while requests routed to a killed stub fail ("Stub process
     ... is not healthy"), and never restarts it; the supervising server reports and reloads."""
@@ -128,3 +233,85 @@ def test_a_dead_preprocess_instance_is_reported_and_its_model_reloaded(tiny_repo
         for _ in range(6):  # both instances answer again
             assert len(generate(server.grpc_url, PROMPT, max_tokens=3).output_ids) == 3
         assert len(events) == 2, events  # the old instances' exits are not reported as deaths
+
+
+def _children(pid: int) -> list[int]:
+    return [int(p) for task in Path(f"/proc/{pid}/task").iterdir()
+            for p in (task / "children").read_text().split()]
+
+
+def _exited(pidfds: dict[int, int], timeout: float = 60.0) -> set[int]:
+    """Wait for the processes of `pidfds` (pid -> pidfd) to exit; the pids still running at the timeout."""
+    poller = select.poll()
+    for fd in pidfds.values():
+        poller.register(fd, select.POLLIN)
+    left, deadline = set(pidfds), time.monotonic() + timeout
+    while left and time.monotonic() < deadline:
+        ready = {fd for fd, _ in poller.poll(500)}
+        left -= {pid for pid in left if pidfds[pid] in ready}
+    return left
+
+
+def _kill_and_close(pidfds: dict[int, int]) -> None:
+    for fd in pidfds.values():
+        try:
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.close(fd)
+
+
+@pytest.mark.parametrize("goes_first", ["server", "stub"])
+def test_a_stub_watcher_kills_its_stub_when_the_server_goes_and_ends_with_the_stub(goes_first):
+    """triton_vlm.stub_watch with stand-in processes: a "server" whose child "stub" starts a watcher."""
+    stub_code = "from triton_vlm import stub_watch; import time; stub_watch.start(); time.sleep(600)"
+    server_code = ("import subprocess, sys, time; stub = subprocess.Popen([sys.executable, '-c', sys.argv[1]]); "
+                   "print(stub.pid, flush=True); time.sleep(600)")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    server = subprocess.Popen([sys.executable, "-c", server_code, stub_code], stdout=subprocess.PIPE, text=True, env=env)
+    pidfds = {server.pid: os.pidfd_open(server.pid)}
+    try:
+        stub = int(server.stdout.readline())
+        pidfds[stub] = os.pidfd_open(stub)
+        deadline = time.monotonic() + 60
+        while not (watcher := _children(stub)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pidfds[watcher[0]] = os.pidfd_open(watcher[0])
+        signal.pidfd_send_signal(pidfds[server.pid if goes_first == "server" else stub], signal.SIGKILL)
+        if goes_first == "server":
+            assert not _exited({pid: pidfds[pid] for pid in (stub, watcher[0])})  # killed, then done
+        else:
+            assert not _exited({watcher[0]: pidfds[watcher[0]]})
+            assert server.poll() is None  # the watcher never touches the server
+    finally:
+        _kill_and_close(pidfds)
+        server.wait()
+
+
+def test_every_stub_exits_when_tritonserver_is_killed(tiny_repo, tmp_path):
+    """SIGKILL tritonserver while a request streams, so that stub threads are waiting on it (the
+    llm's metrics and responses, the ensemble's BLS calls): every stub, and the watcher process
+    each one starts (triton_vlm.stub_watch), is gone within a bounded wait."""
+    from triton_vlm.server import TritonServer
+
+    server = TritonServer(tiny_repo, log_file=tmp_path / "server.log").start()
+    stubs = server.stub_processes()
+    watchers = {child: stubs[pid] for pid in stubs for child in _children(pid)}
+    pidfds = {pid: os.pidfd_open(pid) for pid in [*stubs, *watchers]}  # exact processes, whatever reuses a pid
+    try:
+        assert {name.rsplit("_", 2)[0] for name in stubs.values()} == {
+            "preprocess", "vision_encoder", "vision_encoder_batch", "llm", "ensemble"}
+        assert sorted(watchers.values()) == sorted(stubs.values())  # one watcher per stub
+        responses: queue.Queue = queue.Queue()
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        client.async_stream_infer("ensemble", _inputs(LONG))
+        assert responses.get(timeout=60)[1] is None
+        os.kill(server.process.pid, signal.SIGKILL)
+        server.process.wait()
+        left = _exited(pidfds)
+        assert not left, sorted(stubs.get(pid) or f"watcher of {watchers[pid]}" for pid in left)
+        client.close()
+    finally:
+        _kill_and_close(pidfds)
+        server.stop()

@@ -296,6 +296,65 @@ def test_shutdown_ends_requests_in_flight(ckpt, requests):
     assert col.wait().finish_reason == "cancelled" and queued.wait().finish_reason == "cancelled"
 
 
+class FakeClock:
+    """The engine's clock, moved by the test; with `step`, every reading is that much later."""
+
+    def __init__(self, step: float = 0.0) -> None:
+        self.now, self.step = 0.0, step
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+def test_queue_timeout_rejects_a_request_that_never_got_a_place(ckpt, engine, requests):
+    clock = FakeClock()
+    eng = Engine(ckpt, model=engine.model, max_running=1, queue_timeout_ms=1000, clock=clock)
+    try:
+        running, gate = threading.Event(), threading.Event()
+
+        def hold(col: Collector) -> None:  # the scheduler waits in the first request's first emit
+            running.set()
+            gate.wait(TIMEOUT)
+
+        first = submit(eng, requests["text"], SamplingParams(max_tokens=8), "first", on_emit=hold)
+        assert running.wait(TIMEOUT)
+        second = submit(eng, requests["text"], SamplingParams(max_tokens=8), "second")
+        clock.now += 1.001  # the batch is full (max_running=1): second waits 1001 ms
+        gate.set()
+        second.wait()
+        assert second.finish_reason == "rejected" and second.ids == [] and len(second.outputs) == 1
+        assert second.outputs[-1].error == ("server busy: waited 1001 ms for a place in the llm batch, "
+                                            "llm_queue_timeout_ms=1000; retry later")
+        # The first ran longer than the timeout, but had its place: it ends as alone.
+        alone = submit(engine, requests["text"], SamplingParams(max_tokens=8), "first-alone").wait()
+        assert first.wait().ids == alone.ids and first.finish_reason == alone.finish_reason
+        assert eng.kv_blocks_used == 0 and eng.num_waiting == 0 and eng.num_running == 0
+        # The id is free again: the rejected request left nothing behind.
+        assert submit(eng, requests["text"], SamplingParams(max_tokens=2), "second").wait().finish_reason == "length"
+    finally:
+        eng.shutdown()
+
+
+def test_queue_timeout_spares_preempted_requests(ckpt, engine, requests):
+    """Every clock reading is an hour later, so a request is rejected unless it gets its place at
+    the first step that sees it; the preempted one waits again, and is not rejected for it."""
+    llm, max_tokens, bs = requests["text"]["llm"], 24, 8
+    n = int(llm["input_ids"].size)
+    blocks = -(-(n + max_tokens) // bs) + -(-n // bs)  # one request in full and a second prompt
+    eng = Engine(ckpt, model=engine.model, kv_cache_tokens=blocks * bs, block_size=bs, queue_timeout_ms=1000,
+                 clock=FakeClock(step=3600.0))
+    try:
+        cols = [submit(eng, requests["text"], SamplingParams(max_tokens=max_tokens), f"p{i}") for i in range(2)]
+        together = [c.wait() for c in cols]
+        assert eng.num_preempted > 0
+        alone = submit(engine, requests["text"], SamplingParams(max_tokens=max_tokens), "p-alone").wait()
+        assert [(c.ids, c.finish_reason) for c in together] == [(alone.ids, alone.finish_reason)] * 2
+        assert eng.kv_blocks_used == 0
+    finally:
+        eng.shutdown()
+
+
 # ---- in-flight batching, paged KV cache, prefix cache, preemption -----------------------------------
 
 def _jobs():

@@ -6,6 +6,10 @@ import json
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from triton_vlm.repository import BuildOptions
 
 
 def _demo_checkpoint(args) -> int:
@@ -16,23 +20,32 @@ def _demo_checkpoint(args) -> int:
     return 0
 
 
-def _build(args) -> int:
+def build_options(args: argparse.Namespace) -> BuildOptions:
+    """The BuildOptions of parsed `build` arguments."""
     from triton_vlm.limits import Limits
-    from triton_vlm.repository import BuildOptions, build_repository
+    from triton_vlm.repository import BuildOptions
 
     limits = Limits.from_params({k: str(v) for k, v in vars(args).items() if v is not None})
-    options = BuildOptions(device=args.device, preprocess_instances=args.preprocess_instances, limits=limits,
-                           encoder_threads=args.encoder_threads, encoder_dtype=args.encoder_dtype,
-                           encoder_instances=args.encoder_instances, encoder_frontends=args.encoder_frontends,
-                           encoder_max_queue_delay_us=args.encoder_max_queue_delay_us,
-                           encoder_max_batch_patches=args.encoder_max_batch_patches,
-                           encoder_cache_bytes=args.encoder_cache_mb << 20,
-                           trt_min_patches=args.trt_min_patches, trt_opt_patches=args.trt_opt_patches,
-                           trt_max_patches=args.trt_max_patches, trt_precision=args.trt_precision,
-                           kv_cache_tokens=args.kv_cache_tokens, kv_cache_bytes=args.kv_cache_mb << 20,
-                           kv_block_size=args.kv_block_size, prefix_caching=args.prefix_caching,
-                           llm_max_running=args.llm_max_running, llm_max_num_tokens=args.llm_max_num_tokens)
-    repo = build_repository(args.checkpoint, args.repo, options)
+    return BuildOptions(device=args.device, preprocess_instances=args.preprocess_instances, limits=limits,
+                        encoder_threads=args.encoder_threads, encoder_dtype=args.encoder_dtype,
+                        encoder_instances=args.encoder_instances, encoder_frontends=args.encoder_frontends,
+                        encoder_max_queue_delay_us=args.encoder_max_queue_delay_us,
+                        encoder_max_batch_patches=args.encoder_max_batch_patches,
+                        encoder_cache_bytes=args.encoder_cache_mb << 20,
+                        trt_min_patches=args.trt_min_patches, trt_opt_patches=args.trt_opt_patches,
+                        trt_max_patches=args.trt_max_patches, trt_precision=args.trt_precision,
+                        kv_cache_tokens=args.kv_cache_tokens, kv_cache_bytes=args.kv_cache_mb << 20,
+                        kv_block_size=args.kv_block_size, prefix_caching=args.prefix_caching,
+                        llm_max_running=args.llm_max_running, llm_max_num_tokens=args.llm_max_num_tokens,
+                        llm_queue_timeout_ms=args.llm_queue_timeout_ms,
+                        max_inflight_requests=args.max_inflight_requests, queue_timeout_ms=args.queue_timeout_ms,
+                        max_queue_size=args.max_queue_size)
+
+
+def _build(args) -> int:
+    from triton_vlm.repository import build_repository
+
+    repo = build_repository(args.checkpoint, args.repo, build_options(args))
     print(f"built model repository {repo}")
     return 0
 
@@ -157,6 +170,14 @@ def parser() -> argparse.ArgumentParser:
                    help="reuse KV blocks of identical prompt prefixes (token ids, positions, media embeddings)")
     c.add_argument("--llm-max-running", type=int, default=64, help="requests in the llm's in-flight batch")
     c.add_argument("--llm-max-num-tokens", type=int, default=512, help="llm rows per step (chunked prefill budget)")
+    c.add_argument("--llm-queue-timeout-ms", type=int, default=60_000,
+                   help="a request waiting longer for its first place in the llm batch gets UNAVAILABLE; 0: no limit")
+    c.add_argument("--max-inflight-requests", type=int, default=64,
+                   help="ensemble requests beyond this are refused at once with UNAVAILABLE")
+    c.add_argument("--queue-timeout-ms", type=int, default=60_000, help="Triton queue of preprocess, vision_encoder "
+                   "and vision_encoder_batch: a request waiting longer gets UNAVAILABLE; 0: no limit")
+    c.add_argument("--max-queue-size", type=int, default=128, help="requests each of those queues holds; beyond "
+                   "them UNAVAILABLE at once; 0: no limit")
     c.set_defaults(run=_build)
 
     c = sub.add_parser("serve", help="run tritonserver on a built repository")

@@ -60,6 +60,14 @@ class BuildOptions:
     llm_max_running: int = 64
     llm_max_num_tokens: int = 512
     max_inflight_requests: int = 64     # `ensemble`: requests beyond this are refused at once (UNAVAILABLE)
+    # Triton's queues of preprocess, vision_encoder and vision_encoder_batch: a request finding
+    # max_queue_size waiting is refused at once, one that waited queue_timeout_ms is refused
+    # (UNAVAILABLE) when the model next takes work. 0: unbounded.
+    queue_timeout_ms: int = 60_000
+    max_queue_size: int = 128
+    # llm: a request still waiting for its first place in the in-flight batch after this long
+    # ends with UNAVAILABLE (0: it waits as long as it takes).
+    llm_queue_timeout_ms: int = 60_000
 
 
 @dataclass(frozen=True)
@@ -137,6 +145,16 @@ def _encoder_batch_model(patch_dim: int, hidden: int, options: BuildOptions, com
     config.dynamic_batching.max_queue_delay_microseconds = options.encoder_max_queue_delay_us
     if gpu:
         config.instance_group[0].kind = mc.ModelInstanceGroup.KIND_GPU
+    return _bounded_queue(config, options)
+
+
+def _bounded_queue(config: mc.ModelConfig, options: BuildOptions) -> mc.ModelConfig:
+    """Triton's queue of a model, bounded: REJECT (UNAVAILABLE) what waited too long or finds it full.
+    With max_batch_size 0 the dynamic batcher still runs one request per execution, as without it."""
+    policy = config.dynamic_batching.default_queue_policy
+    policy.timeout_action = mc.ModelQueuePolicy.REJECT
+    policy.default_timeout_microseconds = options.queue_timeout_ms * 1000
+    policy.max_queue_size = options.max_queue_size
     return config
 
 
@@ -180,21 +198,23 @@ def model_configs(family: Family, checkpoint_config: dict, options: BuildOptions
     """Every model's config for one checkpoint and build, keyed by model name."""
     patch_dim, hidden = family.encoder_dims(checkpoint_config)
     common = {"family": family.name, "checkpoint": CHECKPOINT_DIR}
-    preprocess = _python_model("preprocess", MEDIA_INPUTS, preprocess_outputs(), options.preprocess_instances,
-                               {**common, **options.limits.to_params()})
+    preprocess = _bounded_queue(_python_model("preprocess", MEDIA_INPUTS, preprocess_outputs(),
+                                              options.preprocess_instances, {**common, **options.limits.to_params()}),
+                                options)
     enc_in, enc_out = encoder_io(patch_dim, hidden)
     merge = int(checkpoint_config.get("vision_config", {}).get("spatial_merge_size", 2))
-    encoder = _python_model("vision_encoder", enc_in, enc_out, options.encoder_frontends,
-                            {**common, "batch_model": ENCODER_BATCH_MODEL, "patch_dim": str(patch_dim),
-                             "hidden": str(hidden), "spatial_merge_size": str(merge),
-                             "max_batch_patches": str(options.encoder_max_batch_patches),
-                             "frames_independent": str(int(_frames_independent(family.name)))})
+    encoder = _bounded_queue(_python_model(
+        "vision_encoder", enc_in, enc_out, options.encoder_frontends,
+        {**common, "batch_model": ENCODER_BATCH_MODEL, "patch_dim": str(patch_dim), "hidden": str(hidden),
+         "spatial_merge_size": str(merge), "max_batch_patches": str(options.encoder_max_batch_patches),
+         "frames_independent": str(int(_frames_independent(family.name)))}), options)
     encoder_batch = _encoder_batch_model(patch_dim, hidden, options, common)
     llm_in = (TensorSpec("input_ids", INT32, (-1,)), TensorSpec("embeddings", FP32, (-1, hidden)),
               TensorSpec("mrope_position_ids", INT64, (3, -1)), TensorSpec("mrope_position_delta", INT64, (1,)))
     llm_params = {**common, "kv_block_size": str(options.kv_block_size),
                   "prefix_caching": str(options.prefix_caching).lower(), "max_running": str(options.llm_max_running),
-                  "max_num_tokens": str(options.llm_max_num_tokens)}
+                  "max_num_tokens": str(options.llm_max_num_tokens),
+                  "queue_timeout_ms": str(options.llm_queue_timeout_ms)}
     if options.kv_cache_tokens:
         llm_params["kv_cache_tokens"] = str(options.kv_cache_tokens)
     if options.kv_cache_bytes:

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from triton_vlm import stub_watch
 from triton_vlm.errors import InvalidInput
 
 log = logging.getLogger("triton_vlm")
@@ -66,23 +67,45 @@ def _scalar(request, name: str, kind: Callable[[Any], Any]) -> Any:
     return kind(value.reshape(-1)[0])
 
 
+# A BLS caller in Triton 2.51 gets every error as INTERNAL, whatever its code: refusals for now
+# (Triton's queue policy, the llm's queue timeout) are told by their messages and passed on as
+# UNAVAILABLE, so a client of a non-decoupled model sees them as such.
+_REFUSALS = ("Request timeout expired", "Exceeds maximum queue size", "server busy: ")
+
+
+def _bls_error(error) -> pb_utils.TritonError:
+    """The error of a BLS response, with the code to pass on."""
+    code = error.code()
+    if code == pb_utils.TritonError.INTERNAL and any(m in error.message() for m in _REFUSALS):
+        code = pb_utils.TritonError.UNAVAILABLE
+    return pb_utils.TritonError(error.message(), code)
+
+
+class _Unavailable(Exception):
+    """A model this one calls refused the request for now (its queue was full or timed out):
+    answered UNAVAILABLE, as that model did, so the client knows it may retry."""
+
+
 def _serve_each(requests, handle: Callable[[Any], list]) -> list:
-    """One response per request: outputs, or INVALID_ARG for this request alone."""
+    """One response per request: outputs, or INVALID_ARG / UNAVAILABLE for this request alone."""
     responses = []
     for request in requests:
         try:
             responses.append(pb_utils.InferenceResponse(output_tensors=handle(request)))
         except InvalidInput as error:
             responses.append(_invalid(str(error)))
+        except _Unavailable as error:
+            responses.append(pb_utils.InferenceResponse(
+                error=pb_utils.TritonError(str(error), pb_utils.TritonError.UNAVAILABLE)))
     return responses
 
 
 class PreprocessModel:
     def initialize(self, args: dict[str, Any]) -> None:
+        from triton_vlm.limits import Limits
         from triton_vlm.preprocess import Preprocessor
 
-        from triton_vlm.limits import Limits
-
+        stub_watch.start()
         version_dir, params = _model_dir(args)
         self.preprocessor = Preprocessor(version_dir / params["checkpoint"], Limits.from_params(params))
         self.preprocessor.warmup()
@@ -120,6 +143,7 @@ class VisionEncoderModel:
     """
 
     def initialize(self, args: dict[str, Any]) -> None:
+        stub_watch.start()
         _, params = _model_dir(args)
         self.batch_model = params["batch_model"]
         self.patch_dim, self.hidden = int(params["patch_dim"]), int(params["hidden"])
@@ -138,10 +162,11 @@ class VisionEncoderModel:
                     pb_utils.Tensor("patch_grid", patch_grid(grid))])
         response = request.exec()
         if response.has_error():
-            error = response.error()
-            code = error.code() if hasattr(error, "code") else None
-            if code == pb_utils.TritonError.INVALID_ARG:
+            error = _bls_error(response.error())
+            if error.code() == pb_utils.TritonError.INVALID_ARG:
                 raise InvalidInput(error.message())
+            if error.code() == pb_utils.TritonError.UNAVAILABLE:
+                raise _Unavailable(f"{self.batch_model}: {error.message()}")
             raise RuntimeError(f"{self.batch_model}: {error.message()}")
         return pb_utils.get_output_tensor_by_name(response, "embeddings").as_numpy()
 
@@ -173,6 +198,7 @@ class VisionEncoderBatchModel:
     def initialize(self, args: dict[str, Any]) -> None:
         from triton_vlm.vision.batching import BatchedEncoder, EmbeddingCache
 
+        stub_watch.start()
         version_dir, params = _model_dir(args)
         if params.get("engine_file"):
             from triton_vlm.vision.tensorrt_engine import TensorRTEncoder
@@ -244,8 +270,7 @@ class PipelineModel:
     FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
     def initialize(self, args: dict[str, Any]) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
+        stub_watch.start()
         _, params = _model_dir(args)
         self.steps: list[dict] = json.loads(params["steps"])
         self.final_output = params["final_output"]
@@ -253,7 +278,6 @@ class PipelineModel:
         self._flights: dict[str, _Flight] = {}
         self._lock = threading.Lock()
         self._next_id = 0
-        self._pool = ThreadPoolExecutor(max_workers=self.max_inflight, thread_name_prefix="ensemble")
         self._stopping = threading.Event()
         self._watcher = threading.Thread(target=self._watch_cancellations, name="ensemble-cancel", daemon=True)
         self._watcher.start()
@@ -272,7 +296,10 @@ class PipelineModel:
                 self._next_id += 1
                 request_id = f"{request.request_id() or 'ensemble'}-{self._next_id}"
                 self._flights[request_id] = flight = _Flight(sender)
-            self._pool.submit(self._run, request_id, flight, values)
+            # A daemon thread per request (at most max_inflight_requests): nothing joins a thread
+            # that waits on a step when the stub exits.
+            threading.Thread(target=self._run, args=(request_id, flight, values), name=f"ensemble-{request_id}",
+                             daemon=True).start()
         return None
 
     def _run(self, request_id: str, flight: "_Flight", values: dict[str, np.ndarray]) -> None:
@@ -284,7 +311,7 @@ class PipelineModel:
                     return
                 response = self._request(step, tensors, request_id).exec()
                 if response.has_error():
-                    flight.finish(response.error())
+                    flight.finish(_bls_error(response.error()))
                     return
                 for name in step["outputs"]:
                     tensors[name] = pb_utils.get_output_tensor_by_name(response, name)
@@ -294,7 +321,7 @@ class PipelineModel:
                 if flight.done:
                     continue  # drain to the last step's own final response
                 if response.has_error():
-                    flight.finish(response.error())
+                    flight.finish(_bls_error(response.error()))
                 elif response.output_tensors():
                     reason = pb_utils.get_output_tensor_by_name(response, self.final_output)
                     final = reason is not None and any(bytes(r) for r in reason.as_numpy().reshape(-1))
@@ -332,7 +359,6 @@ class PipelineModel:
 
     def finalize(self) -> None:
         self._stopping.set()
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class _Flight:
@@ -381,10 +407,11 @@ class LLMModel:
     def initialize(self, args: dict[str, Any]) -> None:
         from triton_vlm.llm.engine import Engine
 
+        stub_watch.start()
         version_dir, params = _model_dir(args)
         options = {}
         for key, kind in (("kv_cache_tokens", int), ("kv_cache_bytes", int), ("kv_block_size", int),
-                          ("max_running", int), ("max_num_tokens", int)):
+                          ("max_running", int), ("max_num_tokens", int), ("queue_timeout_ms", float)):
             if params.get(key):
                 options["block_size" if key == "kv_block_size" else key] = kind(params[key])
         options["prefix_caching"] = params.get("prefix_caching", "false").lower() == "true"
@@ -491,8 +518,11 @@ def _generation_tensors(token_ids: list[int], text: str, finish_reason: str | No
     ]
 
 
-def _send_final_error(sender, message: str) -> None:
-    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=LLMModel.FINAL)
+def _send_final_error(sender, out) -> None:
+    """A request the engine refused for now ("rejected": its queue timeout) is UNAVAILABLE, the
+    client may retry; any other error is INTERNAL."""
+    code = pb_utils.TritonError.UNAVAILABLE if out.finish_reason == "rejected" else pb_utils.TritonError.INTERNAL
+    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(out.error, code)), flags=LLMModel.FINAL)
 
 
 class _StreamEmitter:
@@ -503,7 +533,7 @@ class _StreamEmitter:
 
     def __call__(self, out) -> None:
         if out.error:
-            _send_final_error(self.sender, out.error)
+            _send_final_error(self.sender, out)
             return
         final = out.finish_reason is not None
         self.sender.send(pb_utils.InferenceResponse(output_tensors=_generation_tensors(out.token_ids, out.text, out.finish_reason)),
@@ -518,7 +548,7 @@ class _CollectingEmitter:
 
     def __call__(self, out) -> None:
         if out.error:
-            _send_final_error(self.sender, out.error)
+            _send_final_error(self.sender, out)
             return
         self.token_ids.extend(out.token_ids)
         self.text.append(out.text)

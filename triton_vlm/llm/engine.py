@@ -8,13 +8,17 @@ Every step (one batched forward pass) the scheduler, oldest request first:
 - takes KV blocks from the pool as rows need them. When the pool is out of blocks, a waiting
   request keeps waiting, and a running one that needs a block preempts the newest running
   sequence (its blocks go back; it is recomputed later from its prompt and the tokens it already
-  has, with its sampler state kept, so its output does not change). Nothing fails for lack of blocks.
+  has, with its sampler state kept, so its output does not change). Nothing fails for lack of
+  blocks;
+- with `queue_timeout_ms`, finishes a request that is still waiting for its first place in the
+  batch after that long with "rejected" (the server answers UNAVAILABLE: overload is a quick
+  refusal, not an unbounded wait). A preempted request has had its place and is never rejected.
 Then one `DecoderModel.forward` runs every row, and each sequence whose rows reached its end
 samples its next token with its own generator.
 
 Each request gets exactly one final emit (`finish_reason` set): on stop, length, cancel, shutdown,
-or an error inside the loop (`finish_reason="error"` with `error` set); its blocks are back in the
-pool before that emit. The thread logs exceptions and never dies of them.
+queue timeout ("rejected"), or an error inside the loop ("error"; both with `error` set); its
+blocks are back in the pool before that emit. The thread logs exceptions and never dies of them.
 """
 from __future__ import annotations
 
@@ -37,7 +41,7 @@ from triton_vlm.llm.sampling import SamplingParams, make_generator, sample
 
 log = logging.getLogger(__name__)
 
-FINISH_REASONS = ("stop", "length", "cancelled", "error")
+FINISH_REASONS = ("stop", "length", "cancelled", "rejected", "error")
 _PROMPT_CONTEXT_TOKENS = 5  # prompt tail used as detokenization context
 DEFAULT_KV_CACHE_BYTES = 256 << 20
 
@@ -46,8 +50,8 @@ DEFAULT_KV_CACHE_BYTES = 256 << 20
 class GenerationOutput:
     token_ids: list[int]
     text: str
-    finish_reason: str | None = None  # None, "stop", "length", "cancelled", or "error"
-    error: str | None = None          # set with finish_reason "error"
+    finish_reason: str | None = None  # None or one of FINISH_REASONS
+    error: str | None = None          # set with finish_reason "rejected" or "error"
     logits: torch.Tensor | None = None  # the sampled step's logits, with Engine(return_logits=True)
 
     @property
@@ -108,6 +112,7 @@ class _Sequence:
     text: str = ""   # stable detokenized text so far
     sent: int = 0    # characters of `text` emitted
     done: bool = False
+    started: bool = False   # has had a place in the running batch (a preempted one keeps it)
     first_token_time: float | None = None
     submit_time: float = 0.0
 
@@ -127,13 +132,15 @@ class Engine:
     `num_preempted`; the pool's `num_used` / `num_free` blocks (`kv_blocks_used`, `kv_blocks_free`).
 
     Pool size: `kv_cache_tokens`, else `kv_cache_bytes` (default 256 MiB), rounded down to blocks.
+    `queue_timeout_ms` (0: none) bounds the wait for a first place in the batch, timed by `clock`.
     On top of the pool, decode steps keep dense copies of the decoding sequences' K/V
     (`pool.decode_cache`: at most half the pool's bytes, grown on demand, freed when nothing runs)."""
 
     def __init__(self, checkpoint_dir: str | Path, *, max_running: int = 64, tokenizer=None,
                  model: DecoderModel | None = None, kv_cache_tokens: int | None = None,
                  kv_cache_bytes: int | None = None, block_size: int = 16, prefix_caching: bool = False,
-                 max_num_tokens: int = 512, return_logits: bool = False):
+                 max_num_tokens: int = 512, return_logits: bool = False, queue_timeout_ms: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic):
         from tokenizers import Tokenizer
 
         self.checkpoint_dir = Path(checkpoint_dir)
@@ -145,6 +152,10 @@ class Engine:
         self.max_running = max(1, int(max_running))
         self.max_num_tokens = max(1, int(max_num_tokens))
         self.return_logits = bool(return_logits)
+        if queue_timeout_ms < 0:
+            raise ValueError(f"queue_timeout_ms must be >= 0, got {queue_timeout_ms}")
+        self.queue_timeout_ms = float(queue_timeout_ms)
+        self.clock = clock
         if kv_cache_tokens:
             tokens = int(kv_cache_tokens)
         else:
@@ -258,7 +269,7 @@ class Engine:
                         emb_index=emb_index, positions=pos, delta=delta, params=params, emit=emit,
                         is_cancelled=is_cancelled, generator=make_generator(params.seed),
                         detok=IncrementalDetokenizer(self.tokenizer, tail), keys=keys,
-                        submit_time=time.perf_counter())
+                        submit_time=self.clock())
         with self._lock:
             if self._stop:
                 raise RuntimeError("engine is shut down")
@@ -381,16 +392,29 @@ class Engine:
                     seq.blocks, seq.num_computed = [], 0
                 break
             seq.blocks.extend(got)
+            seq.started = True
             self._waiting.popleft()
             self._running.append(seq)
             self._running.sort(key=lambda s: s.arrival)
             plan.append((seq, start, end))
             planned.add(id(seq))
             budget -= end - start
+        if self.queue_timeout_ms:
+            self._reject_overdue()
         self._update_counts()
         if plan:
             self._run(plan)
         self._update_counts()
+
+    def _reject_overdue(self) -> None:
+        """After the step's admissions: a request still waiting for its first place longer than
+        `queue_timeout_ms` ends with "rejected" (it holds no block)."""
+        now = self.clock()
+        for seq in self._waiting:
+            waited_ms = (now - seq.submit_time) * 1000.0
+            if not seq.started and waited_ms > self.queue_timeout_ms:
+                self._finish(seq, "rejected", error=f"server busy: waited {waited_ms:.0f} ms for a place in the "
+                             f"llm batch, llm_queue_timeout_ms={self.queue_timeout_ms:g}; retry later")
 
     def _chunk(self, seq: _Sequence, start: int, end: int) -> Chunk:
         n = seq.prompt_len
@@ -442,7 +466,7 @@ class Engine:
 
     def _on_token(self, seq: _Sequence, token: int, logits: torch.Tensor | None = None) -> None:
         if seq.first_token_time is None:
-            seq.first_token_time = time.perf_counter()
+            seq.first_token_time = self.clock()
         seq.tokens.append(token)
         seq.output_ids.append(token)
         self.num_generated_tokens += 1
