@@ -178,6 +178,9 @@ class Preprocessor:
                 raise InvalidInput(f"mm_options: {key}={opts[key]} exceeds max_frames={limits.max_video_frames}")
 
         sizes = {k: opts[k] for k in ("min_pixels", "max_pixels") if k in opts}
+        if sizes and self.family.slice_rule is not None:
+            raise InvalidInput(f"mm_options: {', '.join(sizes)} does not apply: {self.family.name} sizes images "
+                               f"by the checkpoint's scale_resolution and max_slice_nums")
         image, video = self.image_settings, self.video_settings
         if sizes:
             image = dataclasses.replace(image, **sizes)
@@ -278,10 +281,11 @@ class Preprocessor:
         pad_is_video = is_video[pad_positions]
 
         # The media items' names, in prompt order.
-        names, counters = [], {"images": 0, "videos": 0}
+        names, counters, index = [], {"images": 0, "videos": 0}, {}
         for video_item in pad_is_video.tolist():
             kind = "videos" if video_item else "images"
             names.append(f"{kind}[{counters[kind]}]")
+            index[names[-1]] = counters[kind]
             counters[kind] += 1
 
         # Phase 1 (items in parallel threads: Pillow, PyAV and torch release the GIL): each item's
@@ -291,7 +295,7 @@ class Preprocessor:
         # GOPs finish decoding.
         def plan(name: str) -> _Item:
             data = encoded[name]
-            item = _Item(name, data, index=int(name[name.index("[") + 1:-1]))
+            item = _Item(name, data, index=index[name])
             if name.startswith("videos"):
                 sampler = _bind_sampler(self.family.sample_frames, sampling, video_settings)
                 item.planned = plan_video(data, name, sampler, limits)
