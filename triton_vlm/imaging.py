@@ -41,6 +41,14 @@ class VisionSettings:
     do_rescale: bool = True
     do_normalize: bool = True
     resample: int = 3
+    # Sliced-image processors (MiniCPM-V): slices of about `scale_resolution`^2 pixels, at most
+    # `max_slice_nums`; `downsample_mode` "16x" (4 x 4 patches per LLM token) or "4x" (2 x 2);
+    # `use_image_id` numbers each item in the prompt.
+    scale_resolution: int = 448
+    max_slice_nums: int = 9
+    slice_mode: bool = True
+    downsample_mode: str = "16x"
+    use_image_id: bool = True
 
     @property
     def factor(self) -> int:
@@ -97,6 +105,75 @@ def grid_thw(num_frames: int, size: tuple[int, int], settings: VisionSettings) -
     """Patch grid of `num_frames` frames resized to `size` (frames padded to temporal_patch_size)."""
     tps = settings.temporal_patch_size
     return (num_frames + tps - 1) // tps, size[0] // settings.patch_size, size[1] // settings.patch_size
+
+
+@dataclass(frozen=True)
+class View:
+    """A frame resized to `size`, then cut into `rows` x `cols` equal slices (1 x 1: kept whole)."""
+    size: tuple[int, int]
+    rows: int = 1
+    cols: int = 1
+
+    @property
+    def slice_size(self) -> tuple[int, int]:
+        return self.size[0] // self.rows, self.size[1] // self.cols
+
+
+@dataclass(frozen=True)
+class FrameLayout:
+    """How a media item's frames become vision-tower inputs.
+
+    One view, `per_frame` False (Qwen2-VL, GLM): the frames resized to one size, temporal patches
+    of `temporal_patch_size` frames, one grid row [t, h, w] for the item. Otherwise (MiniCPM-V)
+    every slice of every view of every frame is its own image: a grid row [1, h, w] each, frame
+    by frame, views and slices in order (slices row-major). Between decoding and writing the
+    pixel rows a frame is kept as `stored` uint8 pixels: the single view's (h, w), or all views'
+    pixels one after the other as one (1, n) row.
+    """
+    views: tuple[View, ...]
+    per_frame: bool = False
+
+    @property
+    def stored(self) -> tuple[int, int]:
+        if len(self.views) == 1:
+            return self.views[0].size
+        return 1, sum(v.size[0] * v.size[1] for v in self.views)
+
+    def grids(self, num_frames: int, settings: VisionSettings) -> list[tuple[int, int, int]]:
+        """The item's grid_thw rows, prompt order."""
+        if not self.per_frame:
+            return [grid_thw(num_frames, self.views[0].size, settings)]
+        p = settings.patch_size
+        one = [(1, v.slice_size[0] // p, v.slice_size[1] // p) for v in self.views for _ in range(v.rows * v.cols)]
+        return one * num_frames
+
+    def resize(self, frames: np.ndarray, settings: VisionSettings) -> np.ndarray:
+        """uint8 frames [T, H, W, 3] -> [T, *stored, 3]: every view resized from the frame itself."""
+        if len(self.views) == 1:
+            return resize_frames(frames, self.views[0].size, settings)
+        return np.concatenate([resize_frames(frames, v.size, settings).reshape(frames.shape[0], 1, -1, 3)
+                               for v in self.views], axis=2)
+
+    def write(self, stored: np.ndarray, settings: VisionSettings, out: np.ndarray) -> None:
+        """Normalise and patchify stored frames [T, *stored, 3] into `out` (the frames' rows)."""
+        if not self.per_frame:
+            write_pixel_values(stored, self.views[0].size, settings, out)
+            return
+        if settings.temporal_patch_size != 1:
+            raise ValueError("per-frame layouts need temporal_patch_size 1")
+        p, row = settings.patch_size, 0
+        for frame in stored:
+            pixels = frame.reshape(-1, 3)
+            for view in self.views:
+                h, w = view.size
+                whole, pixels = pixels[:h * w].reshape(1, h, w, 3), pixels[h * w:]
+                sh, sw = view.slice_size
+                for r in range(view.rows):
+                    for c in range(view.cols):
+                        n = (sh // p) * (sw // p)
+                        write_pixel_values(whole[:, r * sh:(r + 1) * sh, c * sw:(c + 1) * sw], (sh, sw), settings,
+                                           out[row:row + n])
+                        row += n
 
 
 def _interpolation(resample: int):

@@ -25,8 +25,8 @@ import numpy as np
 
 from triton_vlm.errors import InvalidInput
 from triton_vlm.families import detect_family
-from triton_vlm.families.base import Family
-from triton_vlm.imaging import VisionSettings, grid_thw, resize_frames, target_size, write_pixel_values
+from triton_vlm.families.base import Family, MediaLayout
+from triton_vlm.imaging import FrameLayout, View, VisionSettings, target_size
 from triton_vlm.limits import DEFAULT_LIMITS, Limits
 from triton_vlm.media import (PlannedVideo, decode_image, decode_item_bytes, decode_video, frame_rgb,
                               plan_video, probe_image)
@@ -61,11 +61,11 @@ class VideoSampling:
     extra: tuple[tuple[str, Any], ...] = ()
 
 
-def _settings(section: dict, size_default: tuple[int, int]) -> VisionSettings:
+def _settings(section: dict, size_default: tuple[int, int], defaults: dict) -> VisionSettings:
     size = section.get("size") or {}
     min_pixels = section.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels") or size_default[0]
     max_pixels = section.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels") or size_default[1]
-    base = VisionSettings()
+    base = VisionSettings(**defaults)
     values = {f.name: section[f.name] for f in dataclasses.fields(VisionSettings)
               if section.get(f.name) is not None and f.name not in ("min_pixels", "max_pixels")}
     for key in ("image_mean", "image_std"):
@@ -103,8 +103,11 @@ class Preprocessor:
         self.tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
 
         image_section, video_section = load_processor_sections(checkpoint)
-        self.image_settings = _settings(image_section, _IMAGE_SIZE_DEFAULT)
-        self.video_settings = _settings(video_section, _VIDEO_SIZE_DEFAULT)
+        defaults = self.family.vision_defaults
+        self.image_settings = _settings(image_section, _IMAGE_SIZE_DEFAULT, defaults)
+        # The processor numbers videos by its image processor's `use_image_id` too.
+        self.video_settings = dataclasses.replace(_settings(video_section, _VIDEO_SIZE_DEFAULT, defaults),
+                                                  use_image_id=self.image_settings.use_image_id)
         if self.image_settings.row_size != self.video_settings.row_size:
             raise ValueError(f"{checkpoint}: image and video patches differ in size")
         fps = video_section.get("fps") or None
@@ -175,6 +178,9 @@ class Preprocessor:
                 raise InvalidInput(f"mm_options: {key}={opts[key]} exceeds max_frames={limits.max_video_frames}")
 
         sizes = {k: opts[k] for k in ("min_pixels", "max_pixels") if k in opts}
+        if sizes and self.family.slice_rule is not None:
+            raise InvalidInput(f"mm_options: {', '.join(sizes)} does not apply: {self.family.name} sizes images "
+                               f"by the checkpoint's scale_resolution and max_slice_nums")
         image, video = self.image_settings, self.video_settings
         if sizes:
             image = dataclasses.replace(image, **sizes)
@@ -204,12 +210,23 @@ class Preprocessor:
         """Ids of text pieces spliced between special tokens (no special tokens added)."""
         return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
 
+    def _layout(self, height: int, width: int, settings: VisionSettings, name: str, num_frames: int) -> FrameLayout:
+        """The family's views of an item's frames: its `slice_rule`, else one `resize_rule` size."""
+        if self.family.slice_rule is not None:
+            return FrameLayout(self.family.slice_rule(height, width, settings, name), per_frame=True)
+        size = target_size(height, width, settings, name, num_frames, self.family.resize_rule)
+        return FrameLayout((View(size),))
+
     def _expand(self, item: _Item) -> tuple[np.ndarray, list[MediaSpan]]:
         """The ids `item`'s placeholder token becomes, and the M-RoPE spans of its embedding runs
         (offsets relative to the first id)."""
-        m = item.settings.merge_size
-        grid = (item.grid[0], item.grid[1] // m, item.grid[2] // m)
         video = item.name.startswith("videos")
+        if self.family.expand_media is not None:
+            media = MediaLayout(video=video, index=item.index, grids=item.grids, views=item.layout.views,
+                                num_frames=item.num_frames, settings=item.settings)
+            return self.family.expand_media(media, self._vocab_id, self._encode_pieces)
+        m = item.settings.merge_size
+        grid = (item.grids[0][0], item.grids[0][1] // m, item.grids[0][2] // m)
         if video and self.family.expand_video is not None:
             return self.family.expand_video(grid, item.timestamps, self._vocab_id, self._encode_pieces)
         token = self.video_token_id if video else self.image_token_id
@@ -264,10 +281,11 @@ class Preprocessor:
         pad_is_video = is_video[pad_positions]
 
         # The media items' names, in prompt order.
-        names, counters = [], {"images": 0, "videos": 0}
+        names, counters, index = [], {"images": 0, "videos": 0}, {}
         for video_item in pad_is_video.tolist():
             kind = "videos" if video_item else "images"
             names.append(f"{kind}[{counters[kind]}]")
+            index[names[-1]] = counters[kind]
             counters[kind] += 1
 
         # Phase 1 (items in parallel threads: Pillow, PyAV and torch release the GIL): each item's
@@ -277,15 +295,15 @@ class Preprocessor:
         # GOPs finish decoding.
         def plan(name: str) -> _Item:
             data = encoded[name]
-            item = _Item(name, data)
+            item = _Item(name, data, index=index[name])
             if name.startswith("videos"):
                 sampler = _bind_sampler(self.family.sample_frames, sampling, video_settings)
                 item.planned = plan_video(data, name, sampler, limits)
                 if item.planned is not None:
                     meta = item.planned.meta
                     item.settings = self._video_settings(video_settings, sampling, len(meta.frames_indices))
-                    item.size = target_size(meta.height, meta.width, item.settings, name,
-                                            len(meta.frames_indices), self.family.resize_rule)
+                    item.layout = self._layout(meta.height, meta.width, item.settings, name,
+                                               len(meta.frames_indices))
                     n_frames = len(meta.frames_indices)
                 else:
                     chosen = {}
@@ -293,12 +311,12 @@ class Preprocessor:
                     def resizer(meta):
                         chosen["settings"] = self._video_settings(video_settings, sampling,
                                                                   len(meta.frames_indices))
-                        chosen["size"] = target_size(meta.height, meta.width, chosen["settings"], name,
-                                                     len(meta.frames_indices), self.family.resize_rule)
-                        return chosen["size"], lambda f: resize_frames(f, chosen["size"], chosen["settings"])
+                        layout = chosen["layout"] = self._layout(meta.height, meta.width, chosen["settings"], name,
+                                                                 len(meta.frames_indices))
+                        return layout.stored, lambda f: layout.resize(f, chosen["settings"])
 
                     item.frames, meta = decode_video(data, name, sampler, limits, resizer)
-                    item.settings, item.size = chosen["settings"], chosen["size"]
+                    item.settings, item.layout = chosen["settings"], chosen["layout"]
                     n_frames = item.frames.shape[0]
                 second_per_grid_ts = item.settings.temporal_patch_size / meta.sampled_fps
                 item.t_factor = (self.family.video_t_factor(self.config, second_per_grid_ts)
@@ -312,14 +330,15 @@ class Preprocessor:
                 if probed is None:
                     item.frames = decode_image(data, name, limits)[None]
                     probed = item.frames.shape[1:3]
-                item.size = target_size(probed[0], probed[1], item.settings, name, 1, self.family.resize_rule)
+                item.layout = self._layout(probed[0], probed[1], item.settings, name, 1)
                 item.probed = tuple(probed)
                 if item.frames is not None:
-                    item.frames = resize_frames(item.frames, item.size, item.settings)
+                    item.frames = item.layout.resize(item.frames, item.settings)
                 n_frames = 1
                 key = {"kind": "image"}
             key.update(min_pixels=item.settings.min_pixels, max_pixels=item.settings.max_pixels)
-            item.grid = grid_thw(n_frames, item.size, item.settings)
+            item.num_frames = n_frames
+            item.grids = item.layout.grids(n_frames, item.settings)
             digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode())
             digest.update(data)
             item.digest = digest.digest()
@@ -327,8 +346,8 @@ class Preprocessor:
 
         items = _map(plan, names)
         hashes: list[bytes] = [item.digest for item in items]
-        grids = np.array([item.grid for item in items], dtype=np.int64).reshape(-1, 3)
-        rows = grids.prod(axis=1)
+        grids = np.array([g for item in items for g in item.grids], dtype=np.int64).reshape(-1, 3)
+        rows = np.array([sum(t * h * w for t, h, w in item.grids) for item in items], dtype=np.int64)
         # Each placeholder token becomes its item's ids (media tokens, and for some families
         # per-frame markers and timestamps), known from the grids alone: the prompt's real length is
         # checked before anything is decoded into the output.
@@ -361,8 +380,10 @@ class _Item:
     name: str
     data: bytes
     settings: VisionSettings | None = None
-    size: tuple[int, int] = (0, 0)
-    grid: tuple[int, int, int] = (0, 0, 0)
+    index: int = 0                      # among the request's items of its kind
+    layout: FrameLayout | None = None
+    num_frames: int = 1
+    grids: list[tuple[int, int, int]] = field(default_factory=list)  # its grid_thw rows
     t_factor: float = 1.0
     timestamps: np.ndarray | None = None  # a video's sampled frames, in seconds
     digest: bytes = b""
@@ -373,41 +394,42 @@ class _Item:
 
 def _fill(item: _Item, out: np.ndarray, limits: Limits) -> None:
     """Phase 2: decode what is left of `item` and write its pixel rows into `out`."""
-    settings, size = item.settings, item.size
+    settings, layout = item.settings, item.layout
     if item.frames is None and item.planned is None:  # an image known from its header
         frames = decode_image(item.data, item.name, limits)[None]
         if tuple(frames.shape[1:3]) != item.probed:
             raise InvalidInput(f"{item.name}: not a decodable image")
-        item.frames = resize_frames(frames, size, settings)
+        item.frames = layout.resize(frames, settings)
     if item.frames is not None:
-        write_pixel_values(item.frames, size, settings, out)
+        layout.write(item.frames, settings, out)
         item.frames = None
         return
     meta, tps = item.planned.meta, settings.temporal_patch_size
     n = len(meta.frames_indices)
-    staging = np.empty((n, size[0], size[1], 3), dtype=np.uint8)
-    rows_per_patch = item.grid[1] * item.grid[2]
-    pending = [min(tps, n - g * tps) for g in range(item.grid[0])]  # frames missing per temporal patch
+    staging = np.empty((n, *layout.stored, 3), dtype=np.uint8)
+    n_patches = -(-n // tps)
+    rows_per_patch = out.shape[0] // n_patches
+    pending = [min(tps, n - g * tps) for g in range(n_patches)]  # frames missing per temporal patch
     lock = threading.Lock()
 
     def store(k: int, frame) -> None:
-        staging[k] = resize_frames(frame_rgb(frame, meta.width, meta.height)[None], size, settings)[0]
+        staging[k] = layout.resize(frame_rgb(frame, meta.width, meta.height)[None], settings)[0]
         g = k // tps
         with lock:
             pending[g] -= 1
             ready = pending[g] == 0
         if ready:
-            write_pixel_values(staging[g * tps:min(n, (g + 1) * tps)], size, settings,
-                               out[g * rows_per_patch:(g + 1) * rows_per_patch])
+            layout.write(staging[g * tps:min(n, (g + 1) * tps)], settings,
+                         out[g * rows_per_patch:(g + 1) * rows_per_patch])
 
     if not item.planned.decode(store):
         # The fast path could not vouch for its frames: decode everything, which must agree.
         sampler = lambda _meta: meta.frames_indices  # noqa: E731
         frames, _ = decode_video(item.data, item.name, sampler, limits,
-                                 lambda _m: (size, lambda f: resize_frames(f, size, settings)))
+                                 lambda _m: (layout.stored, lambda f: layout.resize(f, settings)))
         if frames.shape[0] != n:
             raise InvalidInput(f"{item.name}: not a decodable video")
-        write_pixel_values(frames, size, settings, out)
+        layout.write(frames, settings, out)
 
 
 def _map(fn, args) -> list:

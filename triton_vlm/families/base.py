@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from triton_vlm.imaging import View, VisionSettings
+
 
 @dataclass(frozen=True)
 class Family:
@@ -35,6 +37,17 @@ class Family:
     # Target frame size: `resize_rule(height, width, settings, num_frames, name) -> (h, w)`
     # (`triton_vlm.imaging.ResizeRule`); None: Qwen2-VL's `smart_resize`, frame by frame.
     resize_rule: Callable[..., tuple[int, int]] | None = None
+    # Sliced images (MiniCPM-V): `slice_rule(height, width, settings, name) -> views` (`View`s: an
+    # overview, then the slices); each slice of each frame is then its own grid row [1, h, w] (see
+    # `triton_vlm.imaging.FrameLayout`). None: one view of `resize_rule`'s size per item.
+    slice_rule: Callable[..., tuple[View, ...]] | None = None
+    # `VisionSettings` values where the processor config leaves them out (the family's processor
+    # class defaults that the config does not store, e.g. MiniCPM-V's temporal_patch_size 1).
+    vision_defaults: dict[str, Any] = field(default_factory=dict)
+    # What any media item's placeholder token becomes, images and videos (MiniCPM-V's numbered,
+    # sliced runs): `expand_media(media: MediaLayout, token_id, encode) -> (ids, spans)`, arguments
+    # and result as `expand_video`'s. Takes precedence over `expand_video`.
+    expand_media: Callable[..., Any] | None = None
     # What a video's placeholder token becomes: `expand_video(grid, timestamps, token_id, encode) ->
     # (ids int32 [n], spans)`, `grid` the LLM grid (t, h, w) after the spatial merge, `timestamps` the
     # sampled frames' seconds, `token_id(token) -> id`, `encode(texts) -> ids per text` (no special
@@ -48,6 +61,17 @@ class Family:
     # Video processor classes (`video_processor_type`) that pick this family among several sharing a
     # `model_type`; see `detect_family`.
     video_processor_types: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class MediaLayout:
+    """What `Family.expand_media` sees of one media item."""
+    video: bool
+    index: int                          # among the prompt's items of its kind (images or videos)
+    grids: list[tuple[int, int, int]]   # its grid_thw rows (vision patches), prompt order
+    views: tuple[View, ...]             # each frame's views (`Family.slice_rule`)
+    num_frames: int
+    settings: VisionSettings
 
 
 def chat_template(*, prefix: str, message_start: str, message_end: str, image: str, video: str,
