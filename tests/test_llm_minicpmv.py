@@ -98,7 +98,8 @@ def test_config_read_from_checkpoint(hf, engine):
     assert DecoderConfig.from_checkpoint(hf.checkpoint) == c
     # K/V only for the full-attention layers; one state slot per running sequence for the others
     assert engine.pool.k.shape[0] == len(c.kv_layers)
-    assert engine.pool.states.conv.shape[:2] == (c.num_layers - len(c.kv_layers), engine.max_running)
+    assert engine.pool.states.conv.shape[0] == c.num_layers - len(c.kv_layers)
+    assert engine.pool.states.max_slots == engine.max_running
     # prefix caching is off for a decoder with a recurrent state, even when asked for
     eng = Engine(hf.checkpoint, model=engine.model, prefix_caching=True)
     try:
@@ -184,6 +185,7 @@ def test_concurrent_requests_equal_alone(hf, engine, requests):
         together = [c.wait() for c in cols]
         assert_same(together, alone)
         assert max(r for r, _ in seen) > 1 and all(s <= 3 for _, s in seen)
+        assert eng.pool.states.capacity == 3  # grown to the running sequences, not past max_running
         assert eng.kv_blocks_used == 0 and eng.pool.states.num_used == 0
         assert (eng.num_running, eng.num_waiting) == (0, 0)
     finally:

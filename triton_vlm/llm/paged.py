@@ -49,8 +49,8 @@ class KVPool:
     @classmethod
     def for_model(cls, config, num_tokens: int, block_size: int, prefix_caching: bool = False,
                   state_slots: int = 1) -> "KVPool":
-        """K/V for the config's attention layers only; a StatePool of `state_slots` sequences for
-        its linear-attention layers (none when it has none)."""
+        """K/V for the config's attention layers only; a StatePool of up to `state_slots` sequences
+        for its linear-attention layers (with no layers when it has none)."""
         blocks = -(-int(num_tokens) // int(block_size))
         return cls(len(config.kv_layers), config.num_kv_heads, config.head_dim, blocks, block_size, prefix_caching,
                    states=StatePool.for_model(config, state_slots))
@@ -249,30 +249,32 @@ class StatePool:
     `conv` [layers, slots, conv_dim, conv_kernel - 1] (the causal conv's last inputs) and
     `recurrent` [layers, slots, v_heads, k_head_dim, v_head_dim] (the delta-rule state).
     A sequence takes a slot when it starts running and gives it back when it ends or is preempted
-    (then it is recomputed from its prompt); the model zeroes a slot when a sequence starts at token 0."""
+    (then it is recomputed from its prompt); the model zeroes a slot when a sequence starts at token 0.
+    The buffers grow (doubling) as more sequences run at once, up to `max_slots`."""
 
-    def __init__(self, num_layers: int, slots: int, conv_shape: tuple[int, ...], recurrent_shape: tuple[int, ...],
-                 dtype: torch.dtype = torch.float32):
-        self.slots = max(1, int(slots))
-        self.conv = torch.zeros((num_layers, self.slots, *conv_shape), dtype=dtype)
-        self.recurrent = torch.zeros((num_layers, self.slots, *recurrent_shape), dtype=dtype)
-        self._free: deque[int] = deque(range(self.slots))
+    def __init__(self, num_layers: int, max_slots: int, conv_shape: tuple[int, ...],
+                 recurrent_shape: tuple[int, ...], dtype: torch.dtype = torch.float32):
+        self.max_slots = max(1, int(max_slots))
+        self.conv = torch.zeros((num_layers, 0, *conv_shape), dtype=dtype)
+        self.recurrent = torch.zeros((num_layers, 0, *recurrent_shape), dtype=dtype)
+        self._free: deque[int] = deque()
+        self._used: set[int] = set()
 
     @classmethod
-    def for_model(cls, config, slots: int) -> "StatePool":
+    def for_model(cls, config, max_slots: int) -> "StatePool":
         lin = config.linear_attention
         if lin is None:
-            return cls(0, slots, (0,), (0,))
-        return cls(len(config.layer_types) - len(config.kv_layers), slots, lin.conv_state_shape,
+            return cls(0, max_slots, (0,), (0,))
+        return cls(len(config.layer_types) - len(config.kv_layers), max_slots, lin.conv_state_shape,
                    lin.recurrent_state_shape)
 
     @property
-    def num_free(self) -> int:
-        return len(self._free)
+    def capacity(self) -> int:
+        return self.conv.shape[1]
 
     @property
     def num_used(self) -> int:
-        return self.slots - len(self._free)
+        return len(self._used)
 
     @property
     def nbytes(self) -> int:
@@ -280,12 +282,22 @@ class StatePool:
 
     def allocate(self) -> int:
         if not self._free:
-            raise RuntimeError(f"all {self.slots} recurrent-state slots are in use")
-        return self._free.popleft()
+            old = self.capacity
+            new = min(self.max_slots, max(1, 2 * old))
+            if new == old:
+                raise RuntimeError(f"all {self.max_slots} recurrent-state slots are in use")
+            grown = [torch.zeros((t.shape[0], new, *t.shape[2:]), dtype=t.dtype) for t in (self.conv, self.recurrent)]
+            grown[0][:, :old], grown[1][:, :old] = self.conv, self.recurrent
+            self.conv, self.recurrent = grown
+            self._free.extend(range(old, new))
+        slot = self._free.popleft()
+        self._used.add(slot)
+        return slot
 
     def release(self, slot: int) -> None:
-        if slot in self._free:
-            raise RuntimeError(f"state slot {slot} released twice")
+        if slot not in self._used:
+            raise RuntimeError(f"state slot {slot} is not in use")
+        self._used.discard(slot)
         self._free.append(slot)
 
     def reset(self, slot: int) -> None:
