@@ -1,4 +1,4 @@
-"""The `llm` step: the Qwen2 / GLM-4 (M-RoPE) decoders on CPU, paged KV cache, in-flight batching."""
+"""The `llm` step: the Qwen2 / GLM-4 / Qwen3.5-hybrid (M-RoPE) decoders on CPU, paged KV cache, in-flight batching."""
 from triton_vlm.llm.engine import Engine, GenerationOutput, IncrementalDetokenizer
 from triton_vlm.llm.model import Chunk, DecoderConfig, DecoderModel
 from triton_vlm.llm.paged import KVPool

@@ -13,6 +13,9 @@ Every step (one batched forward pass) the scheduler, oldest request first:
 - with `queue_timeout_ms`, finishes a request that is still waiting for its first place in the
   batch after that long with "rejected" (the server answers UNAVAILABLE: overload is a quick
   refusal, not an unbounded wait). A preempted request has had its place and is never rejected.
+Decoders with linear-attention layers (`DecoderConfig.recurrent`) also give every running sequence
+a slot of the pool's `StatePool` (taken when it starts running, given back with its blocks: on
+finish, cancel, error and preemption); prefix caching is off for them (see `triton_vlm.llm.paged`).
 Then one `DecoderModel.forward` runs every row, and each sequence whose rows reached its end
 samples its next token with its own generator.
 
@@ -107,6 +110,7 @@ class _Sequence:
     detok: IncrementalDetokenizer
     keys: list[bytes] = field(default_factory=list)   # prefix-cache keys of full prompt blocks
     blocks: list[int] = field(default_factory=list)   # block table
+    state: int | None = None          # StatePool slot while running
     num_computed: int = 0             # tokens whose K/V are in the blocks
     output_ids: list[int] = field(default_factory=list)
     text: str = ""   # stable detokenized text so far
@@ -133,6 +137,7 @@ class Engine:
 
     Pool size: `kv_cache_tokens`, else `kv_cache_bytes` (default 256 MiB), rounded down to blocks.
     `queue_timeout_ms` (0: none) bounds the wait for a first place in the batch, timed by `clock`.
+    `prefix_caching` is ignored (off) for decoders with a recurrent state (`prefix_caching` tells).
     On top of the pool, decode steps keep dense copies of the decoding sequences' K/V
     (`pool.decode_cache`: at most half the pool's bytes, grown on demand, freed when nothing runs)."""
 
@@ -163,7 +168,12 @@ class Engine:
         num_blocks = tokens // int(block_size)
         if num_blocks < 1:
             raise ValueError(f"KV pool of {tokens} tokens holds no block of {block_size}")
-        self.pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size, prefix_caching)
+        if prefix_caching and c.recurrent:
+            log.info("prefix caching is off: %s has linear-attention layers (a recurrent state per sequence)",
+                     c.model_type)
+        self.prefix_caching = bool(prefix_caching) and not c.recurrent
+        self.pool = KVPool.for_model(c, num_blocks * int(block_size), block_size, self.prefix_caching,
+                                     state_slots=self.max_running)
         self.pool_tokens = num_blocks * int(block_size)
 
         self.num_running = 0
@@ -336,9 +346,10 @@ class Engine:
             self.num_waiting = len(self._waiting) + len(self._incoming)
 
     def _preempt(self, seq: _Sequence) -> None:
-        """Give the blocks back; the sequence waits (first in line) to be recomputed."""
+        """Give the blocks (and state slot) back; the sequence waits (first in line) to be recomputed."""
         self.pool.release(seq.blocks)
         seq.blocks, seq.num_computed = [], 0
+        self._release_state(seq)
         self._running.remove(seq)
         self._waiting.appendleft(seq)
         self.num_preempted += 1
@@ -393,6 +404,7 @@ class Engine:
                 break
             seq.blocks.extend(got)
             seq.started = True
+            seq.state = self.pool.states.allocate()  # running sequences <= max_running = slots
             self._waiting.popleft()
             self._running.append(seq)
             self._running.sort(key=lambda s: s.arrival)
@@ -433,7 +445,7 @@ class Engine:
             parts.append((torch.arange(max(start, n), end) + seq.delta).expand(3, -1))
         positions = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         return Chunk(h, positions, start, self.pool.slots(seq.blocks, end), want_logits=end == len(seq.tokens),
-                     key=seq.arrival)
+                     key=seq.arrival, state=seq.state)
 
     def _run(self, plan: list[tuple[_Sequence, int, int]]) -> None:
         try:
@@ -514,6 +526,7 @@ class Engine:
         if seq.blocks:
             self.pool.release(seq.blocks)
             seq.blocks = []
+        self._release_state(seq)
         seq.embeddings = seq.emb_index = None
         self.num_running = sum(1 for s in self._running if not s.done)
         if self.num_running == 0:  # nothing decoding: the dense decode copies go too
@@ -522,6 +535,11 @@ class Engine:
         with self._lock:
             self._ids_in_flight.discard(seq.request_id)
             self._cancel_ids.discard(seq.request_id)
+
+    def _release_state(self, seq: _Sequence) -> None:
+        if seq.state is not None:
+            self.pool.states.release(seq.state)
+            seq.state = None
 
     def _finish(self, seq: _Sequence, reason: str, token_ids: list[int] | None = None,
                 text_end: int | None = None, error: str | None = None,

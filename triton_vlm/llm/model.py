@@ -6,7 +6,12 @@ Follows transformers' text models closely enough that greedy tokens equal Huggin
 - GLM-4 (GLM-4.1V, GLM-4.6V, GLMGA: `glm4v_text`, `modeling_glm4v`): the same attention and MLP
   with an RMSNorm after each of them too, rotary over the first `partial_rotary_factor` of each
   head with interleaved pairs (0, 1), (2, 3), ...
-Both split the rotary frequencies by `mrope_section` over the temporal / height / width axes.
+- Qwen3.5 (MiniCPM-V 4.6: `qwen3_5_text`, `modeling_qwen3_5`): a hybrid stack. Full-attention
+  layers have q/k RMSNorms, a sigmoid output gate and partial rotate-half rotary; linear-attention
+  layers (Gated DeltaNet, `triton_vlm.llm.linear_attention`) keep a per-sequence recurrent state
+  (the pool's `StatePool`) instead of K/V. Its RMSNorms scale by `1 + weight`.
+All split the rotary frequencies by `mrope_section` over the temporal / height / width axes, in
+runs (t.., h.., w..) or interleaved (t, h, w, t, h, w, ...: `mrope_interleaved`).
 
 Every size, token id, eos id, rope theta, `mrope_section` and `partial_rotary_factor` comes from
 the checkpoint's files.
@@ -29,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from triton_vlm.errors import InvalidInput
+from triton_vlm.llm.linear_attention import GatedDeltaNet, LinearAttentionConfig, RecurrentRows
 from triton_vlm.weights import read_safetensors
 
 # Where the language model's weights live, newest layout first (v5 writes either).
@@ -62,10 +68,24 @@ class DecoderConfig:
     placeholder_token_ids: tuple[int, ...]  # prompt tokens replaced by image/video embedding rows
     eos_token_ids: tuple[int, ...]
     model_type: str = "qwen2_5_vl"
+    layer_types: tuple[str, ...] = ()  # per layer: "full_attention" or "linear_attention"
+    linear_attention: LinearAttentionConfig | None = None  # set when some layer is linear attention
+    mrope_interleaved: bool = False
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers that attend over K/V (the pool holds K/V for these only)."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
+
+    @property
+    def recurrent(self) -> bool:
+        """Some layer carries a per-sequence recurrent state: a cached K/V prefix alone cannot resume
+        a sequence, so prefix caching is off."""
+        return len(self.kv_layers) < self.num_layers
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4  # float32 K and V
+        return 2 * len(self.kv_layers) * self.num_kv_heads * self.head_dim * 4  # float32 K and V
 
     @classmethod
     def from_checkpoint(cls, checkpoint_dir: str | Path) -> "DecoderConfig":
@@ -105,14 +125,31 @@ class DecoderConfig:
             eos = _ids(json.loads(gen_path.read_text()).get("eos_token_id")) + eos
         tie = bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
         placeholders = tuple(int(cfg[k]) for k in spec.placeholder_keys if cfg.get(k) is not None)
+        num_layers = int(text["num_hidden_layers"])
+        # without use_sliding_window (refused above) transformers' "sliding_attention" layers attend fully
+        layer_types = tuple("full_attention" if t == "sliding_attention" else t
+                            for t in text.get("layer_types") or ("full_attention",) * num_layers)
+        unknown = set(layer_types) - {"full_attention", "linear_attention"}
+        if len(layer_types) != num_layers or unknown:
+            raise ValueError(f"config.json: layer_types {list(layer_types)} for {num_layers} layers")
+        linear = None
+        if "linear_attention" in layer_types:
+            if spec.linear_layer is None:
+                raise NotImplementedError(f"model_type {model_type!r}: no linear-attention layer registered")
+            linear = LinearAttentionConfig(
+                num_k_heads=int(text["linear_num_key_heads"]), num_v_heads=int(text["linear_num_value_heads"]),
+                k_head_dim=int(text["linear_key_head_dim"]), v_head_dim=int(text["linear_value_head_dim"]),
+                conv_kernel=int(text["linear_conv_kernel_dim"]))
         return cls(
             vocab_size=int(text["vocab_size"]), hidden_size=hidden,
-            intermediate_size=int(text["intermediate_size"]), num_layers=int(text["num_hidden_layers"]),
+            intermediate_size=int(text["intermediate_size"]), num_layers=num_layers,
             num_heads=heads, num_kv_heads=int(text.get("num_key_value_heads") or heads), head_dim=head_dim,
             rotary_dim=rotary_dim, rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
             mrope_section=tuple(int(s) for s in section),
             max_position_embeddings=int(text["max_position_embeddings"]), tie_word_embeddings=tie,
             placeholder_token_ids=placeholders, eos_token_ids=tuple(dict.fromkeys(eos)), model_type=model_type,
+            layer_types=layer_types, linear_attention=linear,
+            mrope_interleaved=bool(rope.get("mrope_interleaved", legacy.get("mrope_interleaved", False))),
         )
 
 
@@ -122,13 +159,15 @@ class Chunk:
 
     `slots` holds the pool slot of every token `0 .. start + len(h)` (its block table expanded);
     the last `len(h)` are where this pass writes K/V. `want_logits`: return the last row's logits.
-    `key`: the sequence's identity across passes (lets decode rows reuse the pool's DecodeCache)."""
+    `key`: the sequence's identity across passes (lets decode rows reuse the pool's DecodeCache).
+    `state`: the sequence's slot in the pool's StatePool (decoders with linear-attention layers)."""
     h: torch.Tensor           # [c, hidden] input embeddings
     positions: torch.Tensor   # [3, c]
     start: int
     slots: torch.Tensor       # [start + c] long
     want_logits: bool = True
     key: object = None
+    state: int | None = None
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -169,12 +208,20 @@ class Rotary:
     sign of the partner's term and the frequency that turns the pair (`tables`); `mrope_section`
     assigns the frequencies to the temporal / height / width position axes in turn. Dim i turns by
     `positions[axis[i]] * inv_freq[i]`, and `x * cos + partners(x) * sin` (sign folded into `sin`)
-    is exactly transformers' `x * cos + rotate_half(x) * sin`."""
+    is exactly transformers' `x * cos + rotate_half(x) * sin`. Interleaved M-RoPE (Qwen3.5's
+    `recomposition_frequencies`): frequency j turns by the height axis if j % 3 == 1 and
+    j < 3 * section[1], by the width axis if j % 3 == 2 and j < 3 * section[2], else by time."""
 
     def __init__(self, config: DecoderConfig, pairing: type):
         r = self.rotary_dim = config.rotary_dim
         sign, freq = pairing.tables(r)
-        axis_of_freq = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(config.mrope_section)])
+        section = config.mrope_section
+        if config.mrope_interleaved:
+            j = torch.arange(r // 2)
+            axis_of_freq = torch.where((j % 3 == 1) & (j < 3 * section[1]), 1,
+                                       torch.where((j % 3 == 2) & (j < 3 * section[2]), 2, 0))
+        else:
+            axis_of_freq = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(section)])
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float) / r))
         self.axis, self.inv_freq, self.sign = axis_of_freq[freq], inv_freq[freq], sign
         self.partners = pairing.partners
@@ -194,39 +241,56 @@ class Rotary:
 
 
 # ---- layers -------------------------------------------------------------------------------------
-class Qwen2Layer:
-    """One Qwen2 decoder layer: RMSNorm, GQA attention with q/k/v biases, SwiGLU MLP. The model
-    applies the rotary between `qkv` and attention; `finish` takes the attention output."""
+class SwiGLULayer:
+    """What every decoder layer here shares: the input and post-attention RMSNorms (scaling by
+    `norm_offset + weight`) and the SwiGLU MLP. Attention layers add `qkv` and `finish` (the model
+    applies the rotary and attends between them); recurrent layers (`recurrent = True`) add
+    `forward` over their per-sequence states instead."""
+    norm_offset = 0.0
+    recurrent = False
 
     def __init__(self, w: Callable[[str], torch.Tensor], config: DecoderConfig):
         self.c = config
-        self.ln1, self.ln2 = w("input_layernorm.weight"), w("post_attention_layernorm.weight")
-        # q/k/v and gate/up run as one matmul each (weights concatenated once, at load)
-        self.w_qkv = torch.cat([w(f"self_attn.{p}_proj.weight") for p in "qkv"])
-        self.b_qkv = torch.cat([w(f"self_attn.{p}_proj.bias") for p in "qkv"])
-        self.wo = w("self_attn.o_proj.weight")
+        self.ln1 = self.norm_weight(w("input_layernorm.weight"))
+        self.ln2 = self.norm_weight(w("post_attention_layernorm.weight"))
+        # gate/up run as one matmul (weights concatenated once, at load)
         self.w_gate_up = self.gate_up_weight(w)
         self.w_down = w("mlp.down_proj.weight")
-        self._split = (config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim,
-                       config.num_kv_heads * config.head_dim)
+
+    def norm_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight + self.norm_offset if self.norm_offset else weight
 
     @staticmethod
     def gate_up_weight(w: Callable[[str], torch.Tensor]) -> torch.Tensor:
         return torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")])
 
-    def qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """h [T, hidden] -> q [T, heads, d], k, v [T, kv_heads, d], before the rotary."""
-        c, n = self.c, h.shape[0]
-        x = _rms(h, self.ln1, c.rms_norm_eps)
-        q, k, v = F.linear(x, self.w_qkv, self.b_qkv).split(self._split, dim=-1)
-        return (q.view(n, c.num_heads, c.head_dim), k.view(n, c.num_kv_heads, c.head_dim),
-                v.view(n, c.num_kv_heads, c.head_dim))
-
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.w_gate_up).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, self.w_down)
 
-    def finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+
+class Qwen2Layer(SwiGLULayer):
+    """One Qwen2 decoder layer: RMSNorm, GQA attention with q/k/v biases, SwiGLU MLP."""
+
+    def __init__(self, w: Callable[[str], torch.Tensor], config: DecoderConfig):
+        super().__init__(w, config)
+        # q/k/v run as one matmul
+        self.w_qkv = torch.cat([w(f"self_attn.{p}_proj.weight") for p in "qkv"])
+        self.b_qkv = torch.cat([w(f"self_attn.{p}_proj.bias") for p in "qkv"])
+        self.wo = w("self_attn.o_proj.weight")
+        self._split = (config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim,
+                       config.num_kv_heads * config.head_dim)
+
+    def qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """h [T, hidden] -> q [T, heads, d], k, v [T, kv_heads, d] before the rotary, and the output
+        gate `finish` takes (None: no gate)."""
+        c, n = self.c, h.shape[0]
+        x = _rms(h, self.ln1, c.rms_norm_eps)
+        q, k, v = F.linear(x, self.w_qkv, self.b_qkv).split(self._split, dim=-1)
+        return (q.view(n, c.num_heads, c.head_dim), k.view(n, c.num_kv_heads, c.head_dim),
+                v.view(n, c.num_kv_heads, c.head_dim), None)
+
+    def finish(self, h: torch.Tensor, attn: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         """Residual of the attention output [T, heads * d], then the MLP block."""
         h = h + F.linear(attn, self.wo)
         return h + self.mlp(_rms(h, self.ln2, self.c.rms_norm_eps))
@@ -246,30 +310,81 @@ class Glm4Layer(Qwen2Layer):
     def gate_up_weight(w: Callable[[str], torch.Tensor]) -> torch.Tensor:
         return w("mlp.gate_up_proj.weight")
 
-    def finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    def finish(self, h: torch.Tensor, attn: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         eps = self.c.rms_norm_eps
         h = h + _rms(F.linear(attn, self.wo), self.ln_post_attn, eps)
         return h + _rms(self.mlp(_rms(h, self.ln2, eps)), self.ln_post_mlp, eps)
 
 
+class Qwen35AttentionLayer(SwiGLULayer):
+    """A Qwen3.5 full-attention layer (`Qwen3_5Attention`): q_proj yields each head's query and its
+    output gate side by side; q and k are RMS-normed per head; the attention output is multiplied
+    by sigmoid(gate) before o_proj. No biases; norms scale by 1 + weight."""
+    norm_offset = 1.0
+
+    def __init__(self, w: Callable[[str], torch.Tensor], config: DecoderConfig):
+        super().__init__(w, config)
+        c = config
+        self.w_qkv = torch.cat([w(f"self_attn.{p}_proj.weight") for p in "qkv"])
+        self.q_norm = self.norm_weight(w("self_attn.q_norm.weight"))
+        self.k_norm = self.norm_weight(w("self_attn.k_norm.weight"))
+        self.wo = w("self_attn.o_proj.weight")
+        self._split = (2 * c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim)
+
+    def qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        c, n, d = self.c, h.shape[0], self.c.head_dim
+        eps = c.rms_norm_eps
+        x = _rms(h, self.ln1, eps)
+        qg, k, v = F.linear(x, self.w_qkv).split(self._split, dim=-1)
+        qg = qg.view(n, c.num_heads, 2 * d)
+        q = _rms(qg[..., :d], self.q_norm, eps)
+        k = _rms(k.view(n, c.num_kv_heads, d), self.k_norm, eps)
+        return q, k, v.view(n, c.num_kv_heads, d), qg[..., d:].reshape(n, c.num_heads * d)
+
+    def finish(self, h: torch.Tensor, attn: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        h = h + F.linear(attn * torch.sigmoid(gate), self.wo)
+        return h + self.mlp(_rms(h, self.ln2, self.c.rms_norm_eps))
+
+
+class Qwen35LinearLayer(SwiGLULayer):
+    """A Qwen3.5 linear-attention layer: the Gated DeltaNet token mixer over each sequence's
+    recurrent state, then the MLP; norms scale by 1 + weight."""
+    norm_offset = 1.0
+    recurrent = True
+
+    def __init__(self, w: Callable[[str], torch.Tensor], config: DecoderConfig):
+        super().__init__(w, config)
+        self.mixer = GatedDeltaNet(w, config.linear_attention, config.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, rows: RecurrentRows, conv_state: torch.Tensor,
+                recurrent_state: torch.Tensor) -> torch.Tensor:
+        eps = self.c.rms_norm_eps
+        h = h + self.mixer(_rms(h, self.ln1, eps), rows, conv_state, recurrent_state)
+        return h + self.mlp(_rms(h, self.ln2, eps))
+
+
 # ---- the families' decoders ---------------------------------------------------------------------
 @dataclass(frozen=True)
 class DecoderSpec:
-    """What one family's decoder is made of: its layer class, how its rotary dims pair up, and
-    the config keys of the token ids its prompts hold image/video placeholders under."""
+    """What one family's decoder is made of: its (attention) layer class, how its rotary dims pair
+    up, the config keys of the token ids its prompts hold image/video placeholders under, and the
+    layer class of its `linear_attention` layers (hybrid stacks; config `layer_types`)."""
     layer: type
     rotary_pairing: type  # HalfPairs or InterleavedPairs
     placeholder_keys: tuple[str, ...]
+    linear_layer: type | None = None
 
 
 _QWEN2 = DecoderSpec(Qwen2Layer, HalfPairs, ("image_token_id", "video_token_id"))
 # GLM's processor writes every video frame as image tokens; transformers replaces image_token_id only.
 _GLM4 = DecoderSpec(Glm4Layer, InterleavedPairs, ("image_token_id",))
+_QWEN3_5 = DecoderSpec(Qwen35AttentionLayer, HalfPairs, ("image_token_id", "video_token_id"), Qwen35LinearLayer)
 
 # config.json `model_type` -> decoder. One entry per model type; no branches in the model.
 DECODERS: dict[str, DecoderSpec] = {
     "qwen2_5_vl": _QWEN2, "qwen2_vl": _QWEN2,
     "glm4v": _GLM4, "glm46v": _GLM4, "glmga": _GLM4,
+    "minicpmv4_6": _QWEN3_5,
 }
 
 
@@ -294,10 +409,15 @@ class DecoderModel:
             return weights[prefix + name].contiguous()
 
         self.embed_tokens = w("embed_tokens.weight")
-        self.norm = w("norm.weight")
+        self.norm = w("norm.weight") + spec.layer.norm_offset
         head = next((weights[k] for k in _LM_HEAD_KEYS if k in weights), None)
         self.lm_head = self.embed_tokens if (c.tie_word_embeddings or head is None) else head.contiguous()
-        self.layers = [spec.layer(lambda name, i=i: w(f"layers.{i}.{name}"), c) for i in range(c.num_layers)]
+        self.layers = []
+        self.layer_index: list[int] = []  # per layer: its K/V index in the pool, or its StatePool index
+        for i, kind in enumerate(c.layer_types):
+            cls = spec.linear_layer if kind == "linear_attention" else spec.layer
+            self.layers.append(cls(lambda name, i=i: w(f"layers.{i}.{name}"), c))
+            self.layer_index.append(sum(1 for t in c.layer_types[:i] if t == kind))
         self.rotary = Rotary(c, spec.rotary_pairing)
         self.mm_token_ids = list(c.placeholder_token_ids)
 
@@ -305,7 +425,8 @@ class DecoderModel:
     def from_checkpoint(cls, checkpoint_dir: str | Path) -> "DecoderModel":
         root = Path(checkpoint_dir)
         config = DecoderConfig.from_checkpoint(root)
-        weights = read_safetensors(root, lambda k: None if ("visual" in k or "vision" in k or k.startswith("mlp1")) else k)
+        weights = read_safetensors(root, lambda k: None if ("visual" in k or "vision" in k or k.startswith("mlp1")
+                                                            or k.startswith("model.merger.")) else k)
         return cls(config, weights)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -388,6 +509,17 @@ class DecoderModel:
             kv_shape = (pool.num_blocks, bs, c.num_kv_heads, c.head_dim)
             B = len(dec)
             group = c.num_heads // c.num_kv_heads
+        rows = None
+        if c.recurrent:  # each sequence's linear-attention rows run from its own state slot
+            states = pool.states
+            if states is None or any(ch.state is None for ch in chunks):
+                raise ValueError("a decoder with linear-attention layers needs a StatePool slot per sequence")
+            for ch in chunks:
+                if ch.start == 0:
+                    states.reset(ch.state)
+            rows = RecurrentRows(torch.tensor([offsets[i] for i in dec], dtype=torch.long),
+                                 torch.tensor([chunks[i].state for i in dec], dtype=torch.long),
+                                 [(offsets[i], chunks[i].h.shape[0], chunks[i].state) for i in pre])
         pre_masks = {}
         for i in pre:
             ch = chunks[i]
@@ -396,8 +528,11 @@ class DecoderModel:
                 pre_masks[i] = torch.arange(L)[None, :] <= (ch.start + torch.arange(n))[:, None]
         scale = c.head_dim ** -0.5
         gqa = c.num_kv_heads != c.num_heads
-        for li, layer in enumerate(self.layers):
-            q, k, v = layer.qkv(h)
+        for layer, li in zip(self.layers, self.layer_index):
+            if layer.recurrent:
+                h = layer.forward(h, rows, pool.states.conv[li], pool.states.recurrent[li])
+                continue
+            q, k, v, gate = layer.qkv(h)
             q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
             kp, vp = pool.k[li], pool.v[li]
             kp.index_copy_(0, new_slots, k)
@@ -431,7 +566,7 @@ class DecoderModel:
                     q[a:a + n].transpose(0, 1)[None], keys[None], values[None], attn_mask=pre_masks.get(i),
                     is_causal=not ch.start, scale=scale, enable_gqa=gqa)
                 attn[a:a + n] = out[0].transpose(0, 1)
-            h = layer.finish(h, attn.view(T, c.num_heads * c.head_dim))
+            h = layer.finish(h, attn.view(T, c.num_heads * c.head_dim), gate)
         if cache_rows is not None:
             cache.advance(cache_rows)
         last = torch.tensor([offsets[i] + ch.h.shape[0] - 1 for i, ch in enumerate(chunks) if ch.want_logits],
@@ -451,4 +586,4 @@ class DecoderModel:
         if positions.shape[1] != n:
             raise InvalidInput(f"mrope_position_ids: shape [3, {positions.shape[1]}], expected [3, {n}]")
         pool = KVPool.for_model(self.config, num_tokens=n, block_size=16)
-        return self.forward([Chunk(h, positions, 0, torch.arange(n))], pool)[0]
+        return self.forward([Chunk(h, positions, 0, torch.arange(n), state=pool.states.allocate())], pool)[0]

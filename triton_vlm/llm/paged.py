@@ -10,6 +10,11 @@ embedding rows. The `llm` model receives only `input_ids` and `embeddings`, neve
 `preprocess` computes; hashing the embedding rows themselves is exact (equal keys mean equal inputs,
 so equal K/V), costs one pass over the rows at submit, and needs no new tensor in the contract.
 An unreferenced cached block stays keyed (counted as free) until the allocator reclaims it, LRU.
+
+Hybrid decoders (linear-attention layers, `triton_vlm.llm.linear_attention`) also keep a fixed-size
+recurrent state per sequence (`StatePool`, the pool's `states`). That state sums up every token
+before it, so a cached block of K/V is not enough to resume a sequence there: the engine turns
+prefix caching off for such decoders (`DecoderConfig.recurrent`).
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ import torch
 class KVPool:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
                  prefix_caching: bool = False, dtype: torch.dtype = torch.float32,
-                 decode_cache_bytes: int | None = None):
+                 decode_cache_bytes: int | None = None, states: "StatePool | None" = None):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"KV pool needs >= 1 block of >= 1 token, got {num_blocks} x {block_size}")
         self.num_blocks, self.block_size = int(num_blocks), int(block_size)
@@ -39,11 +44,16 @@ class KVPool:
         self.hits = 0  # blocks reused from the prefix cache
         # dense K/V of the decoding sequences (see DecodeCache); default: up to half the pool's bytes
         self.decode_cache = DecodeCache(self, self.nbytes // 2 if decode_cache_bytes is None else decode_cache_bytes)
+        self.states = states
 
     @classmethod
-    def for_model(cls, config, num_tokens: int, block_size: int, prefix_caching: bool = False) -> "KVPool":
+    def for_model(cls, config, num_tokens: int, block_size: int, prefix_caching: bool = False,
+                  state_slots: int = 1) -> "KVPool":
+        """K/V for the config's attention layers only; a StatePool of up to `state_slots` sequences
+        for its linear-attention layers (with no layers when it has none)."""
         blocks = -(-int(num_tokens) // int(block_size))
-        return cls(config.num_layers, config.num_kv_heads, config.head_dim, blocks, block_size, prefix_caching)
+        return cls(len(config.kv_layers), config.num_kv_heads, config.head_dim, blocks, block_size, prefix_caching,
+                   states=StatePool.for_model(config, state_slots))
 
     # ---- counts --------------------------------------------------------------------------------
     @property
@@ -232,3 +242,64 @@ class DecodeCache:
         """The step wrote one more token into each of these rows."""
         for r in rows:
             self.lengths[r] += 1
+
+
+class StatePool:
+    """The recurrent state of the linear-attention layers, one slot per running sequence:
+    `conv` [layers, slots, conv_dim, conv_kernel - 1] (the causal conv's last inputs) and
+    `recurrent` [layers, slots, v_heads, k_head_dim, v_head_dim] (the delta-rule state).
+    A sequence takes a slot when it starts running and gives it back when it ends or is preempted
+    (then it is recomputed from its prompt); the model zeroes a slot when a sequence starts at token 0.
+    The buffers grow (doubling) as more sequences run at once, up to `max_slots`."""
+
+    def __init__(self, num_layers: int, max_slots: int, conv_shape: tuple[int, ...],
+                 recurrent_shape: tuple[int, ...], dtype: torch.dtype = torch.float32):
+        self.max_slots = max(1, int(max_slots))
+        self.conv = torch.zeros((num_layers, 0, *conv_shape), dtype=dtype)
+        self.recurrent = torch.zeros((num_layers, 0, *recurrent_shape), dtype=dtype)
+        self._free: deque[int] = deque()
+        self._used: set[int] = set()
+
+    @classmethod
+    def for_model(cls, config, max_slots: int) -> "StatePool":
+        lin = config.linear_attention
+        if lin is None:
+            return cls(0, max_slots, (0,), (0,))
+        return cls(len(config.layer_types) - len(config.kv_layers), max_slots, lin.conv_state_shape,
+                   lin.recurrent_state_shape)
+
+    @property
+    def capacity(self) -> int:
+        return self.conv.shape[1]
+
+    @property
+    def num_used(self) -> int:
+        return len(self._used)
+
+    @property
+    def nbytes(self) -> int:
+        return (self.conv.numel() + self.recurrent.numel()) * self.conv.element_size()
+
+    def allocate(self) -> int:
+        if not self._free:
+            old = self.capacity
+            new = min(self.max_slots, max(1, 2 * old))
+            if new == old:
+                raise RuntimeError(f"all {self.max_slots} recurrent-state slots are in use")
+            grown = [torch.zeros((t.shape[0], new, *t.shape[2:]), dtype=t.dtype) for t in (self.conv, self.recurrent)]
+            grown[0][:, :old], grown[1][:, :old] = self.conv, self.recurrent
+            self.conv, self.recurrent = grown
+            self._free.extend(range(old, new))
+        slot = self._free.popleft()
+        self._used.add(slot)
+        return slot
+
+    def release(self, slot: int) -> None:
+        if slot not in self._used:
+            raise RuntimeError(f"state slot {slot} is not in use")
+        self._used.discard(slot)
+        self._free.append(slot)
+
+    def reset(self, slot: int) -> None:
+        self.conv[:, slot] = 0
+        self.recurrent[:, slot] = 0
