@@ -164,8 +164,6 @@ def unfuse_attention(proto) -> bool:
         p = f"/unfused_attention_{k}/"
         add = graph.node.append
         heads_shape = p + "heads_shape"
-        graph.initializer.append(numpy_helper.from_array(
-            np.array(attrs.get("mask_filter_value", -10000.0), np.float32), p + "mask_value"))
         graph.initializer.append(numpy_helper.from_array(np.array([0, 0, heads, -1], np.int64), heads_shape))
         add(helper.make_node("Reshape", [q, heads_shape], [p + "q4"]))
         add(helper.make_node("Reshape", [key, heads_shape], [p + "k4"]))
@@ -181,6 +179,8 @@ def unfuse_attention(proto) -> bool:
         add(helper.make_node("MatMul", [p + "q", p + "kt"], [p + "qk"]))
         add(helper.make_node("Mul", [p + "qk", head_dim_scale], [p + "scaled" if lengths else p + "scores"]))
         if lengths:  # additive key mask [G, 1, 1, L] from the valid key counts
+            graph.initializer.append(numpy_helper.from_array(
+                np.array(attrs.get("mask_filter_value", -10000.0), np.float32), p + "mask_value"))
             add(helper.make_node("Shape", [key], [p + "len1"], start=1, end=2))
             add(helper.make_node("Squeeze", [p + "len1", "_ua_ax0"], [p + "len"]))
             add(helper.make_node("Range", ["_ua_zero", p + "len", "_ua_one"], [p + "slots"]))
