@@ -179,7 +179,10 @@ def test_position_ids_equal_transformers(side):
 def test_metadata_orders_patches_by_transformers_windows(oracle, settings):
     """`patch_order` puts each transformers window (`get_vision_window_index`, 2x2 patches,
     row-major inside) on four adjacent rows, and gives every row its nearest-bucket position id."""
-    from transformers.vision_utils import get_vision_nearest_position_ids, get_vision_window_index
+    from transformers.vision_utils import (
+        get_vision_nearest_position_ids,
+        get_vision_window_index,
+    )
 
     _, grid, _ = oracle("images and video")
     md = mc.encoder_metadata(grid, settings)

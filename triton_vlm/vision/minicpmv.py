@@ -203,7 +203,7 @@ class SiglipAttention(nn.Module):
 
     def forward(self, x, index, mask, inverse, lengths):
         """Attention inside the groups of `index` / `mask` / `inverse` (see `common.groups`)."""
-        n, dim = x.shape
+        dim = x.shape[1]
         groups, length = index.shape
         q, k, v = self._qkv(x).index_select(0, index.reshape(-1)).reshape(groups, length, 3, dim).unbind(2)
         out = common.attention(q, k, v, mask, lengths, self.num_heads, self.fused)
