@@ -202,7 +202,10 @@ def model_configs(family: Family, checkpoint_config: dict, options: BuildOptions
                                               options.preprocess_instances, {**common, **options.limits.to_params()}),
                                 options)
     enc_in, enc_out = encoder_io(patch_dim, hidden)
-    merge = int(checkpoint_config.get("vision_config", {}).get("spatial_merge_size", 2))
+    from triton_vlm.vision import get_tower
+
+    # patches per token along each side, as the family's tower counts it
+    merge = int(get_tower(family.name).checkpoint_settings(checkpoint_config)["spatial_merge_size"])
     encoder = _bounded_queue(_python_model(
         "vision_encoder", enc_in, enc_out, options.encoder_frontends,
         {**common, "batch_model": ENCODER_BATCH_MODEL, "patch_dim": str(patch_dim), "hidden": str(hidden),

@@ -3,9 +3,12 @@
 A tower module provides: `FAMILY`, `INPUT_NAMES` / `METADATA_INPUTS` / `OUTPUT_NAME`,
 `vision_settings(config) -> dict`, `encoder_metadata(grid_thw, settings) -> dict[str, np.ndarray]`,
 `num_patches(grid_thw)`, `num_tokens(grid_thw, settings)`, `load_tower(checkpoint_dir, dtype)`,
-`read_vision_config(checkpoint_dir)`, `example_inputs(settings)`, `dynamic_axes()`,
+`checkpoint_settings(config_json)` / `read_vision_config(checkpoint_dir)` (the settings of a
+checkpoint's `config.json`), `example_inputs(settings)`, `dynamic_axes()`,
 `profile_shapes(settings, (min, opt, max) patches)` (TensorRT shapes of every input) and
-`FRAMES_INDEPENDENT` (whether each temporal grid step may be encoded on its own). What towers
+`FRAMES_INDEPENDENT` (whether each temporal grid step may be encoded on its own). Settings hold
+at least `patch_dim`, `out_hidden_size` and `spatial_merge_size` (patches per embedding row
+along each side). What towers
 share (group metadata, rotary tables, layers, weight loading) is in `common`.
 """
 from __future__ import annotations
@@ -13,9 +16,10 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-# family name -> module path; the three GLM variants share one tower. MiniCPM goes next to them.
+# family name -> module path; the three GLM variants share one tower.
 _TOWERS = {"qwen2_5_vl": "triton_vlm.vision.qwen2_5_vl", "glm4v": "triton_vlm.vision.glm4v",
-           "glm46v": "triton_vlm.vision.glm4v", "glmga": "triton_vlm.vision.glm4v"}
+           "glm46v": "triton_vlm.vision.glm4v", "glmga": "triton_vlm.vision.glm4v",
+           "minicpmv4_6": "triton_vlm.vision.minicpmv"}
 
 
 def get_tower(family: str) -> ModuleType:

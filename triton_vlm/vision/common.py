@@ -81,11 +81,11 @@ def settings_of(vision_config: Any, vision_settings) -> dict[str, Any]:
 
 
 def read_config_json(checkpoint_dir: str | Path) -> dict[str, Any]:
-    """`config.json`'s `vision_config`."""
+    """The checkpoint's `config.json` (which must have a `vision_config`)."""
     config = json.loads((Path(checkpoint_dir) / "config.json").read_text())
     if "vision_config" not in config:
         raise ValueError(f"{checkpoint_dir}: config.json has no vision_config")
-    return config["vision_config"]
+    return config
 
 
 # --------------------------------------------------------------------------------------------
@@ -189,13 +189,19 @@ Shapes = dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
 
 def frame_profile(settings: dict[str, Any], patches: tuple[int, int, int]) -> Shapes:
     """(min, opt, max) shapes of `pixel_values`, the rotary tables and the `full_*` inputs for
-    engine runs of `patches` = (min, opt, max) patch rows; opt is one frame of opt patches.
-    Frames <= patches / merge^2, frame length <= patches."""
-    _, opt, hi = patches
-    frames = ((1, 1), (1, opt), (max(1, hi // settings["spatial_merge_size"] ** 2), hi))
+    engine runs of `patches` = (min, opt, max) patch rows."""
     rotary = per_patch(patches, settings["head_dim"])
-    return {"pixel_values": per_patch(patches, settings["patch_dim"]), "rotary_cos": rotary,
-            "rotary_sin": rotary, "full_index": frames, "full_mask": frames, "full_inverse": per_patch(patches)}
+    return {"pixel_values": per_patch(patches, settings["patch_dim"]), "rotary_cos": rotary, "rotary_sin": rotary,
+            **group_profile("full", patches, settings["spatial_merge_size"] ** 2)}
+
+
+def group_profile(prefix: str, rows: tuple[int, int, int], min_group: int) -> Shapes:
+    """(min, opt, max) shapes of the `<prefix>_index / _mask / _inverse` inputs of one group per
+    frame, for runs of `rows` = (min, opt, max) rows of which a frame holds at least `min_group`:
+    frames <= rows / min_group, frame length <= rows; opt is one frame of opt rows."""
+    _, opt, hi = rows
+    frames = ((1, 1), (1, opt), (max(1, hi // min_group), hi))
+    return {f"{prefix}_index": frames, f"{prefix}_mask": frames, f"{prefix}_inverse": per_patch(rows)}
 
 
 def per_patch(patches: tuple[int, int, int], *width: int) -> tuple[tuple[int, ...], ...]:
@@ -250,6 +256,30 @@ class _GroupAttention(torch.autograd.Function):
         return out
 
 
+class _FullGroupAttention(torch.autograd.Function):
+    """`_GroupAttention` for groups without padding: no mask, the node has q, k, v only."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, num_heads: int):
+        return group_attention(q, k, v, None, num_heads)
+
+    @staticmethod
+    def symbolic(g, q, k, v, num_heads):
+        out = g.op("com.microsoft::MultiHeadAttention", q, k, v, num_heads_i=num_heads)
+        out.setType(q.type())
+        return out
+
+
+def attention(q, k, v, mask, lengths, num_heads: int, fused: bool):
+    """Attention of q, k, v [G, L, dim] inside each group; `mask` / `lengths` None when no group is
+    padded. `fused`: float32 ONNX exports emit ONNX Runtime's MultiHeadAttention node."""
+    if fused and q.dtype == torch.float32 and torch.onnx.is_in_onnx_export():
+        if mask is None:
+            return _FullGroupAttention.apply(q, k, v, num_heads)
+        return _GroupAttention.apply(q, k, v, mask, lengths, num_heads)
+    return group_attention(q, k, v, mask, num_heads)
+
+
 def group_attention(q, k, v, mask, num_heads: int):
     groups_, length, dim = q.shape
     head_dim = dim // num_heads
@@ -257,7 +287,9 @@ def group_attention(q, k, v, mask, num_heads: int):
     q = q.reshape(groups_, length, num_heads, head_dim).transpose(1, 2)
     k = k.reshape(groups_, length, num_heads, head_dim).transpose(1, 2)
     v = v.reshape(groups_, length, num_heads, head_dim).transpose(1, 2)
-    scores = torch.matmul(q, k.transpose(2, 3)).float() * head_dim ** -0.5 + mask[:, None, None, :]
+    scores = torch.matmul(q, k.transpose(2, 3)).float() * head_dim ** -0.5
+    if mask is not None:
+        scores = scores + mask[:, None, None, :]
     probs = torch.softmax(scores, dim=-1).to(dtype)
     return torch.matmul(probs, v).transpose(1, 2).reshape(groups_, length, dim)
 
@@ -296,10 +328,7 @@ class VisionAttention(nn.Module):
         qk = qk.reshape(n, 2 * dim).index_select(0, flat)
         q, k = qk.reshape(groups_, length, 2, dim).unbind(2)
         v = v.index_select(0, flat).reshape(groups_, length, dim)
-        if self.fused and dtype == torch.float32 and torch.onnx.is_in_onnx_export():
-            out = _GroupAttention.apply(q, k, v, mask, lengths, self.num_heads)
-        else:
-            out = group_attention(q, k, v, mask, self.num_heads)
+        out = attention(q, k, v, mask, lengths, self.num_heads, self.fused)
         out = out.reshape(groups_ * length, dim).index_select(0, inverse)
         return self.proj(out)
 
@@ -343,29 +372,37 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv3d(cfg["in_channels"], cfg["hidden_size"], kernel_size=k, stride=k, bias=bias)
 
     def forward(self, x):
-        weight = self.proj.weight.reshape(self.proj.weight.shape[0], -1)
-        return nn.functional.linear(x.to(weight.dtype), weight, self.proj.bias)
+        return patch_linear(x, self.proj)
+
+
+def patch_linear(x: torch.Tensor, conv: nn.Module) -> torch.Tensor:
+    """A convolution with stride == kernel applied to patch rows [N, C * kernel...] (flattened in
+    its weight's order) as one MatMul."""
+    weight = conv.weight.reshape(conv.weight.shape[0], -1)
+    return nn.functional.linear(x.to(weight.dtype), weight, conv.bias)
 
 
 # --------------------------------------------------------------------------------------------
 # Checkpoint loading
 # --------------------------------------------------------------------------------------------
 
-_PREFIXES = ("model.visual.", "visual.")
+# checkpoint name prefix -> the tower module's name prefix
+PREFIXES: dict[str, str] = {"model.visual.": "", "visual.": ""}
 
 
-def load_state_dict(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
-    """The tower's weights (`model.visual.*` or `visual.*`, prefix stripped) from the safetensors,
-    reading only those tensors."""
-    def strip_prefix(key: str) -> str | None:
-        return next((key[len(p):] for p in _PREFIXES if key.startswith(p)), None)
+def load_state_dict(checkpoint_dir: str | Path, prefixes: Mapping[str, str] = PREFIXES) -> dict[str, torch.Tensor]:
+    """The tower's weights from the safetensors, reading only those tensors: keys under a prefix
+    of `prefixes` (default `model.visual.*` or `visual.*`), renamed to the tower's prefix."""
+    def rename(key: str) -> str | None:
+        return next((ours + key[len(p):] for p, ours in prefixes.items() if key.startswith(p)), None)
 
-    state = read_safetensors(checkpoint_dir, strip_prefix)
+    state = read_safetensors(checkpoint_dir, rename)
     if not state:
-        raise ValueError(f"{checkpoint_dir}: no vision tower weights (prefixes {_PREFIXES})")
+        raise ValueError(f"{checkpoint_dir}: no vision tower weights (prefixes {tuple(prefixes)})")
     return state
 
 
-def load_strict(tower: nn.Module, checkpoint_dir: str | Path, dtype: torch.dtype) -> nn.Module:
-    tower.load_state_dict(load_state_dict(checkpoint_dir), strict=True)
+def load_strict(tower: nn.Module, checkpoint_dir: str | Path, dtype: torch.dtype,
+                prefixes: Mapping[str, str] = PREFIXES) -> nn.Module:
+    tower.load_state_dict(load_state_dict(checkpoint_dir, prefixes), strict=True)
     return tower.to(dtype).eval()

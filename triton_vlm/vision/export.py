@@ -124,7 +124,7 @@ def mask_only_when_padded(proto) -> int:
 
 def unfuse_attention(proto) -> bool:
     """Rewrite, in place, every `com.microsoft::MultiHeadAttention` node of an exported tower
-    (inputs q, k, v [G, L, dim], no bias, key padding mask = valid key count int32 [G]) into
+    (inputs q, k, v [G, L, dim], no bias, optional key padding mask = valid key count int32 [G]) into
     standard ONNX opset-17 ops (Reshape / Transpose / MatMul / Softmax with an additive key mask),
     for runtimes without ONNX Runtime's contrib ops (TensorRT). Returns whether anything changed.
     Works on a model loaded with or without its external data."""
@@ -157,14 +157,13 @@ def unfuse_attention(proto) -> bool:
         if node not in fused:
             graph.node.append(node)
             continue
-        q, key, v, lengths = node.input[0], node.input[1], node.input[2], node.input[4]
+        q, key, v = node.input[0], node.input[1], node.input[2]
+        lengths = node.input[4] if len(node.input) > 4 and node.input[4] else None
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         heads = int(attrs["num_heads"])
         p = f"/unfused_attention_{k}/"
         add = graph.node.append
         heads_shape = p + "heads_shape"
-        graph.initializer.append(numpy_helper.from_array(
-            np.array(attrs.get("mask_filter_value", -10000.0), np.float32), p + "mask_value"))
         graph.initializer.append(numpy_helper.from_array(np.array([0, 0, heads, -1], np.int64), heads_shape))
         add(helper.make_node("Reshape", [q, heads_shape], [p + "q4"]))
         add(helper.make_node("Reshape", [key, heads_shape], [p + "k4"]))
@@ -172,24 +171,26 @@ def unfuse_attention(proto) -> bool:
         add(helper.make_node("Transpose", [p + "q4"], [p + "q"], perm=[0, 2, 1, 3]))
         add(helper.make_node("Transpose", [p + "k4"], [p + "kt"], perm=[0, 2, 3, 1]))
         add(helper.make_node("Transpose", [p + "v4"], [p + "v"], perm=[0, 2, 1, 3]))
-        # Additive key mask [G, 1, 1, L] from the valid key counts.
-        add(helper.make_node("Shape", [key], [p + "len1"], start=1, end=2))
-        add(helper.make_node("Squeeze", [p + "len1", "_ua_ax0"], [p + "len"]))
-        add(helper.make_node("Range", ["_ua_zero", p + "len", "_ua_one"], [p + "slots"]))
-        add(helper.make_node("Cast", [lengths], [p + "lengths64"], to=7))
-        add(helper.make_node("Unsqueeze", [p + "slots", "_ua_ax0"], [p + "slots2"]))
-        add(helper.make_node("Unsqueeze", [p + "lengths64", "_ua_ax1"], [p + "lengths2"]))
-        add(helper.make_node("Less", [p + "slots2", p + "lengths2"], [p + "valid"]))
-        add(helper.make_node("Where", [p + "valid", "_ua_fzero", p + "mask_value"], [p + "mask2"]))
-        add(helper.make_node("Unsqueeze", [p + "mask2", "_ua_ax12"], [p + "mask"]))
         head_dim_scale = p + "scale"
         add(helper.make_node("Shape", [p + "q4"], [p + "hd"], start=3, end=4))
         add(helper.make_node("Cast", [p + "hd"], [p + "hdf"], to=1))
         add(helper.make_node("Sqrt", [p + "hdf"], [p + "sqrt_hd"]))
         add(helper.make_node("Div", ["_ua_fone", p + "sqrt_hd"], [head_dim_scale]))
         add(helper.make_node("MatMul", [p + "q", p + "kt"], [p + "qk"]))
-        add(helper.make_node("Mul", [p + "qk", head_dim_scale], [p + "scaled"]))
-        add(helper.make_node("Add", [p + "scaled", p + "mask"], [p + "scores"]))
+        add(helper.make_node("Mul", [p + "qk", head_dim_scale], [p + "scaled" if lengths else p + "scores"]))
+        if lengths:  # additive key mask [G, 1, 1, L] from the valid key counts
+            graph.initializer.append(numpy_helper.from_array(
+                np.array(attrs.get("mask_filter_value", -10000.0), np.float32), p + "mask_value"))
+            add(helper.make_node("Shape", [key], [p + "len1"], start=1, end=2))
+            add(helper.make_node("Squeeze", [p + "len1", "_ua_ax0"], [p + "len"]))
+            add(helper.make_node("Range", ["_ua_zero", p + "len", "_ua_one"], [p + "slots"]))
+            add(helper.make_node("Cast", [lengths], [p + "lengths64"], to=7))
+            add(helper.make_node("Unsqueeze", [p + "slots", "_ua_ax0"], [p + "slots2"]))
+            add(helper.make_node("Unsqueeze", [p + "lengths64", "_ua_ax1"], [p + "lengths2"]))
+            add(helper.make_node("Less", [p + "slots2", p + "lengths2"], [p + "valid"]))
+            add(helper.make_node("Where", [p + "valid", "_ua_fzero", p + "mask_value"], [p + "mask2"]))
+            add(helper.make_node("Unsqueeze", [p + "mask2", "_ua_ax12"], [p + "mask"]))
+            add(helper.make_node("Add", [p + "scaled", p + "mask"], [p + "scores"]))
         add(helper.make_node("Softmax", [p + "scores"], [p + "probs"], axis=-1))
         add(helper.make_node("MatMul", [p + "probs", p + "v"], [p + "ctx"]))
         add(helper.make_node("Transpose", [p + "ctx"], [p + "ctx_t"], perm=[0, 2, 1, 3]))

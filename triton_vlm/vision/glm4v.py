@@ -189,8 +189,13 @@ class Glm4vVisionTower(nn.Module):
 # Checkpoint loading
 # --------------------------------------------------------------------------------------------
 
+def checkpoint_settings(config: dict[str, Any]) -> dict[str, Any]:
+    """The settings of a checkpoint's `config.json`."""
+    return vision_settings(config["vision_config"])
+
+
 def read_vision_config(checkpoint_dir: str | Path) -> dict[str, Any]:
-    return vision_settings(common.read_config_json(checkpoint_dir))
+    return checkpoint_settings(common.read_config_json(checkpoint_dir))
 
 
 def load_tower(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32) -> Glm4vVisionTower:

@@ -179,8 +179,13 @@ class Qwen2_5_VLVisionTower(nn.Module):
 # Checkpoint loading
 # --------------------------------------------------------------------------------------------
 
+def checkpoint_settings(config: dict[str, Any]) -> dict[str, Any]:
+    """The settings of a checkpoint's `config.json`."""
+    return vision_settings(config["vision_config"])
+
+
 def read_vision_config(checkpoint_dir: str | Path) -> dict[str, Any]:
-    return vision_settings(common.read_config_json(checkpoint_dir))
+    return checkpoint_settings(common.read_config_json(checkpoint_dir))
 
 
 def load_tower(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32) -> Qwen2_5_VLVisionTower:

@@ -13,6 +13,8 @@ and the tower module turns it into shapes (`profile_shapes` of `triton_vlm.visio
 - Qwen2.5-VL's `window_index/mask`: [windows, window_len], windows <= patches / merge^2 (a window
   holds at least one merge unit), window_len <= the window's area in patches;
 - `full_index/mask`: [frames, frame_len], frames <= patches / merge^2, frame_len <= patches.
+- MiniCPM-V's `patch_order`, `position_ids`: [patches]; `merged_index/mask`: [slices, len] after
+  the 2x2 window merger (patches / 4 rows), `merged_inverse`: [patches / 4].
 
 Run: `TensorRTEncoder` has the interface of the ONNX Runtime `VisionEncoder` (`encode`,
 `warmup`, `merge_unit`, ...): host metadata from the tower module, runs of at most `max` patches

@@ -1,0 +1,357 @@
+"""MiniCPM-V 4.6 vision tower: torch re-implementation, ONNX Runtime export (float32 fused, float16,
+the unfused TensorRT form) and the repository build, against transformers.
+
+Oracle: `model.model.get_image_features(pixel_values, target_sizes)` and
+`get_video_features(pixel_values_videos, target_sizes_videos)` (pooler outputs, concatenated in
+slice order) of the tiny demo checkpoint (vision hidden 32, 2 layers, window merger after layer 0,
+position-embedding grid 16x16, slices of at most 112 pixels a side), with every 1-D vision
+parameter moved off its initial value (the demo writer leaves biases at zero and norm weights at
+one, which would hide a missing bias or norm) and inputs from the checkpoint's own processor.
+transformers' packed `pixel_values` become the tower's rows with `minicpmv.patch_rows`, its
+`target_sizes` the `grid_thw` rows [1, h, w]. Error = max |ours - ref| / max |ref|.
+"""
+from __future__ import annotations
+
+import collections
+import io
+import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np
+import pytest
+import torch
+
+from triton_vlm import samples
+from triton_vlm.errors import InvalidInput
+from triton_vlm.vision import get_tower
+from triton_vlm.vision import minicpmv as mc
+
+# Image sizes (width, height); the tiny processor slices them into 8x8, 8x12 / 12x8, 4x16 and
+# 4x12 patch grids (the overview image first).
+SIZES = [(448, 448), (640, 480), (1920, 1080), (4000, 1000), (200, 100)]
+CASES = {
+    **{f"{w}x{h}": ([(w, h)], False) for w, h in SIZES},
+    "several images": (SIZES, False),
+    "video": ([], True),  # 4 s at 2 fps
+    "images and video": (SIZES[2:4], True),
+}
+
+
+def rel_err(out, ref) -> float:
+    out, ref = np.asarray(out, dtype=np.float64), np.asarray(ref, dtype=np.float64)
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    return float(np.abs(out - ref).max() / np.abs(ref).max())
+
+
+def grid_of(target_sizes) -> np.ndarray:
+    """transformers' `target_sizes` [slices, 2] as `grid_thw` rows [1, h, w]."""
+    sizes = np.asarray(target_sizes, dtype=np.int64)
+    return np.concatenate([np.ones_like(sizes[:, :1]), sizes], axis=1)
+
+
+class Oracle:
+    """The checkpoint's transformers processor and model; reference outputs per case."""
+
+    def __init__(self, checkpoint):
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        self.processor = AutoProcessor.from_pretrained(checkpoint)
+        self.model = AutoModelForImageTextToText.from_pretrained(checkpoint).eval()
+        self._cache: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def __call__(self, case: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(pixel_values rows, grid_thw, reference embeddings) of a case: images first, then the video."""
+        if case not in self._cache:
+            from PIL import Image
+
+            from tests.oracle import decode_frames
+
+            sizes, with_video = CASES[case]
+            pixels, grids, refs = [], [], []
+            if sizes:
+                images = [Image.open(io.BytesIO(samples.image_bytes(w, h, seed=float(i)))).convert("RGB")
+                          for i, (w, h) in enumerate(sizes)]
+                out = self.processor.image_processor(images=images, return_tensors="pt")
+                with torch.no_grad():
+                    feats = self.model.model.get_image_features(out["pixel_values"], out["target_sizes"])
+                pixels.append(mc.patch_rows(out["pixel_values"].numpy()))
+                grids.append(grid_of(out["target_sizes"]))
+                refs.extend(feats.pooler_output)
+            if with_video:
+                frames, metadata = decode_frames(samples.video_bytes(seconds=4.0, fps=2))
+                out = self.processor.video_processor(videos=[frames], video_metadata=[metadata], return_tensors="pt")
+                with torch.no_grad():
+                    feats = self.model.model.get_video_features(out["pixel_values_videos"], out["target_sizes_videos"])
+                pixels.append(mc.patch_rows(out["pixel_values_videos"].numpy()))
+                grids.append(grid_of(out["target_sizes_videos"]))
+                refs.extend(feats.pooler_output)
+            self._cache[case] = (np.concatenate(pixels), np.concatenate(grids), torch.cat(refs).numpy())
+        return self._cache[case]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """The tiny demo checkpoint with noise added to every 1-D vision / merger parameter."""
+    from transformers import AutoModelForImageTextToText
+
+    from triton_vlm.checkpoint import write_demo_checkpoint
+
+    path = write_demo_checkpoint("minicpmv4_6", tmp_path_factory.mktemp("minicpmv_vision") / "ckpt", "tiny")
+    model = AutoModelForImageTextToText.from_pretrained(path).eval()
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for module in (model.model.vision_tower, model.model.merger):
+            for param in module.parameters():
+                if param.ndim == 1:
+                    param.add_(0.1 * torch.randn(param.shape, generator=gen))
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def oracle(checkpoint):
+    return Oracle(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def settings(checkpoint):
+    return mc.read_vision_config(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def repo(checkpoint, tmp_path_factory):
+    """A full repository build of the checkpoint (float32 vision encoder)."""
+    from triton_vlm.repository import build_repository
+
+    return build_repository(checkpoint, tmp_path_factory.mktemp("minicpmv_repo") / "repository")
+
+
+@pytest.fixture(scope="module")
+def onnx_path(repo):
+    return repo / "vision_encoder" / "1" / "encoder.onnx"
+
+
+@pytest.fixture(scope="module")
+def encoder(onnx_path):
+    """The build's encoder through the runtime that serves it."""
+    from triton_vlm.vision.encoder import VisionEncoder
+
+    return VisionEncoder(onnx_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Input convention and host metadata
+# ---------------------------------------------------------------------------------------------
+
+def test_patch_rows_are_the_patch_embedding_patches():
+    """Row k is patch k of the packed sequence in the Conv2d weight's [C, ph, pw] order; frames
+    (dim 0) follow one another as `get_video_features` packs them."""
+    packed = np.random.default_rng(0).standard_normal((2, 3, 14, 14 * 5)).astype(np.float32)
+    rows = mc.patch_rows(packed)
+    joined = torch.from_numpy(packed).permute(1, 2, 0, 3).reshape(1, 3, 14, -1).numpy()  # get_video_features
+    assert rows.shape == (10, 3 * 14 * 14)
+    for k in range(10):
+        np.testing.assert_array_equal(rows[k], joined[0, :, :, 14 * k:14 * (k + 1)].reshape(-1))
+
+
+def test_settings(settings, checkpoint):
+    config = json.loads((checkpoint / "config.json").read_text())
+    assert settings["patch_dim"] == 3 * 14 * 14 and settings["spatial_merge_size"] == 4
+    assert settings["out_hidden_size"] == config["text_config"]["hidden_size"]
+    assert settings["insert_layer_id"] == config["insert_layer_id"] == 0
+    with pytest.raises(ValueError, match="16x"):
+        mc.vision_settings({**config, "downsample_mode": "4x"})
+
+
+@pytest.mark.parametrize("side", [16, 32, 70, 27])
+def test_position_ids_equal_transformers(side):
+    from transformers.vision_utils import get_vision_nearest_position_ids
+
+    sizes = [(h, w) for h in (1, 3, 4, 8, 12, 16, 40, 97, 100) for w in (4, 12, 70, 71)]
+    ref = get_vision_nearest_position_ids(torch.tensor(sizes), side).numpy()
+    ours = np.concatenate([(mc.nearest_buckets(h, side)[:, None] * side + mc.nearest_buckets(w, side)).reshape(-1)
+                           for h, w in sizes])
+    np.testing.assert_array_equal(ours, ref)
+
+
+def test_metadata_orders_patches_by_transformers_windows(oracle, settings):
+    """`patch_order` puts each transformers window (`get_vision_window_index`, 2x2 patches,
+    row-major inside) on four adjacent rows, and gives every row its nearest-bucket position id."""
+    from transformers.vision_utils import (
+        get_vision_nearest_position_ids,
+        get_vision_window_index,
+    )
+
+    _, grid, _ = oracle("images and video")
+    md = mc.encoder_metadata(grid, settings)
+    ref_windows, _ = get_vision_window_index(torch.from_numpy(grid), spatial_merge_size=1, window_size=2, patch_size=1)
+    assert sorted(map(tuple, md["patch_order"].reshape(-1, 4).tolist())) == \
+        sorted(map(tuple, ref_windows.numpy().reshape(-1, 4).tolist()))
+    positions = get_vision_nearest_position_ids(torch.from_numpy(grid[:, 1:]), settings["pos_embed_size"]).numpy()
+    np.testing.assert_array_equal(md["position_ids"], positions[md["patch_order"]])
+    # one attention group per slice, before and after the window merger
+    assert md["full_index"].shape == (len(grid), int((grid[:, 1] * grid[:, 2]).max()))
+    assert md["merged_index"].shape == (len(grid), int((grid[:, 1] * grid[:, 2]).max()) // 4)
+
+
+def test_tower_loads_hf_state_dict_strictly(checkpoint, oracle):
+    tower = mc.load_tower(checkpoint)  # strict=True inside
+    theirs = {f"{name}.{k}": v for name in ("vision_tower", "merger")
+              for k, v in getattr(oracle.model.model, name).state_dict().items()}
+    ours = tower.state_dict()
+    assert set(ours) == set(theirs)
+    for key in ours:
+        torch.testing.assert_close(ours[key], theirs[key], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_torch_tower_matches_hf(case, checkpoint, oracle, settings):
+    pixels, grid, ref = oracle(case)
+    md = mc.encoder_metadata(grid, settings)
+    with torch.no_grad():
+        out = mc.load_tower(checkpoint)(torch.from_numpy(pixels),
+                                        *[torch.from_numpy(md[k]) for k in mc.METADATA_INPUTS]).numpy()
+    assert rel_err(out, ref) < 1e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# ONNX Runtime
+# ---------------------------------------------------------------------------------------------
+
+def test_onnx_graph(encoder, onnx_path, settings):
+    import onnx
+
+    assert [i.name for i in encoder.session.get_inputs()] == list(mc.INPUT_NAMES)
+    assert encoder.family == "minicpmv4_6" and get_tower(encoder.family) is mc and encoder.merge_unit == 16
+    proto = onnx.load(str(onnx_path))
+    ops = collections.Counter((n.domain, n.op_type) for n in proto.graph.node)
+    # window attention: one unmasked fused node; slice attention: masked only when padded
+    assert ops[("com.microsoft", "MultiHeadAttention")] == 1
+    assert ops[("", "If")] == settings["depth"]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_onnx_fp32_matches_hf(case, encoder, oracle):
+    pixels, grid, ref = oracle(case)
+    out = encoder.encode(pixels, grid)
+    assert out.dtype == np.float32
+    assert rel_err(out, ref) < 1e-4
+
+
+@pytest.mark.parametrize("case", ["several images", "images and video"])
+def test_onnx_one_run_with_padded_slices(case, encoder, oracle):
+    # every slice in one session run: slices padded to the largest one
+    pixels, grid, ref = oracle(case)
+    assert rel_err(encoder._run(pixels, grid), ref) < 1e-4
+
+
+def test_onnx_small_runs(onnx_path, oracle):
+    from triton_vlm.vision.encoder import VisionEncoder
+
+    enc = VisionEncoder(onnx_path, intra_op_threads=1, max_patches_per_run=64)
+    pixels, grid, ref = oracle("several images")
+    assert rel_err(enc.encode(pixels, grid), ref) < 1e-4
+
+
+def test_onnx_fp16_matches_hf(checkpoint, oracle, tmp_path):
+    from triton_vlm.vision.encoder import VisionEncoder
+    from triton_vlm.vision.export import export_onnx
+
+    enc = VisionEncoder(export_onnx(checkpoint, tmp_path / "float16.onnx", dtype="float16"))
+    assert enc.dtype == "float16"
+    for case in ("several images", "images and video"):
+        pixels, grid, ref = oracle(case)
+        out = enc.encode(pixels, grid)
+        assert out.dtype == np.float32
+        assert rel_err(out, ref) < 1e-2, case
+
+
+def test_bad_grid_is_refused(encoder, oracle):
+    pixels, grid, _ = oracle("448x448")
+    bad = grid.copy()
+    bad[0, 1:] = (2, 32)  # as many patches as 8x8, h not a multiple of 4
+    with pytest.raises(InvalidInput, match=r"grid_thw\[0\].*multiples of 4"):
+        encoder.encode(pixels, bad)
+
+
+# ---------------------------------------------------------------------------------------------
+# TensorRT's input: the unfused graph and the profile (no GPU here: TensorRT itself is not run)
+# ---------------------------------------------------------------------------------------------
+
+def test_unfused_graph_runs_standard_ops_and_matches(onnx_path, settings, oracle, tmp_path):
+    import onnx
+    import onnxruntime as ort
+
+    from triton_vlm.vision.export import unfuse_attention
+
+    proto = onnx.load(str(onnx_path))
+    assert unfuse_attention(proto)
+    onnx.checker.check_model(proto)
+    assert {n.domain for n in proto.graph.node} == {""} and [o.domain for o in proto.opset_import] == [""]
+    assert not any(n.op_type == "If" for n in proto.graph.node)
+    path = tmp_path / "unfused.onnx"
+    onnx.save(proto, str(path))
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for case in ("448x448", "images and video"):
+        pixels, grid, ref = oracle(case)
+        feeds = {"pixel_values": pixels, **mc.encoder_metadata(grid, settings)}
+        assert rel_err(session.run(None, feeds)[0], ref) < 1e-4, case
+
+
+def test_tensorrt_profile_covers_the_inputs(settings):
+    from triton_vlm.vision import tensorrt_engine as trt_engine
+
+    shapes = trt_engine.profile_shapes("minicpmv4_6", settings, trt_engine.EngineProfile(16, 1024, 4096))
+    assert set(shapes) == set(mc.INPUT_NAMES)
+    for name, (lo, mid, hi) in shapes.items():
+        assert all(a <= b <= c for a, b, c in zip(lo, mid, hi)), name
+    for grid in ([[1, 64, 64]], [[16, 16, 16]], [[1, 4, 4]] * 256, [[1, 32, 32]], [[1, 4, 4]], [[1, 8, 12], [1, 4, 16]]):
+        md = mc.encoder_metadata(np.array(grid), settings)
+        for name, value in md.items():
+            lo, _, hi = shapes[name]
+            assert all(a <= v <= b for a, v, b in zip(lo, value.shape, hi)), (grid, name)
+
+
+# ---------------------------------------------------------------------------------------------
+# The repository build
+# ---------------------------------------------------------------------------------------------
+
+def test_build_repository_serves_the_minicpmv_tower(repo, checkpoint, encoder, settings):
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2 as mc_pb
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    front = text_format.Parse((repo / "vision_encoder" / "config.pbtxt").read_text(), mc_pb.ModelConfig())
+    params = {k: v.string_value for k, v in front.parameters.items()}
+    assert params["family"] == "minicpmv4_6" and params["frames_independent"] == "1"
+    assert params["spatial_merge_size"] == "4"
+    assert int(params["patch_dim"]) == settings["patch_dim"]
+    assert int(params["hidden"]) == settings["out_hidden_size"] == config["text_config"]["hidden_size"]
+    assert list(front.input[0].dims) == [-1, settings["patch_dim"]]
+    encoder.warmup()
+    assert encoder.settings == settings
+
+
+def test_served_by_tritonserver(repo, oracle, tmp_path):
+    """The build's two encoder models in a real tritonserver: images of several sizes (their
+    slices) and a video in one request."""
+    import shutil
+
+    import tritonclient.grpc as grpcclient
+
+    from triton_vlm.server import TritonServer
+
+    served = tmp_path / "repository"
+    for name in ("vision_encoder", "vision_encoder_batch"):
+        shutil.copytree(repo / name, served / name)
+    pixels, grid, ref = oracle("images and video")
+    inputs = [grpcclient.InferInput("pixel_values", list(pixels.shape), "FP32"),
+              grpcclient.InferInput("grid_thw", list(grid.shape), "INT64")]
+    inputs[0].set_data_from_numpy(pixels)
+    inputs[1].set_data_from_numpy(grid)
+    with TritonServer(served, log_file=tmp_path / "tritonserver.log") as server, \
+            grpcclient.InferenceServerClient(server.grpc_url) as client:
+        out = client.infer("vision_encoder", inputs).as_numpy("embeddings")
+    assert rel_err(out, ref) < 1e-4
