@@ -75,3 +75,50 @@ class Oracle:
     def generate(self, inputs: dict, max_new_tokens: int = 16) -> list[int]:
         out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
         return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+class EncoderOracle(Oracle):
+    """Reference vision-tower outputs for named cases, `cases[name] = (image sizes, with_video)`:
+    the checkpoint's own image / video processors, then `get_image_features` / `get_video_features`.
+    A case gives (pixel_values rows, grid_thw, embeddings), images first, then a 4 s video.
+    Subclasses say where a family keeps its grids and how its pixels become rows."""
+
+    image_grid_key, video_grid_key = "image_grid_thw", "video_grid_thw"
+
+    def __init__(self, checkpoint: Path, cases: dict) -> None:
+        super().__init__(checkpoint)
+        self.cases = cases
+        self._cache: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def rows(self, pixel_values: torch.Tensor) -> np.ndarray:
+        return pixel_values.numpy()
+
+    def grid(self, grid: torch.Tensor) -> np.ndarray:
+        return grid.numpy().astype(np.int64)
+
+    @torch.no_grad()
+    def __call__(self, case: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if case not in self._cache:
+            from PIL import Image
+
+            from triton_vlm import samples
+
+            sizes, with_video = self.cases[case]
+            pixels, grids, refs = [], [], []
+            if sizes:
+                images = [Image.open(io.BytesIO(samples.image_bytes(w, h, seed=float(i)))).convert("RGB")
+                          for i, (w, h) in enumerate(sizes)]
+                out = self.processor.image_processor(images=images, return_tensors="pt")
+                feats = self.model.model.get_image_features(out["pixel_values"], out[self.image_grid_key])
+                pixels.append(self.rows(out["pixel_values"]))
+                grids.append(self.grid(out[self.image_grid_key]))
+                refs.extend(feats.pooler_output)
+            if with_video:
+                frames, metadata = decode_frames(samples.video_bytes(seconds=4.0, fps=2))
+                out = self.processor.video_processor(videos=[frames], video_metadata=[metadata], return_tensors="pt")
+                feats = self.model.model.get_video_features(out["pixel_values_videos"], out[self.video_grid_key])
+                pixels.append(self.rows(out["pixel_values_videos"]))
+                grids.append(self.grid(out[self.video_grid_key]))
+                refs.extend(feats.pooler_output)
+            self._cache[case] = (np.concatenate(pixels), np.concatenate(grids), torch.cat(refs).numpy())
+        return self._cache[case]

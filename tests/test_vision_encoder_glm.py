@@ -11,7 +11,6 @@ would hide a missing bias or norm). Error = max |ours - ref| / max |ref|.
 from __future__ import annotations
 
 import collections
-import io
 import json
 import os
 
@@ -21,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from triton_vlm import samples
+from tests.oracle import EncoderOracle
 from triton_vlm.vision import get_tower
 from triton_vlm.vision import glm4v as g
 
@@ -41,48 +40,6 @@ def rel_err(out, ref) -> float:
     out, ref = np.asarray(out, dtype=np.float64), np.asarray(ref, dtype=np.float64)
     assert out.shape == ref.shape, (out.shape, ref.shape)
     return float(np.abs(out - ref).max() / np.abs(ref).max())
-
-
-class Oracle:
-    """One checkpoint's transformers processor and model; reference outputs per case."""
-
-    def __init__(self, checkpoint):
-        from transformers import AutoModelForImageTextToText, AutoProcessor
-
-        self.checkpoint = checkpoint
-        self.processor = AutoProcessor.from_pretrained(checkpoint)
-        self.model = AutoModelForImageTextToText.from_pretrained(checkpoint).eval()
-        self._cache: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-
-    def __call__(self, case: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(pixel_values, grid_thw, reference embeddings) of a case: images first, then the video."""
-        if case not in self._cache:
-            from PIL import Image
-
-            from tests.oracle import decode_frames
-
-            sizes, with_video = CASES[case]
-            pixels, grids, refs = [], [], []
-            if sizes:
-                images = [Image.open(io.BytesIO(samples.image_bytes(w, h, seed=float(i)))).convert("RGB")
-                          for i, (w, h) in enumerate(sizes)]
-                out = self.processor.image_processor(images=images, return_tensors="pt")
-                with torch.no_grad():
-                    feats = self.model.model.get_image_features(out["pixel_values"], out["image_grid_thw"])
-                pixels.append(out["pixel_values"])
-                grids.append(out["image_grid_thw"])
-                refs.extend(feats.pooler_output)
-            if with_video:
-                frames, metadata = decode_frames(samples.video_bytes(seconds=4.0, fps=2))
-                out = self.processor.video_processor(videos=[frames], video_metadata=[metadata], return_tensors="pt")
-                with torch.no_grad():
-                    feats = self.model.model.get_video_features(out["pixel_values_videos"], out["video_grid_thw"])
-                pixels.append(out["pixel_values_videos"])
-                grids.append(out["video_grid_thw"])
-                refs.extend(feats.pooler_output)
-            self._cache[case] = (torch.cat(pixels).numpy(), torch.cat(grids).numpy().astype(np.int64),
-                                 torch.cat(refs).numpy())
-        return self._cache[case]
 
 
 def _randomise_weights(checkpoint) -> None:
@@ -110,7 +67,7 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def oracles(checkpoints):
-    return {v: Oracle(path) for v, path in checkpoints.items()}
+    return {v: EncoderOracle(path, CASES) for v, path in checkpoints.items()}
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ transformers' packed `pixel_values` become the tower's rows with `minicpmv.patch
 from __future__ import annotations
 
 import collections
-import io
 import json
 import os
 
@@ -23,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from triton_vlm import samples
+from tests.oracle import EncoderOracle
 from triton_vlm.errors import InvalidInput
 from triton_vlm.vision import get_tower
 from triton_vlm.vision import minicpmv as mc
@@ -51,44 +50,16 @@ def grid_of(target_sizes) -> np.ndarray:
     return np.concatenate([np.ones_like(sizes[:, :1]), sizes], axis=1)
 
 
-class Oracle:
-    """The checkpoint's transformers processor and model; reference outputs per case."""
+class Oracle(EncoderOracle):
+    """MiniCPM-V keeps per-slice sizes in `target_sizes` and packs pixels [B, C, patch, L]."""
 
-    def __init__(self, checkpoint):
-        from transformers import AutoModelForImageTextToText, AutoProcessor
+    image_grid_key, video_grid_key = "target_sizes", "target_sizes_videos"
 
-        self.processor = AutoProcessor.from_pretrained(checkpoint)
-        self.model = AutoModelForImageTextToText.from_pretrained(checkpoint).eval()
-        self._cache: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+    def rows(self, pixel_values: torch.Tensor) -> np.ndarray:
+        return mc.patch_rows(pixel_values.numpy())
 
-    def __call__(self, case: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(pixel_values rows, grid_thw, reference embeddings) of a case: images first, then the video."""
-        if case not in self._cache:
-            from PIL import Image
-
-            from tests.oracle import decode_frames
-
-            sizes, with_video = CASES[case]
-            pixels, grids, refs = [], [], []
-            if sizes:
-                images = [Image.open(io.BytesIO(samples.image_bytes(w, h, seed=float(i)))).convert("RGB")
-                          for i, (w, h) in enumerate(sizes)]
-                out = self.processor.image_processor(images=images, return_tensors="pt")
-                with torch.no_grad():
-                    feats = self.model.model.get_image_features(out["pixel_values"], out["target_sizes"])
-                pixels.append(mc.patch_rows(out["pixel_values"].numpy()))
-                grids.append(grid_of(out["target_sizes"]))
-                refs.extend(feats.pooler_output)
-            if with_video:
-                frames, metadata = decode_frames(samples.video_bytes(seconds=4.0, fps=2))
-                out = self.processor.video_processor(videos=[frames], video_metadata=[metadata], return_tensors="pt")
-                with torch.no_grad():
-                    feats = self.model.model.get_video_features(out["pixel_values_videos"], out["target_sizes_videos"])
-                pixels.append(mc.patch_rows(out["pixel_values_videos"].numpy()))
-                grids.append(grid_of(out["target_sizes_videos"]))
-                refs.extend(feats.pooler_output)
-            self._cache[case] = (np.concatenate(pixels), np.concatenate(grids), torch.cat(refs).numpy())
-        return self._cache[case]
+    def grid(self, grid: torch.Tensor) -> np.ndarray:
+        return grid_of(grid)
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +83,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def oracle(checkpoint):
-    return Oracle(checkpoint)
+    return Oracle(checkpoint, CASES)
 
 
 @pytest.fixture(scope="module")
