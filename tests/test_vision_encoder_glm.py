@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.encoder_checks import unfused_copy
 from tests.oracle import EncoderOracle
 from triton_vlm.vision import get_tower
 from triton_vlm.vision import glm4v as g
@@ -233,18 +234,9 @@ def test_other_variants_match_hf(variant, exported, oracles):
 # ---------------------------------------------------------------------------------------------
 
 def test_unfused_graph_runs_standard_ops_and_matches(onnx_path, settings, oracles, tmp_path):
-    import onnx
     import onnxruntime as ort
 
-    from triton_vlm.vision.export import unfuse_attention
-
-    proto = onnx.load(str(onnx_path))
-    assert unfuse_attention(proto)
-    onnx.checker.check_model(proto)
-    assert {n.domain for n in proto.graph.node} == {""} and [o.domain for o in proto.opset_import] == [""]
-    assert not any(n.op_type == "If" for n in proto.graph.node)
-    path = tmp_path / "unfused.onnx"
-    onnx.save(proto, str(path))
+    path = unfused_copy(onnx_path, tmp_path / "unfused.onnx")
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     for case in ("one image", "images and video"):
         pixels, grid, ref = oracles["glm4v"](case)
