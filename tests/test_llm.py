@@ -18,7 +18,12 @@ import pytest
 import torch
 
 from triton_vlm.errors import InvalidInput
-from triton_vlm.llm import Engine, GenerationOutput, IncrementalDetokenizer, SamplingParams
+from triton_vlm.llm import (
+    Engine,
+    GenerationOutput,
+    IncrementalDetokenizer,
+    SamplingParams,
+)
 
 PROMPTS = {
     "text": ("describe the red car on the road", [], []),
@@ -83,12 +88,7 @@ def requests(hf, media):
                 inputs["input_ids"], mm_token_type_ids=inputs["mm_token_type_ids"],
                 image_grid_thw=inputs.get("image_grid_thw"), video_grid_thw=inputs.get("video_grid_thw"),
                 second_per_grid_ts=inputs.get("second_per_grid_ts"))
-        emb = torch.cat(rows).numpy() if rows else np.zeros((0, model.config.text_config.hidden_size), np.float32)
-        out[name] = dict(
-            hf_inputs=inputs,
-            llm=dict(input_ids=inputs["input_ids"][0].numpy().astype(np.int32), embeddings=emb,
-                     mrope_position_ids=pos[:, 0].numpy().astype(np.int64),
-                     mrope_position_delta=delta[0].numpy().astype(np.int64)))
+        out[name] = llm_request(model, inputs, rows, pos, delta)
     return out
 
 
@@ -149,13 +149,7 @@ def hf_generate(hf, req, **kw) -> list[int]:
 @pytest.mark.parametrize("name", list(PROMPTS))
 def test_prefill_logits_match_hf(hf, engine, requests, name):
     model, _ = hf
-    req = requests[name]
-    with torch.no_grad():
-        ref = model(**req["hf_inputs"]).logits[0, -1]
-    llm = req["llm"]
-    logits = engine.model.prompt_logits(torch.from_numpy(llm["input_ids"]), torch.from_numpy(llm["embeddings"]),
-                                        torch.from_numpy(llm["mrope_position_ids"]))
-    assert torch.allclose(logits, ref, atol=1e-4, rtol=0), (logits - ref).abs().max()
+    assert_prefill_logits_match(model, engine, requests[name])
 
 
 @pytest.mark.parametrize("name", list(PROMPTS))
@@ -374,6 +368,28 @@ def _alone(eng, requests, jobs, tag):
 def _together(eng, requests, jobs, tag):
     cols = [submit(eng, requests[n], p, f"{tag}-{i}") for i, (n, p) in enumerate(jobs)]
     return [c.wait() for c in cols]
+
+
+def llm_request(model, inputs, rows, positions=None, delta=None) -> dict:
+    """The HF processor's inputs and our llm's: its vision rows (HF's own), and its positions
+    ([1 or 3, 1, S] from `get_rope_index`; None: plain 0..S-1) and delta."""
+    n = inputs["input_ids"].shape[1]
+    emb = torch.cat(rows).numpy() if rows else np.zeros((0, model.config.text_config.hidden_size), np.float32)
+    mrope = np.broadcast_to(np.arange(n), (3, n)).copy() if positions is None else positions[:, 0].numpy()
+    return dict(hf_inputs=inputs,
+                llm=dict(input_ids=inputs["input_ids"][0].numpy().astype(np.int32), embeddings=emb,
+                         mrope_position_ids=mrope.astype(np.int64),
+                         mrope_position_delta=np.zeros(1, np.int64) if delta is None else delta[0].numpy().astype(np.int64)))
+
+
+def assert_prefill_logits_match(hf_model, engine, req) -> None:
+    """Our last-position prompt logits equal the HF model's forward on the same inputs."""
+    with torch.no_grad():
+        ref = hf_model(**req["hf_inputs"]).logits[0, -1]
+    llm = req["llm"]
+    logits = engine.model.prompt_logits(torch.from_numpy(llm["input_ids"]), torch.from_numpy(llm["embeddings"]),
+                                        torch.from_numpy(llm["mrope_position_ids"]))
+    assert torch.allclose(logits, ref, atol=1e-4, rtol=0), (logits - ref).abs().max()
 
 
 def assert_same(together, alone, atol=1e-4):

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.oracle import Oracle
-from tests.test_llm import assert_same, submit
+from tests.test_llm import assert_prefill_logits_match, assert_same, llm_request, submit
 from triton_vlm.llm import DecoderConfig, Engine, SamplingParams
 
 VARIANTS = ("glm4v", "glm46v", "glmga")
@@ -73,12 +73,7 @@ def requests(glm):
                 inputs["input_ids"], mm_token_type_ids=inputs["mm_token_type_ids"],
                 image_grid_thw=inputs.get("image_grid_thw"), video_grid_thw=inputs.get("video_grid_thw"))
         assert bool(rows) == (name != "text")
-        emb = torch.cat(rows).numpy() if rows else np.zeros((0, model.config.text_config.hidden_size), np.float32)
-        out[name] = dict(
-            hf_inputs=inputs,
-            llm=dict(input_ids=inputs["input_ids"][0].numpy().astype(np.int32), embeddings=emb,
-                     mrope_position_ids=pos[:, 0].numpy().astype(np.int64),
-                     mrope_position_delta=delta[0].numpy().astype(np.int64)))
+        out[name] = llm_request(model, inputs, rows, pos, delta)
     return out
 
 
@@ -100,13 +95,7 @@ def test_config_read_from_checkpoint(glm):
 @pytest.mark.parametrize("name", list(PROMPTS))
 def test_prefill_logits_match_hf(glm, requests, name):
     hf, engine = glm
-    req = requests[name]
-    with torch.no_grad():
-        ref = hf.model(**req["hf_inputs"]).logits[0, -1]
-    llm = req["llm"]
-    logits = engine.model.prompt_logits(torch.from_numpy(llm["input_ids"]), torch.from_numpy(llm["embeddings"]),
-                                        torch.from_numpy(llm["mrope_position_ids"]))
-    assert torch.allclose(logits, ref, atol=1e-4, rtol=0), (logits - ref).abs().max()
+    assert_prefill_logits_match(hf.model, engine, requests[name])
 
 
 @pytest.mark.parametrize("name", list(PROMPTS))

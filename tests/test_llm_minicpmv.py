@@ -20,7 +20,13 @@ import pytest
 import torch
 
 from tests.oracle import Oracle
-from tests.test_llm import Collector, assert_same, submit
+from tests.test_llm import (
+    Collector,
+    assert_prefill_logits_match,
+    assert_same,
+    llm_request,
+    submit,
+)
 from triton_vlm.llm import DecoderConfig, Engine, SamplingParams
 
 PROMPTS = {
@@ -71,13 +77,7 @@ def requests(hf):
             with torch.no_grad():
                 rows = model.model.get_image_features(inputs["pixel_values"], inputs["target_sizes"]).pooler_output
         assert bool(rows) == (name == "image")
-        emb = torch.cat(rows).numpy() if rows else np.zeros((0, model.config.text_config.hidden_size), np.float32)
-        n = inputs["input_ids"].shape[1]
-        out[name] = dict(
-            hf_inputs=inputs,
-            llm=dict(input_ids=inputs["input_ids"][0].numpy().astype(np.int32), embeddings=emb,
-                     mrope_position_ids=np.broadcast_to(np.arange(n), (3, n)).copy(),
-                     mrope_position_delta=np.zeros(1, np.int64)))
+        out[name] = llm_request(model, inputs, rows)
     assert out["image"]["llm"]["embeddings"].shape[0] > 4  # overview image and slices
     return out
 
@@ -110,13 +110,7 @@ def test_config_read_from_checkpoint(hf, engine):
 
 @pytest.mark.parametrize("name", list(PROMPTS))
 def test_prefill_logits_match_hf(hf, engine, requests, name):
-    req = requests[name]
-    with torch.no_grad():
-        ref = hf.model(**req["hf_inputs"]).logits[0, -1]
-    llm = req["llm"]
-    logits = engine.model.prompt_logits(torch.from_numpy(llm["input_ids"]), torch.from_numpy(llm["embeddings"]),
-                                        torch.from_numpy(llm["mrope_position_ids"]))
-    assert torch.allclose(logits, ref, atol=1e-4, rtol=0), (logits - ref).abs().max()
+    assert_prefill_logits_match(hf.model, engine, requests[name])
 
 
 def test_interleaved_mrope_matches_hf(hf, engine, requests):
