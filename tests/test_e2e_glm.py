@@ -3,8 +3,8 @@ checked against transformers in the same run.
 
 For each variant (tiny demo checkpoint): `preprocess` equals the checkpoint's own processor
 (`input_ids` with the video timestamps, `grid_thw` and `pixel_values` rows in prompt order) and
-`get_rope_index`; `vision_encoder` equals the model's `get_image_features` / `get_video_features`;
-the ensemble's greedy `output_ids` equal `generate` over gRPC streaming and HTTP generate.
+`get_rope_index`, for an image, videos of 4 s, 45 s and 400 s, and a mix; `vision_encoder` equals
+the model's `get_image_features` / `get_video_features`; the ensemble's greedy `output_ids` equal `generate` over gRPC streaming and HTTP generate.
 transformers' GLM cannot generate from an image and a video in one prompt (its video mask also
 selects the image tokens), so the mixed prompt is checked through `preprocess` only; the engine
 has no such limit (tests/test_llm_glm.py checks its logits per step).
@@ -39,6 +39,10 @@ PROMPTS = {
     "text": (chat("Tell me about a red car on the road."), [], []),
 }
 MIXED = (chat(IMG + "and" + VID + "then" + IMG + "compare them."), [IMAGE_A, IMAGE_B], [VIDEO])
+# Long videos cross each variant's sampling-rule boundaries (GLM-4.6V: 1 fps past 30 s, 0.5 fps past
+# 300 s; GLM-4.1V: max_duration 300 s); small frames and low source rates keep them cheap.
+LONG_VIDEOS = {"video_45s": samples.video_bytes(seconds=45.0, fps=4, width=64, height=48),
+               "video_400s": samples.video_bytes(seconds=400.0, fps=1, width=64, height=48)}
 
 
 @pytest.fixture(scope="module", params=VARIANTS)
@@ -78,10 +82,13 @@ def hf_rows_in_prompt_order(inputs: dict, video_start_id: int) -> tuple[np.ndarr
     return np.concatenate(rows), np.stack(grid_rows).astype(np.int64)
 
 
-@pytest.mark.parametrize("kind", ["image", "video", "mixed"])
+@pytest.mark.parametrize("kind", ["image", "video", "mixed", *LONG_VIDEOS])
 def test_preprocess_matches_hf_processor(glm, kind):
     _, server, oracle = glm
-    prompt, images, videos = MIXED if kind == "mixed" else PROMPTS[kind]
+    if kind in LONG_VIDEOS:
+        prompt, images, videos = chat(VID + "What happens?"), [], [LONG_VIDEOS[kind]]
+    else:
+        prompt, images, videos = MIXED if kind == "mixed" else PROMPTS[kind]
     inputs = hf_inputs(oracle, prompt, images, videos)
     out = infer_direct(server, "preprocess", media_values(prompt, images, videos),
                        ["input_ids", "pixel_values", "grid_thw", "mrope_position_ids", "mrope_position_delta"])
