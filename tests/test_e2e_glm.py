@@ -4,10 +4,11 @@ checked against transformers in the same run.
 For each variant (tiny demo checkpoint): `preprocess` equals the checkpoint's own processor
 (`input_ids` with the video timestamps, `grid_thw` and `pixel_values` rows in prompt order) and
 `get_rope_index`, for an image, videos of 4 s, 45 s and 400 s, and a mix; `vision_encoder` equals
-the model's `get_image_features` / `get_video_features`; the ensemble's greedy `output_ids` equal `generate` over gRPC streaming and HTTP generate.
-transformers' GLM cannot generate from an image and a video in one prompt (its video mask also
-selects the image tokens), so the mixed prompt is checked through `preprocess` only; the engine
-has no such limit (tests/test_llm_glm.py checks its logits per step).
+the model's `get_image_features` / `get_video_features`; the ensemble's greedy `output_ids` equal
+`generate` over gRPC streaming and HTTP generate. transformers' GLM cannot generate from an image
+and a video in one prompt (its video mask also selects the image tokens), so the mixed prompt is
+checked through `preprocess` only; the engine has no such limit (tests/test_llm_glm.py checks its
+logits per step).
 """
 from __future__ import annotations
 
