@@ -459,3 +459,23 @@ def test_no_assert_in_request_path():
 def test_variants_are_told_apart(glm):
     for variant in VARIANTS:
         assert glm(variant)[0].family is get_family(variant)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_sizes_default_to_the_processor_classes(variant, tmp_path):
+    """A processor config without `size` gets the transformers processor class's own sizes."""
+    import json
+
+    from transformers import AutoImageProcessor, AutoVideoProcessor
+
+    from triton_vlm.checkpoint import write_demo_checkpoint
+
+    ckpt = write_demo_checkpoint(variant, tmp_path / variant, "tiny")
+    config = json.loads((ckpt / "processor_config.json").read_text())
+    for section in ("image_processor", "video_processor"):
+        config[section].pop("size")
+    (ckpt / "processor_config.json").write_text(json.dumps(config))
+    pre = Preprocessor(ckpt)
+    for settings, processor in ((pre.image_settings, AutoImageProcessor.from_pretrained(ckpt)),
+                                (pre.video_settings, AutoVideoProcessor.from_pretrained(ckpt))):
+        assert (settings.min_pixels, settings.max_pixels) == (processor.size.shortest_edge, processor.size.longest_edge)

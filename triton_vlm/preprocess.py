@@ -34,9 +34,6 @@ from triton_vlm.mrope import MediaSpan, mrope_positions
 
 MM_OPTION_KEYS = ("min_pixels", "max_pixels", "fps", "num_frames", "max_frames")
 
-# transformers' class defaults where a processor config leaves a size out.
-_IMAGE_SIZE_DEFAULT = (56 * 56, 28 * 28 * 1280)
-_VIDEO_SIZE_DEFAULT = (128 * 28 * 28, 28 * 28 * 768)
 
 
 @dataclass
@@ -104,9 +101,9 @@ class Preprocessor:
 
         image_section, video_section = load_processor_sections(checkpoint)
         defaults = self.family.vision_defaults
-        self.image_settings = _settings(image_section, _IMAGE_SIZE_DEFAULT, defaults)
+        self.image_settings = _settings(image_section, self.family.image_size_default, defaults)
         # The processor numbers videos by its image processor's `use_image_id` too.
-        self.video_settings = dataclasses.replace(_settings(video_section, _VIDEO_SIZE_DEFAULT, defaults),
+        self.video_settings = dataclasses.replace(_settings(video_section, self.family.video_size_default, defaults),
                                                   use_image_id=self.image_settings.use_image_id)
         if self.image_settings.row_size != self.video_settings.row_size:
             raise ValueError(f"{checkpoint}: image and video patches differ in size")

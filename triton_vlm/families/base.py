@@ -44,6 +44,10 @@ class Family:
     # `VisionSettings` values where the processor config leaves them out (the family's processor
     # class defaults that the config does not store, e.g. MiniCPM-V's temporal_patch_size 1).
     vision_defaults: dict[str, Any] = field(default_factory=dict)
+    # (min_pixels, max_pixels) of images and of video frames where a processor config gives no size:
+    # the family's transformers processor class defaults (Qwen2-VL's here).
+    image_size_default: tuple[int, int] = (56 * 56, 28 * 28 * 1280)
+    video_size_default: tuple[int, int] = (128 * 28 * 28, 28 * 28 * 768)
     # What any media item's placeholder token becomes, images and videos (MiniCPM-V's numbered,
     # sliced runs): `expand_media(media: MediaLayout, token_id, encode) -> (ids, spans)`, arguments
     # and result as `expand_video`'s. Takes precedence over `expand_video`.

@@ -317,8 +317,15 @@ def expand_video(grid: tuple[int, int, int], timestamps: Sequence[float], token_
     return np.concatenate(pieces), spans
 
 
+# The processors' class-default sizes (`size.shortest_edge`, `size.longest_edge`), for checkpoints
+# whose processor config leaves them out.
+IMAGE_SIZE_DEFAULT = (112 * 112, 28 * 28 * 15000)
+VIDEO_SIZE_DEFAULT = (112 * 112, 28 * 28 * 2 * 30000)
+GLMGA_VIDEO_SIZE_DEFAULT = (112 * 112, 28 * 28 * 2 * 55790)
+
+
 def _family(name: str, model_types: tuple[str, ...], sample_frames, timestamp_text,
-            video_sampler_keys: tuple[str, ...] = ()) -> Family:
+            video_sampler_keys: tuple[str, ...] = (), video_size_default: tuple[int, int] = VIDEO_SIZE_DEFAULT) -> Family:
     return Family(
         name=name,
         model_types=model_types,
@@ -337,6 +344,8 @@ def _family(name: str, model_types: tuple[str, ...], sample_frames, timestamp_te
         video_sampler_keys=video_sampler_keys,
         resize_rule=resize_rule,
         expand_video=partial(expand_video, timestamp_text=timestamp_text),
+        image_size_default=IMAGE_SIZE_DEFAULT,
+        video_size_default=video_size_default,
     )
 
 
@@ -344,4 +353,5 @@ def _family(name: str, model_types: tuple[str, ...], sample_frames, timestamp_te
 # tells them apart.
 GLM4V = _family("glm4v", ("glm4v",), sample_frames_glm4v, timestamp_glm4v, ("max_duration",))
 GLM46V = _family("glm46v", ("glm46v", "glm4v"), sample_frames_glm46v, timestamp_seconds)
-GLMGA = _family("glmga", ("glmga", "glm4v"), sample_frames_glmga, timestamp_seconds)
+GLMGA = _family("glmga", ("glmga", "glm4v"), sample_frames_glmga, timestamp_seconds,
+                video_size_default=GLMGA_VIDEO_SIZE_DEFAULT)
