@@ -25,10 +25,10 @@ from tests.oracle import Oracle
 from triton_vlm import samples
 from triton_vlm.errors import InvalidInput
 from triton_vlm.families import get_family
-from triton_vlm.families.glm4v import GLM4V, resize_rule, sample_frames_glm4v, video_facts
+from triton_vlm.families.glm4v import GLM4V, resize_rule, sample_frames_glm4v
 from triton_vlm.imaging import VisionSettings
 from triton_vlm.limits import Limits
-from triton_vlm.media import VideoMetadata
+from triton_vlm.media import VideoMetadata, video_facts
 from triton_vlm.preprocess import Preprocessor, _bind_sampler
 
 VARIANTS = ("glm4v", "glm46v", "glmga")

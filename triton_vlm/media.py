@@ -11,7 +11,7 @@ import math
 import os
 import urllib.parse
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -148,6 +148,34 @@ def _check_frame_size(width: int, height: int, name: str, limits: Limits, what: 
 
 
 # ---------------------------------------------------------------------------------------- videos
+
+
+def _positive(value) -> float | None:
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return None
+    return value if value > 0 and math.isfinite(value) else None
+
+
+def video_facts(metadata) -> tuple[int, float, float]:
+    """(total frames, fps, duration) of a video's metadata: a `VideoMetadata`-like object or a
+    mapping; other keys or attributes are ignored. A missing, zero or non-finite fps is derived
+    from the frame count and duration; with neither, `InvalidInput` (never a division by zero).
+    A missing duration is transformers' `round((total - 1) / fps) + 1`."""
+    get = metadata.get if isinstance(metadata, Mapping) else (lambda key: getattr(metadata, key, None))
+    total = _positive(get("total_num_frames"))
+    if total is None or total != int(total):
+        raise InvalidInput("video has no frames")
+    total = int(total)
+    fps, duration = _positive(get("fps")), _positive(get("duration"))
+    if fps is None:
+        if duration is None:
+            raise InvalidInput("video has neither a frame rate nor a duration")
+        fps = total / duration
+    if duration is None:
+        duration = round((total - 1) / fps) + 1
+    return total, fps, duration
 
 @dataclass
 class VideoMetadata:

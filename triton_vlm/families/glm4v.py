@@ -7,7 +7,7 @@ size limits. Each variant is a `Family`; which one serves a checkpoint is read f
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -17,6 +17,7 @@ import numpy as np
 
 from triton_vlm.errors import InvalidInput
 from triton_vlm.families.base import Family, chat_template
+from triton_vlm.media import video_facts
 from triton_vlm.mrope import MediaSpan
 
 IMAGE_TOKEN, VIDEO_TOKEN = "<|image|>", "<|video|>"
@@ -162,34 +163,6 @@ def resize_rule(height: int, width: int, settings, num_frames: int, name: str) -
 # is kept.
 
 _MAX_SAMPLES = 1_000_000  # candidate indices one request may make the GLM-4.1V rule enumerate
-
-
-def _positive(value) -> float | None:
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        return None
-    return value if value > 0 and math.isfinite(value) else None
-
-
-def video_facts(metadata) -> tuple[int, float, float]:
-    """(total frames, fps, duration) of a video's metadata: a `VideoMetadata`-like object or a
-    mapping; other keys or attributes are ignored. A missing, zero or non-finite fps is derived
-    from the frame count and duration; with neither, `InvalidInput` (never a division by zero).
-    A missing duration is transformers' `round((total - 1) / fps) + 1`."""
-    get = metadata.get if isinstance(metadata, Mapping) else (lambda key: getattr(metadata, key, None))
-    total = _positive(get("total_num_frames"))
-    if total is None or total != int(total):
-        raise InvalidInput("video has no frames")
-    total = int(total)
-    fps, duration = _positive(get("fps")), _positive(get("duration"))
-    if fps is None:
-        if duration is None:
-            raise InvalidInput("video has neither a frame rate nor a duration")
-        fps = total / duration
-    if duration is None:
-        duration = round((total - 1) / fps) + 1
-    return total, fps, duration
 
 
 def _distinct(indices) -> np.ndarray:

@@ -33,8 +33,8 @@ import numpy as np
 
 from triton_vlm.errors import InvalidInput
 from triton_vlm.families.base import Family, MediaLayout, chat_template
-from triton_vlm.families.glm4v import video_facts
 from triton_vlm.imaging import View, VisionSettings
+from triton_vlm.media import video_facts
 from triton_vlm.mrope import MediaSpan
 
 IMAGE_TOKEN, VIDEO_TOKEN = "<|image_pad|>", "<|video_pad|>"
@@ -80,8 +80,14 @@ DEMO_SIZES: dict[str, dict[str, Any]] = {
 def write_demo(out: Path, size: str, tokenizer, seed: int) -> None:
     """Write a random-weight MiniCPM-V 4.6 checkpoint that transformers loads offline."""
     import torch
-    from transformers import (GenerationConfig, MiniCPMV4_6Config, MiniCPMV4_6ForConditionalGeneration,
-                              MiniCPMV4_6ImageProcessor, MiniCPMV4_6Processor, MiniCPMV4_6VideoProcessor)
+    from transformers import (
+        GenerationConfig,
+        MiniCPMV4_6Config,
+        MiniCPMV4_6ForConditionalGeneration,
+        MiniCPMV4_6ImageProcessor,
+        MiniCPMV4_6Processor,
+        MiniCPMV4_6VideoProcessor,
+    )
 
     shape = DEMO_SIZES[size]
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}

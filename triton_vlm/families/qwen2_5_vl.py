@@ -41,8 +41,14 @@ DEMO_SIZES: dict[str, dict[str, Any]] = {
 def write_demo(out: Path, size: str, tokenizer, seed: int) -> None:
     """Write a random-weight Qwen2.5-VL checkpoint that transformers loads offline."""
     import torch
-    from transformers import (GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
-                              Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor)
+    from transformers import (
+        GenerationConfig,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2_5_VLProcessor,
+        Qwen2VLImageProcessor,
+        Qwen2VLVideoProcessor,
+    )
 
     shape = DEMO_SIZES[size]
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN2_5_VL.special_tokens}
