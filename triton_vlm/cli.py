@@ -126,7 +126,7 @@ def _bench(args) -> int:
 def _demo(args) -> int:
     from triton_vlm.demo import run_demo
 
-    return run_demo(Path(args.workdir), size=args.size)
+    return run_demo(Path(args.workdir), size=args.size, family_name=args.family)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -219,6 +219,7 @@ def parser() -> argparse.ArgumentParser:
     c = sub.add_parser("demo", help="checkpoint, build, serve, one image + video request streamed, stop")
     c.add_argument("--workdir", default="build/demo")
     c.add_argument("--size", choices=("tiny", "small"), default="small")
+    c.add_argument("--family", default="qwen2_5_vl", help="qwen2_5_vl, glm4v, glm46v, glmga or minicpmv4_6")
     c.set_defaults(run=_demo)
     return p
 

@@ -12,24 +12,31 @@ from triton_vlm.families import get_family
 from triton_vlm.repository import build_repository
 from triton_vlm.server import TritonServer
 
-FAMILY = "qwen2_5_vl"
+QUESTION = "Describe the picture and what moves in the video."
 
 
-def run_demo(workdir: Path, size: str = "small") -> int:
-    family = get_family(FAMILY)
-    checkpoint, repo = workdir / f"{FAMILY}-{size}", workdir / "repository"
+def demo_prompt(chat_template: str) -> str:
+    """One user turn (an image, a video, the question) through the checkpoint's chat template."""
+    from jinja2 import Template
+
+    content = [{"type": "image"}, {"type": "video"}, {"type": "text", "text": QUESTION}]
+    return Template(chat_template).render(messages=[{"role": "user", "content": content}], add_generation_prompt=True)
+
+
+def run_demo(workdir: Path, size: str = "small", family_name: str = "qwen2_5_vl") -> int:
+    family = get_family(family_name)
+    checkpoint, repo = workdir / f"{family.name}-{size}", workdir / f"repository-{family.name}"
     step = lambda text: print(f"==> {text}", flush=True)  # noqa: E731
     if not (checkpoint / "config.json").exists():
-        step(f"writing the {size} {FAMILY} demo checkpoint (random weights) to {checkpoint}")
-        write_demo_checkpoint(FAMILY, checkpoint, size)
+        step(f"writing the {size} {family.name} demo checkpoint (random weights) to {checkpoint}")
+        write_demo_checkpoint(family.name, checkpoint, size)
     step(f"building the model repository {repo}")
     build_repository(checkpoint, repo)
     step("starting tritonserver")
     started = time.perf_counter()
     with TritonServer(repo, log_file=workdir / "tritonserver.log") as server:
         step(f"ready in {time.perf_counter() - started:.1f} s (gRPC {server.grpc_url}, HTTP {server.http_url})")
-        prompt = ("<|im_start|>user\n" + family.image_placeholder + family.video_placeholder
-                  + "Describe the picture and what moves in the video.<|im_end|>\n<|im_start|>assistant\n")
+        prompt = demo_prompt(family.chat_template)
         step("one 640x480 JPEG + a 2 s 160x120 H.264 video + text, streamed over gRPC:")
         result = generate(server.grpc_url, prompt, [samples.image_bytes(640, 480)], [samples.video_bytes(2.0)],
                           max_tokens=32, stream=True, on_text=lambda t: print(t, end="", flush=True))
