@@ -1,7 +1,7 @@
 """llm decoder benchmark (issue #5): our engine (paged KV cache, in-flight batching) against
 transformers' `generate` run one request at a time, on the `small` random-weight checkpoint.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python bench/decoder.py [--rounds 2] [--max-tokens 64]
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/decoder.py [--family qwen2_5_vl] [--rounds 2] [--max-tokens 64]
 
 Both run in this process on the same CPU threads, interleaved round by round (transformers, then our
 engine at concurrency 1, 4 and 16), so machine noise hits both alike. Prompts: 16 chat prompts of
@@ -27,14 +27,19 @@ WORDS = ("red car road tree river small large city house light dark blue green y
          "runs jumps over under quickly slowly bright morning evening cloud rain snow wind").split()
 
 
-def prompts(n: int, seed: int = 0) -> list[str]:
+def prompts(n: int, chat_template: str, seed: int = 0) -> list[str]:
+    """`n` user turns of growing length through the checkpoint's chat template."""
     import random
 
+    from jinja2 import Template
+
     rng = random.Random(seed)
+    template = Template(chat_template)
     out = []
     for i in range(n):
         words = " ".join(rng.choice(WORDS) for _ in range(20 + 9 * i))
-        out.append(f"<|im_start|>user\nDescribe this: {words}<|im_end|>\n<|im_start|>assistant\n")
+        out.append(template.render(messages=[{"role": "user", "content": f"Describe this: {words}"}],
+                                   add_generation_prompt=True))
     return out
 
 
@@ -92,7 +97,8 @@ def run_engine(engine, inputs: list[torch.Tensor], max_tokens: int, concurrency:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", help="a checkpoint dir (default: write the `small` demo checkpoint)")
+    ap.add_argument("--checkpoint", help="a checkpoint dir (default: write the family's `small` demo checkpoint)")
+    ap.add_argument("--family", default="qwen2_5_vl", help="demo checkpoint family (without --checkpoint)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--requests", type=int, default=16, help="requests per measurement")
@@ -102,6 +108,7 @@ def main() -> None:
     from transformers import AutoModelForImageTextToText
 
     from triton_vlm.checkpoint import write_demo_checkpoint
+    from triton_vlm.families import detect_family
     from triton_vlm.llm import Engine
 
     tmp = None
@@ -109,13 +116,14 @@ def main() -> None:
         ckpt = Path(args.checkpoint)
     else:
         tmp = tempfile.TemporaryDirectory()
-        ckpt = write_demo_checkpoint("qwen2_5_vl", Path(tmp.name) / "small", "small")
+        ckpt = write_demo_checkpoint(args.family, Path(tmp.name) / "small", "small")
     tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
-    inputs = [torch.tensor(tok.encode(p, add_special_tokens=False).ids) for p in prompts(args.requests)]
+    chat_template = (ckpt / "chat_template.jinja").read_text()
+    inputs = [torch.tensor(tok.encode(p, add_special_tokens=False).ids) for p in prompts(args.requests, chat_template)]
     torch.set_grad_enabled(False)
     hf = AutoModelForImageTextToText.from_pretrained(ckpt).eval()
     engine = Engine(ckpt, max_running=64, max_num_tokens=512)
-    print(f"checkpoint {ckpt.name}: {sum(p.numel() for p in hf.parameters()) / 1e6:.1f} M parameters; "
+    print(f"checkpoint {ckpt.name} ({detect_family(ckpt).name}): {sum(p.numel() for p in hf.parameters()) / 1e6:.1f} M parameters; "
           f"torch threads {torch.get_num_threads()}; {len(inputs)} prompts of "
           f"{min(i.numel() for i in inputs)}..{max(i.numel() for i in inputs)} tokens, "
           f"max_tokens {args.max_tokens}, greedy")
