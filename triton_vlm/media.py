@@ -294,32 +294,21 @@ def decode_video(data: bytes, name: str, sampler: Sampler | None = None,
             out, store = _output(planned.meta, planned.meta.frames_indices, width, height, resizer)
             if planned.decode(store):
                 return out, planned.meta
-        container = _open_container(data, name)
-        try:
-            stream = container.streams.video[0]
-            total = facts["header_frames"]
-            if total <= 0:  # container without a frame count: count by decoding
-                total = 0
-                for _ in container.decode(stream):
-                    total += 1
-                    if total > limits.max_video_source_frames:
-                        break
-                container.close()
-                container = _open_container(data, name)
-                stream = container.streams.video[0]
-            meta, frames, decoded = _decode_sampled(container, stream, total, fps, width, height,
-                                                    name, sampler, limits, resizer)
-        finally:
-            container.close()
-        if decoded < total:
-            # The header promised more frames than the stream holds: sample again from the real count.
+        def decode(total: int) -> tuple[VideoMetadata, np.ndarray, int]:
             container = _open_container(data, name)
             try:
-                stream = container.streams.video[0]
-                meta, frames, redecoded = _decode_sampled(container, stream, decoded, fps, width, height,
-                                                          name, sampler, limits, resizer)
+                return _decode_sampled(container, container.streams.video[0], total, fps, width, height,
+                                       name, sampler, limits, resizer)
             finally:
                 container.close()
+
+        total = facts["header_frames"]
+        if total <= 0:  # container without a frame count: count by decoding
+            total = _count_frames(data, name, limits)
+        meta, frames, decoded = decode(total)
+        if decoded < total:
+            # The header promised more frames than the stream holds: sample again from the real count.
+            meta, frames, redecoded = decode(decoded)
             if redecoded < decoded:
                 raise InvalidInput(f"{name}: not a decodable video")
     except InvalidInput:
@@ -500,6 +489,21 @@ def _sample(total, fps, width, height, name, sampler, limits):
         raise InvalidInput(f"{name}: {indices.size} frames exceed max_frames={limits.max_video_frames}")
     meta.frames_indices = indices
     return meta, indices
+
+
+def _count_frames(data: bytes, name: str, limits: Limits) -> int:
+    """Frames in the stream, by decoding (for containers whose header has no count); stops one past
+    `max_video_source_frames`, which `_sample` then refuses."""
+    container = _open_container(data, name)
+    try:
+        total = 0
+        for _ in container.decode(container.streams.video[0]):
+            total += 1
+            if total > limits.max_video_source_frames:
+                break
+        return total
+    finally:
+        container.close()
 
 
 def _decode_sampled(container, stream, total, fps, width, height, name, sampler, limits, resizer=None):
