@@ -1,6 +1,8 @@
-"""`triton-vlm serve` as a user runs it: readiness, SIGTERM, and a model that fails to load."""
+"""`triton-vlm serve` as a user runs it: readiness, SIGTERM, and a model that fails to load; the
+`demo-checkpoint` command for every family."""
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
@@ -8,6 +10,9 @@ import sys
 import time
 import urllib.request
 
+import pytest
+
+from triton_vlm.families import FAMILIES, detect_family
 from triton_vlm.server import free_port
 
 SERVE = [sys.executable, "-m", "triton_vlm.cli", "serve"]
@@ -77,3 +82,20 @@ def test_infer_reports_invalid_input(server, tmp_path):
     done = subprocess.run([sys.executable, "-m", "triton_vlm.cli", "infer", "--url", server.grpc_url, "--image",
                            str(broken), "--prompt", "?", "--max-tokens", "3"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "images[0]" in done.stderr
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_demo_checkpoint_small_loads_offline_in_transformers(family, tmp_path):
+    """`triton-vlm demo-checkpoint --size small` (the demo's and benchmarks' size; the tests use
+    tiny) writes what transformers loads offline, and the checkpoint is detected as that family."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    out = tmp_path / family
+    subprocess.run([sys.executable, "-m", "triton_vlm.cli", "demo-checkpoint", "--family", family, "--size", "small",
+                    "--out", str(out)], check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=600)
+    assert detect_family(out).name == family
+    processor = AutoProcessor.from_pretrained(out)
+    model = AutoModelForImageTextToText.from_pretrained(out)
+    assert model.config.model_type == FAMILIES[family].model_types[0]
+    assert processor.tokenizer.convert_tokens_to_ids(FAMILIES[family].named_special_tokens["image_token"]) \
+        == model.config.image_token_id
