@@ -3,12 +3,12 @@
     .venv/bin/python bench/encoder.py [--family qwen2_5_vl] [--repeats 5] [--threads 0] [--clock wall|cpu]
 
 Writes the `small` demo checkpoint of `--family` (random weights; qwen2_5_vl, glm4v, glm46v,
-glmga) to a temporary folder, exports its vision tower to ONNX (float32), and times, on the same
+glmga, minicpmv4_6) to a temporary folder, exports its vision tower to ONNX (float32), and times, on the same
 inputs, interleaved (the two alternate, and which goes first alternates too, so machine noise hits
 both alike):
 
-- HF: `model.model.visual(pixel_values, grid_thw=...)` of `AutoModelForImageTextToText` (float32,
-  eager PyTorch, its default attention implementation), under `torch.no_grad()`;
+- HF: `model.model.get_image_features(...)` of `AutoModelForImageTextToText` (the tower and its
+  merger; float32, eager PyTorch, its default attention implementation), under `torch.no_grad()`;
 - ORT: `triton_vlm.vision.encoder.VisionEncoder.encode` (host metadata included), graph
   optimisations on, intra-op threads = `--threads` (0: every usable core, as the server does for
   one instance); torch uses the same number of threads.
@@ -64,18 +64,28 @@ def main() -> int:
         onnx_path = export_onnx(checkpoint, Path(tmp) / "encoder.onnx", dtype="float32")
         processor = AutoProcessor.from_pretrained(checkpoint)
         model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32).eval()
-        tower = model.model.visual
+        vision = model.config.vision_config
+        tower_params = sum(p.numel() for n, p in model.named_parameters() if not n.startswith(("lm_head", "model.language_model")))
         encoder = VisionEncoder(onnx_path, intra_op_threads=threads)
-        print(f"{args.family} small checkpoint: vision depth {model.config.vision_config.depth}, hidden "
-              f"{model.config.vision_config.hidden_size}, {sum(p.numel() for p in tower.parameters()) / 1e6:.1f} M "
-              f"tower parameters; torch {torch.__version__}, transformers {transformers.__version__}, onnxruntime "
-              f"{onnxruntime.__version__}; {threads} threads each; {args.clock} clock; median of {args.repeats}, interleaved")
+        print(f"{args.family} small checkpoint: vision depth {getattr(vision, 'depth', None) or vision.num_hidden_layers}, "
+              f"hidden {vision.hidden_size}, {tower_params / 1e6:.1f} M tower parameters; torch {torch.__version__}, "
+              f"transformers {transformers.__version__}, onnxruntime {onnxruntime.__version__}; {threads} threads each; "
+              f"{args.clock} clock; median of {args.repeats}, interleaved")
 
         def inputs(sizes):
+            """(HF pixel_values, HF grid, our pixel rows, our grid_thw): MiniCPM-V's processor packs
+            slices [1, C, patch, L] with `target_sizes` [slices, 2]; the others give rows and
+            `image_grid_thw` as they are."""
             images = [Image.open(__import__("io").BytesIO(samples.image_bytes(w, h, seed=float(i)))).convert("RGB")
                       for i, (w, h) in enumerate(sizes)]
             out = processor.image_processor(images=images, return_tensors="pt")
-            return out["pixel_values"], out["image_grid_thw"]
+            if "target_sizes" in out:
+                from triton_vlm.vision.minicpmv import patch_rows
+
+                sizes = out["target_sizes"].numpy().astype(np.int64)
+                grid = np.concatenate([np.ones_like(sizes[:, :1]), sizes], axis=1)
+                return out["pixel_values"], out["target_sizes"], patch_rows(out["pixel_values"].numpy()), grid
+            return out["pixel_values"], out["image_grid_thw"], out["pixel_values"].numpy(), out["image_grid_thw"].numpy()
 
         cases = {"1 x 448x448": [(448, 448)], "4 x 448x448": [(448, 448)] * 4,
                  "16 x 448x448": [(448, 448)] * 16, "1 x 1280x720": [(1280, 720)]}
@@ -83,12 +93,11 @@ def main() -> int:
               f"{'best ORT':>9} {'HF/ORT':>7} {'rel err':>9}")
         ratios, best_ratios = [], []
         for name, sizes in cases.items():
-            pixels, grid = inputs(sizes)
-            px_np, grid_np = pixels.numpy(), grid.numpy()
+            pixels, grid, px_np, grid_np = inputs(sizes)
 
             def hf():
                 with torch.no_grad():
-                    return tower(pixels, grid_thw=grid).pooler_output.numpy()
+                    return torch.cat(model.model.get_image_features(pixels, grid).pooler_output).numpy()
 
             def ort():
                 return encoder.encode(px_np, grid_np)
