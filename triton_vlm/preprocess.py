@@ -11,7 +11,6 @@ the reference rule (see `triton_vlm.mrope`).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -43,7 +42,6 @@ class PreprocessOutput:
     grid_thw: np.ndarray             # int64 [M, 3], prompt order
     mrope_position_ids: np.ndarray   # int64 [3, S]
     mrope_position_delta: int
-    media_hashes: list[bytes] = field(default_factory=list)  # sha256 per item, prompt order
 
 
 @dataclass(frozen=True)
@@ -319,8 +317,6 @@ class Preprocessor:
                 item.t_factor = (self.family.video_t_factor(self.config, second_per_grid_ts)
                                  if self.family.video_t_factor else 1.0)
                 item.timestamps = meta.timestamps
-                key = {"kind": "video", "fps": sampling.fps, "num_frames": sampling.num_frames,
-                       "max_frames": sampling.max_frames}
             else:
                 item.settings = image_settings
                 probed = probe_image(data, name, limits)
@@ -332,17 +328,11 @@ class Preprocessor:
                 if item.frames is not None:
                     item.frames = item.layout.resize(item.frames, item.settings)
                 n_frames = 1
-                key = {"kind": "image"}
-            key.update(min_pixels=item.settings.min_pixels, max_pixels=item.settings.max_pixels)
             item.num_frames = n_frames
             item.grids = item.layout.grids(n_frames, item.settings)
-            digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode())
-            digest.update(data)
-            item.digest = digest.digest()
             return item
 
         items = _map(plan, names)
-        hashes: list[bytes] = [item.digest for item in items]
         grids = np.array([g for item in items for g in item.grids], dtype=np.int64).reshape(-1, 3)
         rows = np.array([sum(t * h * w for t, h, w in item.grids) for item in items], dtype=np.int64)
         # Each placeholder token becomes its item's ids (media tokens, and for some families
@@ -368,7 +358,7 @@ class Preprocessor:
         input_ids = np.concatenate(pieces).astype(np.int32, copy=False)
         positions, delta = mrope_positions(input_ids.shape[0], spans)
         return PreprocessOutput(input_ids=input_ids, pixel_values=pixel_values, grid_thw=grids,
-                                mrope_position_ids=positions, mrope_position_delta=delta, media_hashes=hashes)
+                                mrope_position_ids=positions, mrope_position_delta=delta)
 
 
 @dataclass
@@ -383,7 +373,6 @@ class _Item:
     grids: list[tuple[int, int, int]] = field(default_factory=list)  # its grid_thw rows
     t_factor: float = 1.0
     timestamps: np.ndarray | None = None  # a video's sampled frames, in seconds
-    digest: bytes = b""
     frames: np.ndarray | None = None    # resized uint8 frames, when phase 1 had to decode
     planned: PlannedVideo | None = None  # an H.264 video whose frames phase 2 decodes
     probed: tuple[int, int] | None = None
