@@ -1,0 +1,62 @@
+"""`detect_family`: the family is read from the checkpoint's own configs, never from a typed name.
+
+Released GLM-4.6V-Flash and GLMGA checkpoints may say `model_type: glm4v`; their video processor
+class tells the variants apart, in the v5 nested `processor_config.json` and in the older separate
+`video_preprocessor_config.json` alike.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from triton_vlm.checkpoint import write_demo_checkpoint
+from triton_vlm.families import FAMILIES, detect_family
+
+
+@pytest.fixture(scope="module")
+def glm_checkpoints(tmp_path_factory):
+    return {v: write_demo_checkpoint(v, tmp_path_factory.mktemp(v), "tiny") for v in ("glm4v", "glm46v", "glmga")}
+
+
+def _set_model_type(checkpoint, model_type: str) -> None:
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["model_type"] = model_type
+    (checkpoint / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("variant", ["glm4v", "glm46v", "glmga"])
+def test_glm_variant_from_video_processor_when_model_type_says_glm4v(glm_checkpoints, variant, tmp_path):
+    import shutil
+
+    checkpoint = shutil.copytree(glm_checkpoints[variant], tmp_path / "ckpt")
+    _set_model_type(checkpoint, "glm4v")
+    assert detect_family(checkpoint).name == variant
+
+    # the older layout: the video processor in its own file
+    processor = json.loads((checkpoint / "processor_config.json").read_text())
+    (checkpoint / "video_preprocessor_config.json").write_text(json.dumps(processor.pop("video_processor")))
+    (checkpoint / "processor_config.json").write_text(json.dumps(processor))
+    assert detect_family(checkpoint).name == variant
+
+
+def test_glm4v_model_type_without_a_video_processor_is_glm4v(glm_checkpoints, tmp_path):
+    import shutil
+
+    checkpoint = shutil.copytree(glm_checkpoints["glm46v"], tmp_path / "ckpt")
+    _set_model_type(checkpoint, "glm4v")
+    processor = json.loads((checkpoint / "processor_config.json").read_text())
+    processor.pop("video_processor")
+    (checkpoint / "processor_config.json").write_text(json.dumps(processor))
+    assert detect_family(checkpoint).name == "glm4v"
+
+
+def test_every_family_detects_its_own_model_type(glm_checkpoints):
+    for variant, checkpoint in glm_checkpoints.items():
+        assert detect_family(checkpoint) is FAMILIES[variant]
+
+
+def test_unsupported_model_type_names_the_supported_ones(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava"}))
+    with pytest.raises(ValueError, match="model_type 'llava' is not supported; supported: qwen2_5_vl, glm4v"):
+        detect_family(tmp_path)
