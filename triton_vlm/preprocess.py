@@ -216,16 +216,10 @@ class Preprocessor:
         """The ids `item`'s placeholder token becomes, and the M-RoPE spans of its embedding runs
         (offsets relative to the first id)."""
         video = item.name.startswith("videos")
-        if self.family.expand_media is not None:
-            media = MediaLayout(video=video, index=item.index, grids=item.grids, views=item.layout.views,
-                                num_frames=item.num_frames, settings=item.settings)
-            return self.family.expand_media(media, self._vocab_id, self._encode_pieces)
-        m = item.settings.merge_size
-        grid = (item.grids[0][0], item.grids[0][1] // m, item.grids[0][2] // m)
-        if video and self.family.expand_video is not None:
-            return self.family.expand_video(grid, item.timestamps, self._vocab_id, self._encode_pieces)
-        token = self.video_token_id if video else self.image_token_id
-        return np.full(grid[0] * grid[1] * grid[2], token, dtype=np.int32), [MediaSpan(0, *grid, item.t_factor)]
+        media = MediaLayout(video=video, index=item.index, token=self.video_token_id if video else self.image_token_id,
+                            grids=item.grids, views=item.layout.views, num_frames=item.num_frames,
+                            settings=item.settings, timestamps=item.timestamps, t_factor=item.t_factor)
+        return self.family.expand_media(media, self._vocab_id, self._encode_pieces)
 
     def __call__(self, text: str | bytes, images: list[bytes] | None = None, videos: list[bytes] | None = None,
                  mm_options: dict | str | bytes | None = None) -> PreprocessOutput:

@@ -7,7 +7,7 @@ size limits. Each variant is a `Family`; which one serves a checkpoint is read f
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from triton_vlm.errors import InvalidInput
-from triton_vlm.families.base import Family, chat_template
+from triton_vlm.families.base import Family, MediaLayout, chat_template, expand_plain
 from triton_vlm.media import video_facts
 from triton_vlm.mrope import MediaSpan
 
@@ -271,14 +271,15 @@ def timestamp_seconds(seconds: float) -> str:
     return f"{seconds:.1f} seconds"
 
 
-def expand_video(grid: tuple[int, int, int], timestamps: Sequence[float], token_id: Callable[[str], int],
-                 encode: Callable[[list[str]], list[list[int]]], *,
-                 timestamp_text: Callable[[float], str]) -> tuple[np.ndarray, list[MediaSpan]]:
-    """The ids a `<|video|>` token becomes (`Glm4vProcessor.replace_video_token`): per temporal
-    patch `<|begin_of_image|>`, h * w `<|image|>` tokens, `<|end_of_image|>` and the timestamp
-    text of its first frame; each temporal patch is its own M-RoPE grid (t = 1)."""
-    t, h, w = grid
-    stamps = list(timestamps[::2])[:t]  # transformers takes every second frame's time, not every tps-th
+def expand_media(media: MediaLayout, token_id: Callable[[str], int], encode: Callable[[list[str]], list[list[int]]],
+                 *, timestamp_text: Callable[[float], str]) -> tuple[np.ndarray, list[MediaSpan]]:
+    """An image: `expand_plain`. A video's `<|video|>` token (`Glm4vProcessor.replace_video_token`):
+    per temporal patch `<|begin_of_image|>`, h * w `<|image|>` tokens, `<|end_of_image|>` and the
+    timestamp text of its first frame; each temporal patch is its own M-RoPE grid (t = 1)."""
+    if not media.video:
+        return expand_plain(media, token_id, encode)
+    t, h, w = media.merged_grid
+    stamps = list(media.timestamps[::2])[:t]  # transformers takes every second frame's time, not every tps-th
     stamps += [stamps[-1] if stamps else 0] * (t - len(stamps))
     texts = encode([timestamp_text(s) for s in stamps])
     begin, end, frame = token_id(BEGIN_IMAGE), token_id(END_IMAGE), token_id(IMAGE_TOKEN)
@@ -316,7 +317,7 @@ def _family(name: str, model_types: tuple[str, ...], sample_frames, timestamp_te
         default_video_fps=2.0,
         video_sampler_keys=video_sampler_keys,
         resize_rule=resize_rule,
-        expand_video=partial(expand_video, timestamp_text=timestamp_text),
+        expand_media=partial(expand_media, timestamp_text=timestamp_text),
         image_size_default=IMAGE_SIZE_DEFAULT,
         video_size_default=video_size_default,
     )
