@@ -17,6 +17,7 @@ import numpy as np
 
 from triton_vlm.errors import InvalidInput
 from triton_vlm.families.base import Family, MediaLayout, chat_template, expand_plain
+from triton_vlm.imaging import smart_resize
 from triton_vlm.media import video_facts
 from triton_vlm.mrope import MediaSpan
 
@@ -138,21 +139,7 @@ def resize_rule(height: int, width: int, settings, num_frames: int, name: str) -
     if height < factor or width < factor:
         scale = max(factor / height, factor / width)
         height, width = int(height * scale), int(width * scale)
-    if max(height, width) / min(height, width) > 200:
-        raise InvalidInput(f"{name}: aspect ratio {max(height, width) / min(height, width):.1f} "
-                           f"exceeds max_aspect_ratio=200")
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
-    t_bar = round(num_frames / tps) * tps
-    if t_bar * h_bar * w_bar > settings.max_pixels:
-        beta = math.sqrt((num_frames * height * width) / settings.max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif t_bar * h_bar * w_bar < settings.min_pixels:
-        beta = math.sqrt(settings.min_pixels / (num_frames * height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
+    return smart_resize(height, width, factor, settings.min_pixels, settings.max_pixels, name, num_frames, tps)
 
 
 # ------------------------------------------------------------------------------- frame sampling
