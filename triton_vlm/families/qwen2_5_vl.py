@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -117,15 +116,6 @@ def sample_frames(metadata, *, fps: float | None = 2.0, num_frames: int | None =
         return torch.arange(total).numpy()
     # Same float32 arithmetic as transformers, so the same frames are picked.
     return torch.arange(0, total, total / wanted).int().numpy()
-
-
-def make_sampler(fps: float | None = 2.0, num_frames: int | None = None, min_frames: int = 4,
-                 max_frames: int = 768, temporal_patch_size: int = 2):
-    """A `media.decode_video` sampler with these options bound."""
-    if num_frames is not None:
-        fps = None
-    return partial(sample_frames, fps=fps, num_frames=num_frames, min_frames=min_frames,
-                   max_frames=max_frames, temporal_patch_size=temporal_patch_size)
 
 
 def video_t_factor(config: dict, second_per_grid_ts: float) -> float:
