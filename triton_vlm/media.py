@@ -177,6 +177,12 @@ def video_facts(metadata) -> tuple[int, float, float]:
         duration = round((total - 1) / fps) + 1
     return total, fps, duration
 
+
+def distinct_indices(indices) -> np.ndarray:
+    """A sampler's frame indices without repeats, first occurrences in order; the first frame if none."""
+    return np.array(list(dict.fromkeys(int(i) for i in indices)) or [0], dtype=np.int64)
+
+
 @dataclass
 class VideoMetadata:
     """What transformers' `VideoMetadata` holds, for the decoded file and its sampled frames."""

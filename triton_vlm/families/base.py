@@ -92,6 +92,14 @@ class Family:
     video_processor_types: tuple[str, ...] = ()
 
 
+def patch_encoder_dims(config: dict) -> tuple[int, int]:
+    """`Family.encoder_dims` of Qwen2-VL-style towers (GLM's too): a row holds in_channels *
+    temporal_patch_size * patch_size^2 pixel values; embeddings are out_hidden_size wide."""
+    vision = config["vision_config"]
+    patch_dim = vision.get("in_channels", 3) * vision["temporal_patch_size"] * vision["patch_size"] ** 2
+    return patch_dim, vision["out_hidden_size"]
+
+
 def chat_template(*, prefix: str, message_start: str, message_end: str, image: str, video: str,
                   generation_prompt: str) -> str:
     """A Jinja chat template reduced to what the demo needs: text, image and video content parts.

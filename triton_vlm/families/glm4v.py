@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 
 from triton_vlm.errors import InvalidInput
-from triton_vlm.families.base import Family, MediaLayout, chat_template, expand_plain
+from triton_vlm.families.base import Family, MediaLayout, chat_template, expand_plain, patch_encoder_dims
 from triton_vlm.imaging import smart_resize
-from triton_vlm.media import video_facts
+from triton_vlm.media import distinct_indices, video_facts
 from triton_vlm.mrope import MediaSpan
 
 IMAGE_TOKEN, VIDEO_TOKEN = "<|image|>", "<|video|>"
@@ -119,12 +119,6 @@ def write_demo(out: Path, size: str, tokenizer, seed: int, *, variant: str) -> N
     processor.save_pretrained(out)
 
 
-def encoder_dims(config: dict) -> tuple[int, int]:
-    vision = config["vision_config"]
-    patch_dim = vision.get("in_channels", 3) * vision["temporal_patch_size"] * vision["patch_size"] ** 2
-    return patch_dim, vision["out_hidden_size"]
-
-
 # ------------------------------------------------------------------------------------- resizing
 
 def resize_rule(height: int, width: int, settings, num_frames: int, name: str) -> tuple[int, int]:
@@ -150,12 +144,6 @@ def resize_rule(height: int, width: int, settings, num_frames: int, name: str) -
 # is kept.
 
 _MAX_SAMPLES = 1_000_000  # candidate indices one request may make the GLM-4.1V rule enumerate
-
-
-def _distinct(indices) -> np.ndarray:
-    """The indices without repeats, first occurrences in order; the first frame if none."""
-    indices = [int(i) for i in indices]
-    return np.array(list(dict.fromkeys(indices)) or [0], dtype=np.int64)
 
 
 def _no_frame_count(num_frames: int | None) -> None:
@@ -186,7 +174,7 @@ def sample_frames_glm4v(metadata, *, fps: float = 2.0, num_frames: int | None = 
         else:
             seconds = np.linspace(0, duration, num_samples, endpoint=True)
             indices = np.minimum(max_idx, np.ceil(seconds * video_fps).astype(np.int64))
-    return _distinct(indices)
+    return distinct_indices(indices)
 
 
 def _sample_by_seconds(total: int, video_fps: float, extract_t: int, step: float, stop: float,
@@ -233,7 +221,7 @@ def sample_frames_glm46v(metadata, *, num_frames: int | None = None, temporal_pa
     indices = _sample_by_seconds(
         total, video_fps, extract_t, step=1 / (temporal_patch_size * target_fps), stop=int(duration),
         spread=lambda n: np.linspace(0, total - 1, n, dtype=int).tolist())
-    return _distinct(indices)
+    return distinct_indices(indices)
 
 
 def sample_frames_glmga(metadata, *, fps: float = 2.0, num_frames: int | None = None,
@@ -245,7 +233,7 @@ def sample_frames_glmga(metadata, *, fps: float = 2.0, num_frames: int | None = 
     indices = _sample_by_seconds(
         total, video_fps, extract_t, step=1 / fps, stop=duration - 1 / fps,
         spread=lambda n: [math.floor(i * total / n) for i in range(n)])
-    return _distinct(indices)
+    return distinct_indices(indices)
 
 
 # ------------------------------------------------------------------------------ video prompt
@@ -296,7 +284,7 @@ def _family(name: str, model_types: tuple[str, ...], sample_frames, timestamp_te
         special_tokens=SPECIAL_TOKENS,
         eos_tokens=EOS_TOKENS,
         named_special_tokens={"image_token": IMAGE_TOKEN, "video_token": VIDEO_TOKEN},
-        encoder_dims=encoder_dims,
+        encoder_dims=patch_encoder_dims,
         demo_sizes=DEMO_SIZES,
         write_demo=partial(write_demo, variant=name),
         chat_template=CHAT_TEMPLATE,
