@@ -17,6 +17,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,6 @@ from triton_vlm.media import (PlannedVideo, decode_image, decode_item_bytes, dec
 from triton_vlm.mrope import MediaSpan, mrope_positions
 
 MM_OPTION_KEYS = ("min_pixels", "max_pixels", "fps", "num_frames", "max_frames")
-
 
 
 @dataclass
@@ -138,7 +138,7 @@ class Preprocessor:
         return value
 
     # ------------------------------------------------------------------------------ options
-    def _options(self, mm_options: Any) -> tuple[VisionSettings, VisionSettings, VideoSampling, dict]:
+    def _options(self, mm_options: Any) -> tuple[VisionSettings, VisionSettings, VideoSampling]:
         if mm_options is None or mm_options == b"" or mm_options == "":
             options = {}
         elif isinstance(mm_options, dict):
@@ -191,13 +191,9 @@ class Preprocessor:
             sampling = dataclasses.replace(sampling, fps=float(opts["fps"]), num_frames=None)
         if "max_frames" in opts:
             sampling = dataclasses.replace(sampling, max_frames=opts["max_frames"])
-        return image, video, sampling, opts
+        return image, video, sampling
 
     # ------------------------------------------------------------------------------ request
-    @staticmethod
-    def _video_settings(settings: VisionSettings, sampling: VideoSampling, num_frames: int) -> VisionSettings:
-        return _capped(settings, sampling, num_frames) if sampling.cap_pixels_per_frame else settings
-
     def _encode(self, text: str) -> np.ndarray:
         return np.asarray(self.tokenizer.encode(text).ids, dtype=np.int32)
 
@@ -235,7 +231,7 @@ class Preprocessor:
         if n_media > self.limits.max_media_items:
             raise InvalidInput(f"images, videos: {n_media} media items exceed "
                                f"max_media_items={self.limits.max_media_items}")
-        image_settings, video_settings, sampling, _ = self._options(mm_options)
+        image_settings, video_settings, sampling = self._options(mm_options)
 
         ids = self._encode(text)
         if ids.shape[0] == 0 and not n_media:
@@ -277,6 +273,7 @@ class Preprocessor:
             index[names[-1]] = counters[kind]
             counters[kind] += 1
 
+        sampler = _bind_sampler(self.family.sample_frames, sampling, video_settings)
         # Phase 1 (items in parallel threads: Pillow, PyAV and torch release the GIL): each item's
         # size and grid, from headers where they tell (JPEG images, H.264 videos: nothing decoded
         # yet), else by decoding and resizing. Phase 2, once the output buffer exists: the rest is
@@ -286,22 +283,19 @@ class Preprocessor:
             data = encoded[name]
             item = _Item(name, data, index=index[name])
             if name.startswith("videos"):
-                sampler = _bind_sampler(self.family.sample_frames, sampling, video_settings)
                 item.planned = plan_video(data, name, sampler, limits)
                 if item.planned is not None:
                     meta = item.planned.meta
-                    item.settings = self._video_settings(video_settings, sampling, len(meta.frames_indices))
-                    item.layout = self._layout(meta.height, meta.width, item.settings, name,
-                                               len(meta.frames_indices))
                     n_frames = len(meta.frames_indices)
+                    item.settings = _frame_settings(video_settings, sampling, n_frames)
+                    item.layout = self._layout(meta.height, meta.width, item.settings, name, n_frames)
                 else:
                     chosen = {}
 
                     def resizer(meta):
-                        chosen["settings"] = self._video_settings(video_settings, sampling,
-                                                                  len(meta.frames_indices))
-                        layout = chosen["layout"] = self._layout(meta.height, meta.width, chosen["settings"], name,
-                                                                 len(meta.frames_indices))
+                        n = len(meta.frames_indices)
+                        chosen["settings"] = _frame_settings(video_settings, sampling, n)
+                        layout = chosen["layout"] = self._layout(meta.height, meta.width, chosen["settings"], name, n)
                         return layout.stored, lambda f: layout.resize(f, chosen["settings"])
 
                     item.frames, meta = decode_video(data, name, sampler, limits, resizer)
@@ -426,8 +420,6 @@ def _map(fn, args) -> list:
 
 def _bind_sampler(sample_frames, sampling: VideoSampling, settings: VisionSettings):
     """The family's frame sampler with this request's options."""
-    from functools import partial
-
     if sample_frames is None:
         return lambda meta: np.arange(meta.total_num_frames)
     return partial(sample_frames, fps=sampling.fps, num_frames=sampling.num_frames,
@@ -435,8 +427,11 @@ def _bind_sampler(sample_frames, sampling: VideoSampling, settings: VisionSettin
                    temporal_patch_size=settings.temporal_patch_size, **dict(sampling.extra))
 
 
-def _capped(settings: VisionSettings, sampling: VideoSampling, num_frames: int) -> VisionSettings:
-    """transformers' `cap_pixels_per_frame`: each frame gets an even share of the video's pixel budget."""
+def _frame_settings(settings: VisionSettings, sampling: VideoSampling, num_frames: int) -> VisionSettings:
+    """The video settings for `num_frames` frames: with transformers' `cap_pixels_per_frame`, each
+    frame gets an even share of the video's pixel budget."""
+    if not sampling.cap_pixels_per_frame:
+        return settings
     factor = settings.factor
     total_pixels = int(sampling.max_video_tokens * factor * factor * 0.9)
     max_pixels = max(min(settings.max_pixels, total_pixels * settings.temporal_patch_size // num_frames),
