@@ -276,23 +276,23 @@ def _demux(data: bytes, name: str, limits: Limits):
     return facts, packets
 
 
-def decode_video(data: bytes, name: str, sampler: Sampler,
-                 limits: Limits = DEFAULT_LIMITS, resizer: Resizer | None = None) -> tuple[np.ndarray, VideoMetadata]:
+def decode_video(data: bytes, name: str, sampler: Sampler, limits: Limits = DEFAULT_LIMITS,
+                 resizer: Resizer | None = None, fast_path: bool = True) -> tuple[np.ndarray, VideoMetadata]:
     """Decode the frames `sampler` keeps: uint8 [T, H, W, 3] and the file's metadata with
-    `frames_indices` set. With a `resizer`, each
-    kept frame is resized as soon as it is decoded (no full-size copy of the video is kept) and
-    the result is [T, h, w, 3] at the size the resizer chose.
+    `frames_indices` set. With a `resizer`, each kept frame is resized as soon as it is decoded (no
+    full-size copy of the video is kept) and the result is [T, h, w, 3] at the size the resizer chose.
 
     Frames are counted and sampled as transformers' pyav loader does (the header's frame count,
     frame i = the i-th decoded frame, pixels as stored: like that loader, rotation metadata is
     not applied). H.264 takes a fast path that feeds the decoder only the packets the kept frames
     need (whole GOPs without a kept frame and non-reference frames not kept are skipped); anything
-    it cannot vouch for falls back to decoding every frame up to the last kept one.
+    it cannot vouch for falls back to decoding every frame up to the last kept one. `fast_path`
+    False goes straight to that (for callers whose `plan_video` already tried).
     """
     try:
         facts, packets = _demux(data, name, limits)
         width, height, fps = facts["width"], facts["height"], facts["fps"]
-        planned = _plan(facts, packets, data, name, sampler, limits)
+        planned = _plan(facts, packets, data, name, sampler, limits) if fast_path else None
         if planned is not None:
             out, store = _output(planned.meta, planned.meta.frames_indices, width, height, resizer)
             if planned.decode(store):

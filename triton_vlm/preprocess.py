@@ -298,7 +298,7 @@ class Preprocessor:
                         layout = chosen["layout"] = self._layout(meta.height, meta.width, chosen["settings"], name, n)
                         return layout.stored, lambda f: layout.resize(f, chosen["settings"])
 
-                    item.frames, meta = decode_video(data, name, sampler, limits, resizer)
+                    item.frames, meta = decode_video(data, name, sampler, limits, resizer, fast_path=False)
                     item.settings, item.layout = chosen["settings"], chosen["layout"]
                     n_frames = item.frames.shape[0]
                 second_per_grid_ts = item.settings.temporal_patch_size / meta.sampled_fps
@@ -400,7 +400,7 @@ def _fill(item: _Item, out: np.ndarray, limits: Limits) -> None:
         # The fast path could not vouch for its frames: decode everything, which must agree.
         sampler = lambda _meta: meta.frames_indices  # noqa: E731
         frames, _ = decode_video(item.data, item.name, sampler, limits,
-                                 lambda _m: (layout.stored, lambda f: layout.resize(f, settings)))
+                                 lambda _m: (layout.stored, lambda f: layout.resize(f, settings)), fast_path=False)
         if frames.shape[0] != n:
             raise InvalidInput(f"{item.name}: not a decodable video")
         layout.write(frames, settings, out)
