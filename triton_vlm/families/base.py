@@ -48,10 +48,10 @@ class Family:
     # (`image_token`, `video_token`, ...) that HF processors read off the tokenizer.
     special_tokens: tuple[str, ...]
     named_special_tokens: dict[str, str]
-    # Builds the HF config / model / processor for a random-weight demo checkpoint.
     # (pixel_values row width, embedding width) from the checkpoint's config.json.
     encoder_dims: Callable[[dict], tuple[int, int]]
     demo_sizes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Builds the HF config / model / processor for a random-weight demo checkpoint.
     write_demo: Callable[..., None] | None = None
     chat_template: str = ""
     # Video frame sampling (`preprocess`): `sample_frames(metadata, *, fps, num_frames, min_frames,
