@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 from fractions import Fraction
+from functools import partial
 
 import av
 import numpy as np
@@ -210,7 +211,7 @@ def test_rotation_metadata_as_the_hf_loader(pre, tmp_path):
     """transformers' pyav loader returns frames as stored (it ignores the display matrix); so do we."""
     from transformers.video_utils import load_video
 
-    from triton_vlm.families.qwen2_5_vl import make_sampler
+    from triton_vlm.families.qwen2_5_vl import sample_frames
     from triton_vlm.media import decode_video
 
     data = _encode(_frames(10, 96, 64), 10, rotation=90)
@@ -219,7 +220,7 @@ def test_rotation_metadata_as_the_hf_loader(pre, tmp_path):
         assert first.rotation != 0  # the file really carries rotation metadata
     path = tmp_path / "rotated.mp4"
     path.write_bytes(data)
-    sampler = make_sampler(fps=2.0)
+    sampler = partial(sample_frames, fps=2.0)
     hf_frames, hf_meta = load_video(str(path), backend="pyav", sample_indices_fn=lambda metadata, **_: sampler(metadata))
     frames, meta = decode_video(data, "videos[0]", sampler)
     assert frames.shape == hf_frames.shape == (4, 64, 96, 3)
@@ -251,10 +252,11 @@ def test_fps_missing_or_zero_comes_from_timestamps(rates):
 def test_h264_fast_path_equals_full_decode(monkeypatch):
     """The packet-skipping H.264 path keeps exactly the frames decoding everything would."""
     from triton_vlm import media
-    from triton_vlm.families.qwen2_5_vl import make_sampler
+    from triton_vlm.families.qwen2_5_vl import sample_frames
 
     data = _encode(_frames(150, 64, 48), 30)
-    for sampler in (make_sampler(fps=2.0), make_sampler(num_frames=6), make_sampler(fps=0.5)):
+    for sampler in (partial(sample_frames, fps=2.0), partial(sample_frames, num_frames=6),
+                    partial(sample_frames, fps=0.5)):
         facts, packets = media._demux(data, "v", media.DEFAULT_LIMITS)
         assert media._h264_plan(facts, packets) is not None
         fast, fast_meta = media.decode_video(data, "v", sampler)

@@ -60,8 +60,10 @@ class VisionSettings:
 
 
 def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 56 * 56,
-                 max_pixels: int = 14 * 14 * 4 * 1280, name: str = "input") -> tuple[int, int]:
-    """transformers' Qwen2-VL `smart_resize`; an aspect ratio over 200 raises `InvalidInput`."""
+                 max_pixels: int = 14 * 14 * 4 * 1280, name: str = "input", num_frames: int = 1,
+                 temporal_factor: int = 1) -> tuple[int, int]:
+    """transformers' Qwen2-VL `smart_resize`; an aspect ratio over 200 raises `InvalidInput`. With
+    `num_frames` and `temporal_factor`, GLM's: the pixel budget covers all frames."""
     if height <= 0 or width <= 0:
         raise InvalidInput(f"{name}: image has no pixels")
     if max(height, width) / min(height, width) > 200:
@@ -69,12 +71,13 @@ def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 56
                            f"exceeds max_aspect_ratio=200")
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
+    t_bar = round(num_frames / temporal_factor) * temporal_factor
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((num_frames * height * width) / max_pixels)
         h_bar = max(factor, math.floor(height / beta / factor) * factor)
         w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (num_frames * height * width))
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar

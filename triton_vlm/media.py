@@ -177,6 +177,12 @@ def video_facts(metadata) -> tuple[int, float, float]:
         duration = round((total - 1) / fps) + 1
     return total, fps, duration
 
+
+def distinct_indices(indices) -> np.ndarray:
+    """A sampler's frame indices without repeats, first occurrences in order; the first frame if none."""
+    return np.array(list(dict.fromkeys(int(i) for i in indices)) or [0], dtype=np.int64)
+
+
 @dataclass
 class VideoMetadata:
     """What transformers' `VideoMetadata` holds, for the decoded file and its sampled frames."""
@@ -270,26 +276,23 @@ def _demux(data: bytes, name: str, limits: Limits):
     return facts, packets
 
 
-def decode_video(data: bytes, name: str, sampler: Sampler | None = None,
-                 limits: Limits = DEFAULT_LIMITS, resizer: Resizer | None = None) -> tuple[np.ndarray, VideoMetadata]:
+def decode_video(data: bytes, name: str, sampler: Sampler, limits: Limits = DEFAULT_LIMITS,
+                 resizer: Resizer | None = None, fast_path: bool = True) -> tuple[np.ndarray, VideoMetadata]:
     """Decode the frames `sampler` keeps: uint8 [T, H, W, 3] and the file's metadata with
-    `frames_indices` set. The default sampler is Qwen2-VL's rule at 2 fps. With a `resizer`, each
-    kept frame is resized as soon as it is decoded (no full-size copy of the video is kept) and
-    the result is [T, h, w, 3] at the size the resizer chose.
+    `frames_indices` set. With a `resizer`, each kept frame is resized as soon as it is decoded (no
+    full-size copy of the video is kept) and the result is [T, h, w, 3] at the size the resizer chose.
 
     Frames are counted and sampled as transformers' pyav loader does (the header's frame count,
     frame i = the i-th decoded frame, pixels as stored: like that loader, rotation metadata is
     not applied). H.264 takes a fast path that feeds the decoder only the packets the kept frames
     need (whole GOPs without a kept frame and non-reference frames not kept are skipped); anything
-    it cannot vouch for falls back to decoding every frame up to the last kept one.
+    it cannot vouch for falls back to decoding every frame up to the last kept one. `fast_path`
+    False goes straight to that (for callers whose `plan_video` already tried).
     """
-    if sampler is None:
-        from triton_vlm.families.qwen2_5_vl import make_sampler
-        sampler = make_sampler()
     try:
         facts, packets = _demux(data, name, limits)
         width, height, fps = facts["width"], facts["height"], facts["fps"]
-        planned = _plan(facts, packets, data, name, sampler, limits)
+        planned = _plan(facts, packets, data, name, sampler, limits) if fast_path else None
         if planned is not None:
             out, store = _output(planned.meta, planned.meta.frames_indices, width, height, resizer)
             if planned.decode(store):
@@ -361,7 +364,8 @@ def _h264_plan(facts: dict, packets: list):
     return plan
 
 
-def _rgb(frame, width: int, height: int) -> np.ndarray:
+def frame_rgb(frame, width: int, height: int) -> np.ndarray:
+    """A decoded frame as uint8 RGB [height, width, 3] (as transformers' pyav loader converts it)."""
     if frame.width != width or frame.height != height:
         return frame.to_ndarray(format="rgb24", width=width, height=height)
     return frame.to_ndarray(format="rgb24")
@@ -373,24 +377,21 @@ def _output(meta: VideoMetadata, indices: np.ndarray, width: int, height: int, r
         out = np.empty((indices.size, height, width, 3), dtype=np.uint8)
 
         def store(k: int, frame) -> None:
-            out[k] = _rgb(frame, width, height)
+            out[k] = frame_rgb(frame, width, height)
     else:
         (th, tw), resize = resizer(meta)
         out = np.empty((indices.size, th, tw, 3), dtype=np.uint8)
 
         def store(k: int, frame) -> None:
-            out[k] = resize(_rgb(frame, width, height)[None])[0]
+            out[k] = resize(frame_rgb(frame, width, height)[None])[0]
     return out, store
 
 
-def plan_video(data: bytes, name: str, sampler: Sampler | None = None,
+def plan_video(data: bytes, name: str, sampler: Sampler,
                limits: Limits = DEFAULT_LIMITS) -> PlannedVideo | None:
     """The sampled frames of a video the fast path can decode (AVCC H.264, see `decode_video`),
     known before decoding anything: `.meta` has `frames_indices`; `.decode(store)` then calls
     `store(k, frame)` for each kept frame (from worker threads). None: use `decode_video`."""
-    if sampler is None:
-        from triton_vlm.families.qwen2_5_vl import make_sampler
-        sampler = make_sampler()
     try:
         facts, packets = _demux(data, name, limits)
         return _plan(facts, packets, data, name, sampler, limits)
@@ -465,11 +466,6 @@ class PlannedVideo:
             return filled
         finally:
             container.close()
-
-
-def frame_rgb(frame, width: int, height: int) -> np.ndarray:
-    """A decoded frame as uint8 RGB [height, width, 3] (as transformers' pyav loader converts it)."""
-    return _rgb(frame, width, height)
 
 
 def _sample(total, fps, width, height, name, sampler, limits):

@@ -17,6 +17,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,6 @@ from triton_vlm.media import (PlannedVideo, decode_image, decode_item_bytes, dec
 from triton_vlm.mrope import MediaSpan, mrope_positions
 
 MM_OPTION_KEYS = ("min_pixels", "max_pixels", "fps", "num_frames", "max_frames")
-
 
 
 @dataclass
@@ -138,7 +138,7 @@ class Preprocessor:
         return value
 
     # ------------------------------------------------------------------------------ options
-    def _options(self, mm_options: Any) -> tuple[VisionSettings, VisionSettings, VideoSampling, dict]:
+    def _options(self, mm_options: Any) -> tuple[VisionSettings, VisionSettings, VideoSampling]:
         if mm_options is None or mm_options == b"" or mm_options == "":
             options = {}
         elif isinstance(mm_options, dict):
@@ -191,13 +191,9 @@ class Preprocessor:
             sampling = dataclasses.replace(sampling, fps=float(opts["fps"]), num_frames=None)
         if "max_frames" in opts:
             sampling = dataclasses.replace(sampling, max_frames=opts["max_frames"])
-        return image, video, sampling, opts
+        return image, video, sampling
 
     # ------------------------------------------------------------------------------ request
-    @staticmethod
-    def _video_settings(settings: VisionSettings, sampling: VideoSampling, num_frames: int) -> VisionSettings:
-        return _capped(settings, sampling, num_frames) if sampling.cap_pixels_per_frame else settings
-
     def _encode(self, text: str) -> np.ndarray:
         return np.asarray(self.tokenizer.encode(text).ids, dtype=np.int32)
 
@@ -216,16 +212,10 @@ class Preprocessor:
         """The ids `item`'s placeholder token becomes, and the M-RoPE spans of its embedding runs
         (offsets relative to the first id)."""
         video = item.name.startswith("videos")
-        if self.family.expand_media is not None:
-            media = MediaLayout(video=video, index=item.index, grids=item.grids, views=item.layout.views,
-                                num_frames=item.num_frames, settings=item.settings)
-            return self.family.expand_media(media, self._vocab_id, self._encode_pieces)
-        m = item.settings.merge_size
-        grid = (item.grids[0][0], item.grids[0][1] // m, item.grids[0][2] // m)
-        if video and self.family.expand_video is not None:
-            return self.family.expand_video(grid, item.timestamps, self._vocab_id, self._encode_pieces)
-        token = self.video_token_id if video else self.image_token_id
-        return np.full(grid[0] * grid[1] * grid[2], token, dtype=np.int32), [MediaSpan(0, *grid, item.t_factor)]
+        media = MediaLayout(video=video, index=item.index, token=self.video_token_id if video else self.image_token_id,
+                            grids=item.grids, views=item.layout.views, num_frames=item.num_frames,
+                            settings=item.settings, timestamps=item.timestamps, t_factor=item.t_factor)
+        return self.family.expand_media(media, self._vocab_id, self._encode_pieces)
 
     def __call__(self, text: str | bytes, images: list[bytes] | None = None, videos: list[bytes] | None = None,
                  mm_options: dict | str | bytes | None = None) -> PreprocessOutput:
@@ -241,7 +231,7 @@ class Preprocessor:
         if n_media > self.limits.max_media_items:
             raise InvalidInput(f"images, videos: {n_media} media items exceed "
                                f"max_media_items={self.limits.max_media_items}")
-        image_settings, video_settings, sampling, _ = self._options(mm_options)
+        image_settings, video_settings, sampling = self._options(mm_options)
 
         ids = self._encode(text)
         if ids.shape[0] == 0 and not n_media:
@@ -283,6 +273,7 @@ class Preprocessor:
             index[names[-1]] = counters[kind]
             counters[kind] += 1
 
+        sampler = _bind_sampler(self.family.sample_frames, sampling, video_settings)
         # Phase 1 (items in parallel threads: Pillow, PyAV and torch release the GIL): each item's
         # size and grid, from headers where they tell (JPEG images, H.264 videos: nothing decoded
         # yet), else by decoding and resizing. Phase 2, once the output buffer exists: the rest is
@@ -292,25 +283,22 @@ class Preprocessor:
             data = encoded[name]
             item = _Item(name, data, index=index[name])
             if name.startswith("videos"):
-                sampler = _bind_sampler(self.family.sample_frames, sampling, video_settings)
                 item.planned = plan_video(data, name, sampler, limits)
                 if item.planned is not None:
                     meta = item.planned.meta
-                    item.settings = self._video_settings(video_settings, sampling, len(meta.frames_indices))
-                    item.layout = self._layout(meta.height, meta.width, item.settings, name,
-                                               len(meta.frames_indices))
                     n_frames = len(meta.frames_indices)
+                    item.settings = _frame_settings(video_settings, sampling, n_frames)
+                    item.layout = self._layout(meta.height, meta.width, item.settings, name, n_frames)
                 else:
                     chosen = {}
 
                     def resizer(meta):
-                        chosen["settings"] = self._video_settings(video_settings, sampling,
-                                                                  len(meta.frames_indices))
-                        layout = chosen["layout"] = self._layout(meta.height, meta.width, chosen["settings"], name,
-                                                                 len(meta.frames_indices))
+                        n = len(meta.frames_indices)
+                        chosen["settings"] = _frame_settings(video_settings, sampling, n)
+                        layout = chosen["layout"] = self._layout(meta.height, meta.width, chosen["settings"], name, n)
                         return layout.stored, lambda f: layout.resize(f, chosen["settings"])
 
-                    item.frames, meta = decode_video(data, name, sampler, limits, resizer)
+                    item.frames, meta = decode_video(data, name, sampler, limits, resizer, fast_path=False)
                     item.settings, item.layout = chosen["settings"], chosen["layout"]
                     n_frames = item.frames.shape[0]
                 second_per_grid_ts = item.settings.temporal_patch_size / meta.sampled_fps
@@ -412,7 +400,7 @@ def _fill(item: _Item, out: np.ndarray, limits: Limits) -> None:
         # The fast path could not vouch for its frames: decode everything, which must agree.
         sampler = lambda _meta: meta.frames_indices  # noqa: E731
         frames, _ = decode_video(item.data, item.name, sampler, limits,
-                                 lambda _m: (layout.stored, lambda f: layout.resize(f, settings)))
+                                 lambda _m: (layout.stored, lambda f: layout.resize(f, settings)), fast_path=False)
         if frames.shape[0] != n:
             raise InvalidInput(f"{item.name}: not a decodable video")
         layout.write(frames, settings, out)
@@ -432,8 +420,6 @@ def _map(fn, args) -> list:
 
 def _bind_sampler(sample_frames, sampling: VideoSampling, settings: VisionSettings):
     """The family's frame sampler with this request's options."""
-    from functools import partial
-
     if sample_frames is None:
         return lambda meta: np.arange(meta.total_num_frames)
     return partial(sample_frames, fps=sampling.fps, num_frames=sampling.num_frames,
@@ -441,8 +427,11 @@ def _bind_sampler(sample_frames, sampling: VideoSampling, settings: VisionSettin
                    temporal_patch_size=settings.temporal_patch_size, **dict(sampling.extra))
 
 
-def _capped(settings: VisionSettings, sampling: VideoSampling, num_frames: int) -> VisionSettings:
-    """transformers' `cap_pixels_per_frame`: each frame gets an even share of the video's pixel budget."""
+def _frame_settings(settings: VisionSettings, sampling: VideoSampling, num_frames: int) -> VisionSettings:
+    """The video settings for `num_frames` frames: with transformers' `cap_pixels_per_frame`, each
+    frame gets an even share of the video's pixel budget."""
+    if not sampling.cap_pixels_per_frame:
+        return settings
     factor = settings.factor
     total_pixels = int(sampling.max_video_tokens * factor * factor * 0.9)
     max_pixels = max(min(settings.max_pixels, total_pixels * settings.temporal_patch_size // num_frames),

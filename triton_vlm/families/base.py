@@ -4,7 +4,37 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
+
 from triton_vlm.imaging import View, VisionSettings
+from triton_vlm.mrope import MediaSpan
+
+
+@dataclass(frozen=True)
+class MediaLayout:
+    """What `Family.expand_media` sees of one media item."""
+    video: bool
+    index: int                          # among the prompt's items of its kind (images or videos)
+    token: int                          # its placeholder token's id
+    grids: list[tuple[int, int, int]]   # its grid_thw rows (vision patches), prompt order
+    views: tuple[View, ...]             # each frame's views (`Family.slice_rule`)
+    num_frames: int
+    settings: VisionSettings
+    timestamps: np.ndarray | None = None  # a video's sampled frames, in seconds
+    t_factor: float = 1.0               # M-RoPE temporal scale (`Family.video_t_factor`)
+
+    @property
+    def merged_grid(self) -> tuple[int, int, int]:
+        """The LLM grid (t, h, w) after the spatial merge, of an item with one grid row."""
+        (t, h, w), m = self.grids[0], self.settings.merge_size
+        return t, h // m, w // m
+
+
+def expand_plain(media: MediaLayout, token_id: Callable[[str], int],
+                 encode: Callable[[list[str]], list[list[int]]]) -> tuple[np.ndarray, list[MediaSpan]]:
+    """t * h * w copies of the placeholder token (`merged_grid`), one span."""
+    t, h, w = media.merged_grid
+    return np.full(t * h * w, media.token, dtype=np.int32), [MediaSpan(0, t, h, w, media.t_factor)]
 
 
 @dataclass(frozen=True)
@@ -18,10 +48,10 @@ class Family:
     # (`image_token`, `video_token`, ...) that HF processors read off the tokenizer.
     special_tokens: tuple[str, ...]
     named_special_tokens: dict[str, str]
-    # Builds the HF config / model / processor for a random-weight demo checkpoint.
     # (pixel_values row width, embedding width) from the checkpoint's config.json.
     encoder_dims: Callable[[dict], tuple[int, int]]
     demo_sizes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Builds the HF config / model / processor for a random-weight demo checkpoint.
     write_demo: Callable[..., None] | None = None
     chat_template: str = ""
     # Video frame sampling (`preprocess`): `sample_frames(metadata, *, fps, num_frames, min_frames,
@@ -48,16 +78,11 @@ class Family:
     # the family's transformers processor class defaults (Qwen2-VL's here).
     image_size_default: tuple[int, int] = (56 * 56, 28 * 28 * 1280)
     video_size_default: tuple[int, int] = (128 * 28 * 28, 28 * 28 * 768)
-    # What any media item's placeholder token becomes, images and videos (MiniCPM-V's numbered,
-    # sliced runs): `expand_media(media: MediaLayout, token_id, encode) -> (ids, spans)`, arguments
-    # and result as `expand_video`'s. Takes precedence over `expand_video`.
-    expand_media: Callable[..., Any] | None = None
-    # What a video's placeholder token becomes: `expand_video(grid, timestamps, token_id, encode) ->
-    # (ids int32 [n], spans)`, `grid` the LLM grid (t, h, w) after the spatial merge, `timestamps` the
-    # sampled frames' seconds, `token_id(token) -> id`, `encode(texts) -> ids per text` (no special
-    # tokens added), `spans` the `MediaSpan`s of its embedding runs, offsets relative to the first id.
-    # None: t * h * w copies of the placeholder token, one span.
-    expand_video: Callable[..., Any] | None = None
+    # What a media item's placeholder token becomes: `expand_media(media: MediaLayout, token_id,
+    # encode) -> (ids int32 [n], spans)`, `token_id(token) -> id`, `encode(texts) -> ids per text`
+    # (no special tokens added), `spans` the `MediaSpan`s of its embedding runs, offsets relative to
+    # the first id. Default: `expand_plain`.
+    expand_media: Callable[..., tuple[np.ndarray, list[MediaSpan]]] = expand_plain
     # M-RoPE temporal scale of a video: `video_t_factor(config_json, second_per_grid_ts)`.
     video_t_factor: Callable[[dict, float], float] | None = None
     # Generation stops on these; the first is the tokenizer's eos. The pad token is special_tokens[0].
@@ -67,15 +92,12 @@ class Family:
     video_processor_types: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True)
-class MediaLayout:
-    """What `Family.expand_media` sees of one media item."""
-    video: bool
-    index: int                          # among the prompt's items of its kind (images or videos)
-    grids: list[tuple[int, int, int]]   # its grid_thw rows (vision patches), prompt order
-    views: tuple[View, ...]             # each frame's views (`Family.slice_rule`)
-    num_frames: int
-    settings: VisionSettings
+def patch_encoder_dims(config: dict) -> tuple[int, int]:
+    """`Family.encoder_dims` of Qwen2-VL-style towers (GLM's too): a row holds in_channels *
+    temporal_patch_size * patch_size^2 pixel values; embeddings are out_hidden_size wide."""
+    vision = config["vision_config"]
+    patch_dim = vision.get("in_channels", 3) * vision["temporal_patch_size"] * vision["patch_size"] ** 2
+    return patch_dim, vision["out_hidden_size"]
 
 
 def chat_template(*, prefix: str, message_start: str, message_end: str, image: str, video: str,

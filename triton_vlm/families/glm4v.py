@@ -7,7 +7,7 @@ size limits. Each variant is a `Family`; which one serves a checkpoint is read f
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 
 from triton_vlm.errors import InvalidInput
-from triton_vlm.families.base import Family, chat_template
-from triton_vlm.media import video_facts
+from triton_vlm.families.base import Family, MediaLayout, chat_template, expand_plain, patch_encoder_dims
+from triton_vlm.imaging import smart_resize
+from triton_vlm.media import distinct_indices, video_facts
 from triton_vlm.mrope import MediaSpan
 
 IMAGE_TOKEN, VIDEO_TOKEN = "<|image|>", "<|video|>"
@@ -118,12 +119,6 @@ def write_demo(out: Path, size: str, tokenizer, seed: int, *, variant: str) -> N
     processor.save_pretrained(out)
 
 
-def encoder_dims(config: dict) -> tuple[int, int]:
-    vision = config["vision_config"]
-    patch_dim = vision.get("in_channels", 3) * vision["temporal_patch_size"] * vision["patch_size"] ** 2
-    return patch_dim, vision["out_hidden_size"]
-
-
 # ------------------------------------------------------------------------------------- resizing
 
 def resize_rule(height: int, width: int, settings, num_frames: int, name: str) -> tuple[int, int]:
@@ -138,21 +133,7 @@ def resize_rule(height: int, width: int, settings, num_frames: int, name: str) -
     if height < factor or width < factor:
         scale = max(factor / height, factor / width)
         height, width = int(height * scale), int(width * scale)
-    if max(height, width) / min(height, width) > 200:
-        raise InvalidInput(f"{name}: aspect ratio {max(height, width) / min(height, width):.1f} "
-                           f"exceeds max_aspect_ratio=200")
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
-    t_bar = round(num_frames / tps) * tps
-    if t_bar * h_bar * w_bar > settings.max_pixels:
-        beta = math.sqrt((num_frames * height * width) / settings.max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif t_bar * h_bar * w_bar < settings.min_pixels:
-        beta = math.sqrt(settings.min_pixels / (num_frames * height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
+    return smart_resize(height, width, factor, settings.min_pixels, settings.max_pixels, name, num_frames, tps)
 
 
 # ------------------------------------------------------------------------------- frame sampling
@@ -163,12 +144,6 @@ def resize_rule(height: int, width: int, settings, num_frames: int, name: str) -
 # is kept.
 
 _MAX_SAMPLES = 1_000_000  # candidate indices one request may make the GLM-4.1V rule enumerate
-
-
-def _distinct(indices) -> np.ndarray:
-    """The indices without repeats, first occurrences in order; the first frame if none."""
-    indices = [int(i) for i in indices]
-    return np.array(list(dict.fromkeys(indices)) or [0], dtype=np.int64)
 
 
 def _no_frame_count(num_frames: int | None) -> None:
@@ -199,7 +174,7 @@ def sample_frames_glm4v(metadata, *, fps: float = 2.0, num_frames: int | None = 
         else:
             seconds = np.linspace(0, duration, num_samples, endpoint=True)
             indices = np.minimum(max_idx, np.ceil(seconds * video_fps).astype(np.int64))
-    return _distinct(indices)
+    return distinct_indices(indices)
 
 
 def _sample_by_seconds(total: int, video_fps: float, extract_t: int, step: float, stop: float,
@@ -246,7 +221,7 @@ def sample_frames_glm46v(metadata, *, num_frames: int | None = None, temporal_pa
     indices = _sample_by_seconds(
         total, video_fps, extract_t, step=1 / (temporal_patch_size * target_fps), stop=int(duration),
         spread=lambda n: np.linspace(0, total - 1, n, dtype=int).tolist())
-    return _distinct(indices)
+    return distinct_indices(indices)
 
 
 def sample_frames_glmga(metadata, *, fps: float = 2.0, num_frames: int | None = None,
@@ -258,7 +233,7 @@ def sample_frames_glmga(metadata, *, fps: float = 2.0, num_frames: int | None = 
     indices = _sample_by_seconds(
         total, video_fps, extract_t, step=1 / fps, stop=duration - 1 / fps,
         spread=lambda n: [math.floor(i * total / n) for i in range(n)])
-    return _distinct(indices)
+    return distinct_indices(indices)
 
 
 # ------------------------------------------------------------------------------ video prompt
@@ -271,14 +246,15 @@ def timestamp_seconds(seconds: float) -> str:
     return f"{seconds:.1f} seconds"
 
 
-def expand_video(grid: tuple[int, int, int], timestamps: Sequence[float], token_id: Callable[[str], int],
-                 encode: Callable[[list[str]], list[list[int]]], *,
-                 timestamp_text: Callable[[float], str]) -> tuple[np.ndarray, list[MediaSpan]]:
-    """The ids a `<|video|>` token becomes (`Glm4vProcessor.replace_video_token`): per temporal
-    patch `<|begin_of_image|>`, h * w `<|image|>` tokens, `<|end_of_image|>` and the timestamp
-    text of its first frame; each temporal patch is its own M-RoPE grid (t = 1)."""
-    t, h, w = grid
-    stamps = list(timestamps[::2])[:t]  # transformers takes every second frame's time, not every tps-th
+def expand_media(media: MediaLayout, token_id: Callable[[str], int], encode: Callable[[list[str]], list[list[int]]],
+                 *, timestamp_text: Callable[[float], str]) -> tuple[np.ndarray, list[MediaSpan]]:
+    """An image: `expand_plain`. A video's `<|video|>` token (`Glm4vProcessor.replace_video_token`):
+    per temporal patch `<|begin_of_image|>`, h * w `<|image|>` tokens, `<|end_of_image|>` and the
+    timestamp text of its first frame; each temporal patch is its own M-RoPE grid (t = 1)."""
+    if not media.video:
+        return expand_plain(media, token_id, encode)
+    t, h, w = media.merged_grid
+    stamps = list(media.timestamps[::2])[:t]  # transformers takes every second frame's time, not every tps-th
     stamps += [stamps[-1] if stamps else 0] * (t - len(stamps))
     texts = encode([timestamp_text(s) for s in stamps])
     begin, end, frame = token_id(BEGIN_IMAGE), token_id(END_IMAGE), token_id(IMAGE_TOKEN)
@@ -308,7 +284,7 @@ def _family(name: str, model_types: tuple[str, ...], sample_frames, timestamp_te
         special_tokens=SPECIAL_TOKENS,
         eos_tokens=EOS_TOKENS,
         named_special_tokens={"image_token": IMAGE_TOKEN, "video_token": VIDEO_TOKEN},
-        encoder_dims=encoder_dims,
+        encoder_dims=patch_encoder_dims,
         demo_sizes=DEMO_SIZES,
         write_demo=partial(write_demo, variant=name),
         chat_template=CHAT_TEMPLATE,
@@ -316,7 +292,7 @@ def _family(name: str, model_types: tuple[str, ...], sample_frames, timestamp_te
         default_video_fps=2.0,
         video_sampler_keys=video_sampler_keys,
         resize_rule=resize_rule,
-        expand_video=partial(expand_video, timestamp_text=timestamp_text),
+        expand_media=partial(expand_media, timestamp_text=timestamp_text),
         image_size_default=IMAGE_SIZE_DEFAULT,
         video_size_default=video_size_default,
     )

@@ -34,7 +34,7 @@ import numpy as np
 from triton_vlm.errors import InvalidInput
 from triton_vlm.families.base import Family, MediaLayout, chat_template
 from triton_vlm.imaging import View, VisionSettings
-from triton_vlm.media import video_facts
+from triton_vlm.media import distinct_indices, video_facts
 from triton_vlm.mrope import MediaSpan
 
 IMAGE_TOKEN, VIDEO_TOKEN = "<|image_pad|>", "<|video_pad|>"
@@ -209,7 +209,7 @@ def sample_frames(metadata, *, max_frames: int = 768, num_frames: int | None = N
             indices = indices[np.linspace(0, indices.size - 1, limit, dtype=int)]
     else:
         indices = (np.arange(math.ceil(duration)) * fps).astype(np.int64)
-    return np.array(list(dict.fromkeys(indices.tolist())) or [0], dtype=np.int64)
+    return distinct_indices(indices)
 
 
 # ---------------------------------------------------------------------------------- the prompt

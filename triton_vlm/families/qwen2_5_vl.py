@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import math
-from functools import partial
 from pathlib import Path
 from typing import Any
 
-from triton_vlm.families.base import Family, chat_template
+from triton_vlm.families.base import Family, chat_template, patch_encoder_dims
 
 IMAGE_PAD, VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
 VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
@@ -83,12 +82,6 @@ def write_demo(out: Path, size: str, tokenizer, seed: int) -> None:
     processor.save_pretrained(out)
 
 
-def encoder_dims(config: dict) -> tuple[int, int]:
-    vision = config["vision_config"]
-    patch_dim = vision.get("in_channels", 3) * vision["temporal_patch_size"] * vision["patch_size"] ** 2
-    return patch_dim, vision["out_hidden_size"]
-
-
 def sample_frames(metadata, *, fps: float | None = 2.0, num_frames: int | None = None, min_frames: int = 4,
                   max_frames: int = 768, temporal_patch_size: int = 2):
     """Frame indices kept from a video: transformers' `Qwen2VLVideoProcessor.sample_frames`.
@@ -119,15 +112,6 @@ def sample_frames(metadata, *, fps: float | None = 2.0, num_frames: int | None =
     return torch.arange(0, total, total / wanted).int().numpy()
 
 
-def make_sampler(fps: float | None = 2.0, num_frames: int | None = None, min_frames: int = 4,
-                 max_frames: int = 768, temporal_patch_size: int = 2):
-    """A `media.decode_video` sampler with these options bound."""
-    if num_frames is not None:
-        fps = None
-    return partial(sample_frames, fps=fps, num_frames=num_frames, min_frames=min_frames,
-                   max_frames=max_frames, temporal_patch_size=temporal_patch_size)
-
-
 def video_t_factor(config: dict, second_per_grid_ts: float) -> float:
     """Temporal M-RoPE scale of a video: second_per_grid_ts * vision_config.tokens_per_second."""
     tokens_per_second = (config.get("vision_config") or {}).get("tokens_per_second", 1.0)
@@ -142,7 +126,7 @@ QWEN2_5_VL = Family(
     special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>", VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD),
     named_special_tokens={"image_token": IMAGE_PAD, "video_token": VIDEO_PAD,
                           "vision_start_token": VISION_START, "vision_end_token": VISION_END},
-    encoder_dims=encoder_dims,
+    encoder_dims=patch_encoder_dims,
     demo_sizes=DEMO_SIZES,
     write_demo=write_demo,
     chat_template=CHAT_TEMPLATE,
