@@ -160,10 +160,6 @@ def rotary_tables(hpos: np.ndarray, wpos: np.ndarray, inv_freq: np.ndarray) -> t
     return np.concatenate([cos, cos], axis=1), np.concatenate([sin, sin], axis=1)
 
 
-def num_tokens(grid_thw: np.ndarray, settings: dict[str, Any]) -> int:
-    return num_patches(grid_thw) // settings["spatial_merge_size"] ** 2
-
-
 def example_inputs(settings: dict[str, Any], encoder_metadata, grid_thw) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """Random float32 pixel rows for `grid_thw` and their metadata (tracing, smoke tests)."""
     grid = np.asarray(grid_thw, dtype=np.int64)

@@ -30,8 +30,6 @@ import torch.nn as nn
 
 from triton_vlm.vision import common
 
-# Registered for the families glm4v, glm46v and glmga (`triton_vlm.vision._TOWERS`).
-FAMILY = "glm4v"
 # Attention is per frame, rotary positions and position embeddings depend only on (h, w): every
 # temporal step may be encoded on its own, and steps of one spatial size run together.
 FRAMES_INDEPENDENT = True
@@ -39,8 +37,6 @@ FRAMES_INDEPENDENT = True
 METADATA_INPUTS = common.ROTARY_INPUTS + ("pos_grid",) + common.FULL_INPUTS
 INPUT_NAMES = ("pixel_values",) + METADATA_INPUTS
 OUTPUT_NAME = "embeddings"
-
-num_patches = common.num_patches
 
 # The vision-config fields the tower and its metadata read, with Hugging Face's defaults
 # (`Glm4vVisionConfig`).
@@ -73,10 +69,6 @@ def _settings(vision_config: Any) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 # Host-side metadata (numpy)
 # --------------------------------------------------------------------------------------------
-
-def num_tokens(grid_thw: np.ndarray, vision_config: Any) -> int:
-    return common.num_tokens(grid_thw, _settings(vision_config))
-
 
 def _frame_layout(h: int, w: int, m: int, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One frame of an h x w patch grid, processor order: rotary cos / sin [h*w, head_dim] and the

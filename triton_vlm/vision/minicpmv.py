@@ -39,7 +39,6 @@ import torch.nn as nn
 
 from triton_vlm.vision import common
 
-FAMILY = "minicpmv4_6"
 # Slices of one size are encoded independently; a video's frames are slices.
 FRAMES_INDEPENDENT = True
 
@@ -47,8 +46,6 @@ METADATA_INPUTS = ("patch_order", "position_ids") + common.FULL_INPUTS + ("merge
                                                                           "merged_inverse")
 INPUT_NAMES = ("pixel_values",) + METADATA_INPUTS
 OUTPUT_NAME = "embeddings"
-
-num_patches = common.num_patches
 
 # Fields read from the model config (`MiniCPMV4_6Config`, top level) and its vision_config
 # (`MiniCPMV4_6VisionConfig`), with Hugging Face's defaults.
@@ -111,10 +108,6 @@ def patch_rows(pixel_values: Any) -> np.ndarray:
 # --------------------------------------------------------------------------------------------
 # Host-side metadata (numpy)
 # --------------------------------------------------------------------------------------------
-
-def num_tokens(grid_thw: np.ndarray, config: Any) -> int:
-    return common.num_tokens(grid_thw, _settings(config))
-
 
 def nearest_buckets(size: int, side: int) -> np.ndarray:
     """Bucket of each of `size` coordinates i / size on a `side` grid, as transformers'

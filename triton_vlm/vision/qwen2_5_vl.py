@@ -19,14 +19,11 @@ import torch.nn as nn
 
 from triton_vlm.vision import common
 
-FAMILY = "qwen2_5_vl"
 # Every temporal grid step is independent (full attention is per frame, windows never cross
 # frames, positions repeat per frame), so a runtime may split videos into frames and run items
 # of the same spatial size together without changing the result.
 FRAMES_INDEPENDENT = True
 RMS_EPS = 1e-6  # fixed in the Hugging Face implementation (not a config field)
-
-num_patches = common.num_patches
 
 # ONNX graph interface (names are the tower's; the runtime feeds them by name).
 METADATA_INPUTS = common.ROTARY_INPUTS + ("window_index", "window_mask", "window_inverse") + common.FULL_INPUTS
@@ -64,10 +61,6 @@ def _settings(vision_config: Any) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 # Host-side metadata (numpy)
 # --------------------------------------------------------------------------------------------
-
-def num_tokens(grid_thw: np.ndarray, vision_config: Any) -> int:
-    return common.num_tokens(grid_thw, _settings(vision_config))
-
 
 def _frame_layout(h: int, w: int, m: int, vws: int, inv_freq: np.ndarray):
     """One frame of an h x w patch grid: rotary cos/sin [h*w, head_dim] in processor order, the
