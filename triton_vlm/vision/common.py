@@ -72,14 +72,6 @@ def add_derived(out: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def settings_of(vision_config: Any, vision_settings) -> dict[str, Any]:
-    """Settings that a tower's `vision_settings` already normalised (they hold `patch_dim`) pass
-    through; any other vision config is normalised with it."""
-    if isinstance(vision_config, dict) and "patch_dim" in vision_config:
-        return vision_config
-    return vision_settings(vision_config)
-
-
 def read_config_json(checkpoint_dir: str | Path) -> dict[str, Any]:
     """The checkpoint's `config.json` (which must have a `vision_config`)."""
     config = json.loads((Path(checkpoint_dir) / "config.json").read_text())
