@@ -9,11 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.encoder_checks import unfused_copy
-
-
-def rel_err(out, ref) -> float:
-    return float(np.abs(out.astype(np.float64) - ref).max() / np.abs(ref).max())
+from tests.encoder_checks import rel_err, unfused_copy
 
 
 @pytest.fixture(scope="module")
