@@ -1,7 +1,39 @@
 """Checks shared by the vision-tower test files."""
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+
+ENCODER_MODELS = ("vision_encoder", "vision_encoder_batch")  # the encoder's two Triton models
+
+
+def rel_err(out, ref) -> float:
+    """max |out - ref| / max |ref| (float64), after checking the shapes agree."""
+    out, ref = np.asarray(out, dtype=np.float64), np.asarray(ref, dtype=np.float64)
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    return float(np.abs(out - ref).max() / np.abs(ref).max())
+
+
+def encoder_models(repo: Path, out: Path) -> Path:
+    """A repository at `out` holding only the encoder models of the build `repo`."""
+    for name in ENCODER_MODELS:
+        shutil.copytree(repo / name, out / name)
+    return out
+
+
+def encode(server, pixels: np.ndarray, grid: np.ndarray) -> np.ndarray:
+    """`vision_encoder`'s embeddings from a running server, over gRPC."""
+    import tritonclient.grpc as grpcclient
+
+    inputs = [grpcclient.InferInput("pixel_values", list(pixels.shape), "FP32"),
+              grpcclient.InferInput("grid_thw", list(grid.shape), "INT64")]
+    inputs[0].set_data_from_numpy(pixels)
+    inputs[1].set_data_from_numpy(grid)
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        return client.infer("vision_encoder", inputs).as_numpy("embeddings")
 
 
 def unfused_copy(onnx_path: Path, out_path: Path) -> Path:
@@ -18,3 +50,31 @@ def unfused_copy(onnx_path: Path, out_path: Path) -> Path:
     assert not any(n.op_type == "If" for n in proto.graph.node)
     onnx.save(proto, str(out_path))
     return out_path
+
+
+def check_unfused_matches(onnx_path: Path, tower: ModuleType, settings: dict, cases: dict, tmp_path: Path) -> None:
+    """The unfused copy of `onnx_path`, run by ONNX Runtime on the tower's own metadata, matches
+    the reference of every case: name -> (pixels, grid_thw, reference)."""
+    import onnxruntime as ort
+
+    path = unfused_copy(onnx_path, tmp_path / "unfused.onnx")
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for case, (pixels, grid, ref) in cases.items():
+        feeds = {"pixel_values": pixels, **tower.encoder_metadata(grid, settings)}
+        assert rel_err(session.run(None, feeds)[0], ref) < 1e-4, case
+
+
+def check_profile_covers(family: str, tower: ModuleType, settings: dict, profile, grids) -> None:
+    """The TensorRT profile names every input of the tower, its (min, opt, max) are ordered, and
+    the metadata of each grid of `grids` lies within (min, max)."""
+    from triton_vlm.vision import tensorrt_engine as trt_engine
+
+    shapes = trt_engine.profile_shapes(family, settings, profile)
+    assert set(shapes) == set(tower.INPUT_NAMES)
+    for name, (lo, mid, hi) in shapes.items():
+        assert all(a <= b <= c for a, b, c in zip(lo, mid, hi)), name
+    for grid in grids:
+        md = tower.encoder_metadata(np.array(grid), settings)
+        for name, value in md.items():
+            lo, _, hi = shapes[name]
+            assert all(a <= v <= b for a, v, b in zip(lo, value.shape, hi)), (grid, name)

@@ -8,15 +8,14 @@ requests' items in one execution, each request getting its own rows back.
 from __future__ import annotations
 
 import re
-import shutil
 import threading
 import urllib.request
 
 import numpy as np
 import pytest
-import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from tests.encoder_checks import encode, encoder_models, rel_err
 from triton_vlm import samples
 from triton_vlm.client import generate
 from triton_vlm.families.qwen2_5_vl import QWEN2_5_VL
@@ -26,20 +25,6 @@ def metric(server, name: str, model: str) -> float:
     text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
     found = re.search(rf'^{name}{{[^}}]*model="{model}"[^}}]*}} ([0-9.e+-]+)$', text, re.M)
     return float(found.group(1)) if found else 0.0
-
-
-def encode(server, pixels: np.ndarray, grid: np.ndarray) -> np.ndarray:
-    inputs = [grpcclient.InferInput("pixel_values", list(pixels.shape), "FP32"),
-              grpcclient.InferInput("grid_thw", list(grid.shape), "INT64")]
-    inputs[0].set_data_from_numpy(pixels)
-    inputs[1].set_data_from_numpy(grid)
-    with grpcclient.InferenceServerClient(server.grpc_url) as client:
-        return client.infer("vision_encoder", inputs).as_numpy("embeddings")
-
-
-def rel_err(out, ref) -> float:
-    assert out.shape == ref.shape, (out.shape, ref.shape)
-    return float(np.abs(out.astype(np.float64) - ref).max() / np.abs(ref).max())
 
 
 def chat(text: str) -> str:
@@ -93,9 +78,7 @@ def batching_server(tiny_repo, tiny_checkpoint, tmp_path_factory):
     from triton_vlm.repository import BuildOptions, model_configs, write_config
     from triton_vlm.server import TritonServer
 
-    repo = tmp_path_factory.mktemp("encoder_only") / "repository"
-    for name in ("vision_encoder", "vision_encoder_batch"):
-        shutil.copytree(tiny_repo / name, repo / name)
+    repo = encoder_models(tiny_repo, tmp_path_factory.mktemp("encoder_only") / "repository")
     options = BuildOptions(encoder_max_queue_delay_us=1_000_000, encoder_cache_bytes=0)
     configs = model_configs(detect_family(tiny_checkpoint), json.loads((tiny_checkpoint / "config.json").read_text()),
                             options)

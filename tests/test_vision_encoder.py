@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.encoder_checks import check_profile_covers, rel_err
 from triton_vlm.errors import InvalidInput
 from triton_vlm.vision import get_tower
 from triton_vlm.vision import qwen2_5_vl as q
@@ -27,12 +28,6 @@ GRIDS = {
     "image_and_video": [[1, 22, 36], [2, 8, 12], [1, 4, 6]],
     "tiny": [[1, 2, 2]],
 }
-
-
-def rel_err(out, ref) -> float:
-    out, ref = np.asarray(out, dtype=np.float64), np.asarray(ref, dtype=np.float64)
-    assert out.shape == ref.shape, (out.shape, ref.shape)
-    return float(np.abs(out - ref).max() / np.abs(ref).max())
 
 
 def random_pixels(grid, width, seed=0) -> torch.Tensor:
@@ -236,19 +231,13 @@ def test_fullatt_blocks_are_full_attention_and_matter(checkpoint, settings, refe
 
 
 def test_tensorrt_module_imports_without_tensorrt_and_profiles_cover_the_inputs(settings):
-    from triton_vlm.vision import tensorrt_engine as trt_engine
+    from triton_vlm.vision.tensorrt_engine import EngineProfile
 
-    shapes = trt_engine.profile_shapes("qwen2_5_vl", settings, trt_engine.EngineProfile(4, 1024, 4096))
-    assert set(shapes) == set(q.INPUT_NAMES)
-    for name, (lo, mid, hi) in shapes.items():
-        assert all(a <= b <= c for a, b, c in zip(lo, mid, hi)), name
     # The largest metadata of any grid within max patches fits the profile.
-    for grid in ([[1, 64, 64]], [[16, 16, 16]], [[1, 2, 2]] * 1024, [[1, 34, 46]]):
-        md = q.encoder_metadata(np.array(grid), settings)
-        for name, value in md.items():
-            assert all(v <= h for v, h in zip(value.shape, shapes[name][2])), (grid, name)
+    check_profile_covers("qwen2_5_vl", q, settings, EngineProfile(4, 1024, 4096),
+                         ([[1, 64, 64]], [[16, 16, 16]], [[1, 2, 2]] * 1024, [[1, 34, 46]]))
     with pytest.raises(ValueError):
-        trt_engine.EngineProfile(8, 4, 16)
+        EngineProfile(8, 4, 16)
 
 
 def test_encoder_configs_cpu_and_gpu(checkpoint):

@@ -8,14 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from tests.encoder_checks import rel_err
 from triton_vlm.errors import InvalidInput
 from triton_vlm.vision import batching as b
-
-
-def rel_err(out, ref) -> float:
-    out, ref = np.asarray(out, dtype=np.float64), np.asarray(ref, dtype=np.float64)
-    assert out.shape == ref.shape, (out.shape, ref.shape)
-    return float(np.abs(out - ref).max() / np.abs(ref).max())
 
 
 def request(grid, width, seed):

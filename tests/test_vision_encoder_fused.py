@@ -9,11 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.encoder_checks import unfused_copy
-
-
-def rel_err(out, ref) -> float:
-    return float(np.abs(out.astype(np.float64) - ref).max() / np.abs(ref).max())
+from tests.encoder_checks import rel_err, unfused_copy
 
 
 @pytest.fixture(scope="module")
@@ -66,12 +62,13 @@ def test_float32_graph_has_fused_attention_under_if_float16_does_not(exported):
 @pytest.mark.parametrize("case", ["full windows, one frame", "two frames, full windows", "partial windows",
                                   "two sizes (padded frames)"])
 def test_fused_and_unfused_match_the_torch_tower(exported, tiny_checkpoint, case):
+    from triton_vlm.vision import common
     from triton_vlm.vision import qwen2_5_vl as q
 
     settings = q.read_vision_config(tiny_checkpoint)
     grid = np.array(_grids(settings)[case], dtype=np.int64)
     rng = np.random.default_rng(7)
-    pixels = rng.standard_normal((q.num_patches(grid), settings["patch_dim"])).astype(np.float32)
+    pixels = rng.standard_normal((common.num_patches(grid), settings["patch_dim"])).astype(np.float32)
     md = q.encoder_metadata(grid, settings)
     tower = q.load_tower(tiny_checkpoint)
     with torch.no_grad():

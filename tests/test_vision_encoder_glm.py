@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.encoder_checks import unfused_copy
+from tests.encoder_checks import check_profile_covers, check_unfused_matches, encode, encoder_models, rel_err
 from tests.oracle import EncoderOracle
 from triton_vlm.vision import get_tower
 from triton_vlm.vision import glm4v as g
@@ -35,12 +35,6 @@ CASES = {
     "video": ([], True),  # 4 s at 4 fps: 8 frames -> 4 temporal steps of 6x8
     "images and video": (SIZES[1:3], True),
 }
-
-
-def rel_err(out, ref) -> float:
-    out, ref = np.asarray(out, dtype=np.float64), np.asarray(ref, dtype=np.float64)
-    assert out.shape == ref.shape, (out.shape, ref.shape)
-    return float(np.abs(out - ref).max() / np.abs(ref).max())
 
 
 def _randomise_weights(checkpoint) -> None:
@@ -234,28 +228,15 @@ def test_other_variants_match_hf(variant, exported, oracles):
 # ---------------------------------------------------------------------------------------------
 
 def test_unfused_graph_runs_standard_ops_and_matches(onnx_path, settings, oracles, tmp_path):
-    import onnxruntime as ort
-
-    path = unfused_copy(onnx_path, tmp_path / "unfused.onnx")
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    for case in ("one image", "images and video"):
-        pixels, grid, ref = oracles["glm4v"](case)
-        feeds = {"pixel_values": pixels, **g.encoder_metadata(grid, settings)}
-        assert rel_err(session.run(None, feeds)[0], ref) < 1e-4, case
+    cases = {case: oracles["glm4v"](case) for case in ("one image", "images and video")}
+    check_unfused_matches(onnx_path, g, settings, cases, tmp_path)
 
 
 def test_tensorrt_profile_covers_the_inputs(settings):
-    from triton_vlm.vision import tensorrt_engine as trt_engine
+    from triton_vlm.vision.tensorrt_engine import EngineProfile
 
-    shapes = trt_engine.profile_shapes("glm4v", settings, trt_engine.EngineProfile(4, 1024, 4096))
-    assert set(shapes) == set(g.INPUT_NAMES)
-    for name, (lo, mid, hi) in shapes.items():
-        assert all(a <= b <= c for a, b, c in zip(lo, mid, hi)), name
-    for grid in ([[1, 64, 64]], [[16, 16, 16]], [[1, 2, 2]] * 1024, [[1, 34, 46]], [[1, 2, 2]]):
-        md = g.encoder_metadata(np.array(grid), settings)
-        for name, value in md.items():
-            lo, _, hi = shapes[name]
-            assert all(a <= v <= b for a, v, b in zip(lo, value.shape, hi)), (grid, name)
+    check_profile_covers("glm4v", g, settings, EngineProfile(4, 1024, 4096),
+                         ([[1, 64, 64]], [[16, 16, 16]], [[1, 2, 2]] * 1024, [[1, 34, 46]], [[1, 2, 2]]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,21 +261,8 @@ def test_build_repository_serves_the_glm_tower(repo, checkpoints, encoder, setti
 def test_served_by_tritonserver(repo, oracles, tmp_path):
     """The build's two encoder models in a real tritonserver: a video (split into frames by the
     front, as the tower allows) and images of several sizes in one request."""
-    import shutil
-
-    import tritonclient.grpc as grpcclient
-
     from triton_vlm.server import TritonServer
 
-    served = tmp_path / "repository"
-    for name in ("vision_encoder", "vision_encoder_batch"):
-        shutil.copytree(repo / name, served / name)
     pixels, grid, ref = oracles["glm4v"]("images and video")
-    inputs = [grpcclient.InferInput("pixel_values", list(pixels.shape), "FP32"),
-              grpcclient.InferInput("grid_thw", list(grid.shape), "INT64")]
-    inputs[0].set_data_from_numpy(pixels)
-    inputs[1].set_data_from_numpy(grid)
-    with TritonServer(served, log_file=tmp_path / "tritonserver.log") as server, \
-            grpcclient.InferenceServerClient(server.grpc_url) as client:
-        out = client.infer("vision_encoder", inputs).as_numpy("embeddings")
-    assert rel_err(out, ref) < 1e-4
+    with TritonServer(encoder_models(repo, tmp_path / "repository"), log_file=tmp_path / "tritonserver.log") as server:
+        assert rel_err(encode(server, pixels, grid), ref) < 1e-4

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.encoder_checks import unfused_copy
+from tests.encoder_checks import check_profile_covers, check_unfused_matches, encode, encoder_models, rel_err
 from tests.oracle import EncoderOracle
 from triton_vlm.errors import InvalidInput
 from triton_vlm.vision import get_tower
@@ -37,12 +37,6 @@ CASES = {
     "video": ([], True),  # 4 s at 2 fps
     "images and video": (SIZES[2:4], True),
 }
-
-
-def rel_err(out, ref) -> float:
-    out, ref = np.asarray(out, dtype=np.float64), np.asarray(ref, dtype=np.float64)
-    assert out.shape == ref.shape, (out.shape, ref.shape)
-    return float(np.abs(out - ref).max() / np.abs(ref).max())
 
 
 def grid_of(target_sizes) -> np.ndarray:
@@ -253,28 +247,15 @@ def test_bad_grid_is_refused(encoder, oracle):
 # ---------------------------------------------------------------------------------------------
 
 def test_unfused_graph_runs_standard_ops_and_matches(onnx_path, settings, oracle, tmp_path):
-    import onnxruntime as ort
-
-    path = unfused_copy(onnx_path, tmp_path / "unfused.onnx")
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    for case in ("448x448", "images and video"):
-        pixels, grid, ref = oracle(case)
-        feeds = {"pixel_values": pixels, **mc.encoder_metadata(grid, settings)}
-        assert rel_err(session.run(None, feeds)[0], ref) < 1e-4, case
+    cases = {case: oracle(case) for case in ("448x448", "images and video")}
+    check_unfused_matches(onnx_path, mc, settings, cases, tmp_path)
 
 
 def test_tensorrt_profile_covers_the_inputs(settings):
-    from triton_vlm.vision import tensorrt_engine as trt_engine
+    from triton_vlm.vision.tensorrt_engine import EngineProfile
 
-    shapes = trt_engine.profile_shapes("minicpmv4_6", settings, trt_engine.EngineProfile(16, 1024, 4096))
-    assert set(shapes) == set(mc.INPUT_NAMES)
-    for name, (lo, mid, hi) in shapes.items():
-        assert all(a <= b <= c for a, b, c in zip(lo, mid, hi)), name
-    for grid in ([[1, 64, 64]], [[16, 16, 16]], [[1, 4, 4]] * 256, [[1, 32, 32]], [[1, 4, 4]], [[1, 8, 12], [1, 4, 16]]):
-        md = mc.encoder_metadata(np.array(grid), settings)
-        for name, value in md.items():
-            lo, _, hi = shapes[name]
-            assert all(a <= v <= b for a, v, b in zip(lo, value.shape, hi)), (grid, name)
+    grids = ([[1, 64, 64]], [[16, 16, 16]], [[1, 4, 4]] * 256, [[1, 32, 32]], [[1, 4, 4]], [[1, 8, 12], [1, 4, 16]])
+    check_profile_covers("minicpmv4_6", mc, settings, EngineProfile(16, 1024, 4096), grids)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,21 +281,8 @@ def test_build_repository_serves_the_minicpmv_tower(repo, checkpoint, encoder, s
 def test_served_by_tritonserver(repo, oracle, tmp_path):
     """The build's two encoder models in a real tritonserver: images of several sizes (their
     slices) and a video in one request."""
-    import shutil
-
-    import tritonclient.grpc as grpcclient
-
     from triton_vlm.server import TritonServer
 
-    served = tmp_path / "repository"
-    for name in ("vision_encoder", "vision_encoder_batch"):
-        shutil.copytree(repo / name, served / name)
     pixels, grid, ref = oracle("images and video")
-    inputs = [grpcclient.InferInput("pixel_values", list(pixels.shape), "FP32"),
-              grpcclient.InferInput("grid_thw", list(grid.shape), "INT64")]
-    inputs[0].set_data_from_numpy(pixels)
-    inputs[1].set_data_from_numpy(grid)
-    with TritonServer(served, log_file=tmp_path / "tritonserver.log") as server, \
-            grpcclient.InferenceServerClient(server.grpc_url) as client:
-        out = client.infer("vision_encoder", inputs).as_numpy("embeddings")
-    assert rel_err(out, ref) < 1e-4
+    with TritonServer(encoder_models(repo, tmp_path / "repository"), log_file=tmp_path / "tritonserver.log") as server:
+        assert rel_err(encode(server, pixels, grid), ref) < 1e-4

@@ -1,15 +1,14 @@
 """Vision towers, one module per family, and the generic ONNX Runtime encoder.
 
-A tower module provides: `FAMILY`, `INPUT_NAMES` / `METADATA_INPUTS` / `OUTPUT_NAME`,
+A tower module provides: `INPUT_NAMES` / `METADATA_INPUTS` / `OUTPUT_NAME`,
 `vision_settings(config) -> dict`, `encoder_metadata(grid_thw, settings) -> dict[str, np.ndarray]`,
-`num_patches(grid_thw)`, `num_tokens(grid_thw, settings)`, `load_tower(checkpoint_dir, dtype)`,
-`checkpoint_settings(config_json)` / `read_vision_config(checkpoint_dir)` (the settings of a
-checkpoint's `config.json`), `example_inputs(settings)`, `dynamic_axes()`,
-`profile_shapes(settings, (min, opt, max) patches)` (TensorRT shapes of every input) and
-`FRAMES_INDEPENDENT` (whether each temporal grid step may be encoded on its own). Settings hold
-at least `patch_dim`, `out_hidden_size` and `spatial_merge_size` (patches per embedding row
-along each side). What towers
-share (group metadata, rotary tables, layers, weight loading) is in `common`.
+`load_tower(checkpoint_dir, dtype)`, `checkpoint_settings(config_json)` /
+`read_vision_config(checkpoint_dir)` (the settings of a checkpoint's `config.json`),
+`example_inputs(settings)`, `dynamic_axes()`, `profile_shapes(settings, (min, opt, max) patches)`
+(TensorRT shapes of every input) and `FRAMES_INDEPENDENT` (whether each temporal grid step may be
+encoded on its own). Settings hold at least `patch_dim`, `out_hidden_size` and
+`spatial_merge_size` (patches per embedding row along each side). What towers share (group
+metadata, rotary tables, layers, weight loading) is in `common`.
 """
 from __future__ import annotations
 

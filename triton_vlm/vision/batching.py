@@ -157,7 +157,8 @@ class BatchedEncoder:
             per_request.append(keys)
         if todo:
             grids = np.array([g for _, g in todo.values()], dtype=np.int64)
-            emb = self.encoder.encode(np.concatenate([p for p, _ in todo.values()], axis=0), grids)
+            rows = [p for p, _ in todo.values()]  # one item (the usual request): its rows as they are
+            emb = self.encoder.encode(rows[0] if len(rows) == 1 else np.concatenate(rows, axis=0), grids)
             row = 0
             for key, (_, (t, h, w)) in todo.items():
                 k = t * h * w // unit

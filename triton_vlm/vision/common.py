@@ -72,14 +72,6 @@ def add_derived(out: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def settings_of(vision_config: Any, vision_settings) -> dict[str, Any]:
-    """Settings that a tower's `vision_settings` already normalised (they hold `patch_dim`) pass
-    through; any other vision config is normalised with it."""
-    if isinstance(vision_config, dict) and "patch_dim" in vision_config:
-        return vision_config
-    return vision_settings(vision_config)
-
-
 def read_config_json(checkpoint_dir: str | Path) -> dict[str, Any]:
     """The checkpoint's `config.json` (which must have a `vision_config`)."""
     config = json.loads((Path(checkpoint_dir) / "config.json").read_text())
@@ -158,10 +150,6 @@ def rotary_tables(hpos: np.ndarray, wpos: np.ndarray, inv_freq: np.ndarray) -> t
     cos = np.concatenate([cos_t[hpos], cos_t[wpos]], axis=1)
     sin = np.concatenate([sin_t[hpos], sin_t[wpos]], axis=1)
     return np.concatenate([cos, cos], axis=1), np.concatenate([sin, sin], axis=1)
-
-
-def num_tokens(grid_thw: np.ndarray, settings: dict[str, Any]) -> int:
-    return num_patches(grid_thw) // settings["spatial_merge_size"] ** 2
 
 
 def example_inputs(settings: dict[str, Any], encoder_metadata, grid_thw) -> tuple[np.ndarray, dict[str, np.ndarray]]:

@@ -30,8 +30,6 @@ import torch.nn as nn
 
 from triton_vlm.vision import common
 
-# Registered for the families glm4v, glm46v and glmga (`triton_vlm.vision._TOWERS`).
-FAMILY = "glm4v"
 # Attention is per frame, rotary positions and position embeddings depend only on (h, w): every
 # temporal step may be encoded on its own, and steps of one spatial size run together.
 FRAMES_INDEPENDENT = True
@@ -39,8 +37,6 @@ FRAMES_INDEPENDENT = True
 METADATA_INPUTS = common.ROTARY_INPUTS + ("pos_grid",) + common.FULL_INPUTS
 INPUT_NAMES = ("pixel_values",) + METADATA_INPUTS
 OUTPUT_NAME = "embeddings"
-
-num_patches = common.num_patches
 
 # The vision-config fields the tower and its metadata read, with Hugging Face's defaults
 # (`Glm4vVisionConfig`).
@@ -66,17 +62,10 @@ def vision_settings(vision_config: Any) -> dict[str, Any]:
     return common.add_derived(out)
 
 
-def _settings(vision_config: Any) -> dict[str, Any]:
-    return common.settings_of(vision_config, vision_settings)
-
 
 # --------------------------------------------------------------------------------------------
 # Host-side metadata (numpy)
 # --------------------------------------------------------------------------------------------
-
-def num_tokens(grid_thw: np.ndarray, vision_config: Any) -> int:
-    return common.num_tokens(grid_thw, _settings(vision_config))
-
 
 def _frame_layout(h: int, w: int, m: int, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One frame of an h x w patch grid, processor order: rotary cos / sin [h*w, head_dim] and the
@@ -89,14 +78,13 @@ def _frame_layout(h: int, w: int, m: int, inv_freq: np.ndarray) -> tuple[np.ndar
     return cos, sin, np.stack([x, y], axis=1)
 
 
-def encoder_metadata(grid_thw: np.ndarray, vision_config: Any) -> dict[str, np.ndarray]:
+def encoder_metadata(grid_thw: np.ndarray, settings: dict[str, Any]) -> dict[str, np.ndarray]:
     """The tower's metadata inputs for `grid_thw` [M, 3] (processor order), computed with numpy.
 
     Keys: `METADATA_INPUTS`. Requires at least one item."""
-    cfg = _settings(vision_config)
-    m = cfg["spatial_merge_size"]
+    m = settings["spatial_merge_size"]
     grid = common.check_grid(grid_thw, m)
-    inv_freq = common.rotary_inv_freq(cfg["head_dim"], cfg["rope_theta"])
+    inv_freq = common.rotary_inv_freq(settings["head_dim"], settings["rope_theta"])
     per_size: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
     parts: list[tuple[np.ndarray, ...]] = []
     for t, h, w in grid.tolist():
@@ -149,10 +137,8 @@ class PatchMerger(common.VisionMLP):
 class Glm4vVisionTower(nn.Module):
     """Inputs: `pixel_values` [N, patch_dim] plus `METADATA_INPUTS`; output float32 [N / merge^2, out_hidden]."""
 
-    def __init__(self, vision_config: Any):
+    def __init__(self, cfg: dict[str, Any]):
         super().__init__()
-        cfg = vision_settings(vision_config)
-        self.settings = cfg
         dim, m, eps = cfg["hidden_size"], cfg["spatial_merge_size"], cfg["rms_norm_eps"]
         self.patch_embed = common.PatchEmbed(cfg, bias=True)
         self.post_conv_layernorm = common.RMSNorm(dim, eps)
@@ -202,9 +188,10 @@ def load_tower(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32) -
     return common.load_strict(Glm4vVisionTower(read_vision_config(checkpoint_dir)), checkpoint_dir, dtype)
 
 
-def example_inputs(vision_config: Any, grid_thw=((1, 4, 6), (2, 8, 8))) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+def example_inputs(settings: dict[str, Any],
+                   grid_thw=((1, 4, 6), (2, 8, 8))) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """Small random inputs for tracing / smoke tests."""
-    return common.example_inputs(_settings(vision_config), encoder_metadata, grid_thw)
+    return common.example_inputs(settings, encoder_metadata, grid_thw)
 
 
 def dynamic_axes() -> dict[str, dict[int, str]]:

@@ -39,7 +39,6 @@ import torch.nn as nn
 
 from triton_vlm.vision import common
 
-FAMILY = "minicpmv4_6"
 # Slices of one size are encoded independently; a video's frames are slices.
 FRAMES_INDEPENDENT = True
 
@@ -47,8 +46,6 @@ METADATA_INPUTS = ("patch_order", "position_ids") + common.FULL_INPUTS + ("merge
                                                                           "merged_inverse")
 INPUT_NAMES = ("pixel_values",) + METADATA_INPUTS
 OUTPUT_NAME = "embeddings"
-
-num_patches = common.num_patches
 
 # Fields read from the model config (`MiniCPMV4_6Config`, top level) and its vision_config
 # (`MiniCPMV4_6VisionConfig`), with Hugging Face's defaults.
@@ -94,9 +91,6 @@ def checkpoint_settings(config: dict[str, Any]) -> dict[str, Any]:
     return vision_settings(config)
 
 
-def _settings(config: Any) -> dict[str, Any]:
-    return common.settings_of(config, vision_settings)
-
 
 def patch_rows(pixel_values: Any) -> np.ndarray:
     """transformers' packed `pixel_values` [B, C, patch, L] (patch k of the sequence is
@@ -111,10 +105,6 @@ def patch_rows(pixel_values: Any) -> np.ndarray:
 # --------------------------------------------------------------------------------------------
 # Host-side metadata (numpy)
 # --------------------------------------------------------------------------------------------
-
-def num_tokens(grid_thw: np.ndarray, config: Any) -> int:
-    return common.num_tokens(grid_thw, _settings(config))
-
 
 def nearest_buckets(size: int, side: int) -> np.ndarray:
     """Bucket of each of `size` coordinates i / size on a `side` grid, as transformers'
@@ -146,24 +136,23 @@ def _slice_layout(h: int, w: int, cfg: dict[str, Any]) -> tuple[np.ndarray, np.n
     return order, pos[order]
 
 
-def encoder_metadata(grid_thw: np.ndarray, config: Any) -> dict[str, np.ndarray]:
+def encoder_metadata(grid_thw: np.ndarray, settings: dict[str, Any]) -> dict[str, np.ndarray]:
     """The tower's metadata inputs for `grid_thw` [M, 3] (one row per slice), computed with numpy.
 
     Keys: `METADATA_INPUTS`. Requires at least one slice."""
-    cfg = _settings(config)
-    grid = common.check_grid(grid_thw, cfg["spatial_merge_size"])
+    grid = common.check_grid(grid_thw, settings["spatial_merge_size"])
     per_size: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
     orders, positions = [], []
     offset = 0
     for t, h, w in grid.tolist():
         if (h, w) not in per_size:
-            per_size[(h, w)] = _slice_layout(h, w, cfg)
+            per_size[(h, w)] = _slice_layout(h, w, settings)
         order, pos = per_size[(h, w)]
         for _ in range(t):
             orders.append(order + offset)
             positions.append(pos)
             offset += h * w
-    window = cfg["window_kernel_size"]
+    window = settings["window_kernel_size"]
     merged = {f"merged_{key[5:]}": value for key, value in common.frame_groups(
         np.concatenate([grid[:, :1], grid[:, 1:] // window], axis=1)).items()}
     return dict(patch_order=np.concatenate(orders), position_ids=np.concatenate(positions),
@@ -289,10 +278,8 @@ class DownsampleMLP(nn.Module):
 class MiniCPMV4_6VisionTower(nn.Module):
     """Inputs: `pixel_values` [N, patch_dim] plus `METADATA_INPUTS`; output float32 [N / merge^2, out_hidden]."""
 
-    def __init__(self, config: Any):
+    def __init__(self, cfg: dict[str, Any]):
         super().__init__()
-        cfg = _settings(config)
-        self.settings = cfg
         self.insert_layer_id = cfg["insert_layer_id"]
         self.vision_tower = nn.Module()
         self.vision_tower.embeddings = Embeddings(cfg)
@@ -336,9 +323,10 @@ def load_tower(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32) -
                               PREFIXES)
 
 
-def example_inputs(config: Any, grid_thw=((1, 8, 12), (2, 8, 8))) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+def example_inputs(settings: dict[str, Any],
+                   grid_thw=((1, 8, 12), (2, 8, 8))) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """Small random inputs for tracing / smoke tests."""
-    return common.example_inputs(_settings(config), encoder_metadata, grid_thw)
+    return common.example_inputs(settings, encoder_metadata, grid_thw)
 
 
 def dynamic_axes() -> dict[str, dict[int, str]]:

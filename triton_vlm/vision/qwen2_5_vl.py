@@ -19,14 +19,11 @@ import torch.nn as nn
 
 from triton_vlm.vision import common
 
-FAMILY = "qwen2_5_vl"
 # Every temporal grid step is independent (full attention is per frame, windows never cross
 # frames, positions repeat per frame), so a runtime may split videos into frames and run items
 # of the same spatial size together without changing the result.
 FRAMES_INDEPENDENT = True
 RMS_EPS = 1e-6  # fixed in the Hugging Face implementation (not a config field)
-
-num_patches = common.num_patches
 
 # ONNX graph interface (names are the tower's; the runtime feeds them by name).
 METADATA_INPUTS = common.ROTARY_INPUTS + ("window_index", "window_mask", "window_inverse") + common.FULL_INPUTS
@@ -57,17 +54,10 @@ def vision_settings(vision_config: Any) -> dict[str, Any]:
     return common.add_derived(out)
 
 
-def _settings(vision_config: Any) -> dict[str, Any]:
-    return common.settings_of(vision_config, vision_settings)
-
 
 # --------------------------------------------------------------------------------------------
 # Host-side metadata (numpy)
 # --------------------------------------------------------------------------------------------
-
-def num_tokens(grid_thw: np.ndarray, vision_config: Any) -> int:
-    return common.num_tokens(grid_thw, _settings(vision_config))
-
 
 def _frame_layout(h: int, w: int, m: int, vws: int, inv_freq: np.ndarray):
     """One frame of an h x w patch grid: rotary cos/sin [h*w, head_dim] in processor order, the
@@ -86,17 +76,16 @@ def _frame_layout(h: int, w: int, m: int, vws: int, inv_freq: np.ndarray):
     return cos, sin, patch_order, counts
 
 
-def encoder_metadata(grid_thw: np.ndarray, vision_config: Any) -> dict[str, np.ndarray]:
+def encoder_metadata(grid_thw: np.ndarray, settings: dict[str, Any]) -> dict[str, np.ndarray]:
     """The tower's metadata inputs for `grid_thw` [M, 3] (processor order), computed with numpy.
 
     Keys: `METADATA_INPUTS`. Requires at least one item."""
-    cfg = _settings(vision_config)
-    m = cfg["spatial_merge_size"]
-    vws = cfg["window_size"] // m // cfg["patch_size"]  # window edge in merge units
+    m = settings["spatial_merge_size"]
+    vws = settings["window_size"] // m // settings["patch_size"]  # window edge in merge units
     if vws <= 0:
-        raise ValueError(f"window_size {cfg['window_size']} is smaller than one merge unit")
+        raise ValueError(f"window_size {settings['window_size']} is smaller than one merge unit")
     grid = common.check_grid(grid_thw, m)
-    inv_freq = common.rotary_inv_freq(cfg["head_dim"], cfg["rope_theta"])
+    inv_freq = common.rotary_inv_freq(settings["head_dim"], settings["rope_theta"])
 
     cos_parts, sin_parts, win_order, win_sizes = [], [], [], []
     per_size: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
@@ -149,10 +138,8 @@ class PatchMerger(nn.Module):
 class Qwen2_5_VLVisionTower(nn.Module):
     """Inputs: `pixel_values` [N, patch_dim] plus `METADATA_INPUTS`; output float32 [N / merge^2, out_hidden]."""
 
-    def __init__(self, vision_config: Any):
+    def __init__(self, cfg: dict[str, Any]):
         super().__init__()
-        cfg = vision_settings(vision_config)
-        self.settings = cfg
         self.full_blocks = set(cfg["fullatt_block_indexes"])
         self.patch_embed = common.PatchEmbed(cfg, bias=False)
         self.blocks = nn.ModuleList([
@@ -192,9 +179,10 @@ def load_tower(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32) -
     return common.load_strict(Qwen2_5_VLVisionTower(read_vision_config(checkpoint_dir)), checkpoint_dir, dtype)
 
 
-def example_inputs(vision_config: Any, grid_thw=((1, 4, 6), (2, 8, 8))) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+def example_inputs(settings: dict[str, Any],
+                   grid_thw=((1, 4, 6), (2, 8, 8))) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """Small random inputs for tracing / smoke tests."""
-    return common.example_inputs(_settings(vision_config), encoder_metadata, grid_thw)
+    return common.example_inputs(settings, encoder_metadata, grid_thw)
 
 
 def dynamic_axes() -> dict[str, dict[int, str]]:
