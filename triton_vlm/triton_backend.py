@@ -255,10 +255,6 @@ class VisionEncoderBatchModel:
         return responses
 
 
-def _default(value, default):
-    return default if value is None else value
-
-
 class PipelineModel:
     """`ensemble`: runs preprocess -> vision_encoder -> llm through BLS, streaming the llm's responses.
 
@@ -461,18 +457,7 @@ class LLMModel:
     def _sampling(self, request):
         from triton_vlm.llm.sampling import SamplingParams
 
-        max_tokens = _scalar(request, "max_tokens", int)
-        if max_tokens is None:
-            raise InvalidInput("max_tokens: required input is missing")
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=_scalar(request, "temperature", float) or 0.0,
-            top_p=_scalar(request, "top_p", float) or 1.0,
-            top_k=_scalar(request, "top_k", int) or 0,
-            seed=_scalar(request, "seed", int),
-            stop_words=[w.decode("utf-8", "replace") for w in _items(request, "stop_words")],
-            repetition_penalty=_default(_scalar(request, "repetition_penalty", float), 1.0),
-        )
+        return SamplingParams.from_inputs({t.name(): t.as_numpy() for t in request.inputs()})
 
     def _submit(self, request) -> None:
         sender = request.get_response_sender()
