@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import base64
 import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from tests.oracle import Oracle
 from triton_vlm import samples
-from triton_vlm.client import RequestError, generate, generate_payload, http_generate, request_values
+from triton_vlm.client import RequestError, generate, generate_payload, grpc_inputs, http_generate, request_values
 from triton_vlm.families.qwen2_5_vl import QWEN2_5_VL
 
 IMG, VID = QWEN2_5_VL.image_placeholder, QWEN2_5_VL.video_placeholder
@@ -40,19 +44,50 @@ PROMPTS = {
 
 def infer_direct(server, model: str, values: dict, outputs: list[str]) -> dict[str, np.ndarray]:
     """A plain gRPC infer on one (non-decoupled) composing model."""
-    inputs = []
-    for name, (value, dtype) in values.items():
-        tensor = grpcclient.InferInput(name, list(value.shape), dtype)
-        tensor.set_data_from_numpy(value)
-        inputs.append(tensor)
     with grpcclient.InferenceServerClient(server.grpc_url) as client:
-        result = client.infer(model, inputs, outputs=[grpcclient.InferRequestedOutput(o) for o in outputs])
+        result = client.infer(model, grpc_inputs(values), outputs=[grpcclient.InferRequestedOutput(o) for o in outputs])
     return {o: result.as_numpy(o) for o in outputs}
 
 
 def media_values(prompt, images, videos) -> dict:
     return {k: v for k, v in request_values(prompt, images, videos).items()
             if k in ("text_input", "images", "videos", "mm_options")}
+
+
+@contextmanager
+def family_server(family: str, root: Path) -> Iterator[tuple]:
+    """(running server, oracle) on a tiny demo checkpoint of `family` built under `root`; the server
+    is stopped after."""
+    from triton_vlm.checkpoint import write_demo_checkpoint
+    from triton_vlm.repository import build_repository
+    from triton_vlm.server import TritonServer
+
+    checkpoint = write_demo_checkpoint(family, root / "checkpoint", "tiny")
+    repo = build_repository(checkpoint, root / "repository")
+    with TritonServer(repo, log_file=root / "tritonserver.log") as server:
+        yield server, Oracle(checkpoint)
+
+
+def grpc_tokens(server, prompt, images, videos, max_tokens: int, stream: bool = True) -> list[int]:
+    """The ensemble's output_ids over gRPC (streamed, or one response)."""
+    return generate(server.grpc_url, prompt, images, videos, max_tokens=max_tokens, stream=stream).output_ids
+
+
+def http_tokens(server, prompt, images, videos, max_tokens: int) -> list[int]:
+    """The ensemble's output_ids over HTTP generate."""
+    (answer,) = http_generate(server.http_url, generate_payload(prompt, images, videos, max_tokens=max_tokens))
+    return [int(i) for i in np.atleast_1d(answer["output_ids"])]
+
+
+def concurrently(run: Callable, keys) -> dict:
+    """{key: run(key)}, each key in a thread of its own, all started before any is joined."""
+    answers: dict = {}
+    threads = [threading.Thread(target=lambda k=k: answers.__setitem__(k, run(k))) for k in keys]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    return answers
 
 
 def hf_rows_in_prompt_order(hf_inputs, input_ids: np.ndarray, image_token: int, video_token: int):
@@ -119,20 +154,13 @@ def test_vision_encoder_matches_hf_tower(server, hf):
 
 
 def _grpc(server, kind, stream):
-    prompt, images, videos = PROMPTS[kind]
-    return generate(server.grpc_url, prompt, images, videos, max_tokens=NEW_TOKENS, stream=stream).output_ids
-
-
-def _http(server, kind):
-    prompt, images, videos = PROMPTS[kind]
-    (answer,) = http_generate(server.http_url, generate_payload(prompt, images, videos, max_tokens=NEW_TOKENS))
-    return [int(i) for i in np.atleast_1d(answer["output_ids"])]
+    return grpc_tokens(server, *PROMPTS[kind], NEW_TOKENS, stream)
 
 
 TRANSPORTS = {
     "grpc-stream": lambda server, kind: _grpc(server, kind, True),
     "grpc": lambda server, kind: _grpc(server, kind, False),
-    "http-generate": _http,
+    "http-generate": lambda server, kind: http_tokens(server, *PROMPTS[kind], NEW_TOKENS),
 }
 
 
@@ -152,18 +180,8 @@ def test_streaming_sends_one_response_per_token(server, expected):
 
 
 def test_concurrent_requests_each_get_their_own_answer(server, expected):
-    kinds = list(PROMPTS)
-    answers: dict[str, list[int]] = {}
-
-    def run(kind):
-        answers[kind] = _grpc(server, kind, True)
-
-    threads = [threading.Thread(target=run, args=(k,)) for k in kinds]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert answers == {k: expected[k]["tokens"] for k in kinds}
+    answers = concurrently(lambda kind: _grpc(server, kind, True), PROMPTS)
+    assert answers == {k: expected[k]["tokens"] for k in PROMPTS}
 
 
 BAD_REQUESTS = {

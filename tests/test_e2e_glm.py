@@ -17,9 +17,8 @@ import pytest
 import torch
 
 from tests.oracle import Oracle
-from tests.test_e2e import infer_direct, media_values
+from tests.test_e2e import family_server, grpc_tokens, http_tokens, infer_direct, media_values
 from triton_vlm import samples
-from triton_vlm.client import generate, generate_payload, http_generate
 from triton_vlm.families.glm4v import BEGIN_VIDEO, GLM4V
 
 VARIANTS = ("glm4v", "glm46v", "glmga")
@@ -49,16 +48,8 @@ LONG_VIDEOS = {"video_45s": samples.video_bytes(seconds=45.0, fps=4, width=64, h
 @pytest.fixture(scope="module", params=VARIANTS)
 def glm(request, tmp_path_factory):
     """(variant, running server, oracle) for one variant's tiny checkpoint; the server is stopped after."""
-    from triton_vlm.checkpoint import write_demo_checkpoint
-    from triton_vlm.repository import build_repository
-    from triton_vlm.server import TritonServer
-
-    variant = request.param
-    root = tmp_path_factory.mktemp(variant)
-    checkpoint = write_demo_checkpoint(variant, root / "checkpoint", "tiny")
-    repo = build_repository(checkpoint, root / "repository")
-    with TritonServer(repo, log_file=root / "tritonserver.log") as server:
-        yield variant, server, Oracle(checkpoint)
+    with family_server(request.param, tmp_path_factory.mktemp(request.param)) as (server, oracle):
+        yield request.param, server, oracle
 
 
 def hf_inputs(oracle: Oracle, prompt, images, videos) -> dict:
@@ -127,8 +118,5 @@ def expected_tokens(glm) -> dict[str, list[int]]:
 @pytest.mark.parametrize("kind", list(PROMPTS))
 def test_greedy_tokens_equal_hf_generate(glm, expected_tokens, kind):
     _, server, _ = glm
-    prompt, images, videos = PROMPTS[kind]
-    streamed = generate(server.grpc_url, prompt, images, videos, max_tokens=NEW_TOKENS, stream=True)
-    assert streamed.output_ids == expected_tokens[kind]
-    (answer,) = http_generate(server.http_url, generate_payload(prompt, images, videos, max_tokens=NEW_TOKENS))
-    assert [int(i) for i in np.atleast_1d(answer["output_ids"])] == expected_tokens[kind]
+    assert grpc_tokens(server, *PROMPTS[kind], NEW_TOKENS) == expected_tokens[kind]
+    assert http_tokens(server, *PROMPTS[kind], NEW_TOKENS) == expected_tokens[kind]

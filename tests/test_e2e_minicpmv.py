@@ -9,16 +9,13 @@ HTTP generate, alone and concurrently.
 """
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 import torch
 
 from tests.oracle import Oracle
-from tests.test_e2e import infer_direct, media_values
+from tests.test_e2e import concurrently, family_server, grpc_tokens, http_tokens, infer_direct, media_values
 from tests.test_preprocess_minicpmv import _media, chat, hf_in_prompt_order, image, model_positions, video
-from triton_vlm.client import generate, generate_payload, http_generate
 from triton_vlm.families.minicpmv import IMAGE_TOKEN as IMG
 from triton_vlm.families.minicpmv import VIDEO_TOKEN as VID
 
@@ -35,15 +32,8 @@ PROMPTS = {
 @pytest.fixture(scope="module")
 def minicpmv(tmp_path_factory):
     """(running server, oracle) for the tiny checkpoint; the server is stopped after."""
-    from triton_vlm.checkpoint import write_demo_checkpoint
-    from triton_vlm.repository import build_repository
-    from triton_vlm.server import TritonServer
-
-    root = tmp_path_factory.mktemp("minicpmv4_6")
-    checkpoint = write_demo_checkpoint("minicpmv4_6", root / "checkpoint", "tiny")
-    repo = build_repository(checkpoint, root / "repository")
-    with TritonServer(repo, log_file=root / "tritonserver.log") as server:
-        yield server, Oracle(checkpoint)
+    with family_server("minicpmv4_6", tmp_path_factory.mktemp("minicpmv4_6")) as served:
+        yield served
 
 
 def hf_inputs(oracle: Oracle, prompt: str, images, videos) -> dict:
@@ -101,24 +91,10 @@ def expected_tokens(minicpmv) -> dict[str, list[int]]:
 @pytest.mark.parametrize("kind", list(PROMPTS))
 def test_greedy_tokens_equal_hf_generate(minicpmv, expected_tokens, kind):
     server, _ = minicpmv
-    prompt, images, videos = PROMPTS[kind]
-    assert generate(server.grpc_url, prompt, images, videos, max_tokens=NEW_TOKENS, stream=True).output_ids \
-        == expected_tokens[kind]
-    (answer,) = http_generate(server.http_url, generate_payload(prompt, images, videos, max_tokens=NEW_TOKENS))
-    assert [int(i) for i in np.atleast_1d(answer["output_ids"])] == expected_tokens[kind]
+    assert grpc_tokens(server, *PROMPTS[kind], NEW_TOKENS) == expected_tokens[kind]
+    assert http_tokens(server, *PROMPTS[kind], NEW_TOKENS) == expected_tokens[kind]
 
 
 def test_concurrent_requests_each_get_their_own_answer(minicpmv, expected_tokens):
     server, _ = minicpmv
-    answers: dict[str, list[int]] = {}
-
-    def run(kind: str) -> None:
-        prompt, images, videos = PROMPTS[kind]
-        answers[kind] = generate(server.grpc_url, prompt, images, videos, max_tokens=NEW_TOKENS, stream=True).output_ids
-
-    threads = [threading.Thread(target=run, args=(kind,)) for kind in PROMPTS]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert answers == expected_tokens
+    assert concurrently(lambda kind: grpc_tokens(server, *PROMPTS[kind], NEW_TOKENS), PROMPTS) == expected_tokens

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import signal
 import sys
@@ -20,26 +21,21 @@ def _demo_checkpoint(args) -> int:
     return 0
 
 
+# BuildOptions fields without a flag of their own name: each limit has one (triton_vlm.limits),
+# the cache sizes are asked in MiB.
+_DERIVED = ("limits", "encoder_cache_bytes", "kv_cache_bytes")
+
+
 def build_options(args: argparse.Namespace) -> BuildOptions:
-    """The BuildOptions of parsed `build` arguments."""
+    """The BuildOptions of parsed `build` arguments: every other field has a flag of its own name."""
     from triton_vlm.limits import Limits
     from triton_vlm.repository import BuildOptions
 
-    limits = Limits.from_params({k: str(v) for k, v in vars(args).items() if v is not None})
-    return BuildOptions(device=args.device, preprocess_instances=args.preprocess_instances, limits=limits,
-                        encoder_threads=args.encoder_threads, encoder_dtype=args.encoder_dtype,
-                        encoder_instances=args.encoder_instances, encoder_frontends=args.encoder_frontends,
-                        encoder_max_queue_delay_us=args.encoder_max_queue_delay_us,
-                        encoder_max_batch_patches=args.encoder_max_batch_patches,
-                        encoder_cache_bytes=args.encoder_cache_mb << 20,
-                        trt_min_patches=args.trt_min_patches, trt_opt_patches=args.trt_opt_patches,
-                        trt_max_patches=args.trt_max_patches, trt_precision=args.trt_precision,
-                        kv_cache_tokens=args.kv_cache_tokens, kv_cache_bytes=args.kv_cache_mb << 20,
-                        kv_block_size=args.kv_block_size, prefix_caching=args.prefix_caching,
-                        llm_max_running=args.llm_max_running, llm_max_num_tokens=args.llm_max_num_tokens,
-                        llm_queue_timeout_ms=args.llm_queue_timeout_ms,
-                        max_inflight_requests=args.max_inflight_requests, queue_timeout_ms=args.queue_timeout_ms,
-                        max_queue_size=args.max_queue_size)
+    given = vars(args)
+    limits = Limits.from_params({k: str(v) for k, v in given.items() if v is not None})
+    return BuildOptions(**{f.name: given[f.name] for f in dataclasses.fields(BuildOptions) if f.name not in _DERIVED},
+                        limits=limits, encoder_cache_bytes=args.encoder_cache_mb << 20,
+                        kv_cache_bytes=args.kv_cache_mb << 20)
 
 
 def _build(args) -> int:
@@ -130,9 +126,8 @@ def _demo(args) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    import dataclasses
-
     from triton_vlm.limits import Limits
+    from triton_vlm.repository import BuildOptions
 
     p = argparse.ArgumentParser(prog="triton-vlm", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -147,37 +142,46 @@ def parser() -> argparse.ArgumentParser:
     c = sub.add_parser("build", help="build a Triton model repository from a local checkpoint")
     c.add_argument("--checkpoint", required=True)
     c.add_argument("--repo", required=True)
-    c.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
-    c.add_argument("--preprocess-instances", type=int, default=2)
+    defaults = BuildOptions()
+
+    def option(name: str, help: str | None = None, **kwargs) -> None:
+        """The flag of BuildOptions field `name`, its default the field's."""
+        default = getattr(defaults, name)
+        if "action" not in kwargs:
+            kwargs.setdefault("type", type(default))
+        c.add_argument("--" + name.replace("_", "-"), default=default, help=help, **kwargs)
+
+    option("device", choices=("cpu", "gpu"))
+    option("preprocess_instances")
     for limit in dataclasses.fields(Limits):  # preprocess request limits, defaults in triton_vlm.limits
         c.add_argument("--" + limit.name.replace("_", "-"), type=float if limit.type == "float" else int,
                        metavar="N", help=f"preprocess limit (default {limit.default})")
-    c.add_argument("--encoder-threads", type=int, default=0, help="ONNX Runtime threads; 0: cores / encoder instances")
-    c.add_argument("--encoder-dtype", choices=("float32", "float16"), default="float32")
-    c.add_argument("--encoder-instances", type=int, default=1, help="instances of the batched vision encoder")
-    c.add_argument("--encoder-frontends", type=int, default=4, help="instances of the light vision_encoder front")
-    c.add_argument("--encoder-max-queue-delay-us", type=int, default=5000, help="dynamic batching delay")
-    c.add_argument("--encoder-max-batch-patches", type=int, default=65536, help="patch rows per batched execution")
-    c.add_argument("--encoder-cache-mb", type=int, default=256, help="embedding cache per encoder instance; 0: off")
-    c.add_argument("--trt-min-patches", type=int, default=4, help="--device gpu: TensorRT profile minimum")
-    c.add_argument("--trt-opt-patches", type=int, default=4096, help="--device gpu: TensorRT profile optimum")
-    c.add_argument("--trt-max-patches", type=int, default=16384, help="--device gpu: TensorRT profile maximum")
-    c.add_argument("--trt-precision", choices=("fp32", "fp16", "bf16"), default="fp16")
-    c.add_argument("--kv-cache-tokens", type=int, default=0, help="llm KV cache pool size in tokens (wins over bytes)")
-    c.add_argument("--kv-cache-mb", type=int, default=0, help="llm KV cache pool size in MiB; both 0: 256 MiB")
-    c.add_argument("--kv-block-size", type=int, default=16, help="tokens per KV cache block")
-    c.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse KV blocks of identical prompt prefixes (token ids, positions, media embeddings)")
-    c.add_argument("--llm-max-running", type=int, default=64, help="requests in the llm's in-flight batch")
-    c.add_argument("--llm-max-num-tokens", type=int, default=512, help="llm rows per step (chunked prefill budget)")
-    c.add_argument("--llm-queue-timeout-ms", type=int, default=60_000,
-                   help="a request waiting longer for its first place in the llm batch gets UNAVAILABLE; 0: no limit")
-    c.add_argument("--max-inflight-requests", type=int, default=64,
-                   help="ensemble requests beyond this are refused at once with UNAVAILABLE")
-    c.add_argument("--queue-timeout-ms", type=int, default=60_000, help="Triton queue of preprocess, vision_encoder "
-                   "and vision_encoder_batch: a request waiting longer gets UNAVAILABLE; 0: no limit")
-    c.add_argument("--max-queue-size", type=int, default=128, help="requests each of those queues holds; beyond "
-                   "them UNAVAILABLE at once; 0: no limit")
+    option("encoder_threads", "ONNX Runtime threads; 0: cores / encoder instances")
+    option("encoder_dtype", choices=("float32", "float16"))
+    option("encoder_instances", "instances of the batched vision encoder")
+    option("encoder_frontends", "instances of the light vision_encoder front")
+    option("encoder_max_queue_delay_us", "dynamic batching delay")
+    option("encoder_max_batch_patches", "patch rows per batched execution")
+    c.add_argument("--encoder-cache-mb", type=int, default=defaults.encoder_cache_bytes >> 20,
+                   help="embedding cache per encoder instance; 0: off")
+    option("trt_min_patches", "--device gpu: TensorRT profile minimum")
+    option("trt_opt_patches", "--device gpu: TensorRT profile optimum")
+    option("trt_max_patches", "--device gpu: TensorRT profile maximum")
+    option("trt_precision", choices=("fp32", "fp16", "bf16"))
+    option("kv_cache_tokens", "llm KV cache pool size in tokens (wins over bytes)")
+    c.add_argument("--kv-cache-mb", type=int, default=defaults.kv_cache_bytes >> 20,
+                   help="llm KV cache pool size in MiB; both 0: 256 MiB")
+    option("kv_block_size", "tokens per KV cache block")
+    option("prefix_caching", "reuse KV blocks of identical prompt prefixes (token ids, positions, media embeddings)",
+           action=argparse.BooleanOptionalAction)
+    option("llm_max_running", "requests in the llm's in-flight batch")
+    option("llm_max_num_tokens", "llm rows per step (chunked prefill budget)")
+    option("llm_queue_timeout_ms",
+           "a request waiting longer for its first place in the llm batch gets UNAVAILABLE; 0: no limit")
+    option("max_inflight_requests", "ensemble requests beyond this are refused at once with UNAVAILABLE")
+    option("queue_timeout_ms", "Triton queue of preprocess, vision_encoder and vision_encoder_batch: a request "
+           "waiting longer gets UNAVAILABLE; 0: no limit")
+    option("max_queue_size", "requests each of those queues holds; beyond them UNAVAILABLE at once; 0: no limit")
     c.set_defaults(run=_build)
 
     c = sub.add_parser("serve", help="run tritonserver on a built repository")

@@ -27,8 +27,11 @@ def _model_dir(args: dict[str, Any]) -> tuple[Path, dict[str, str]]:
     return Path(args["model_repository"]) / args["model_version"], params
 
 
-def _invalid(message: str) -> pb_utils.InferenceResponse:
-    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.INVALID_ARG))
+def _error_response(message: str, code: int | None = None) -> pb_utils.InferenceResponse:
+    """A response that fails its request alone (INVALID_ARG unless told otherwise; the stub sets
+    `pb_utils.TritonError` up after this module is imported)."""
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(
+        message, pb_utils.TritonError.INVALID_ARG if code is None else code))
 
 
 def _optional(request, name: str) -> np.ndarray | None:
@@ -93,10 +96,9 @@ def _serve_each(requests, handle: Callable[[Any], list]) -> list:
         try:
             responses.append(pb_utils.InferenceResponse(output_tensors=handle(request)))
         except InvalidInput as error:
-            responses.append(_invalid(str(error)))
+            responses.append(_error_response(str(error)))
         except _Unavailable as error:
-            responses.append(pb_utils.InferenceResponse(
-                error=pb_utils.TritonError(str(error), pb_utils.TritonError.UNAVAILABLE)))
+            responses.append(_error_response(str(error), pb_utils.TritonError.UNAVAILABLE))
     return responses
 
 
@@ -121,10 +123,10 @@ class PreprocessModel:
             raise InvalidInput(f"mm_options: not valid JSON ({error.msg})") from None
         out = self.preprocessor(text, _items(request, "images"), _items(request, "videos"), mm_options)
         return [
-            pb_utils.Tensor("input_ids", out.input_ids.astype(np.int32)),
+            pb_utils.Tensor("input_ids", out.input_ids.astype(np.int32, copy=False)),
             pb_utils.Tensor("pixel_values", out.pixel_values.astype(np.float32, copy=False)),
-            pb_utils.Tensor("grid_thw", out.grid_thw.astype(np.int64)),
-            pb_utils.Tensor("mrope_position_ids", out.mrope_position_ids.astype(np.int64)),
+            pb_utils.Tensor("grid_thw", out.grid_thw.astype(np.int64, copy=False)),
+            pb_utils.Tensor("mrope_position_ids", out.mrope_position_ids.astype(np.int64, copy=False)),
             pb_utils.Tensor("mrope_position_delta", np.array([out.mrope_position_delta], dtype=np.int64)),
         ]
 
@@ -237,25 +239,20 @@ class VisionEncoderBatchModel:
                 batch.append((np.asarray(pixels, dtype=np.float32), grid))
                 where.append(i)
             except InvalidInput as error:
-                responses[i] = _invalid(str(error))
+                responses[i] = _error_response(str(error))
         if batch:
             try:
                 outputs, stats = self.batched.encode_many(batch)
             except InvalidInput as error:
-                outputs, stats = None, None
                 for i in where:
-                    responses[i] = _invalid(str(error))
-            if outputs is not None:
+                    responses[i] = _error_response(str(error))
+            else:
                 for i, emb in zip(where, outputs):
                     responses[i] = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("embeddings", emb)])
                 self.hits.increment(stats.hits)
                 self.misses.increment(stats.misses)
                 self.cache_bytes.set(self.cache.used)
         return responses
-
-
-def _default(value, default):
-    return default if value is None else value
 
 
 class PipelineModel:
@@ -289,9 +286,9 @@ class PipelineModel:
             values = {t.name(): t.as_numpy().copy() for t in request.inputs()}
             with self._lock:
                 if len(self._flights) >= self.max_inflight:
-                    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
-                        f"server busy: {len(self._flights)} requests in flight, max_inflight_requests="
-                        f"{self.max_inflight}; retry later", pb_utils.TritonError.UNAVAILABLE)), flags=self.FINAL)
+                    sender.send(_error_response(f"server busy: {len(self._flights)} requests in flight, "
+                                                f"max_inflight_requests={self.max_inflight}; retry later",
+                                                pb_utils.TritonError.UNAVAILABLE), flags=self.FINAL)
                     continue
                 self._next_id += 1
                 request_id = f"{request.request_id() or 'ensemble'}-{self._next_id}"
@@ -334,9 +331,9 @@ class PipelineModel:
             with self._lock:
                 self._flights.pop(request_id, None)
 
-    def _request(self, step: dict, tensors: dict, request_id: str, extra: tuple = ()) -> "pb_utils.InferenceRequest":
+    def _request(self, step: dict, tensors: dict, request_id: str) -> "pb_utils.InferenceRequest":
         return pb_utils.InferenceRequest(model_name=step["model"], request_id=request_id,
-                                         inputs=[tensors[n] for n in step["inputs"] if n in tensors] + list(extra),
+                                         inputs=[tensors[n] for n in step["inputs"] if n in tensors],
                                          requested_output_names=step["outputs"])
 
     def _watch_cancellations(self, period: float = 0.02) -> None:
@@ -391,8 +388,7 @@ class _Flight:
             if error is None:
                 self._sender.send(flags=PipelineModel.FINAL)
             else:
-                self._sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(error.message(), error.code())),
-                                  flags=PipelineModel.FINAL)
+                self._sender.send(pb_utils.InferenceResponse(error=error), flags=PipelineModel.FINAL)
 
     def is_cancelled(self) -> bool:
         with self._lock:
@@ -461,18 +457,7 @@ class LLMModel:
     def _sampling(self, request):
         from triton_vlm.llm.sampling import SamplingParams
 
-        max_tokens = _scalar(request, "max_tokens", int)
-        if max_tokens is None:
-            raise InvalidInput("max_tokens: required input is missing")
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=_scalar(request, "temperature", float) or 0.0,
-            top_p=_scalar(request, "top_p", float) or 1.0,
-            top_k=_scalar(request, "top_k", int) or 0,
-            seed=_scalar(request, "seed", int),
-            stop_words=[w.decode("utf-8", "replace") for w in _items(request, "stop_words")],
-            repetition_penalty=_default(_scalar(request, "repetition_penalty", float), 1.0),
-        )
+        return SamplingParams.from_inputs({t.name(): t.as_numpy() for t in request.inputs()})
 
     def _submit(self, request) -> None:
         sender = request.get_response_sender()
@@ -487,7 +472,7 @@ class LLMModel:
             args = (_required(request, "input_ids"), _required(request, "embeddings"),
                     _required(request, "mrope_position_ids"), int(_required(request, "mrope_position_delta").reshape(-1)[0]))
         except InvalidInput as error:
-            sender.send(_invalid(str(error)), flags=self.FINAL)
+            sender.send(_error_response(str(error)), flags=self.FINAL)
             return
         request_id = request.request_id()
         if not request_id:
@@ -498,7 +483,7 @@ class LLMModel:
         try:
             self.engine.submit(request_id, *args, params=params, emit=emit, is_cancelled=sender.is_cancelled)
         except InvalidInput as error:
-            sender.send(_invalid(str(error)), flags=self.FINAL)
+            sender.send(_error_response(str(error)), flags=self.FINAL)
 
     def execute(self, requests):
         for request in requests:
@@ -522,7 +507,7 @@ def _send_final_error(sender, out) -> None:
     """A request the engine refused for now ("rejected": its queue timeout) is UNAVAILABLE, the
     client may retry; any other error is INTERNAL."""
     code = pb_utils.TritonError.UNAVAILABLE if out.finish_reason == "rejected" else pb_utils.TritonError.INTERNAL
-    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(out.error, code)), flags=LLMModel.FINAL)
+    sender.send(_error_response(out.error, code), flags=LLMModel.FINAL)
 
 
 class _StreamEmitter:
