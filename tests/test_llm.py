@@ -595,6 +595,13 @@ def test_from_inputs():
     assert SamplingParams.from_inputs({"max_tokens": [3]}) == SamplingParams(max_tokens=3)
     with pytest.raises(InvalidInput, match="max_tokens: required"):
         SamplingParams.from_inputs({})
+    # tensorrtllm_backend's convention: 0 leaves temperature / top_p / top_k unset
+    assert SamplingParams.from_inputs({"max_tokens": [3], "temperature": [0.0], "top_p": [0.0], "top_k": [0]}) \
+        == SamplingParams(max_tokens=3)
+    assert SamplingParams.from_inputs({"max_tokens": [3], "stop_words": np.array([b"\xffend"], object)}).stop_words \
+        == ["\ufffdend"]
+    with pytest.raises(InvalidInput, match=r"stop_words\[0\]: must be a non-empty string"):
+        SamplingParams.from_inputs({"max_tokens": [3], "stop_words": np.array([b""], object)})
     with pytest.raises(InvalidInput, match="temperature: must be >= 0"):
         SamplingParams.from_inputs({"max_tokens": [3], "temperature": np.array([-2.0])})
 

@@ -68,7 +68,9 @@ class SamplingParams:
     def from_inputs(cls, inputs: Mapping[str, Any]) -> "SamplingParams":
         """From Triton-style inputs (`max_tokens`, `temperature`, `top_p`, `top_k`, `seed`,
         `repetition_penalty`, `stop_words`), each a scalar, a list or a numpy array of shape [1] (stop_words [-1] BYTES),
-        or absent / None for the default."""
+        or absent / None for the default. As in tensorrtllm_backend, 0 for `temperature`, `top_p` or
+        `top_k` also means "not set" (greedy, no nucleus cut, no top-k cut); stop words are UTF-8, an
+        undecodable byte becoming U+FFFD."""
 
         def scalar(name: str, kind):
             value = inputs.get(name)
@@ -92,26 +94,20 @@ class SamplingParams:
 
         max_tokens = scalar("max_tokens", int)
         if max_tokens is None:
-            raise InvalidInput("max_tokens: required")
+            raise InvalidInput("max_tokens: required input is missing")
         kwargs: dict[str, Any] = {"max_tokens": max_tokens}
-        for name, kind in (("temperature", float), ("top_p", float), ("top_k", int), ("seed", int),
-                           ("repetition_penalty", float)):
+        for name, kind, unset in (("temperature", float, (None, 0)), ("top_p", float, (None, 0)),
+                                  ("top_k", int, (None, 0)), ("seed", int, (None,)),
+                                  ("repetition_penalty", float, (None,))):
             value = scalar(name, kind)
-            if value is not None:
+            if value not in unset:
                 kwargs[name] = value
         words = inputs.get("stop_words")
         if words is not None:
             if hasattr(words, "reshape"):
                 words = words.reshape(-1).tolist()
-            out = []
-            for i, w in enumerate(words):
-                if isinstance(w, (bytes, bytearray)):
-                    try:
-                        w = bytes(w).decode("utf-8")
-                    except UnicodeDecodeError:
-                        raise InvalidInput(f"stop_words[{i}]: not valid UTF-8") from None
-                out.append(w)
-            kwargs["stop_words"] = [w for w in out if w != ""]
+            kwargs["stop_words"] = [bytes(w).decode("utf-8", "replace") if isinstance(w, (bytes, bytearray)) else w
+                                    for w in words]
         return cls(**kwargs)
 
 
