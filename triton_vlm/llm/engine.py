@@ -117,7 +117,6 @@ class _Sequence:
     sent: int = 0    # characters of `text` emitted
     done: bool = False
     started: bool = False   # has had a place in the running batch (a preempted one keeps it)
-    first_token_time: float | None = None
     submit_time: float = 0.0
 
 
@@ -477,8 +476,6 @@ class Engine:
                 self._finish(seq, "error", error=f"internal error: {type(e).__name__}")
 
     def _on_token(self, seq: _Sequence, token: int, logits: torch.Tensor | None = None) -> None:
-        if seq.first_token_time is None:
-            seq.first_token_time = self.clock()
         seq.tokens.append(token)
         seq.output_ids.append(token)
         self.num_generated_tokens += 1
