@@ -419,7 +419,6 @@ class DecoderModel:
             self.layers.append(cls(lambda name, i=i: w(f"layers.{i}.{name}"), c))
             self.layer_index.append(sum(1 for t in c.layer_types[:i] if t == kind))
         self.rotary = Rotary(c, spec.rotary_pairing)
-        self.mm_token_ids = list(c.placeholder_token_ids)
 
     @classmethod
     def from_checkpoint(cls, checkpoint_dir: str | Path) -> "DecoderModel":
@@ -429,13 +428,10 @@ class DecoderModel:
                                                             or k.startswith("model.merger.")) else k)
         return cls(config, weights)
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rotary.cos_sin(positions)
-
     # ---- inputs --------------------------------------------------------------------------------
     def placeholder_mask(self, ids: torch.Tensor) -> torch.Tensor:
         mask = torch.zeros_like(ids, dtype=torch.bool)
-        for t in self.mm_token_ids:
+        for t in self.config.placeholder_token_ids:
             mask |= ids == t
         return mask
 
@@ -466,7 +462,7 @@ class DecoderModel:
         c = self.config
         h = torch.cat([ch.h for ch in chunks]) if len(chunks) > 1 else chunks[0].h
         positions = torch.cat([ch.positions for ch in chunks], dim=1) if len(chunks) > 1 else chunks[0].positions
-        cos, sin = self.rope(positions)
+        cos, sin = self.rotary.cos_sin(positions)
         cos, sin = cos[:, None], sin[:, None]  # once per pass, not per layer
         T = h.shape[0]
         new_slots = torch.cat([ch.slots[ch.start:] for ch in chunks])
