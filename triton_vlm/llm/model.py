@@ -475,11 +475,11 @@ class DecoderModel:
         pre = [i for i, ch in enumerate(chunks) if ch.h.shape[0] > 1]
         cache = getattr(pool, "decode_cache", None)
         cache_rows = None
+        B, group = len(dec), c.num_heads // c.num_kv_heads
         if dec and cache is not None:
             cache_rows = cache.prepare([(chunks[i].key, chunks[i].start, chunks[i].slots) for i in dec])
         if cache_rows is not None:
             # decode K/V in the dense cache: buffer row r is decode chunk order[r]; no gather per step
-            B = len(dec)
             order = [0] * B
             for j, r in enumerate(cache_rows):
                 order[r] = j
@@ -488,7 +488,6 @@ class DecoderModel:
             buf_idx = torch.arange(B)
             lmax = int(buf_pos.max()) + 1
             dec_mask = (torch.arange(lmax)[None, :] <= buf_pos[:, None])[:, None, None, :]
-            group = c.num_heads // c.num_kv_heads
         elif dec:
             dec_rows = torch.tensor([offsets[i] for i in dec])
             lengths = torch.tensor([chunks[i].slots.numel() for i in dec])
@@ -503,8 +502,6 @@ class DecoderModel:
             dec_blocks = dec_blocks.reshape(-1)
             dec_mask = (torch.arange(lmax)[None, :] < lengths[:, None])[:, None, None, :]
             kv_shape = (pool.num_blocks, bs, c.num_kv_heads, c.head_dim)
-            B = len(dec)
-            group = c.num_heads // c.num_kv_heads
         rows = None
         if c.recurrent:  # each sequence's linear-attention rows run from its own state slot
             states = pool.states
