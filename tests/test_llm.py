@@ -144,6 +144,24 @@ def hf_generate(hf, req, **kw) -> list[int]:
     return out[0, inputs["input_ids"].shape[1]:].tolist()
 
 
+def hf_greedy_with_logits(hf_model, req, max_new_tokens: int) -> tuple[list[int], tuple[torch.Tensor, ...]]:
+    """HF greedy `generate`: the new token ids and every step's logits [1, vocab]."""
+    inputs = req["hf_inputs"]
+    with torch.no_grad():
+        out = hf_model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, output_logits=True,
+                                return_dict_in_generate=True)
+    return out.sequences[0, inputs["input_ids"].shape[1]:].tolist(), out.logits
+
+
+def assert_matches_generate(col, eos_token_ids, expected: list[int], logits) -> None:
+    """The request's tokens and finish reason are HF's, every step's logits within 1e-4 of HF's
+    (needs an engine with return_logits)."""
+    assert col.ids == expected
+    assert col.finish_reason == ("stop" if expected[-1] in eos_token_ids else "length")
+    for ours, ref in zip(col.outputs, logits):
+        assert torch.allclose(ours.logits, ref[0], atol=1e-4, rtol=0), (ours.logits - ref[0]).abs().max()
+
+
 # ---- equality with transformers -------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", list(PROMPTS))

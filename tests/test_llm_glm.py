@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from tests.oracle import Oracle
-from tests.test_llm import assert_prefill_logits_match, assert_same, llm_request, submit
+from tests.test_llm import (assert_matches_generate, assert_prefill_logits_match, assert_same,
+                             hf_greedy_with_logits, llm_request, submit)
 from triton_vlm.llm import DecoderConfig, Engine, SamplingParams
 
 VARIANTS = ("glm4v", "glm46v", "glmga")
@@ -104,16 +105,9 @@ def test_greedy_matches_hf_generate(glm, requests, name):
     model repeats tokens, so the logits show that each step really computed the same thing)."""
     hf, engine = glm
     req = requests[name]
-    inputs = req["hf_inputs"]
-    with torch.no_grad():
-        out = hf.model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, output_logits=True,
-                                return_dict_in_generate=True)
-    expected = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    expected, logits = hf_greedy_with_logits(hf.model, req, MAX_TOKENS)
     col = submit(engine, req, SamplingParams(max_tokens=MAX_TOKENS), f"greedy-{name}").wait()
-    assert col.ids == expected
-    assert col.finish_reason == ("stop" if expected[-1] in engine.eos_token_ids else "length")
-    for ours, ref in zip(col.outputs, out.logits):
-        assert torch.allclose(ours.logits, ref[0], atol=1e-4, rtol=0), (ours.logits - ref[0]).abs().max()
+    assert_matches_generate(col, engine.eos_token_ids, expected, logits)
 
 
 def test_concurrent_requests_equal_alone(glm, requests):

@@ -22,8 +22,10 @@ import torch
 from tests.oracle import Oracle
 from tests.test_llm import (
     Collector,
+    assert_matches_generate,
     assert_prefill_logits_match,
     assert_same,
+    hf_greedy_with_logits,
     llm_request,
     submit,
 )
@@ -135,10 +137,7 @@ def test_greedy_matches_hf_generate(hf, engine, requests, name, budget):
     req = requests[name]
     inputs = req["hf_inputs"]
     assert inputs["input_ids"].shape[1] > 2 * 16
-    with torch.no_grad():
-        out = hf.model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, output_logits=True,
-                                return_dict_in_generate=True)
-    expected = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    expected, logits = hf_greedy_with_logits(hf.model, req, MAX_TOKENS)
     eng = engine if budget == 512 else Engine(hf.checkpoint, model=engine.model, max_num_tokens=budget,
                                               return_logits=True)
     try:
@@ -148,10 +147,7 @@ def test_greedy_matches_hf_generate(hf, engine, requests, name, budget):
     finally:
         if eng is not engine:
             eng.shutdown()
-    assert col.ids == expected
-    assert col.finish_reason == ("stop" if expected[-1] in engine.eos_token_ids else "length")
-    for ours, ref in zip(col.outputs, out.logits):
-        assert torch.allclose(ours.logits, ref[0], atol=1e-4, rtol=0), (ours.logits - ref[0]).abs().max()
+    assert_matches_generate(col, engine.eos_token_ids, expected, logits)
     assert eng.pool.states.num_used == 0 and eng.kv_blocks_used == 0
 
 

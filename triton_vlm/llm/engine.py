@@ -116,9 +116,7 @@ class _Sequence:
     text: str = ""   # stable detokenized text so far
     sent: int = 0    # characters of `text` emitted
     done: bool = False
-    started: bool = False   # has had a place in the running batch (a preempted one keeps it)
-    first_token_time: float | None = None
-    submit_time: float = 0.0
+    queued_since: float | None = None  # submit time; None from its first place in the batch on (preempted too)
 
 
 def _as_tensor(value: Any, name: str, dtype: torch.dtype) -> torch.Tensor:
@@ -279,7 +277,7 @@ class Engine:
                         emb_index=emb_index, positions=pos, delta=delta, params=params, emit=emit,
                         is_cancelled=is_cancelled, generator=make_generator(params.seed),
                         detok=IncrementalDetokenizer(self.tokenizer, tail), keys=keys,
-                        submit_time=self.clock())
+                        queued_since=self.clock())
         with self._lock:
             if self._stop:
                 raise RuntimeError("engine is shut down")
@@ -403,7 +401,7 @@ class Engine:
                     seq.blocks, seq.num_computed = [], 0
                 break
             seq.blocks.extend(got)
-            seq.started = True
+            seq.queued_since = None
             seq.state = self.pool.states.allocate()  # running sequences <= max_running = slots
             self._waiting.popleft()
             self._running.append(seq)
@@ -423,8 +421,10 @@ class Engine:
         `queue_timeout_ms` ends with "rejected" (it holds no block)."""
         now = self.clock()
         for seq in self._waiting:
-            waited_ms = (now - seq.submit_time) * 1000.0
-            if not seq.started and waited_ms > self.queue_timeout_ms:
+            if seq.queued_since is None:
+                continue
+            waited_ms = (now - seq.queued_since) * 1000.0
+            if waited_ms > self.queue_timeout_ms:
                 self._finish(seq, "rejected", error=f"server busy: waited {waited_ms:.0f} ms for a place in the "
                              f"llm batch, llm_queue_timeout_ms={self.queue_timeout_ms:g}; retry later")
 
@@ -477,8 +477,6 @@ class Engine:
                 self._finish(seq, "error", error=f"internal error: {type(e).__name__}")
 
     def _on_token(self, seq: _Sequence, token: int, logits: torch.Tensor | None = None) -> None:
-        if seq.first_token_time is None:
-            seq.first_token_time = self.clock()
         seq.tokens.append(token)
         seq.output_ids.append(token)
         self.num_generated_tokens += 1

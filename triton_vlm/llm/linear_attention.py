@@ -69,7 +69,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
                            state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's rows: q, k [H, n, dk] (normalized, q scaled), v [H, n, dv], g, beta [H, n],
     state [H, dk, dv] -> (out [H, n, dv], new state). transformers' `torch_chunk_gated_delta_rule`."""
-    H, n, dk = k.shape
+    H, n = k.shape[:2]
     dv = v.shape[-1]
     pad = (_CHUNK - n % _CHUNK) % _CHUNK
     q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))

@@ -268,32 +268,40 @@ class SwiGLULayer:
         gate, up = F.linear(x, self.w_gate_up).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, self.w_down)
 
+    def mlp_block(self, h: torch.Tensor) -> torch.Tensor:
+        """The layer's second half: post-attention RMSNorm, MLP, residual add."""
+        return h + self.mlp(_rms(h, self.ln2, self.c.rms_norm_eps))
+
 
 class Qwen2Layer(SwiGLULayer):
-    """One Qwen2 decoder layer: RMSNorm, GQA attention with q/k/v biases, SwiGLU MLP."""
+    """One Qwen2 decoder layer: RMSNorm, GQA attention with q/k/v biases, SwiGLU MLP. Subclasses
+    turn the biases off (`qkv_bias`) or have q_proj yield each head's output gate after its query
+    (`q_gate`)."""
+    qkv_bias = True
+    q_gate = False
 
     def __init__(self, w: Callable[[str], torch.Tensor], config: DecoderConfig):
         super().__init__(w, config)
+        c = config
         # q/k/v run as one matmul
         self.w_qkv = torch.cat([w(f"self_attn.{p}_proj.weight") for p in "qkv"])
-        self.b_qkv = torch.cat([w(f"self_attn.{p}_proj.bias") for p in "qkv"])
+        self.b_qkv = torch.cat([w(f"self_attn.{p}_proj.bias") for p in "qkv"]) if self.qkv_bias else None
         self.wo = w("self_attn.o_proj.weight")
-        self._split = (config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim,
-                       config.num_kv_heads * config.head_dim)
+        kv = c.num_kv_heads * c.head_dim
+        self._split = ((1 + self.q_gate) * c.num_heads * c.head_dim, kv, kv)
 
     def qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """h [T, hidden] -> q [T, heads, d], k, v [T, kv_heads, d] before the rotary, and the output
-        gate `finish` takes (None: no gate)."""
+        """h [T, hidden] -> q [T, heads, d] (with `q_gate`: [T, heads, 2d]), k, v [T, kv_heads, d]
+        before the rotary, and the output gate `finish` takes (None: no gate)."""
         c, n = self.c, h.shape[0]
         x = _rms(h, self.ln1, c.rms_norm_eps)
         q, k, v = F.linear(x, self.w_qkv, self.b_qkv).split(self._split, dim=-1)
-        return (q.view(n, c.num_heads, c.head_dim), k.view(n, c.num_kv_heads, c.head_dim),
+        return (q.view(n, c.num_heads, -1), k.view(n, c.num_kv_heads, c.head_dim),
                 v.view(n, c.num_kv_heads, c.head_dim), None)
 
     def finish(self, h: torch.Tensor, attn: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         """Residual of the attention output [T, heads * d], then the MLP block."""
-        h = h + F.linear(attn, self.wo)
-        return h + self.mlp(_rms(h, self.ln2, self.c.rms_norm_eps))
+        return self.mlp_block(h + F.linear(attn, self.wo))
 
 
 class Glm4Layer(Qwen2Layer):
@@ -316,34 +324,27 @@ class Glm4Layer(Qwen2Layer):
         return h + _rms(self.mlp(_rms(h, self.ln2, eps)), self.ln_post_mlp, eps)
 
 
-class Qwen35AttentionLayer(SwiGLULayer):
-    """A Qwen3.5 full-attention layer (`Qwen3_5Attention`): q_proj yields each head's query and its
-    output gate side by side; q and k are RMS-normed per head; the attention output is multiplied
-    by sigmoid(gate) before o_proj. No biases; norms scale by 1 + weight."""
+class Qwen35AttentionLayer(Qwen2Layer):
+    """A Qwen3.5 full-attention layer (`Qwen3_5Attention`): Qwen2's attention without biases,
+    q_proj yields each head's query and its output gate side by side; q and k are RMS-normed per
+    head; the attention output is multiplied by sigmoid(gate) before o_proj. Norms scale by 1 + weight."""
     norm_offset = 1.0
+    qkv_bias = False
+    q_gate = True
 
     def __init__(self, w: Callable[[str], torch.Tensor], config: DecoderConfig):
         super().__init__(w, config)
-        c = config
-        self.w_qkv = torch.cat([w(f"self_attn.{p}_proj.weight") for p in "qkv"])
         self.q_norm = self.norm_weight(w("self_attn.q_norm.weight"))
         self.k_norm = self.norm_weight(w("self_attn.k_norm.weight"))
-        self.wo = w("self_attn.o_proj.weight")
-        self._split = (2 * c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim)
 
     def qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        c, n, d = self.c, h.shape[0], self.c.head_dim
-        eps = c.rms_norm_eps
-        x = _rms(h, self.ln1, eps)
-        qg, k, v = F.linear(x, self.w_qkv).split(self._split, dim=-1)
-        qg = qg.view(n, c.num_heads, 2 * d)
-        q = _rms(qg[..., :d], self.q_norm, eps)
-        k = _rms(k.view(n, c.num_kv_heads, d), self.k_norm, eps)
-        return q, k, v.view(n, c.num_kv_heads, d), qg[..., d:].reshape(n, c.num_heads * d)
+        d, eps = self.c.head_dim, self.c.rms_norm_eps
+        qg, k, v, _ = super().qkv(h)
+        return (_rms(qg[..., :d], self.q_norm, eps), _rms(k, self.k_norm, eps), v,
+                qg[..., d:].reshape(h.shape[0], -1))
 
     def finish(self, h: torch.Tensor, attn: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
-        h = h + F.linear(attn * torch.sigmoid(gate), self.wo)
-        return h + self.mlp(_rms(h, self.ln2, self.c.rms_norm_eps))
+        return super().finish(h, attn * torch.sigmoid(gate), None)
 
 
 class Qwen35LinearLayer(SwiGLULayer):
@@ -358,9 +359,8 @@ class Qwen35LinearLayer(SwiGLULayer):
 
     def forward(self, h: torch.Tensor, rows: RecurrentRows, conv_state: torch.Tensor,
                 recurrent_state: torch.Tensor) -> torch.Tensor:
-        eps = self.c.rms_norm_eps
-        h = h + self.mixer(_rms(h, self.ln1, eps), rows, conv_state, recurrent_state)
-        return h + self.mlp(_rms(h, self.ln2, eps))
+        h = h + self.mixer(_rms(h, self.ln1, self.c.rms_norm_eps), rows, conv_state, recurrent_state)
+        return self.mlp_block(h)
 
 
 # ---- the families' decoders ---------------------------------------------------------------------
@@ -419,7 +419,6 @@ class DecoderModel:
             self.layers.append(cls(lambda name, i=i: w(f"layers.{i}.{name}"), c))
             self.layer_index.append(sum(1 for t in c.layer_types[:i] if t == kind))
         self.rotary = Rotary(c, spec.rotary_pairing)
-        self.mm_token_ids = list(c.placeholder_token_ids)
 
     @classmethod
     def from_checkpoint(cls, checkpoint_dir: str | Path) -> "DecoderModel":
@@ -429,13 +428,10 @@ class DecoderModel:
                                                             or k.startswith("model.merger.")) else k)
         return cls(config, weights)
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rotary.cos_sin(positions)
-
     # ---- inputs --------------------------------------------------------------------------------
     def placeholder_mask(self, ids: torch.Tensor) -> torch.Tensor:
         mask = torch.zeros_like(ids, dtype=torch.bool)
-        for t in self.mm_token_ids:
+        for t in self.config.placeholder_token_ids:
             mask |= ids == t
         return mask
 
@@ -466,7 +462,7 @@ class DecoderModel:
         c = self.config
         h = torch.cat([ch.h for ch in chunks]) if len(chunks) > 1 else chunks[0].h
         positions = torch.cat([ch.positions for ch in chunks], dim=1) if len(chunks) > 1 else chunks[0].positions
-        cos, sin = self.rope(positions)
+        cos, sin = self.rotary.cos_sin(positions)
         cos, sin = cos[:, None], sin[:, None]  # once per pass, not per layer
         T = h.shape[0]
         new_slots = torch.cat([ch.slots[ch.start:] for ch in chunks])
@@ -479,11 +475,11 @@ class DecoderModel:
         pre = [i for i, ch in enumerate(chunks) if ch.h.shape[0] > 1]
         cache = getattr(pool, "decode_cache", None)
         cache_rows = None
+        B, group = len(dec), c.num_heads // c.num_kv_heads
         if dec and cache is not None:
             cache_rows = cache.prepare([(chunks[i].key, chunks[i].start, chunks[i].slots) for i in dec])
         if cache_rows is not None:
             # decode K/V in the dense cache: buffer row r is decode chunk order[r]; no gather per step
-            B = len(dec)
             order = [0] * B
             for j, r in enumerate(cache_rows):
                 order[r] = j
@@ -492,7 +488,6 @@ class DecoderModel:
             buf_idx = torch.arange(B)
             lmax = int(buf_pos.max()) + 1
             dec_mask = (torch.arange(lmax)[None, :] <= buf_pos[:, None])[:, None, None, :]
-            group = c.num_heads // c.num_kv_heads
         elif dec:
             dec_rows = torch.tensor([offsets[i] for i in dec])
             lengths = torch.tensor([chunks[i].slots.numel() for i in dec])
@@ -507,8 +502,6 @@ class DecoderModel:
             dec_blocks = dec_blocks.reshape(-1)
             dec_mask = (torch.arange(lmax)[None, :] < lengths[:, None])[:, None, None, :]
             kv_shape = (pool.num_blocks, bs, c.num_kv_heads, c.head_dim)
-            B = len(dec)
-            group = c.num_heads // c.num_kv_heads
         rows = None
         if c.recurrent:  # each sequence's linear-attention rows run from its own state slot
             states = pool.states

@@ -65,10 +65,6 @@ class KVPool:
     def num_used(self) -> int:
         return self.num_blocks - self.num_free
 
-    @property
-    def num_cached(self) -> int:
-        return len(self._cached)
-
     def blocks_for(self, num_tokens: int) -> int:
         return -(-int(num_tokens) // self.block_size)
 
@@ -275,10 +271,6 @@ class StatePool:
     @property
     def num_used(self) -> int:
         return len(self._used)
-
-    @property
-    def nbytes(self) -> int:
-        return (self.conv.numel() + self.recurrent.numel()) * self.conv.element_size()
 
     def allocate(self) -> int:
         if not self._free:
