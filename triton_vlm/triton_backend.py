@@ -16,7 +16,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from triton_vlm import stub_watch
-from triton_vlm.errors import InvalidInput
+from triton_vlm.errors import BUSY_PREFIX, InvalidInput, busy
 
 log = logging.getLogger("triton_vlm")
 
@@ -73,7 +73,7 @@ def _scalar(request, name: str, kind: Callable[[Any], Any]) -> Any:
 # A BLS caller in Triton 2.51 gets every error as INTERNAL, whatever its code: refusals for now
 # (Triton's queue policy, the llm's queue timeout) are told by their messages and passed on as
 # UNAVAILABLE, so a client of a non-decoupled model sees them as such.
-_REFUSALS = ("Request timeout expired", "Exceeds maximum queue size", "server busy: ")
+_REFUSALS = ("Request timeout expired", "Exceeds maximum queue size", BUSY_PREFIX)
 
 
 def _bls_error(error) -> pb_utils.TritonError:
@@ -286,8 +286,8 @@ class PipelineModel:
             values = {t.name(): t.as_numpy().copy() for t in request.inputs()}
             with self._lock:
                 if len(self._flights) >= self.max_inflight:
-                    sender.send(_error_response(f"server busy: {len(self._flights)} requests in flight, "
-                                                f"max_inflight_requests={self.max_inflight}; retry later",
+                    sender.send(_error_response(busy(f"{len(self._flights)} requests in flight, "
+                                                     f"max_inflight_requests={self.max_inflight}"),
                                                 pb_utils.TritonError.UNAVAILABLE), flags=self.FINAL)
                     continue
                 self._next_id += 1

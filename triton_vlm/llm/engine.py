@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from triton_vlm.errors import InvalidInput
+from triton_vlm.errors import InvalidInput, busy
 from triton_vlm.llm.model import Chunk, DecoderModel
 from triton_vlm.llm.paged import KVPool, block_keys
 from triton_vlm.llm.sampling import SamplingParams, make_generator, sample
@@ -425,8 +425,8 @@ class Engine:
                 continue
             waited_ms = (now - seq.queued_since) * 1000.0
             if waited_ms > self.queue_timeout_ms:
-                self._finish(seq, "rejected", error=f"server busy: waited {waited_ms:.0f} ms for a place in the "
-                             f"llm batch, llm_queue_timeout_ms={self.queue_timeout_ms:g}; retry later")
+                self._finish(seq, "rejected", error=busy(f"waited {waited_ms:.0f} ms for a place in the llm batch, "
+                                                         f"llm_queue_timeout_ms={self.queue_timeout_ms:g}"))
 
     def _chunk(self, seq: _Sequence, start: int, end: int) -> Chunk:
         n = seq.prompt_len
