@@ -2,8 +2,8 @@
 through a real tritonserver, checked against the Hugging Face vision tower in the same run.
 
 The session `server` (default build options) shows the cache through the whole ensemble; a
-second, encoder-only server (this module's, cache off, a 1 s batching window) shows several
-requests' items in one execution, each request getting its own rows back.
+second, encoder-only server (this module's, cache off) shows several requests' items in one
+execution, each request getting its own rows back.
 """
 from __future__ import annotations
 
@@ -67,11 +67,19 @@ def test_cache_hit_is_bit_identical_and_equals_hf(server, hf):
 
 
 # ---------------------------------------------------------------------------------------------
-# Encoder-only server: cache off, long batching window
+# Encoder-only server: cache off, a batch as large as the test's requests together
 # ---------------------------------------------------------------------------------------------
+
+# The grid_thw of each concurrent request of the batching test.
+BATCH_GRIDS = {"partial windows": [[1, 34, 46]], "image+video+image": [[1, 16, 16], [2, 8, 12], [1, 4, 6]],
+               "video": [[2, 20, 28]], "same size as another": [[1, 16, 16]]}
+
 
 @pytest.fixture(scope="module")
 def batching_server(tiny_repo, tiny_checkpoint, tmp_path_factory):
+    """The batched model's max_batch_size is exactly the rows of BATCH_GRIDS, so Triton's dynamic
+    batcher runs them the moment the last request arrives, however late the threads start; the
+    queue delay (a minute) only bounds a test that went wrong."""
     import json
 
     from triton_vlm.families import detect_family
@@ -79,7 +87,8 @@ def batching_server(tiny_repo, tiny_checkpoint, tmp_path_factory):
     from triton_vlm.server import TritonServer
 
     repo = encoder_models(tiny_repo, tmp_path_factory.mktemp("encoder_only") / "repository")
-    options = BuildOptions(encoder_max_queue_delay_us=1_000_000, encoder_cache_bytes=0)
+    rows = sum(int(np.prod(grid, axis=1).sum()) for grid in BATCH_GRIDS.values())
+    options = BuildOptions(encoder_max_queue_delay_us=60_000_000, encoder_cache_bytes=0, encoder_max_batch_patches=rows)
     configs = model_configs(detect_family(tiny_checkpoint), json.loads((tiny_checkpoint / "config.json").read_text()),
                             options)
     write_config(configs["vision_encoder_batch"], repo / "vision_encoder_batch" / "config.pbtxt")
@@ -92,10 +101,8 @@ def test_items_of_concurrent_requests_run_in_one_execution_and_split_back(batchi
 
     width = read_vision_config(tiny_checkpoint)["patch_dim"]
     rng = np.random.default_rng(5)
-    grids = {"partial windows": [[1, 34, 46]], "image+video+image": [[1, 16, 16], [2, 8, 12], [1, 4, 6]],
-             "video": [[2, 20, 28]], "same size as another": [[1, 16, 16]]}
     cases = {k: (rng.standard_normal((int(np.prod(g, axis=1).sum()), width)).astype(np.float32),
-                 np.array(g, dtype=np.int64)) for k, g in grids.items()}
+                 np.array(g, dtype=np.int64)) for k, g in BATCH_GRIDS.items()}
     cases["no media"] = (np.zeros((0, width), np.float32), np.zeros((0, 3), np.int64))
     bad = (np.zeros((23, width), np.float32), np.array([[1, 4, 6]], np.int64))
     executions = metric(batching_server, "nv_inference_exec_count", "vision_encoder_batch")
