@@ -350,8 +350,17 @@ def test_mrope_matches_reference_port_on_synthetic_spans():
 # ----------------------------------------------------------------------------------- errors
 
 def test_corrupt_image_names_the_input(pre, media):
-    with pytest.raises(InvalidInput, match=r"^images\[1\]: not a decodable image$"):
+    with pytest.raises(InvalidInput, match=r"^images\[1\]: not a decodable image \(22 bytes: .+\)$"):
         pre(f"{IMG}{IMG}", [media["img_30x40_rgba"], b"\x89PNG\r\n\x1a\n garbage bytes"], [])
+
+
+def test_truncated_image_says_how_many_bytes_arrived(pre):
+    from triton_vlm import samples
+
+    jpeg = samples.image_bytes(64, 48)
+    cut = jpeg[: len(jpeg) // 2]
+    with pytest.raises(InvalidInput, match=rf"^images\[0\]: not a decodable image \({len(cut)} bytes: .+\)$"):
+        pre(IMG, [cut], [])
 
 
 def test_truncated_video_names_the_input(pre, media):

@@ -80,7 +80,7 @@ def test_media_are_bytes_only(pre, tmp_path):
     real = tmp_path / "real.png"
     real.write_bytes(_image_bytes(32, 32, "PNG"))
     for item in (str(real).encode(), b"file://" + str(real).encode(), b"http://127.0.0.1:1/x.png"):
-        with pytest.raises(InvalidInput, match=r"^images\[0\]: (not a decodable image|invalid base64)$"):
+        with pytest.raises(InvalidInput, match=r"^images\[0\]: (not a decodable image \(\d+ bytes: not an image format Pillow reads\)|invalid base64)$"):
             pre(IMG, [item])
     with pytest.raises(InvalidInput, match=r"^videos\[0\]: "):
         pre(VID, [], [str(real).encode()])

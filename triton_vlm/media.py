@@ -83,10 +83,19 @@ def _open_image(data: bytes, name: str, limits: Limits):
             image = Image.open(io.BytesIO(data))
     except Image.DecompressionBombError:
         raise InvalidInput(f"{name}: image exceeds max_image_pixels={limits.max_image_pixels}") from None
-    except Exception:
-        raise InvalidInput(f"{name}: not a decodable image") from None
+    except Exception as error:
+        raise not_decodable_image(name, data, error) from None
     _check_frame_size(*image.size, name, limits, "image")
     return image
+
+
+def not_decodable_image(name: str, data: bytes, error: Exception | str) -> InvalidInput:
+    """The refusal of an image, with what arrived and why it failed, so that a client can tell a
+    truncated or mangled upload from a format Pillow does not read."""
+    from PIL import UnidentifiedImageError
+
+    reason = "not an image format Pillow reads" if isinstance(error, UnidentifiedImageError) else str(error)
+    return InvalidInput(f"{name}: not a decodable image ({len(data)} bytes: {reason})")
 
 
 def decode_image(data: bytes, name: str, limits: Limits = DEFAULT_LIMITS) -> np.ndarray:
@@ -114,10 +123,10 @@ def decode_image(data: bytes, name: str, limits: Limits = DEFAULT_LIMITS) -> np.
             elif image.mode != "RGB":
                 image = image.convert("RGB")
             array = np.asarray(image)
-    except Exception:
-        raise InvalidInput(f"{name}: not a decodable image") from None
+    except Exception as error:
+        raise not_decodable_image(name, data, error) from None
     if array.ndim != 3 or array.shape[2] != 3 or array.dtype != np.uint8:
-        raise InvalidInput(f"{name}: not a decodable image")
+        raise not_decodable_image(name, data, f"decoded to an array of shape {array.shape}, {array.dtype}")
     return array
 
 

@@ -29,7 +29,7 @@ from triton_vlm.families.base import Family, MediaLayout
 from triton_vlm.imaging import FrameLayout, View, VisionSettings, target_size
 from triton_vlm.limits import DEFAULT_LIMITS, Limits
 from triton_vlm.media import (PlannedVideo, decode_image, decode_item_bytes, decode_video, frame_rgb,
-                              plan_video, probe_image)
+                              not_decodable_image, plan_video, probe_image)
 from triton_vlm.mrope import MediaSpan, mrope_positions
 
 MM_OPTION_KEYS = ("min_pixels", "max_pixels", "fps", "num_frames", "max_frames")
@@ -372,7 +372,7 @@ def _fill(item: _Item, out: np.ndarray, limits: Limits) -> None:
     if item.frames is None and item.planned is None:  # an image known from its header
         frames = decode_image(item.data, item.name, limits)[None]
         if tuple(frames.shape[1:3]) != item.probed:
-            raise InvalidInput(f"{item.name}: not a decodable image")
+            raise not_decodable_image(item.name, item.data, f"decoded to {frames.shape[1:3]}, header said {item.probed}")
         item.frames = layout.resize(frames, settings)
     if item.frames is not None:
         layout.write(item.frames, settings, out)
