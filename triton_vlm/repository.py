@@ -126,12 +126,6 @@ def encoder_batch_io(patch_dim: int, hidden: int) -> tuple[tuple[TensorSpec, ...
             (TensorSpec("embeddings", FP32, (hidden,)),))
 
 
-def _frames_independent(family: str) -> bool:
-    from triton_vlm.vision import get_tower
-
-    return bool(getattr(get_tower(family), "FRAMES_INDEPENDENT", False))
-
-
 def _encoder_batch_model(patch_dim: int, hidden: int, options: BuildOptions, common: dict[str, str]) -> mc.ModelConfig:
     enc_in, enc_out = encoder_batch_io(patch_dim, hidden)
     gpu = options.device == "gpu"
@@ -209,8 +203,7 @@ def model_configs(family: Family, checkpoint_config: dict, options: BuildOptions
     encoder = _bounded_queue(_python_model(
         "vision_encoder", enc_in, enc_out, options.encoder_frontends,
         {**common, "batch_model": ENCODER_BATCH_MODEL, "patch_dim": str(patch_dim), "hidden": str(hidden),
-         "spatial_merge_size": str(merge), "max_batch_patches": str(options.encoder_max_batch_patches),
-         "frames_independent": str(int(_frames_independent(family.name)))}), options)
+         "spatial_merge_size": str(merge), "max_batch_patches": str(options.encoder_max_batch_patches)}), options)
     encoder_batch = _encoder_batch_model(patch_dim, hidden, options, common)
     llm_in = (TensorSpec("input_ids", INT32, (-1,)), TensorSpec("embeddings", FP32, (-1, hidden)),
               TensorSpec("mrope_position_ids", INT64, (3, -1)), TensorSpec("mrope_position_delta", INT64, (1,)))

@@ -151,9 +151,6 @@ class VisionEncoderModel:
         self.patch_dim, self.hidden = int(params["patch_dim"]), int(params["hidden"])
         self.merge = int(params["spatial_merge_size"])
         self.max_rows = int(params["max_batch_patches"])
-        # Frames of a video are independent in this family: send them as items of their own, so
-        # a long video splits across batches and each frame is cached on its own (exact either way).
-        self.frames_independent = params.get("frames_independent", "0") == "1"
 
     def _encode_rows(self, pixels: np.ndarray, grid: np.ndarray) -> np.ndarray:
         from triton_vlm.vision.batching import patch_grid
@@ -178,8 +175,9 @@ class VisionEncoderModel:
 
         pixels, grid = validate_inputs(_required(request, "pixel_values"), _required(request, "grid_thw"),
                                        self.patch_dim, self.merge)
-        if self.frames_independent and len(grid) and (grid[:, 0] > 1).any():
-            grid = np.repeat(np.concatenate([np.ones_like(grid[:, :1]), grid[:, 1:]], axis=1), grid[:, 0], axis=0)
+        # A video's frames go as items of their own (triton_vlm.vision: frames are independent),
+        # so a long video splits across batches and each frame is cached on its own.
+        grid = np.repeat(np.concatenate([np.ones_like(grid[:, :1]), grid[:, 1:]], axis=1), grid[:, 0], axis=0)
         parts, rows = [], np.concatenate([[0], np.cumsum(grid.prod(axis=1))]).astype(np.int64)
         for first, end in chunk_items(grid, self.max_rows):
             parts.append(self._encode_rows(pixels[rows[first]:rows[end]], grid[first:end]))

@@ -5,8 +5,10 @@ A tower module provides: `INPUT_NAMES` / `METADATA_INPUTS` / `OUTPUT_NAME`,
 `load_tower(checkpoint_dir, dtype)`, `checkpoint_settings(config_json)` /
 `read_vision_config(checkpoint_dir)` (the settings of a checkpoint's `config.json`),
 `example_inputs(settings)`, `dynamic_axes()`, `profile_shapes(settings, (min, opt, max) patches)`
-(TensorRT shapes of every input) and `FRAMES_INDEPENDENT` (whether each temporal grid step may be
-encoded on its own). Settings hold at least `patch_dim`, `out_hidden_size` and
+(TensorRT shapes of every input). Every tower encodes each temporal grid step on its own
+(attention, rotary positions and position embeddings never cross frames), so the serving front
+sends a video's frames as items of their own and the encoder runs steps of one spatial size
+together; neither changes the result. Settings hold at least `patch_dim`, `out_hidden_size` and
 `spatial_merge_size` (patches per embedding row along each side). What towers share (group
 metadata, rotary tables, layers, weight loading) is in `common`.
 """

@@ -57,10 +57,9 @@ class VisionEncoder:
         pieces: dict[tuple[int, int], list[tuple[int, int, int, int, int]]] = {}
         patch_off = token_off = 0
         for t, h, w in grid.tolist():
-            steps = [(f, 1) for f in range(t)] if self.tower.FRAMES_INDEPENDENT else [(0, t)]
-            for f, n in steps:
+            for f in range(t):  # frames are independent (triton_vlm.vision)
                 pieces.setdefault((h, w), []).append(
-                    (patch_off + f * h * w, token_off + f * h * w // self.merge_unit, n, h, w))
+                    (patch_off + f * h * w, token_off + f * h * w // self.merge_unit, 1, h, w))
             patch_off += t * h * w
             token_off += t * h * w // self.merge_unit
         runs = []

@@ -30,10 +30,6 @@ import torch.nn as nn
 
 from triton_vlm.vision import common
 
-# Attention is per frame, rotary positions and position embeddings depend only on (h, w): every
-# temporal step may be encoded on its own, and steps of one spatial size run together.
-FRAMES_INDEPENDENT = True
-
 METADATA_INPUTS = common.ROTARY_INPUTS + ("pos_grid",) + common.FULL_INPUTS
 INPUT_NAMES = ("pixel_values",) + METADATA_INPUTS
 OUTPUT_NAME = "embeddings"

@@ -39,9 +39,6 @@ import torch.nn as nn
 
 from triton_vlm.vision import common
 
-# Slices of one size are encoded independently; a video's frames are slices.
-FRAMES_INDEPENDENT = True
-
 METADATA_INPUTS = ("patch_order", "position_ids") + common.FULL_INPUTS + ("merged_index", "merged_mask",
                                                                           "merged_inverse")
 INPUT_NAMES = ("pixel_values",) + METADATA_INPUTS

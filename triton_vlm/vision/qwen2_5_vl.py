@@ -19,10 +19,6 @@ import torch.nn as nn
 
 from triton_vlm.vision import common
 
-# Every temporal grid step is independent (full attention is per frame, windows never cross
-# frames, positions repeat per frame), so a runtime may split videos into frames and run items
-# of the same spatial size together without changing the result.
-FRAMES_INDEPENDENT = True
 RMS_EPS = 1e-6  # fixed in the Hugging Face implementation (not a config field)
 
 # ONNX graph interface (names are the tower's; the runtime feeds them by name).
