@@ -471,9 +471,13 @@ def test_batched_step_mixes_prefill_chunks_and_decodes(ckpt, engine, requests):
         seen.append([(ch.start, ch.h.shape[0]) for ch in chunks])
         return real(chunks, pool)
 
-    eng.model = type("Spy", (), {"forward": staticmethod(spy), "embed_tokens": real.__self__.embed_tokens,
-                                 "placeholder_mask": real.__self__.placeholder_mask,
-                                 "config": real.__self__.config})()
+    class Spy:  # the engine's model with its forward pass watched
+        forward = staticmethod(spy)
+
+        def __getattr__(self, name):
+            return getattr(real.__self__, name)
+
+    eng.model = Spy()
     try:
         first = submit(eng, requests["text"], SamplingParams(max_tokens=20), "first")
         while not first.outputs:

@@ -230,22 +230,12 @@ class Engine:
         if n + params.max_tokens > self.pool_tokens:
             raise InvalidInput(f"prompt is {n} tokens and max_tokens is {params.max_tokens}, "
                                f"the KV cache pool holds {self.pool_tokens} tokens")
-        mask = self.model.placeholder_mask(ids)
-        n_placeholders = int(mask.sum())
         emb = None
         if embeddings is not None:
             emb = _as_tensor(embeddings, "embeddings", torch.float32)
             if emb.ndim == 3 and emb.shape[0] == 1:  # a leading batch dimension of 1
                 emb = emb[0]
-            if emb.numel() == 0:
-                emb = None
-            elif emb.ndim != 2 or emb.shape[1] != c.hidden_size:
-                raise InvalidInput(f"embeddings: shape {list(emb.shape)}, expected "
-                                   f"[{n_placeholders}, {c.hidden_size}]")
-        n_rows = 0 if emb is None else int(emb.shape[0])
-        if n_rows != n_placeholders:
-            raise InvalidInput(f"embeddings: {n_rows} rows given, prompt has {n_placeholders} "
-                               f"image/video placeholder tokens")
+        mask, emb = self.model.placeholder_rows(ids, emb)
         if mrope_position_ids is None:  # text only: 1-D positions on all axes
             pos = torch.arange(n).expand(3, n).clone()
         else:
@@ -268,7 +258,7 @@ class Engine:
         emb_index = None
         if emb is not None:
             emb_index = torch.full((n,), -1, dtype=torch.long)
-            emb_index[mask] = torch.arange(n_rows)
+            emb_index[mask] = torch.arange(emb.shape[0])
         keys = block_keys(ids, pos, emb, mask, self.pool.block_size) if self.pool.prefix_caching else []
 
         request_id = str(request_id)

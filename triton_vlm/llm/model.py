@@ -435,20 +435,29 @@ class DecoderModel:
             mask |= ids == t
         return mask
 
-    def embed(self, input_ids: torch.Tensor, embeddings: torch.Tensor | None) -> torch.Tensor:
-        """Token embeddings with the image/video placeholder rows replaced by `embeddings` in order."""
-        ids = input_ids.reshape(-1).long()
-        h = F.embedding(ids, self.embed_tokens)
+    def placeholder_rows(self, ids: torch.Tensor, embeddings: torch.Tensor | None
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The placeholder mask of `ids` and the vision rows that fill it (None when there are
+        none): one [hidden_size] row per placeholder token, in order, or INVALID_ARG."""
         mask = self.placeholder_mask(ids)
         n_placeholders = int(mask.sum())
+        if embeddings is not None and embeddings.numel() == 0:
+            embeddings = None
+        if embeddings is not None and (embeddings.ndim != 2 or embeddings.shape[1] != self.config.hidden_size):
+            raise InvalidInput(f"embeddings: shape {list(embeddings.shape)}, expected "
+                               f"[{n_placeholders}, {self.config.hidden_size}]")
         n_rows = 0 if embeddings is None else int(embeddings.shape[0])
         if n_rows != n_placeholders:
             raise InvalidInput(f"embeddings: {n_rows} rows given, prompt has {n_placeholders} "
                                f"image/video placeholder tokens")
-        if n_rows:
-            if embeddings.ndim != 2 or embeddings.shape[1] != self.config.hidden_size:
-                raise InvalidInput(f"embeddings: shape {list(embeddings.shape)}, expected "
-                                   f"[{n_placeholders}, {self.config.hidden_size}]")
+        return mask, embeddings
+
+    def embed(self, input_ids: torch.Tensor, embeddings: torch.Tensor | None) -> torch.Tensor:
+        """Token embeddings with the image/video placeholder rows replaced by `embeddings` in order."""
+        ids = input_ids.reshape(-1).long()
+        mask, embeddings = self.placeholder_rows(ids, embeddings)
+        h = F.embedding(ids, self.embed_tokens)
+        if embeddings is not None:
             h[mask] = embeddings.to(h.dtype)
         return h
 
