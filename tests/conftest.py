@@ -74,3 +74,19 @@ def ckpt_config(ckpt):
     import json
 
     return json.loads((ckpt / "config.json").read_text())
+
+
+# Vision encoder fixtures shared by the per-family tests/test_vision_encoder_*.py files; a module
+# that uses them defines `repo`, a repository build of its checkpoint.
+@pytest.fixture(scope="module")
+def onnx_path(repo):
+    """The float32 encoder the build wrote."""
+    return repo / "vision_encoder" / "1" / "encoder.onnx"
+
+
+@pytest.fixture(scope="module")
+def encoder(onnx_path):
+    """The build's encoder through the runtime that serves it."""
+    from triton_vlm.vision.encoder import VisionEncoder
+
+    return VisionEncoder(onnx_path)

@@ -79,20 +79,6 @@ def repo(checkpoints, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def onnx_path(repo):
-    """The float32 encoder the build wrote."""
-    return repo / "vision_encoder" / "1" / "encoder.onnx"
-
-
-@pytest.fixture(scope="module")
-def encoder(onnx_path):
-    """The build's encoder through the runtime that serves it."""
-    from triton_vlm.vision.encoder import VisionEncoder
-
-    return VisionEncoder(onnx_path)
-
-
-@pytest.fixture(scope="module")
 def exported(checkpoints, tmp_path_factory):
     from triton_vlm.vision.export import export_onnx
 

@@ -94,19 +94,6 @@ def repo(checkpoint, tmp_path_factory):
     return build_repository(checkpoint, tmp_path_factory.mktemp("minicpmv_repo") / "repository")
 
 
-@pytest.fixture(scope="module")
-def onnx_path(repo):
-    return repo / "vision_encoder" / "1" / "encoder.onnx"
-
-
-@pytest.fixture(scope="module")
-def encoder(onnx_path):
-    """The build's encoder through the runtime that serves it."""
-    from triton_vlm.vision.encoder import VisionEncoder
-
-    return VisionEncoder(onnx_path)
-
-
 # ---------------------------------------------------------------------------------------------
 # Input convention and host metadata
 # ---------------------------------------------------------------------------------------------
