@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import select
 import signal
 import subprocess
@@ -291,10 +292,13 @@ def test_a_stub_watcher_kills_its_stub_when_the_server_goes_and_ends_with_the_st
 def test_every_stub_exits_when_tritonserver_is_killed(tiny_repo, tmp_path):
     """SIGKILL tritonserver while a request streams, so that stub threads are waiting on it (the
     llm's metrics and responses, the ensemble's BLS calls): every stub, and the watcher process
-    each one starts (triton_vlm.stub_watch), is gone within a bounded wait."""
+    each one starts (triton_vlm.stub_watch), is gone within a bounded wait; the shared-memory
+    regions the dead server leaves in /dev/shm are removed when it is stopped."""
     from triton_vlm.server import TritonServer
 
     server = TritonServer(tiny_repo, log_file=tmp_path / "server.log").start()
+    maps = Path(f"/proc/{server.process.pid}/maps").read_text()
+    regions = set(re.findall(r"/dev/shm/triton_python_backend_shm_region\S*", maps))
     stubs = server.stub_processes()
     watchers = {child: stubs[pid] for pid in stubs for child in _children(pid)}
     pidfds = {pid: os.pidfd_open(pid) for pid in [*stubs, *watchers]}  # exact processes, whatever reuses a pid
@@ -312,6 +316,9 @@ def test_every_stub_exits_when_tritonserver_is_killed(tiny_repo, tmp_path):
         left = _exited(pidfds)
         assert not left, sorted(stubs.get(pid) or f"watcher of {watchers[pid]}" for pid in left)
         client.close()
+        assert len(regions) >= len(stubs) and all(Path(r).exists() for r in regions)  # left behind
+        server.stop()
+        assert not [r for r in regions if Path(r).exists()]
     finally:
         _kill_and_close(pidfds)
         server.stop()

@@ -73,6 +73,7 @@ class TritonServer:
         self.report = report or (lambda message: print(f"triton-vlm serve: {message}", file=sys.stderr, flush=True))
         self.events: list[str] = []
         self._stopping = threading.Event()
+        self._shm_regions: set[str] = set()
 
     @property
     def grpc_url(self) -> str:
@@ -124,6 +125,7 @@ class TritonServer:
                 self._reader.join(timeout=5)
                 raise ServerError(f"tritonserver exited with code {self.process.returncode}:\n{self.errors()}")
             if self.is_ready():
+                self._note_shm_regions()
                 if self.supervise:  # the first snapshot before returning: a stub may die right after
                     threading.Thread(target=self._supervise, args=(self.stub_processes(),),
                                      name="stub-supervisor", daemon=True).start()
@@ -184,10 +186,31 @@ class TritonServer:
                     request = urllib.request.Request(f"http://{self.http_url}/v2/repository/models/{model}/{action}",
                                                      data=b"{}", method="POST")
                     urllib.request.urlopen(request, timeout=600).close()
+                self._note_shm_regions()
                 self._event(f"model {model!r} reloaded")
             except OSError as error:
                 self._event(f"reloading model {model!r} failed: {error}")
         known.update({pid: name for pid, name in alive.items() if pid not in known and pid not in retiring})
+
+    def _note_shm_regions(self) -> None:
+        """Remember the Python backend's shared-memory regions the server has mapped. A server that
+        exits cleanly removes them; one that is killed leaves them in /dev/shm (about 1 MB each,
+        in memory) for `stop` / `wait` to remove."""
+        try:
+            maps = Path(f"/proc/{self.process.pid}/maps").read_text()
+        except OSError:
+            return
+        self._shm_regions.update(re.findall(r"(/dev/shm/triton_python_backend_shm_region\S*)", maps))
+
+    def _remove_shm_regions(self) -> None:
+        """After the server has exited: remove the regions it left (its stubs may still map them
+        for the moment their watchers take to end them; the memory goes with the last of them)."""
+        for path in self._shm_regions:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        self._shm_regions.clear()
 
     def _event(self, message: str) -> None:
         self.events.append(message)
@@ -202,20 +225,26 @@ class TritonServer:
     def wait(self) -> int:
         """Wait for the server to exit by itself; its exit code."""
         code = self.process.wait()
+        self._remove_shm_regions()
         if self._reader:
             self._reader.join(timeout=5)
         return code
 
     def stop(self, timeout: float = 30.0) -> None:
         self._stopping.set()
-        if self.process is None or self.process.poll() is not None:
+        if self.process is None:
             return
+        if self.process.poll() is not None:  # it exited, or was killed, by itself
+            self._remove_shm_regions()
+            return
+        self._note_shm_regions()
         self.process.send_signal(signal.SIGINT)
         try:
             self.process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
+        self._remove_shm_regions()
         if self._reader:
             self._reader.join(timeout=5)
 
