@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, TypeVar
 
 import numpy as np
 import torch
@@ -111,6 +111,24 @@ def frame_groups(grid: np.ndarray) -> dict[str, np.ndarray]:
     sizes = np.repeat(grid[:, 1] * grid[:, 2], grid[:, 0])
     index, mask, inverse = groups(np.arange(int(sizes.sum()), dtype=np.int64), sizes)
     return dict(full_index=index, full_mask=mask, full_inverse=inverse)
+
+
+Layout = TypeVar("Layout")
+
+
+def item_layouts(grid: np.ndarray, layout: Callable[[int, int], Layout]
+                 ) -> list[tuple[int, int, int, int, Layout]]:
+    """Per item of `grid`: (t, h, w, its first patch row, `layout(h, w)`). A tower's per-frame
+    metadata depends only on the frame's size, so each size is laid out once and every frame of
+    every item of that size reuses it."""
+    per_size: dict[tuple[int, int], Layout] = {}
+    items, offset = [], 0
+    for t, h, w in grid.tolist():
+        if (h, w) not in per_size:
+            per_size[(h, w)] = layout(h, w)
+        items.append((t, h, w, offset, per_size[(h, w)]))
+        offset += t * h * w
+    return items
 
 
 def check_grid(grid_thw: np.ndarray, merge: int) -> np.ndarray:

@@ -81,12 +81,8 @@ def encoder_metadata(grid_thw: np.ndarray, settings: dict[str, Any]) -> dict[str
     m = settings["spatial_merge_size"]
     grid = common.check_grid(grid_thw, m)
     inv_freq = common.rotary_inv_freq(settings["head_dim"], settings["rope_theta"])
-    per_size: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
-    parts: list[tuple[np.ndarray, ...]] = []
-    for t, h, w in grid.tolist():
-        if (h, w) not in per_size:
-            per_size[(h, w)] = _frame_layout(h, w, m, inv_freq)
-        parts.append(tuple(np.tile(a, (t, 1)) if t > 1 else a for a in per_size[(h, w)]))
+    parts = [tuple(np.tile(a, (t, 1)) if t > 1 else a for a in layout)
+             for t, _, _, _, layout in common.item_layouts(grid, lambda h, w: _frame_layout(h, w, m, inv_freq))]
     cos, sin, pos = (np.concatenate(column) for column in zip(*parts))
     return dict(rotary_cos=cos, rotary_sin=sin, pos_grid=pos, **common.frame_groups(grid))
 

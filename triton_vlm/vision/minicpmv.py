@@ -138,17 +138,11 @@ def encoder_metadata(grid_thw: np.ndarray, settings: dict[str, Any]) -> dict[str
 
     Keys: `METADATA_INPUTS`. Requires at least one slice."""
     grid = common.check_grid(grid_thw, settings["spatial_merge_size"])
-    per_size: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
     orders, positions = [], []
-    offset = 0
-    for t, h, w in grid.tolist():
-        if (h, w) not in per_size:
-            per_size[(h, w)] = _slice_layout(h, w, settings)
-        order, pos = per_size[(h, w)]
-        for _ in range(t):
-            orders.append(order + offset)
+    for t, h, w, offset, (order, pos) in common.item_layouts(grid, lambda h, w: _slice_layout(h, w, settings)):
+        for f in range(t):
+            orders.append(order + offset + f * h * w)
             positions.append(pos)
-            offset += h * w
     window = settings["window_kernel_size"]
     merged = {f"merged_{key[5:]}": value for key, value in common.frame_groups(
         np.concatenate([grid[:, :1], grid[:, 1:] // window], axis=1)).items()}

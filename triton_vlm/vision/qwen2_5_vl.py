@@ -84,18 +84,13 @@ def encoder_metadata(grid_thw: np.ndarray, settings: dict[str, Any]) -> dict[str
     inv_freq = common.rotary_inv_freq(settings["head_dim"], settings["rope_theta"])
 
     cos_parts, sin_parts, win_order, win_sizes = [], [], [], []
-    per_size: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
-    offset = 0  # patch offset of the item
-    for t, h, w in grid.tolist():
-        if (h, w) not in per_size:
-            per_size[(h, w)] = _frame_layout(h, w, m, vws, inv_freq)
-        cos, sin, patch_order, counts = per_size[(h, w)]
+    items = common.item_layouts(grid, lambda h, w: _frame_layout(h, w, m, vws, inv_freq))
+    for t, h, w, offset, (cos, sin, patch_order, counts) in items:
         cos_parts.append(np.tile(cos, (t, 1)) if t > 1 else cos)
         sin_parts.append(np.tile(sin, (t, 1)) if t > 1 else sin)
         frames = offset + np.arange(t, dtype=np.int64)[:, None] * (h * w)
         win_order.append((frames + patch_order[None, :]).reshape(-1))
         win_sizes.append(np.tile(counts, t))
-        offset += t * h * w
 
     w_index, w_mask, w_inv = common.groups(np.concatenate(win_order), np.concatenate(win_sizes))
     return dict(rotary_cos=np.concatenate(cos_parts), rotary_sin=np.concatenate(sin_parts),
