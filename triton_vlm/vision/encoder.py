@@ -1,7 +1,9 @@
-"""Generic ONNX Runtime vision encoder: host metadata + one or more session runs.
+"""Generic vision encoders: host metadata + one or more runs of a compiled tower.
 
-Family specifics (metadata, sizes, whether frames are independent) come from the tower module
-named in the ONNX file's metadata.
+`TowerEncoder` holds what every runtime shares (input checks, the plan of runs, `encode`);
+`VisionEncoder` runs the ONNX export with ONNX Runtime, `tensorrt_engine.TensorRTEncoder` a
+TensorRT engine. Family specifics (metadata, sizes) come from the tower module named in the
+export's metadata.
 """
 from __future__ import annotations
 
@@ -14,41 +16,28 @@ from triton_vlm.errors import InvalidInput
 from triton_vlm.vision import get_tower
 
 
-class VisionEncoder:
-    """Runs an ONNX vision tower written by `triton_vlm.vision.export.export_onnx`.
+class TowerEncoder:
+    """An exported tower behind one runtime. `max_patches_per_run` bounds one run: items and
+    video frames of the same spatial size are run together up to that many patches, so groups
+    are never padded to a much larger item and attention memory stays bounded. A runtime sets
+    the tower up with `_init_tower` and supplies `_run(pixels, grid)` (one run) and `warmup`."""
 
-    `max_patches_per_run` bounds one session run: items (and, where the family allows it,
-    video frames) of the same spatial size are run together up to that many patches, so groups
-    are never padded to a much larger item and attention memory stays bounded.
-    Graph optimisations are all on; `intra_op_threads` None or 0 takes every usable core (the
-    Triton model passes the cores divided by the instance count).
-    """
-
-    def __init__(self, onnx_path: str | Path, intra_op_threads: int | None = None, max_patches_per_run: int = 16384,
-                 providers: list | None = None):
-        import onnxruntime as ort
-
-        options = ort.SessionOptions()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        options.intra_op_num_threads = int(intra_op_threads or default_threads())  # 0 / None: all cores
-        options.inter_op_num_threads = 1
-        self.session = ort.InferenceSession(str(onnx_path), options,
-                                            providers=providers or ["CPUExecutionProvider"])
-        meta = self.session.get_modelmeta().custom_metadata_map
-        if "family" not in meta or "vision_config" not in meta:
-            raise ValueError(f"{onnx_path}: not a triton-vlm vision encoder (no family metadata)")
-        self.family = meta["family"]
-        self.dtype = meta.get("dtype", "float32")
-        self.tower = get_tower(self.family)
-        self.settings = json.loads(meta["vision_config"])
-        self.patch_dim = int(self.settings["patch_dim"])
-        self.out_hidden = int(self.settings["out_hidden_size"])
-        self.tower_merge = int(self.settings["spatial_merge_size"])
+    def _init_tower(self, family: str, settings: dict, max_patches_per_run: int) -> None:
+        self.family = family
+        self.tower = get_tower(family)
+        self.settings = settings
+        self.patch_dim = int(settings["patch_dim"])
+        self.out_hidden = int(settings["out_hidden_size"])
+        self.tower_merge = int(settings["spatial_merge_size"])
         self.merge_unit = self.tower_merge ** 2
         self.max_patches_per_run = int(max_patches_per_run)
-        self._input_names = {i.name for i in self.session.get_inputs()}
 
-    # ---------------------------------------------------------------------------------------
+    def _run(self, pixels: np.ndarray, grid: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def warmup(self) -> None:
+        raise NotImplementedError
+
     def _validate(self, pixel_values, grid_thw) -> tuple[np.ndarray, np.ndarray]:
         return validate_inputs(pixel_values, grid_thw, self.patch_dim, self.tower_merge)
 
@@ -75,18 +64,6 @@ class VisionEncoder:
             runs.append(run)
         return runs
 
-    def _run(self, pixels: np.ndarray, grid: np.ndarray) -> np.ndarray:
-        feeds = {"pixel_values": np.ascontiguousarray(pixels, dtype=np.float32)}
-        for name, value in self.tower.encoder_metadata(grid, self.settings).items():
-            if name in self._input_names:  # the exporter drops inputs a graph does not use
-                feeds[name] = value
-        return self.session.run(None, feeds)[0]
-
-    def warmup(self) -> None:
-        """One smallest item through the session: ONNX Runtime allocates on its first run."""
-        grid = np.array([[1, self.tower_merge, self.tower_merge]], dtype=np.int64)
-        self.encode(np.zeros((int(grid.prod()), self.patch_dim), np.float32), grid)
-
     def encode(self, pixel_values: np.ndarray, grid_thw: np.ndarray) -> np.ndarray:
         """Embeddings float32 [tokens, out_hidden], one row per placeholder token, item order."""
         pixels, grid = self._validate(pixel_values, grid_thw)
@@ -107,6 +84,43 @@ class VisionEncoder:
                 out[tok:tok + k] = emb[row:row + k]
                 row += k
         return out
+
+
+class VisionEncoder(TowerEncoder):
+    """Runs an ONNX vision tower written by `triton_vlm.vision.export.export_onnx` with ONNX Runtime.
+
+    Graph optimisations are all on; `intra_op_threads` None or 0 takes every usable core (the
+    Triton model passes the cores divided by the instance count).
+    """
+
+    def __init__(self, onnx_path: str | Path, intra_op_threads: int | None = None, max_patches_per_run: int = 16384,
+                 providers: list | None = None):
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.intra_op_num_threads = int(intra_op_threads or default_threads())  # 0 / None: all cores
+        options.inter_op_num_threads = 1
+        self.session = ort.InferenceSession(str(onnx_path), options,
+                                            providers=providers or ["CPUExecutionProvider"])
+        meta = self.session.get_modelmeta().custom_metadata_map
+        if "family" not in meta or "vision_config" not in meta:
+            raise ValueError(f"{onnx_path}: not a triton-vlm vision encoder (no family metadata)")
+        self._init_tower(meta["family"], json.loads(meta["vision_config"]), max_patches_per_run)
+        self.dtype = meta.get("dtype", "float32")
+        self._input_names = {i.name for i in self.session.get_inputs()}
+
+    def _run(self, pixels: np.ndarray, grid: np.ndarray) -> np.ndarray:
+        feeds = {"pixel_values": np.ascontiguousarray(pixels, dtype=np.float32)}
+        for name, value in self.tower.encoder_metadata(grid, self.settings).items():
+            if name in self._input_names:  # the exporter drops inputs a graph does not use
+                feeds[name] = value
+        return self.session.run(None, feeds)[0]
+
+    def warmup(self) -> None:
+        """One smallest item through the session: ONNX Runtime allocates on its first run."""
+        grid = np.array([[1, self.tower_merge, self.tower_merge]], dtype=np.int64)
+        self.encode(np.zeros((int(grid.prod()), self.patch_dim), np.float32), grid)
 
 
 def default_threads(instances: int = 1) -> int:

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from triton_vlm.vision import get_tower
+from triton_vlm.vision.encoder import TowerEncoder
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 
@@ -109,8 +110,9 @@ def build_engine(onnx_path: str | Path, engine_path: str | Path, profile: Engine
     return engine_path
 
 
-class TensorRTEncoder:
-    """Runs an engine from `build_engine` on one GPU; same interface as `VisionEncoder`."""
+class TensorRTEncoder(TowerEncoder):
+    """Runs an engine from `build_engine` on one GPU; validation, run planning and `encode` are
+    `TowerEncoder`'s, as for the ONNX Runtime encoder."""
 
     def __init__(self, engine_path: str | Path, device: int = 0) -> None:
         import tensorrt as trt
@@ -118,15 +120,9 @@ class TensorRTEncoder:
 
         engine_path = Path(engine_path)
         sidecar = json.loads(engine_path.with_suffix(".json").read_text())
-        self.family = sidecar["family"]
-        self.tower = get_tower(self.family)
-        self.settings = sidecar["vision_config"]
+        self._init_tower(sidecar["family"], sidecar["vision_config"], int(sidecar["max_patches"]))
         self.dtype = sidecar["precision"]
-        self.patch_dim = int(self.settings["patch_dim"])
-        self.out_hidden = int(self.settings["out_hidden_size"])
-        self.tower_merge = int(self.settings["spatial_merge_size"])
-        self.merge_unit = self.tower_merge ** 2
-        self.min_patches, self.max_patches_per_run = int(sidecar["min_patches"]), int(sidecar["max_patches"])
+        self.min_patches = int(sidecar["min_patches"])
         self.device = torch.device("cuda", device)
         torch.cuda.set_device(self.device)
         self._logger = trt.Logger(trt.Logger.WARNING)
@@ -139,17 +135,6 @@ class TensorRTEncoder:
         names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
         self._inputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
         self._output = next(n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT)
-
-    # Validation and planning are the ONNX Runtime encoder's (same inputs, same run grouping).
-    def _validate(self, pixel_values, grid_thw):
-        from triton_vlm.vision.encoder import validate_inputs
-
-        return validate_inputs(pixel_values, grid_thw, self.patch_dim, self.tower_merge)
-
-    def _plan(self, grid):
-        from triton_vlm.vision.encoder import VisionEncoder
-
-        return VisionEncoder._plan(self, grid)
 
     def _run(self, pixels: np.ndarray, grid: np.ndarray) -> np.ndarray:
         import torch
@@ -181,8 +166,3 @@ class TensorRTEncoder:
             side += self.tower_merge
         grid = np.array([[1, side, side]], dtype=np.int64)
         self.encode(np.zeros((side * side, self.patch_dim), np.float32), grid)
-
-    def encode(self, pixel_values: np.ndarray, grid_thw: np.ndarray) -> np.ndarray:
-        from triton_vlm.vision.encoder import VisionEncoder
-
-        return VisionEncoder.encode(self, pixel_values, grid_thw)
