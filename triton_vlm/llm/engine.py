@@ -112,7 +112,6 @@ class _Sequence:
     blocks: list[int] = field(default_factory=list)   # block table
     state: int | None = None          # StatePool slot while running
     num_computed: int = 0             # tokens whose K/V are in the blocks
-    output_ids: list[int] = field(default_factory=list)
     text: str = ""   # stable detokenized text so far
     sent: int = 0    # characters of `text` emitted
     done: bool = False
@@ -468,7 +467,6 @@ class Engine:
 
     def _on_token(self, seq: _Sequence, token: int, logits: torch.Tensor | None = None) -> None:
         seq.tokens.append(token)
-        seq.output_ids.append(token)
         self.num_generated_tokens += 1
         seq.text += seq.detok.add(token)
         reason, stop_word_at = None, None
@@ -479,7 +477,7 @@ class Engine:
             hits = [i for i in (seq.text.find(w, start) for w in seq.params.stop_words) if i >= 0]
             if hits:
                 reason, stop_word_at = "stop", min(hits)
-        if reason is None and len(seq.output_ids) >= seq.params.max_tokens:
+        if reason is None and len(seq.tokens) - seq.prompt_len >= seq.params.max_tokens:
             reason = "length"
         if reason is None:
             # hold back a tail that may be the start of a stop word
