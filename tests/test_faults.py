@@ -289,6 +289,34 @@ def test_a_stub_watcher_kills_its_stub_when_the_server_goes_and_ends_with_the_st
         server.wait()
 
 
+def test_tritonserver_and_its_stubs_exit_when_the_python_process_that_started_it_is_killed(tiny_repo):
+    """A process holding a `TritonServer` that is SIGKILLed (a killed test run, a CI timeout)
+    cannot stop it: the server gets SIGTERM from the kernel instead and shuts down with its stubs,
+    removing its shared-memory regions as a clean exit does."""
+    code = ("import sys, time; from triton_vlm.server import TritonServer; "
+            "server = TritonServer(sys.argv[1]).start(); print(server.process.pid, flush=True); time.sleep(600)")
+    owner = subprocess.Popen([sys.executable, "-c", code, str(tiny_repo)], stdout=subprocess.PIPE, text=True,
+                             cwd=Path(__file__).resolve().parent.parent)
+    pidfds: dict[int, int] = {}
+    try:
+        server_pid = int(owner.stdout.readline())
+        pidfds[server_pid] = os.pidfd_open(server_pid)
+        stubs = [pid for pid in _children(server_pid)
+                 if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].endswith(b"triton_python_backend_stub")]
+        pidfds.update({pid: os.pidfd_open(pid) for pid in stubs})
+        regions = set(re.findall(r"/dev/shm/triton_python_backend_shm_region\S*",
+                                 Path(f"/proc/{server_pid}/maps").read_text()))
+        assert len(stubs) >= 5 and len(regions) >= len(stubs)
+        owner.kill()
+        owner.wait()
+        assert not _exited(pidfds), "tritonserver or a stub outlived the process that started it"
+        assert not [r for r in regions if Path(r).exists()]
+    finally:
+        _kill_and_close(pidfds)
+        owner.kill()
+        owner.wait()
+
+
 def test_every_stub_exits_when_tritonserver_is_killed(tiny_repo, tmp_path):
     """SIGKILL tritonserver while a request streams, so that stub threads are waiting on it (the
     llm's metrics and responses, the ensemble's BLS calls): every stub, and the watcher process

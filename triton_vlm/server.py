@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import os
 import re
+import shutil
 import signal
 import site
 import socket
@@ -50,12 +51,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _ended_with_this_thread(command: list[str]) -> list[str]:
+    """`command` run through util-linux `setpriv --pdeathsig TERM` (prctl PR_SET_PDEATHSIG, kept
+    across its exec): SIGTERM reaches it when the calling thread ends. Without setpriv, as it is."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "TERM", "--", *command] if setpriv else command
+
+
 class ServerError(RuntimeError):
     """The server exited or never became ready; the message holds its own error lines."""
 
 
 class TritonServer:
-    """A running tritonserver on a repository; a context manager that always stops what it started."""
+    """A running tritonserver on a repository; a context manager that always stops what it started.
+
+    The server also goes when this process dies without stopping it (SIGKILL, a killed test run):
+    it gets SIGTERM then and shuts down as on `stop`. Linux sends that signal when the *thread*
+    that called `start` ends, so start it from a thread that lives as long as the server (the
+    main thread, as everywhere here)."""
 
     def __init__(self, repo: str | Path, http_port: int | None = None, grpc_port: int | None = None,
                  metrics_port: int | None = None, log_file: str | Path | None = None, echo: bool = False,
@@ -115,8 +128,9 @@ class TritonServer:
         return "\n".join(lines or [l.rstrip() for l in list(self._tail)[-20:]])
 
     def start(self, timeout: float = 300.0) -> "TritonServer":
-        self.process = subprocess.Popen(self.command(), env=server_env(), stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.process = subprocess.Popen(_ended_with_this_thread(self.command()), env=server_env(),
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        start_new_session=True)
         self._reader = threading.Thread(target=self._read_output, daemon=True)
         self._reader.start()
         deadline = time.monotonic() + timeout
