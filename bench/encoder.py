@@ -1,6 +1,7 @@
 """Vision encoder benchmark (issue #4): ONNX Runtime vs Hugging Face eager PyTorch, CPU, one run.
 
     .venv/bin/python bench/encoder.py [--family qwen2_5_vl] [--repeats 5] [--threads 0] [--clock wall|cpu]
+                                      [--max-patches-per-run 2048]
 
 Writes the `small` demo checkpoint of `--family` (random weights; qwen2_5_vl, glm4v, glm46v,
 glmga, minicpmv4_6) to a temporary folder, exports its vision tower to ONNX (float32), and times, on the same
@@ -49,6 +50,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    p.add_argument("--max-patches-per-run", type=int, default=None,
+                   help="VisionEncoder's bound on one ONNX Runtime run (default: its own)")
     args = p.parse_args()
 
     import numpy as np
@@ -73,11 +76,13 @@ def main() -> int:
         model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32).eval()
         vision = model.config.vision_config
         tower_params = sum(p.numel() for n, p in model.named_parameters() if not n.startswith(("lm_head", "model.language_model")))
-        encoder = VisionEncoder(onnx_path, intra_op_threads=threads)
+        run_bound = {} if args.max_patches_per_run is None else {"max_patches_per_run": args.max_patches_per_run}
+        encoder = VisionEncoder(onnx_path, intra_op_threads=threads, **run_bound)
         print(f"{args.family} small checkpoint: vision depth {getattr(vision, 'depth', None) or vision.num_hidden_layers}, "
               f"hidden {vision.hidden_size}, {tower_params / 1e6:.1f} M tower parameters; torch {torch.__version__}, "
               f"transformers {transformers.__version__}, onnxruntime {onnxruntime.__version__}; {threads} threads each; "
-              f"{args.clock} clock; median of {args.repeats}, interleaved")
+              f"{args.clock} clock; median of {args.repeats}, interleaved; ORT runs of at most "
+              f"{encoder.max_patches_per_run} patches")
 
         def inputs(sizes):
             """(HF pixel_values, HF grid, our pixel rows, our grid_thw): MiniCPM-V's processor packs
