@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.encoder_checks import check_profile_covers, rel_err
+from tests.encoder_checks import (check_bfloat16_mirrors_float16, check_engine_built_from_its_precision,
+                                  check_profile_covers, rel_err)
 from triton_vlm.errors import InvalidInput
 from triton_vlm.vision import get_tower
 from triton_vlm.vision import qwen2_5_vl as q
@@ -238,6 +239,11 @@ def test_tensorrt_module_imports_without_tensorrt_and_profiles_cover_the_inputs(
                          ([[1, 64, 64]], [[16, 16, 16]], [[1, 2, 2]] * 1024, [[1, 34, 46]]))
     with pytest.raises(ValueError):
         EngineProfile(8, 4, 16)
+
+
+def test_tensorrt_engines_are_built_from_the_export_of_their_precision(checkpoint, onnx_paths, tmp_path):
+    check_engine_built_from_its_precision(onnx_paths["float32"], tmp_path)
+    check_bfloat16_mirrors_float16(checkpoint, tmp_path)
 
 
 def test_encoder_configs_cpu_and_gpu(checkpoint):

@@ -293,11 +293,12 @@ def build_repository(checkpoint: str | Path, repo: str | Path, options: BuildOpt
         write_config(config, repo / name / "config.pbtxt")
 
     from triton_vlm.vision.export import export_onnx
-    onnx_path = export_onnx(checkpoint, repo / "vision_encoder" / "1" / ENCODER_FILE,
-                            dtype="float32" if options.device == "gpu" else options.encoder_dtype)
+    from triton_vlm.vision.tensorrt_engine import GRAPH_DTYPES, EngineProfile, build_engine
+
+    graph_dtype = GRAPH_DTYPES[options.trt_precision] if options.device == "gpu" else options.encoder_dtype
+    onnx_path = export_onnx(checkpoint, repo / "vision_encoder" / "1" / ENCODER_FILE, dtype=graph_dtype)
     if options.device == "gpu":
         # Untested until a GPU runs it (see README): needs the `tensorrt` package and a GPU here.
-        from triton_vlm.vision.tensorrt_engine import EngineProfile, build_engine
         build_engine(onnx_path, repo / ENCODER_BATCH_MODEL / "1" / ENGINE_FILE,
                      EngineProfile(options.trt_min_patches, options.trt_opt_patches, options.trt_max_patches),
                      precision=options.trt_precision)

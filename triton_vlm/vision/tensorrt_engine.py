@@ -4,10 +4,15 @@ NOT YET RUN ON A GPU: this module is complete code written against the TensorRT 
 (`tensorrt`), but no machine with a GPU and `tensorrt` has built or run an engine with it yet.
 It is importable without `tensorrt` or CUDA (every import is inside a function).
 
-Build: the same ONNX file the CPU path uses (float32 weights; TensorRT picks FP16/BF16 kernels
-when the precision flag allows), one optimisation profile. Every dynamic input dimension derives
-from the number of patch rows of one engine run, so the profile is given as min/opt/max patches
-and the tower module turns it into shapes (`profile_shapes` of `triton_vlm.vision.<family>`):
+Build: an ONNX export of the tower in the engine's precision (`GRAPH_DTYPES`: float32, float16 or
+bfloat16 weights and matrix products; norms, rotary and softmax in float32 in every export),
+parsed into a *strongly typed* network, so TensorRT runs each tensor in the type the graph gives
+it. A float32 graph under the FP16 builder flag (weak typing) would let TensorRT pick float16 for
+an RMSNorm's x^2 and mean, which overflow once |x| > 256 (real vision towers have such
+activations); weak typing is also gone in TensorRT 11. One optimisation profile. Every dynamic
+input dimension derives from the number of patch rows of one engine run, so the profile is given
+as min/opt/max patches and the tower module turns it into shapes (`profile_shapes` of
+`triton_vlm.vision.<family>`):
 
 - `pixel_values`, `rotary_cos/sin`, `*_inverse`, GLM's `pos_grid`: [patches, ...];
 - Qwen2.5-VL's `window_index/mask`: [windows, window_len], windows <= patches / merge^2 (a window
@@ -18,7 +23,7 @@ and the tower module turns it into shapes (`profile_shapes` of `triton_vlm.visio
 
 Run: `TensorRTEncoder` has the interface of the ONNX Runtime `VisionEncoder` (`encode`,
 `warmup`, `merge_unit`, ...): host metadata from the tower module, runs of at most `max` patches
-(items of one size together, video frames split when the family allows), buffers as torch CUDA
+(frames of one size together, each video frame on its own), buffers as torch CUDA
 tensors, `execute_async_v3` on a torch stream.
 """
 from __future__ import annotations
@@ -32,7 +37,9 @@ import numpy as np
 from triton_vlm.vision import get_tower
 from triton_vlm.vision.encoder import TowerEncoder
 
-PRECISIONS = ("fp32", "fp16", "bf16")
+# engine precision -> the `export_onnx` dtype of the graph it is built from
+GRAPH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+PRECISIONS = tuple(GRAPH_DTYPES)
 
 
 @dataclass(frozen=True)
@@ -55,9 +62,9 @@ def profile_shapes(family: str, settings: dict, profile: EngineProfile) -> dict[
 
 def build_engine(onnx_path: str | Path, engine_path: str | Path, profile: EngineProfile = EngineProfile(),
                  precision: str = "fp16", workspace_bytes: int = 4 << 30) -> Path:
-    """Compile `onnx_path` (written by `export_onnx`) into a serialized TensorRT engine."""
+    """Compile `onnx_path` (written by `export_onnx` with dtype `GRAPH_DTYPES[precision]`) into a
+    serialized TensorRT engine."""
     import onnx
-    import tensorrt as trt
 
     from triton_vlm.vision.export import unfuse_attention
 
@@ -65,10 +72,16 @@ def build_engine(onnx_path: str | Path, engine_path: str | Path, profile: Engine
         raise ValueError(f"precision must be one of {PRECISIONS}, not {precision!r}")
     proto = onnx.load(str(onnx_path), load_external_data=False)
     meta = {p.key: p.value for p in proto.metadata_props}
+    if meta.get("dtype", "float32") != GRAPH_DTYPES[precision]:
+        raise ValueError(f"{onnx_path} is a {meta.get('dtype', 'float32')} export; a {precision} engine is built "
+                         f"from a {GRAPH_DTYPES[precision]} one (export_onnx dtype={GRAPH_DTYPES[precision]!r})")
     settings = json.loads(meta["vision_config"])
+
+    import tensorrt as trt
+
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
-    network = builder.create_network(0)  # TensorRT 10: explicit batch is the only mode
+    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
     parser = trt.OnnxParser(network, logger)
     # Float32 exports use ONNX Runtime's fused attention node; TensorRT parses the standard-op
     # form of the same graph (written next to the original so external weights still resolve).
@@ -85,10 +98,6 @@ def build_engine(onnx_path: str | Path, engine_path: str | Path, profile: Engine
             parse_path.unlink(missing_ok=True)
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace_bytes)
-    if precision == "fp16":
-        config.set_flag(trt.BuilderFlag.FP16)
-    elif precision == "bf16":
-        config.set_flag(trt.BuilderFlag.BF16)
     opt_profile = builder.create_optimization_profile()
     shapes = profile_shapes(meta["family"], settings, profile)
     for i in range(network.num_inputs):
