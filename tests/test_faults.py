@@ -295,6 +295,9 @@ def test_tritonserver_and_its_stubs_exit_when_the_python_process_that_started_it
     removing its shared-memory regions as a clean exit does."""
     code = ("import sys, time; from triton_vlm.server import TritonServer; "
             "server = TritonServer(sys.argv[1]).start(); print(server.process.pid, flush=True); time.sleep(600)")
+    from triton_vlm.server import _setpriv_with_pdeathsig
+
+    assert _setpriv_with_pdeathsig(), "no util-linux setpriv with --pdeathsig here"
     owner = subprocess.Popen([sys.executable, "-c", code, str(tiny_repo)], stdout=subprocess.PIPE, text=True,
                              cwd=Path(__file__).resolve().parent.parent)
     pidfds: dict[int, int] = {}
@@ -315,6 +318,7 @@ def test_tritonserver_and_its_stubs_exit_when_the_python_process_that_started_it
         _kill_and_close(pidfds)
         owner.kill()
         owner.wait()
+        owner.stdout.close()
 
 
 def test_every_stub_exits_when_tritonserver_is_killed(tiny_repo, tmp_path):
@@ -344,7 +348,8 @@ def test_every_stub_exits_when_tritonserver_is_killed(tiny_repo, tmp_path):
         left = _exited(pidfds)
         assert not left, sorted(stubs.get(pid) or f"watcher of {watchers[pid]}" for pid in left)
         client.close()
-        assert len(regions) >= len(stubs) and all(Path(r).exists() for r in regions)  # left behind
+        # Left behind (a stub that saw the server die before its watcher acted may remove its own).
+        assert len(regions) >= len(stubs) and any(Path(r).exists() for r in regions)
         server.stop()
         assert not [r for r in regions if Path(r).exists()]
     finally:

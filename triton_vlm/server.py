@@ -8,6 +8,7 @@ names this environment's site-packages and the project, so `triton_vlm` imports 
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import re
 import shutil
@@ -53,9 +54,21 @@ def free_port() -> int:
 
 def _ended_with_this_thread(command: list[str]) -> list[str]:
     """`command` run through util-linux `setpriv --pdeathsig TERM` (prctl PR_SET_PDEATHSIG, kept
-    across its exec): SIGTERM reaches it when the calling thread ends. Without setpriv, as it is."""
+    across its exec) when called from the main thread: SIGTERM reaches it when this process ends.
+    As it is from other threads or without a setpriv that knows `--pdeathsig` (util-linux >= 2.33)."""
+    setpriv = _setpriv_with_pdeathsig()
+    if setpriv is None or threading.current_thread() is not threading.main_thread():
+        return command
+    return [setpriv, "--pdeathsig", "TERM", "--", *command]
+
+
+@functools.cache
+def _setpriv_with_pdeathsig() -> str | None:
     setpriv = shutil.which("setpriv")
-    return [setpriv, "--pdeathsig", "TERM", "--", *command] if setpriv else command
+    if setpriv is None:
+        return None
+    probe = subprocess.run([setpriv, "--pdeathsig", "TERM", "--", "true"], capture_output=True)
+    return setpriv if probe.returncode == 0 else None
 
 
 class ServerError(RuntimeError):
@@ -65,10 +78,9 @@ class ServerError(RuntimeError):
 class TritonServer:
     """A running tritonserver on a repository; a context manager that always stops what it started.
 
-    The server also goes when this process dies without stopping it (SIGKILL, a killed test run):
-    it gets SIGTERM then and shuts down as on `stop`. Linux sends that signal when the *thread*
-    that called `start` ends, so start it from a thread that lives as long as the server (the
-    main thread, as everywhere here)."""
+    Started from the main thread, the server also goes when this process dies without stopping it
+    (SIGKILL, a killed test run): it gets SIGTERM then and shuts down as on `stop`. Linux sends that
+    signal when the *thread* that started it ends, so from any other thread it is started without."""
 
     def __init__(self, repo: str | Path, http_port: int | None = None, grpc_port: int | None = None,
                  metrics_port: int | None = None, log_file: str | Path | None = None, echo: bool = False,
