@@ -64,43 +64,42 @@ def check_unfused_matches(onnx_path: Path, tower: ModuleType, settings: dict, ca
         assert rel_err(session.run(None, feeds)[0], ref) < 1e-4, case
 
 
-def check_bfloat16_mirrors_float16(checkpoint: Path, tmp_path: Path) -> None:
-    """The bfloat16 export (TensorRT's bf16 engines; ONNX Runtime's CPU provider cannot run it) is
-    the float16 export, whose accuracy the tests check, with float16 read as bfloat16: the same
-    nodes in the same order, the same initializers, and every float16 type (casts, weights) now
-    bfloat16, so norms, rotary and softmax still run in float32."""
+def check_engine_graphs(checkpoint: Path, float32_onnx: Path, tmp_path: Path) -> None:
+    """The graphs TensorRT engines are built from (no TensorRT here, so the engines are not).
+
+    - The bfloat16 export (bf16 engines; ONNX Runtime's CPU provider cannot run it) is the float16
+      export, whose accuracy the tests check, with float16 read as bfloat16: the same nodes in the
+      same order, the same initializers, every float16 type (casts, weights) now bfloat16, so norms,
+      rotary and softmax still run in float32; and it passes ONNX's full type check.
+    - `build_engine` takes only the export of its precision's dtype (GRAPH_DTYPES) and says so
+      before it needs TensorRT."""
     import onnx
+    import pytest
     from onnx import TensorProto
 
     from triton_vlm.vision.export import export_onnx
+    from triton_vlm.vision.tensorrt_engine import build_engine
 
-    graphs = {dt: onnx.load(str(export_onnx(checkpoint, tmp_path / f"{dt}.onnx", dtype=dt))).graph
-              for dt in ("float16", "bfloat16")}
-    half, bf16 = graphs["float16"], graphs["bfloat16"]
+    paths = {dt: export_onnx(checkpoint, tmp_path / f"{dt}.onnx", dtype=dt) for dt in ("float16", "bfloat16")}
+    half, bf16 = (onnx.load(str(paths[dt])) for dt in ("float16", "bfloat16"))
+    onnx.checker.check_model(bf16, full_check=True)
 
     def as_bf16(type_id: int) -> int:
         return TensorProto.BFLOAT16 if type_id == TensorProto.FLOAT16 else type_id
 
-    assert [n.op_type for n in bf16.node] == [n.op_type for n in half.node]
-    casts = [(a.name, a.i) for n in half.node if n.op_type == "Cast" for a in n.attribute]
+    assert [n.op_type for n in bf16.graph.node] == [n.op_type for n in half.graph.node]
+    casts = [(a.name, a.i) for n in half.graph.node if n.op_type == "Cast" for a in n.attribute]
     assert any(to == TensorProto.FLOAT for _, to in casts) and any(to == TensorProto.FLOAT16 for _, to in casts)
-    assert [(a.name, a.i) for n in bf16.node if n.op_type == "Cast" for a in n.attribute] == [
+    assert [(a.name, a.i) for n in bf16.graph.node if n.op_type == "Cast" for a in n.attribute] == [
         (name, as_bf16(to)) for name, to in casts]
-    assert [(i.name, list(i.dims), as_bf16(i.data_type)) for i in half.initializer] == [
-        (i.name, list(i.dims), i.data_type) for i in bf16.initializer]
-    assert TensorProto.FLOAT16 not in {i.data_type for i in bf16.initializer}
+    assert [(i.name, list(i.dims), as_bf16(i.data_type)) for i in half.graph.initializer] == [
+        (i.name, list(i.dims), i.data_type) for i in bf16.graph.initializer]
+    assert TensorProto.FLOAT16 not in {i.data_type for i in bf16.graph.initializer}
 
-
-def check_engine_built_from_its_precision(onnx_path: Path, tmp_path: Path) -> None:
-    """`build_engine` takes only the export of its precision's dtype (GRAPH_DTYPES), and says so
-    before it needs TensorRT: a float32 graph under a precision flag is what it replaced."""
-    import pytest
-
-    from triton_vlm.vision.tensorrt_engine import build_engine
-
-    for precision in ("fp16", "bf16"):
-        with pytest.raises(ValueError, match="is a float32 export"):
-            build_engine(onnx_path, tmp_path / "engine.plan", precision=precision)
+    exports = {"float32": float32_onnx, **paths}
+    for precision, dtype in (("fp16", "float32"), ("bf16", "float32"), ("fp32", "float16"), ("bf16", "float16")):
+        with pytest.raises(ValueError, match=f"is a {dtype} export"):
+            build_engine(exports[dtype], tmp_path / "engine.plan", precision=precision)
     assert not (tmp_path / "engine.plan").exists()
 
 

@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.encoder_checks import (check_bfloat16_mirrors_float16, check_engine_built_from_its_precision,
-                                  check_profile_covers, rel_err)
+from tests.encoder_checks import check_engine_graphs, check_profile_covers, rel_err
 from triton_vlm.errors import InvalidInput
 from triton_vlm.vision import get_tower
 from triton_vlm.vision import qwen2_5_vl as q
@@ -242,8 +241,15 @@ def test_tensorrt_module_imports_without_tensorrt_and_profiles_cover_the_inputs(
 
 
 def test_tensorrt_engines_are_built_from_the_export_of_their_precision(checkpoint, onnx_paths, tmp_path):
-    check_engine_built_from_its_precision(onnx_paths["float32"], tmp_path)
-    check_bfloat16_mirrors_float16(checkpoint, tmp_path)
+    check_engine_graphs(checkpoint, onnx_paths["float32"], tmp_path)
+
+
+def test_gpu_build_refuses_a_cpu_graph_dtype(checkpoint, tmp_path):
+    from triton_vlm.repository import BuildOptions, build_repository
+
+    with pytest.raises(ValueError, match="--trt-precision"):
+        build_repository(checkpoint, tmp_path / "repository", BuildOptions(device="gpu", encoder_dtype="float16"))
+    assert not (tmp_path / "repository").exists()
 
 
 def test_encoder_configs_cpu_and_gpu(checkpoint):

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.encoder_checks import (check_bfloat16_mirrors_float16, check_engine_built_from_its_precision,
-                                  check_profile_covers, check_unfused_matches, encode, encoder_models, rel_err)
+from tests.encoder_checks import (check_engine_graphs, check_profile_covers, check_unfused_matches, encode,
+                                  encoder_models, rel_err)
 from tests.oracle import EncoderOracle
 from triton_vlm.vision import get_tower
 from triton_vlm.vision import glm4v as g
@@ -220,8 +220,7 @@ def test_unfused_graph_runs_standard_ops_and_matches(onnx_path, settings, oracle
 
 
 def test_tensorrt_engines_are_built_from_the_export_of_their_precision(checkpoints, onnx_path, tmp_path):
-    check_engine_built_from_its_precision(onnx_path, tmp_path)
-    check_bfloat16_mirrors_float16(checkpoints["glm4v"], tmp_path)
+    check_engine_graphs(checkpoints["glm4v"], onnx_path, tmp_path)
 
 
 def test_tensorrt_profile_covers_the_inputs(settings):

@@ -277,6 +277,9 @@ def build_repository(checkpoint: str | Path, repo: str | Path, options: BuildOpt
     checkpoint_config = json.loads((checkpoint / "config.json").read_text())
     if options.device not in ("cpu", "gpu"):
         raise ValueError(f"--device {options.device}: expected cpu or gpu")
+    if options.device == "gpu" and options.encoder_dtype != "float32":
+        raise ValueError("--encoder-dtype sets the CPU graph; with --device gpu the graph's dtype follows "
+                         f"--trt-precision (fp32 | fp16 | bf16), got --encoder-dtype {options.encoder_dtype}")
     configs = model_configs(family, checkpoint_config, options)
     check_pipeline(configs)
 

@@ -98,6 +98,8 @@ def build_engine(onnx_path: str | Path, engine_path: str | Path, profile: Engine
             parse_path.unlink(missing_ok=True)
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace_bytes)
+    if precision == "fp32":  # TF32 (on by default) would round the float32 matrix products' inputs
+        config.clear_flag(trt.BuilderFlag.TF32)
     opt_profile = builder.create_optimization_profile()
     shapes = profile_shapes(meta["family"], settings, profile)
     for i in range(network.num_inputs):
