@@ -1,7 +1,7 @@
 """Vision encoder benchmark (issue #4): ONNX Runtime vs Hugging Face eager PyTorch, CPU, one run.
 
     .venv/bin/python bench/encoder.py [--family qwen2_5_vl] [--repeats 5] [--threads 0] [--clock wall|cpu]
-                                      [--max-patches-per-run 2048]
+                                      [--max-patches-per-run 2048] [--run-sizes 1024,2048,16384]
 
 Writes the `small` demo checkpoint of `--family` (random weights; qwen2_5_vl, glm4v, glm46v,
 glmga, minicpmv4_6) to a temporary folder, exports its vision tower to ONNX (float32), and times, on the same
@@ -25,10 +25,13 @@ relative error of ORT against HF (max |ORT - HF| / max |HF|).
 
 It also prints how far float32 can go on this machine, measured in the same run: the FLOPs of HF's
 call (matrix products and attention, `torch.utils.flop_counter`), the peak float32 GEMM rate (the
-faster of torch and ONNX Runtime on a 2048^3 product, same threads and clock), the share of that
-peak each side reaches on its best run, and `bound`: the HF / x ratio of an implementation that did
-HF's FLOPs at the peak GEMM rate and nothing else (no softmax, norms or copies). No float32
-runtime can beat `bound` on this machine.
+fastest of torch and ONNX Runtime on 2048^3 and 3072^3 products, same threads and clock), the
+share of that peak each side reaches on its best run, and `bound`: the HF / x ratio of an
+implementation that did HF's FLOPs at the peak GEMM rate and nothing else (no softmax, norms or
+copies): about the best float32 could do on this machine, as measured in this run.
+
+`--run-sizes` times only ONNX Runtime instead, on the 16-image case, once per bound on the patches
+of one run (`VisionEncoder`'s `max_patches_per_run`), the encoders interleaved in one process.
 """
 from __future__ import annotations
 
@@ -52,6 +55,8 @@ def main() -> int:
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     p.add_argument("--max-patches-per-run", type=int, default=None,
                    help="VisionEncoder's bound on one ONNX Runtime run (default: its own)")
+    p.add_argument("--run-sizes", default=None,
+                   help="comma-separated max_patches_per_run values: compare those on 16 x 448x448 only")
     args = p.parse_args()
 
     import numpy as np
@@ -99,6 +104,9 @@ def main() -> int:
                 return out["pixel_values"], out["target_sizes"], patch_rows(out["pixel_values"].numpy()), grid
             return out["pixel_values"], out["image_grid_thw"], out["pixel_values"].numpy(), out["image_grid_thw"].numpy()
 
+        if args.run_sizes:
+            return compare_run_sizes(onnx_path, inputs([(448, 448)] * 16), threads, clock, args.repeats,
+                                     [int(v) for v in args.run_sizes.split(",")])
         peak = peak_gemm_rate(threads, clock)
         print(f"peak float32 GEMM rate: {peak / 1e9:.0f} GFLOP/s")
         cases = {"1 x 448x448": [(448, 448)], "4 x 448x448": [(448, 448)] * 4,
@@ -156,32 +164,62 @@ def count_flops(fn) -> int:
     return counter.get_total_flops()
 
 
-def peak_gemm_rate(threads: int, clock, n: int = 2048, repeats: int = 5) -> float:
-    """FLOP/s of the faster of torch and ONNX Runtime on an n x n x n float32 product, best run."""
+def peak_gemm_rate(threads: int, clock, sizes: tuple[int, ...] = (2048, 3072), repeats: int = 7) -> float:
+    """FLOP/s of the fastest n x n x n float32 product of torch and ONNX Runtime over `sizes`, best run."""
     import numpy as np
     import onnxruntime
     import torch
     from onnx import TensorProto, helper, numpy_helper
 
-    a, b = np.random.default_rng(0).standard_normal((2, n, n), dtype=np.float32)
-    graph = helper.make_graph([helper.make_node("MatMul", ["a", "b"], ["c"])], "gemm",
-                              [helper.make_tensor_value_info("a", TensorProto.FLOAT, [n, n])],
-                              [helper.make_tensor_value_info("c", TensorProto.FLOAT, [n, n])],
-                              [numpy_helper.from_array(b, "b")])
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads = threads
-    session = onnxruntime.InferenceSession(
-        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString(), options)
-    ta, tb = torch.from_numpy(a), torch.from_numpy(b)
-    runs = {"torch": lambda: torch.mm(ta, tb), "ort": lambda: session.run(None, {"a": a})}
-    best = float("inf")
-    for run in runs.values():
-        run()
-        for _ in range(repeats):
-            start = clock()
+    best = 0.0
+    for n in sizes:
+        a, b = np.random.default_rng(0).standard_normal((2, n, n), dtype=np.float32)
+        graph = helper.make_graph([helper.make_node("MatMul", ["a", "b"], ["c"])], "gemm",
+                                  [helper.make_tensor_value_info("a", TensorProto.FLOAT, [n, n])],
+                                  [helper.make_tensor_value_info("c", TensorProto.FLOAT, [n, n])],
+                                  [numpy_helper.from_array(b, "b")])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+        session = onnxruntime.InferenceSession(model.SerializeToString(), options)
+        ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+        for run in (lambda: torch.mm(ta, tb), lambda: session.run(None, {"a": a})):
             run()
-            best = min(best, clock() - start)
-    return 2 * n ** 3 / best
+            for _ in range(repeats):
+                start = clock()
+                run()
+                best = max(best, 2 * n ** 3 / (clock() - start))
+    return best
+
+
+def compare_run_sizes(onnx_path, case, threads: int, clock, repeats: int, sizes: list[int]) -> int:
+    """ONNX Runtime on one case with each bound on a run's patches, interleaved (the order turns
+    round each repeat); prints best and median seconds and the best time against the largest bound's."""
+    import statistics
+
+    import numpy as np
+
+    from triton_vlm.vision.encoder import VisionEncoder
+
+    _, _, pixels, grid = case
+    encoders = {m: VisionEncoder(onnx_path, intra_op_threads=threads, max_patches_per_run=m) for m in sizes}
+    reference = encoders[max(sizes)].encode(pixels, grid)
+    for m, encoder in encoders.items():  # warm-up, and the check that the results agree
+        err = float(np.abs(encoder.encode(pixels, grid) - reference).max() / np.abs(reference).max())
+        assert err < 1e-5, (m, err)
+    times: dict[int, list[float]] = {m: [] for m in sizes}
+    for r in range(repeats):
+        for m in sizes[r % len(sizes):] + sizes[:r % len(sizes)]:
+            start = clock()
+            encoders[m].encode(pixels, grid)
+            times[m].append(clock() - start)
+    base = min(times[max(sizes)])
+    print(f"16 x 448x448 ({int(grid.prod(1).sum())} patches), ONNX Runtime only, {threads} threads, "
+          f"median of {repeats}, interleaved")
+    print(f"{'patches per run':>16} {'best s':>8} {'median s':>9} {'best / largest':>15}")
+    for m in sizes:
+        print(f"{m:>16} {min(times[m]):>8.3f} {statistics.median(times[m]):>9.3f} {min(times[m]) / base:>14.2f}x")
+    return 0
 
 
 if __name__ == "__main__":

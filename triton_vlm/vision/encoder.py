@@ -91,9 +91,9 @@ class VisionEncoder(TowerEncoder):
 
     Graph optimisations are all on; `intra_op_threads` None or 0 takes every usable core (the
     Triton model passes the cores divided by the instance count). Runs are kept to
-    `max_patches_per_run` patches (a larger frame runs alone): on the CPU a run's activations
-    then stay in cache: a batch of 16 448x448 images takes 10 to 20% less time than in one
-    run (bench/RESULTS.md). Results are the same either way (within float32 rounding).
+    `max_patches_per_run` patches (a larger frame runs alone): smaller working sets make a batch
+    of 16 448x448 images 8 to 15% faster than one run of them on the CPU (bench/RESULTS.md).
+    Results are the same either way (within float32 rounding).
     """
 
     def __init__(self, onnx_path: str | Path, intra_op_threads: int | None = None, max_patches_per_run: int = 2048,
