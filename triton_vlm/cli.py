@@ -128,6 +128,7 @@ def _demo(args) -> int:
 def parser() -> argparse.ArgumentParser:
     from triton_vlm.limits import Limits
     from triton_vlm.repository import BuildOptions
+    from triton_vlm.vision.tensorrt_engine import PRECISIONS
 
     p = argparse.ArgumentParser(prog="triton-vlm", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -167,7 +168,7 @@ def parser() -> argparse.ArgumentParser:
     option("trt_min_patches", "--device gpu: TensorRT profile minimum")
     option("trt_opt_patches", "--device gpu: TensorRT profile optimum")
     option("trt_max_patches", "--device gpu: TensorRT profile maximum")
-    option("trt_precision", choices=("fp32", "fp16", "bf16"))
+    option("trt_precision", choices=PRECISIONS)
     option("kv_cache_tokens", "llm KV cache pool size in tokens (wins over bytes)")
     c.add_argument("--kv-cache-mb", type=int, default=defaults.kv_cache_bytes >> 20,
                    help="llm KV cache pool size in MiB; both 0: 256 MiB")

@@ -52,7 +52,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _ended_with_this_thread(command: list[str]) -> list[str]:
+def _ended_with_this_process(command: list[str]) -> list[str]:
     """`command` run through util-linux `setpriv --pdeathsig TERM` (prctl PR_SET_PDEATHSIG, kept
     across its exec) when called from the main thread: SIGTERM reaches it when this process ends.
     As it is from other threads or without a setpriv that knows `--pdeathsig` (util-linux >= 2.33)."""
@@ -140,7 +140,7 @@ class TritonServer:
         return "\n".join(lines or [l.rstrip() for l in list(self._tail)[-20:]])
 
     def start(self, timeout: float = 300.0) -> "TritonServer":
-        self.process = subprocess.Popen(_ended_with_this_thread(self.command()), env=server_env(),
+        self.process = subprocess.Popen(_ended_with_this_process(self.command()), env=server_env(),
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         start_new_session=True)
         self._reader = threading.Thread(target=self._read_output, daemon=True)

@@ -76,7 +76,7 @@ class TowerEncoder:
         out = np.empty((total_tokens, self.out_hidden), dtype=np.float32)
         for run in runs:
             run_grid = np.array([[n, h, w] for _, _, n, h, w in run], dtype=np.int64)
-            run_pixels = np.concatenate([pixels[p:p + n * h * w] for p, _, n, h, w in run], axis=0)
+            run_pixels = _rows(pixels, [(p, p + n * h * w) for p, _, n, h, w in run])
             emb = self._run(run_pixels, run_grid)
             row = 0
             for _, tok, n, h, w in run:
@@ -124,6 +124,14 @@ class VisionEncoder(TowerEncoder):
         """One smallest item through the session: ONNX Runtime allocates on its first run."""
         grid = np.array([[1, self.tower_merge, self.tower_merge]], dtype=np.int64)
         self.encode(np.zeros((int(grid.prod()), self.patch_dim), np.float32), grid)
+
+
+def _rows(pixels: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
+    """The rows of `spans` (start, end) in order: a view when they follow each other (consecutive
+    items of one size, the usual batch), a copy only otherwise."""
+    if all(prev[1] == nxt[0] for prev, nxt in zip(spans, spans[1:])):
+        return pixels[spans[0][0]:spans[-1][1]]
+    return np.concatenate([pixels[a:b] for a, b in spans], axis=0)
 
 
 def default_threads(instances: int = 1) -> int:
