@@ -23,6 +23,7 @@ from triton_vlm.llm import (
     GenerationOutput,
     IncrementalDetokenizer,
     SamplingParams,
+    prompt_logits,
 )
 
 PROMPTS = {
@@ -405,7 +406,7 @@ def assert_prefill_logits_match(hf_model, engine, req) -> None:
     with torch.no_grad():
         ref = hf_model(**req["hf_inputs"]).logits[0, -1]
     llm = req["llm"]
-    logits = engine.model.prompt_logits(torch.from_numpy(llm["input_ids"]), torch.from_numpy(llm["embeddings"]),
+    logits = prompt_logits(engine.model, torch.from_numpy(llm["input_ids"]), torch.from_numpy(llm["embeddings"]),
                                         torch.from_numpy(llm["mrope_position_ids"]))
     assert torch.allclose(logits, ref, atol=1e-4, rtol=0), (logits - ref).abs().max()
 
@@ -431,12 +432,12 @@ def batching_engine(ckpt, engine):
 def test_eight_concurrent_requests_equal_alone(batching_engine, requests):
     eng, jobs = batching_engine, _jobs()
     alone = _alone(eng, requests, jobs, "b")
-    assert eng.kv_blocks_free == eng.pool.num_blocks
+    assert eng.kv_blocks_free == eng.blocks.num_blocks
     steps = eng.num_steps
     together = _together(eng, requests, jobs, "b")
     assert_same(together, alone)
     assert eng.num_steps - steps < sum(len(a.ids) for a in alone)  # rows of many requests shared steps
-    assert eng.kv_blocks_free == eng.pool.num_blocks and eng.kv_blocks_used == 0
+    assert eng.kv_blocks_free == eng.blocks.num_blocks and eng.kv_blocks_used == 0
     assert (eng.num_running, eng.num_waiting) == (0, 0)
 
 
@@ -449,10 +450,10 @@ def test_decode_cache_equals_gather_from_pool(ckpt, engine, requests):
     for limit in (None, 0):
         eng = Engine(ckpt, model=engine.model, kv_cache_tokens=4096, max_num_tokens=24, return_logits=True)
         if limit is not None:
-            eng.pool.decode_cache.limit_bytes = limit
+            eng.runner.attention.decode_cache.limit_bytes = limit
         try:
             out[limit] = _together(eng, requests, jobs, f"dc{limit}")
-            cache = eng.pool.decode_cache
+            cache = eng.runner.attention.decode_cache
             # each sequence copied in about once (again only after a step without it), not every step
             assert (cache.rebuilt_rows > 0) == (limit is None)
             assert cache.rebuilt_rows <= 2 * len(jobs)
@@ -465,19 +466,13 @@ def test_decode_cache_equals_gather_from_pool(ckpt, engine, requests):
 def test_batched_step_mixes_prefill_chunks_and_decodes(ckpt, engine, requests):
     eng = Engine(ckpt, model=engine.model, kv_cache_tokens=4096, max_num_tokens=16)
     seen = []
-    real = eng.model.forward
+    real = eng.runner.forward
 
-    def spy(chunks, pool):
-        seen.append([(ch.start, ch.h.shape[0]) for ch in chunks])
-        return real(chunks, pool)
+    def spy(chunks):  # the engine's forward passes watched
+        seen.append([(c.start, c.num_tokens) for c in chunks])
+        return real(chunks)
 
-    class Spy:  # the engine's model with its forward pass watched
-        forward = staticmethod(spy)
-
-        def __getattr__(self, name):
-            return getattr(real.__self__, name)
-
-    eng.model = Spy()
+    eng.runner.forward = spy
     try:
         first = submit(eng, requests["text"], SamplingParams(max_tokens=20), "first")
         while not first.outputs:
@@ -499,7 +494,7 @@ def test_cancel_and_finish_return_every_block(batching_engine, requests):
                    is_cancelled=(lambda i=i: len(cols[i].outputs) >= 2) if i % 2 else (lambda: False))
     reasons = [c.wait().finish_reason for c in cols]
     assert reasons[1::2] == ["cancelled", "cancelled"] and all(r in ("stop", "length") for r in reasons[::2])
-    assert eng.kv_blocks_free == eng.pool.num_blocks and eng.kv_blocks_used == 0
+    assert eng.kv_blocks_free == eng.blocks.num_blocks and eng.kv_blocks_used == 0
 
 
 def test_prefix_cache_hit_equals_miss(ckpt, engine, requests):
@@ -509,11 +504,11 @@ def test_prefix_cache_hit_equals_miss(ckpt, engine, requests):
         for name in ("image", "image+video", "text"):
             params = SamplingParams(max_tokens=10)
             miss = submit(eng, requests[name], params, f"miss-{name}").wait()
-            hits = eng.pool.hits
+            hits = eng.blocks.hits
             hit = submit(eng, requests[name], params, f"hit-{name}").wait()
-            assert eng.pool.hits > hits  # blocks really were reused
+            assert eng.blocks.hits > hits  # blocks really were reused
             assert_same([hit], [miss])
-            assert eng.kv_blocks_free == eng.pool.num_blocks
+            assert eng.kv_blocks_free == eng.blocks.num_blocks
         # same token ids, other embedding rows: no false hit
         llm = dict(requests["image"]["llm"], embeddings=requests["image"]["llm"]["embeddings"] + 1.0)
         other = Collector()
@@ -537,7 +532,7 @@ def test_preemption_under_small_pool_gives_same_tokens(ckpt, engine, batching_en
         together = _together(eng, requests, jobs, "p")
         assert eng.num_preempted > 0
         assert_same(together, alone)
-        assert eng.kv_blocks_free == eng.pool.num_blocks
+        assert eng.kv_blocks_free == eng.blocks.num_blocks
     finally:
         eng.shutdown()
 
@@ -558,7 +553,7 @@ def test_request_larger_than_pool_is_invalid_before_taking_blocks(ckpt, engine, 
     try:
         with pytest.raises(InvalidInput, match="KV cache pool holds 16 tokens"):
             submit(eng, requests["video"], SamplingParams(max_tokens=16), "too-big")
-        assert eng.kv_blocks_free == eng.pool.num_blocks and eng.num_waiting == 0
+        assert eng.kv_blocks_free == eng.blocks.num_blocks and eng.num_waiting == 0
     finally:
         eng.shutdown()
 
@@ -583,7 +578,7 @@ def test_embeddings_count_mismatch(engine, requests):
     with pytest.raises(InvalidInput, match=rf"embeddings: {n - 1} rows given, prompt has {n} "):
         engine.submit("mismatch", **llm, params=SamplingParams(max_tokens=2), emit=lambda o: None)
     with pytest.raises(InvalidInput, match="embeddings"):
-        engine.model.prompt_logits(torch.from_numpy(llm["input_ids"]), torch.from_numpy(llm["embeddings"]),
+        prompt_logits(engine.model, torch.from_numpy(llm["input_ids"]), torch.from_numpy(llm["embeddings"]),
                                    torch.from_numpy(llm["mrope_position_ids"]))
     llm = dict(requests["image"]["llm"], mrope_position_ids=np.zeros((3, 2), np.int64))
     with pytest.raises(InvalidInput, match="mrope_position_ids"):
@@ -643,22 +638,21 @@ def test_decode_cache_rows_follow_the_pool():
     """DecodeCache unit: rows copied in from the pool equal the pool's K/V; a sequence not decoding
     in a step is dropped and the last row moves into its hole; the padded tail is finite (SDPA
     multiplies it by 0 weights); over the byte limit it declines."""
-    from triton_vlm.llm import KVPool
+    from triton_vlm.llm.paged import DecodeCache, KVCache, token_slots
 
     torch.manual_seed(0)
-    pool = KVPool(num_layers=2, num_kv_heads=2, head_dim=4, num_blocks=16, block_size=4)
+    pool = KVCache(num_layers=2, num_kv_heads=2, head_dim=4, num_blocks=16, block_size=4)
     pool.k.normal_(), pool.v.normal_()
-    cache = pool.decode_cache
-    cache.limit_bytes = 1 << 20  # the pool is tiny; its default (half the pool) is too small here
+    cache = DecodeCache(pool, 1 << 20)
     tables = {"a": [3, 7], "b": [1, 9, 2], "c": [5]}
     starts = {"a": 6, "b": 10, "c": 2}
 
     def seqs(names):
-        return [(n, starts[n], pool.slots(tables[n], starts[n] + 1)) for n in names]
+        return [(n, starts[n], tables[n]) for n in names]
 
     def check(names, rows):
         for n, r in zip(names, rows):
-            idx = pool.slots(tables[n], starts[n])
+            idx = token_slots(tables[n], starts[n], 4)
             assert torch.equal(cache.k[:, r, :, :starts[n]], pool.k[:, idx].transpose(1, 2))
             assert torch.equal(cache.v[:, r, :, :starts[n]], pool.v[:, idx].transpose(1, 2))
         assert torch.isfinite(cache.k).all() and torch.isfinite(cache.v).all()
@@ -667,7 +661,7 @@ def test_decode_cache_rows_follow_the_pool():
     assert rows == [0, 1, 2] and cache.rebuilt_rows == 3
     check("abc", rows)
     for n, r in zip("abc", rows):  # what the model's step does: write token `start`, then advance
-        slot = pool.slots(tables[n], starts[n] + 1)[-1]
+        slot = token_slots(tables[n], starts[n] + 1, 4)[-1]
         cache.k[:, r, :, starts[n]], cache.v[:, r, :, starts[n]] = pool.k[:, slot], pool.v[:, slot]
     cache.advance(rows)
     for n in "ac":

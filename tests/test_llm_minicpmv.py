@@ -29,7 +29,7 @@ from tests.test_llm import (
     llm_request,
     submit,
 )
-from triton_vlm.llm import DecoderConfig, Engine, SamplingParams
+from triton_vlm.llm import DecoderConfig, Engine, SamplingParams, prompt_logits
 
 PROMPTS = {
     "text": "describe the red car on the road, then the blue one behind it, then the trees " * 4,
@@ -99,13 +99,13 @@ def test_config_read_from_checkpoint(hf, engine):
     assert set(c.eos_token_ids) == set(text.eos_token_id)
     assert DecoderConfig.from_checkpoint(hf.checkpoint) == c
     # K/V only for the full-attention layers; one state slot per running sequence for the others
-    assert engine.pool.k.shape[0] == len(c.kv_layers)
-    assert engine.pool.states.conv.shape[0] == c.num_layers - len(c.kv_layers)
-    assert engine.pool.states.max_slots == engine.max_running
+    assert engine.runner.kv.k.shape[0] == len(c.kv_layers)
+    assert engine.runner.states.conv.shape[0] == c.num_layers - len(c.kv_layers)
+    assert engine.runner.states.max_slots == engine.scheduler.max_running
     # prefix caching is off for a decoder with a recurrent state, even when asked for
     eng = Engine(hf.checkpoint, model=engine.model, prefix_caching=True)
     try:
-        assert not eng.prefix_caching and not eng.pool.prefix_caching
+        assert not eng.prefix_caching and not eng.blocks.prefix_caching
     finally:
         eng.shutdown()
 
@@ -125,7 +125,7 @@ def test_interleaved_mrope_matches_hf(hf, engine, requests):
     with torch.no_grad():
         hidden = lm(inputs_embeds=lm.embed_tokens(ids)[None], position_ids=positions[:, None]).last_hidden_state
         ref = hf.model.lm_head(hidden[0, -1])
-    logits = engine.model.prompt_logits(ids, None, positions)
+    logits = prompt_logits(engine.model, ids, None, positions)
     assert torch.allclose(logits, ref, atol=1e-4, rtol=0), (logits - ref).abs().max()
 
 
@@ -148,7 +148,7 @@ def test_greedy_matches_hf_generate(hf, engine, requests, name, budget):
         if eng is not engine:
             eng.shutdown()
     assert_matches_generate(col, engine.eos_token_ids, expected, logits)
-    assert eng.pool.states.num_used == 0 and eng.kv_blocks_used == 0
+    assert eng.blocks.num_states_used == 0 and eng.kv_blocks_used == 0
 
 
 def _jobs() -> list[tuple[str, SamplingParams]]:
@@ -170,13 +170,13 @@ def test_concurrent_requests_equal_alone(hf, engine, requests):
         alone = [submit(eng, requests[n], p, f"alone-{i}").wait() for i, (n, p) in enumerate(jobs)]
         seen = []
         cols = [submit(eng, requests[n], p, f"conc-{i}",
-                       on_emit=lambda c: seen.append((eng.num_running, eng.pool.states.num_used)))
+                       on_emit=lambda c: seen.append((eng.num_running, eng.blocks.num_states_used)))
                 for i, (n, p) in enumerate(jobs)]
         together = [c.wait() for c in cols]
         assert_same(together, alone)
         assert max(r for r, _ in seen) > 1 and all(s <= 3 for _, s in seen)
-        assert eng.pool.states.capacity == 3  # grown to the running sequences, not past max_running
-        assert eng.kv_blocks_used == 0 and eng.pool.states.num_used == 0
+        assert eng.runner.states.capacity == 3  # grown to the running sequences, not past max_running
+        assert eng.kv_blocks_used == 0 and eng.blocks.num_states_used == 0
         assert (eng.num_running, eng.num_waiting) == (0, 0)
     finally:
         eng.shutdown()
@@ -191,7 +191,7 @@ def test_cancel_mid_decode_frees_blocks_and_state(engine, requests):
     col.wait()
     assert col.finish_reason == "cancelled" and len(col.ids) == stop_after
     assert other.wait().finish_reason in ("stop", "length")
-    assert engine.kv_blocks_used == 0 and engine.pool.states.num_used == 0 and engine.num_running == 0
+    assert engine.kv_blocks_used == 0 and engine.blocks.num_states_used == 0 and engine.num_running == 0
     # a request cancelled before it ran never took a slot
     gate = threading.Event()
     slow = submit(engine, requests["text"], SamplingParams(max_tokens=4), "slow", on_emit=lambda c: gate.wait(60))
@@ -200,7 +200,7 @@ def test_cancel_mid_decode_frees_blocks_and_state(engine, requests):
     gate.set()
     assert waiting.wait().finish_reason == "cancelled" and waiting.ids == []
     slow.wait()
-    assert engine.kv_blocks_used == 0 and engine.pool.states.num_used == 0
+    assert engine.kv_blocks_used == 0 and engine.blocks.num_states_used == 0
 
 
 def test_preemption_under_small_pool_gives_same_tokens(hf, engine, requests):
@@ -220,6 +220,6 @@ def test_preemption_under_small_pool_gives_same_tokens(hf, engine, requests):
         together = [c.wait() for c in cols]
         assert eng.num_preempted > 0
         assert_same(together, alone)
-        assert eng.kv_blocks_used == 0 and eng.pool.states.num_used == 0
+        assert eng.kv_blocks_used == 0 and eng.blocks.num_states_used == 0
     finally:
         eng.shutdown()

@@ -1,8 +1,11 @@
-"""The `llm` step: the Qwen2 / GLM-4 / Qwen3.5-hybrid (M-RoPE) decoders on CPU, paged KV cache, in-flight batching."""
-from triton_vlm.llm.engine import Engine, GenerationOutput, IncrementalDetokenizer
-from triton_vlm.llm.model import Chunk, DecoderConfig, DecoderModel
-from triton_vlm.llm.paged import KVPool
+"""The `llm` step: the Qwen2 / GLM-4 / Qwen3.5-hybrid (M-RoPE) decoders, paged KV cache, in-flight batching."""
+from triton_vlm.llm.block_manager import BlockManager
+from triton_vlm.llm.engine import Engine
+from triton_vlm.llm.model import DecoderConfig, DecoderModel
+from triton_vlm.llm.output import GenerationOutput, IncrementalDetokenizer
+from triton_vlm.llm.runner import ModelRunner, prompt_logits
 from triton_vlm.llm.sampling import SamplingParams, make_generator, sample
+from triton_vlm.llm.scheduler import Scheduler
 
-__all__ = ["DecoderConfig", "DecoderModel", "Engine", "GenerationOutput", "IncrementalDetokenizer", "KVPool", "Chunk",
-           "SamplingParams", "make_generator", "sample"]
+__all__ = ["BlockManager", "DecoderConfig", "DecoderModel", "Engine", "GenerationOutput", "IncrementalDetokenizer",
+           "ModelRunner", "SamplingParams", "Scheduler", "make_generator", "prompt_logits", "sample"]

@@ -9,17 +9,15 @@ Follows transformers' text models closely enough that greedy tokens equal Huggin
 - Qwen3.5 (MiniCPM-V 4.6: `qwen3_5_text`, `modeling_qwen3_5`): a hybrid stack. Full-attention
   layers have q/k RMSNorms, a sigmoid output gate and partial rotate-half rotary; linear-attention
   layers (Gated DeltaNet, `triton_vlm.llm.linear_attention`) keep a per-sequence recurrent state
-  (the pool's `StatePool`) instead of K/V. Its RMSNorms scale by `1 + weight`.
+  (the runner's `StateCache`) instead of K/V. Its RMSNorms scale by `1 + weight`.
 All split the rotary frequencies by `mrope_section` over the temporal / height / width axes, in
 runs (t.., h.., w..) or interleaved (t, h, w, t, h, w, ...: `mrope_interleaved`).
 
 Every size, token id, eos id, rope theta, `mrope_section` and `partial_rotary_factor` comes from
 the checkpoint's files.
-The KV cache is paged (`triton_vlm.llm.paged.KVPool`): `forward` runs one flat batch of token rows
-from many sequences (prefill chunks and decode tokens together) through every linear layer at once,
-writes each row's K/V into its slot of the pool and attends per sequence through its block table;
-decode rows read their K/V from the pool's dense `DecodeCache` (copied in once per sequence, one
-row appended per step) rather than gathering every block of every layer each step.
+`forward` runs one flat batch of token rows from many sequences (prefill chunks and decode tokens
+together, `StepBatch`) through every linear layer at once; attention goes through the backend the
+model runner passes (`triton_vlm.llm.attention`: paged K/V, attention per sequence).
 What differs per family is data (`DECODERS`, keyed by the config's `model_type`): the layer class,
 how rotary dims pair up, which token ids are image/video placeholders.
 """
@@ -154,20 +152,17 @@ class DecoderConfig:
 
 
 @dataclass
-class Chunk:
-    """Rows of one sequence computed in a forward pass: tokens `start .. start + len(h)` of it.
+class StepBatch:
+    """One forward pass's inputs, built once per step by the model runner: the input embeddings of
+    every row (prefill chunks and decode tokens of many sequences, one flat batch), their 3-D
+    positions, the attention metadata, where each sequence's linear-attention rows and state slot
+    are (hybrid decoders), and the rows whose logits are wanted."""
+    h: torch.Tensor                    # [T, hidden]
+    positions: torch.Tensor            # [3, T]
+    attn: Any                          # the attention backend's metadata
+    recurrent: RecurrentRows | None
+    logits_rows: torch.Tensor          # [R] long
 
-    `slots` holds the pool slot of every token `0 .. start + len(h)` (its block table expanded);
-    the last `len(h)` are where this pass writes K/V. `want_logits`: return the last row's logits.
-    `key`: the sequence's identity across passes (lets decode rows reuse the pool's DecodeCache).
-    `state`: the sequence's slot in the pool's StatePool (decoders with linear-attention layers)."""
-    h: torch.Tensor           # [c, hidden] input embeddings
-    positions: torch.Tensor   # [3, c]
-    start: int
-    slots: torch.Tensor       # [start + c] long
-    want_logits: bool = True
-    key: object = None
-    state: int | None = None
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -452,140 +447,23 @@ class DecoderModel:
                                f"image/video placeholder tokens")
         return mask, embeddings
 
-    def embed(self, input_ids: torch.Tensor, embeddings: torch.Tensor | None) -> torch.Tensor:
-        """Token embeddings with the image/video placeholder rows replaced by `embeddings` in order."""
-        ids = input_ids.reshape(-1).long()
-        mask, embeddings = self.placeholder_rows(ids, embeddings)
-        h = F.embedding(ids, self.embed_tokens)
-        if embeddings is not None:
-            h[mask] = embeddings.to(h.dtype)
-        return h
-
     # ---- the batched pass ----------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, chunks: list[Chunk], pool) -> torch.Tensor:
-        """One pass over every chunk's rows: each linear layer runs once on all rows; attention runs
-        per sequence against its own keys (decode rows together as one padded, masked SDPA over the
-        pool's DecodeCache, or over blocks gathered from the pool when the cache declines; each
-        prefill chunk causally against its cached prefix). Returns logits [chunks wanting them, vocab]."""
-        c = self.config
-        h = torch.cat([ch.h for ch in chunks]) if len(chunks) > 1 else chunks[0].h
-        positions = torch.cat([ch.positions for ch in chunks], dim=1) if len(chunks) > 1 else chunks[0].positions
-        cos, sin = self.rotary.cos_sin(positions)
+    def forward(self, batch: StepBatch, attention, states) -> torch.Tensor:
+        """One pass over every row of the step: each linear layer runs once on all rows; attention
+        layers call `attention.forward` (the backend writes the rows' K/V into the paged cache and
+        attends per sequence); linear-attention layers run each sequence from its slot of `states`.
+        Returns the logits [len(batch.logits_rows), vocab]."""
+        c, h = self.config, batch.h
+        cos, sin = self.rotary.cos_sin(batch.positions)
         cos, sin = cos[:, None], sin[:, None]  # once per pass, not per layer
-        T = h.shape[0]
-        new_slots = torch.cat([ch.slots[ch.start:] for ch in chunks])
-        # row layout: decode rows (one token, some context) attend in one padded batch
-        offsets, row = [], 0
-        for ch in chunks:
-            offsets.append(row)
-            row += ch.h.shape[0]
-        dec = [i for i, ch in enumerate(chunks) if ch.h.shape[0] == 1]
-        pre = [i for i, ch in enumerate(chunks) if ch.h.shape[0] > 1]
-        cache = getattr(pool, "decode_cache", None)
-        cache_rows = None
-        B, group = len(dec), c.num_heads // c.num_kv_heads
-        if dec and cache is not None:
-            cache_rows = cache.prepare([(chunks[i].key, chunks[i].start, chunks[i].slots) for i in dec])
-        if cache_rows is not None:
-            # decode K/V in the dense cache: buffer row r is decode chunk order[r]; no gather per step
-            order = [0] * B
-            for j, r in enumerate(cache_rows):
-                order[r] = j
-            tok_rows = torch.tensor([offsets[dec[j]] for j in order])
-            buf_pos = torch.tensor([chunks[dec[j]].start for j in order])
-            buf_idx = torch.arange(B)
-            lmax = int(buf_pos.max()) + 1
-            dec_mask = (torch.arange(lmax)[None, :] <= buf_pos[:, None])[:, None, None, :]
-        elif dec:
-            dec_rows = torch.tensor([offsets[i] for i in dec])
-            lengths = torch.tensor([chunks[i].slots.numel() for i in dec])
-            # gather whole blocks (block tables from the slots), not single slots: bs x fewer indices
-            bs = pool.block_size
-            nb = -(-int(lengths.max()) // bs)
-            lmax = nb * bs
-            dec_blocks = torch.zeros(len(dec), nb, dtype=torch.long)
-            for j, i in enumerate(dec):
-                table = chunks[i].slots[::bs] // bs
-                dec_blocks[j, :table.numel()] = table
-            dec_blocks = dec_blocks.reshape(-1)
-            dec_mask = (torch.arange(lmax)[None, :] < lengths[:, None])[:, None, None, :]
-            kv_shape = (pool.num_blocks, bs, c.num_kv_heads, c.head_dim)
-        rows = None
-        if c.recurrent:  # each sequence's linear-attention rows run from its own state slot
-            states = pool.states
-            if states is None or any(ch.state is None for ch in chunks):
-                raise ValueError("a decoder with linear-attention layers needs a StatePool slot per sequence")
-            for ch in chunks:
-                if ch.start == 0:
-                    states.reset(ch.state)
-            rows = RecurrentRows(torch.tensor([offsets[i] for i in dec], dtype=torch.long),
-                                 torch.tensor([chunks[i].state for i in dec], dtype=torch.long),
-                                 [(offsets[i], chunks[i].h.shape[0], chunks[i].state) for i in pre])
-        pre_masks = {}
-        for i in pre:
-            ch = chunks[i]
-            n, L = ch.h.shape[0], ch.slots.numel()
-            if ch.start:
-                pre_masks[i] = torch.arange(L)[None, :] <= (ch.start + torch.arange(n))[:, None]
-        scale = c.head_dim ** -0.5
-        gqa = c.num_kv_heads != c.num_heads
         for layer, li in zip(self.layers, self.layer_index):
             if layer.recurrent:
-                h = layer.forward(h, rows, pool.states.conv[li], pool.states.recurrent[li])
+                h = layer.forward(h, batch.recurrent, states.conv[li], states.recurrent[li])
                 continue
             q, k, v, gate = layer.qkv(h)
             q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
-            kp, vp = pool.k[li], pool.v[li]
-            kp.index_copy_(0, new_slots, k)
-            vp.index_copy_(0, new_slots, v)
-            attn = torch.empty(T, c.num_heads, c.head_dim)
-            if cache_rows is not None:
-                kb, vb = cache.k[li], cache.v[li]
-                kb[buf_idx, :, buf_pos] = k.index_select(0, tok_rows)
-                vb[buf_idx, :, buf_pos] = v.index_select(0, tok_rows)
-                qd = q.index_select(0, tok_rows).view(B, c.num_kv_heads, group, c.head_dim)
-                out = F.scaled_dot_product_attention(qd, kb[:B, :, :lmax], vb[:B, :, :lmax], attn_mask=dec_mask,
-                                                     scale=scale)
-                attn.index_copy_(0, tok_rows, out.reshape(B, c.num_heads, c.head_dim))
-            elif dec:
-                # the query heads of one KV head attend as G "query rows": no K/V repeat for GQA
-                qd = q.index_select(0, dec_rows).view(B, c.num_kv_heads, group, c.head_dim)
-                kd = kp.view(kv_shape).index_select(0, dec_blocks).view(B, lmax, c.num_kv_heads, c.head_dim)
-                vd = vp.view(kv_shape).index_select(0, dec_blocks).view(B, lmax, c.num_kv_heads, c.head_dim)
-                kd, vd = kd.transpose(1, 2), vd.transpose(1, 2)                    # [B, KVH, L, d]
-                out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=dec_mask, scale=scale)
-                attn.index_copy_(0, dec_rows, out.reshape(B, c.num_heads, c.head_dim))
-            for i in pre:
-                ch = chunks[i]
-                a, n = offsets[i], ch.h.shape[0]
-                if ch.start:
-                    keys = kp.index_select(0, ch.slots).transpose(0, 1)
-                    values = vp.index_select(0, ch.slots).transpose(0, 1)
-                else:
-                    keys, values = k[a:a + n].transpose(0, 1), v[a:a + n].transpose(0, 1)
-                out = F.scaled_dot_product_attention(
-                    q[a:a + n].transpose(0, 1)[None], keys[None], values[None], attn_mask=pre_masks.get(i),
-                    is_causal=not ch.start, scale=scale, enable_gqa=gqa)
-                attn[a:a + n] = out[0].transpose(0, 1)
-            h = layer.finish(h, attn.view(T, c.num_heads * c.head_dim), gate)
-        if cache_rows is not None:
-            cache.advance(cache_rows)
-        last = torch.tensor([offsets[i] + ch.h.shape[0] - 1 for i, ch in enumerate(chunks) if ch.want_logits],
-                            dtype=torch.long)
-        if last.numel() == 0:
-            return torch.empty(0, c.vocab_size)
-        return F.linear(_rms(h.index_select(0, last), self.norm, c.rms_norm_eps), self.lm_head)
-
-    def prompt_logits(self, input_ids: torch.Tensor, embeddings: torch.Tensor | None,
-                      positions: torch.Tensor) -> torch.Tensor:
-        """The last prompt position's logits [vocab] through a scratch pool (tests, tools)."""
-        from triton_vlm.llm.paged import KVPool
-
-        h = self.embed(input_ids, embeddings)
-        n = h.shape[0]
-        positions = torch.as_tensor(positions).long().reshape(3, -1)
-        if positions.shape[1] != n:
-            raise InvalidInput(f"mrope_position_ids: shape [3, {positions.shape[1]}], expected [3, {n}]")
-        pool = KVPool.for_model(self.config, num_tokens=n, block_size=16)
-        return self.forward([Chunk(h, positions, 0, torch.arange(n), state=pool.states.allocate())], pool)[0]
+            attn = attention.forward(li, q, k, v, batch.attn)
+            h = layer.finish(h, attn.view(h.shape[0], c.num_heads * c.head_dim), gate)
+        attention.step_done(batch.attn)
+        return F.linear(_rms(h.index_select(0, batch.logits_rows), self.norm, c.rms_norm_eps), self.lm_head)

@@ -1,0 +1,158 @@
+"""Paged attention: the metadata of a step, built once, and the backend every attention layer calls.
+
+A step's rows are one flat batch: prefill chunks (many rows of one sequence) and decode rows (one
+token of a sequence). `TorchAttention.build` turns the step's `SeqRows` into `AttentionMetadata`
+(where each row's K/V are written, which blocks each decode row reads, the prefill masks) once per
+step; `forward` is then called by every attention layer with that layer's q, k, v:
+- it writes the new K/V into their slots of the paged `KVCache`;
+- a prefill chunk that starts at token 0 attends causally to its own rows (SDPA on the contiguous
+  chunk); one that continues a sequence (chunked prefill, prefix-cache hit, recompute) attends to
+  its cached prefix, gathered slot by slot, plus its own rows;
+- decode rows attend together, one padded and masked SDPA: the query heads of one KV head attend as
+  G "query rows" (no K/V repeat for GQA). Their K/V are gathered block by block through the block
+  table, or, on the CPU, read from the `DecodeCache`, a dense mirror of the decoding sequences' K/V
+  (copied in once per sequence, one row appended per step). The mirror trades memory (at most
+  `decode_cache_bytes`) for the per-layer gather: see bench/RESULTS.md for what it saves here.
+
+This backend is plain torch and runs on any device; it is the reference the faster kernels of other
+backends are compared with.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from triton_vlm.llm.paged import DecodeCache, KVCache, token_slots
+
+
+@dataclass(frozen=True)
+class SeqRows:
+    """One sequence's rows in a step: batch rows `row .. row + n` are its tokens `start .. start + n`."""
+    row: int
+    n: int
+    start: int
+    blocks: list[int]   # the sequence's block table
+    key: int            # the sequence's identity across steps (the dense decode mirror's row key)
+
+
+@dataclass
+class PrefillMeta:
+    row: int
+    n: int
+    slots: torch.Tensor | None   # [start + n] slots of the tokens it attends to; None when start == 0
+    mask: torch.Tensor | None    # [n, start + n] which of them each row sees; None: causal over its rows
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor          # [T] where each row's K/V go
+    prefills: list[PrefillMeta]
+    decode_rows: torch.Tensor           # [B] batch rows of the decode tokens, in buffer order
+    decode_mask: torch.Tensor | None    # [B, 1, 1, L] which of the L gathered / mirrored tokens each sees
+    block_ids: torch.Tensor | None      # [B * blocks] the blocks to gather (None: read the mirror)
+    mirror_rows: list[int] | None = None    # the mirror's row of each decode token (None: gather)
+    mirror_pos: torch.Tensor | None = None  # [B] where each decode token goes in its mirror row
+
+
+class TorchAttention:
+    def __init__(self, config, kv: KVCache, decode_cache_bytes: int = 0):
+        self.kv = kv
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.scale = config.head_dim ** -0.5
+        self.decode_cache = DecodeCache(kv, decode_cache_bytes) if decode_cache_bytes else None
+
+    def build(self, seqs: list[SeqRows]) -> AttentionMetadata:
+        device, bs = self.kv.k.device, self.kv.block_size
+        slot_mapping: list[int] = []
+        prefills, decode = [], []
+        for s in seqs:
+            if s.n == 1:
+                slot_mapping.append(s.blocks[s.start // bs] * bs + s.start % bs)
+                decode.append(s)
+                continue
+            slots = token_slots(s.blocks, s.start + s.n, bs)
+            slot_mapping.extend(slots[s.start:].tolist())
+            if s.start:
+                seen = torch.arange(s.start + s.n)[None, :] <= (s.start + torch.arange(s.n))[:, None]
+                prefills.append(PrefillMeta(s.row, s.n, slots.to(device), seen.to(device)))
+            else:
+                prefills.append(PrefillMeta(s.row, s.n, None, None))
+        meta = AttentionMetadata(torch.tensor(slot_mapping, dtype=torch.long).to(device), prefills,
+                                 torch.empty(0, dtype=torch.long, device=device), None, None)
+        if not decode:
+            return meta
+        mirror_rows = None
+        if self.decode_cache is not None:
+            mirror_rows = self.decode_cache.prepare([(s.key, s.start, s.blocks) for s in decode])
+        if mirror_rows is not None:
+            # buffer row r holds decode sequence order[r]
+            order = [0] * len(decode)
+            for j, r in enumerate(mirror_rows):
+                order[r] = j
+            decode = [decode[j] for j in order]
+            pos = torch.tensor([s.start for s in decode])
+            meta.mirror_rows, meta.mirror_pos = mirror_rows, pos.to(device)
+            length = int(pos.max()) + 1
+            meta.decode_mask = (torch.arange(length)[None, :] <= pos[:, None])[:, None, None, :].to(device)
+        else:
+            # gather whole blocks (block tables), not single slots: block_size x fewer indices
+            lengths = torch.tensor([s.start + 1 for s in decode])
+            nb = -(-int(lengths.max()) // bs)
+            table = torch.zeros(len(decode), nb, dtype=torch.long)
+            for j, s in enumerate(decode):
+                used = s.blocks[:-(-(s.start + 1) // bs)]
+                table[j, :len(used)] = torch.tensor(used, dtype=torch.long)
+            meta.block_ids = table.reshape(-1).to(device)
+            meta.decode_mask = (torch.arange(nb * bs)[None, :] < lengths[:, None])[:, None, None, :].to(device)
+        meta.decode_rows = torch.tensor([s.row for s in decode], dtype=torch.long).to(device)
+        return meta
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, heads, d], k, v [T, kv_heads, d] (rotated) -> attention output [T, heads, d]."""
+        T, H, KVH, d = q.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        kp, vp = self.kv.k[layer], self.kv.v[layer]
+        kp.index_copy_(0, meta.slot_mapping, k)
+        vp.index_copy_(0, meta.slot_mapping, v)
+        out = q.new_empty(T, H, d)
+        B = meta.decode_rows.numel()
+        if B:
+            rows = meta.decode_rows
+            qd = q.index_select(0, rows).view(B, KVH, H // KVH, d)
+            if meta.mirror_rows is not None:
+                kb, vb = self.decode_cache.k[layer], self.decode_cache.v[layer]
+                idx = torch.arange(B, device=q.device)
+                kb[idx, :, meta.mirror_pos] = k.index_select(0, rows)
+                vb[idx, :, meta.mirror_pos] = v.index_select(0, rows)
+                L = meta.decode_mask.shape[-1]
+                kd, vd = kb[:B, :, :L], vb[:B, :, :L]
+            else:
+                shape = (self.kv.num_blocks, self.kv.block_size, KVH, d)
+                L = meta.decode_mask.shape[-1]
+                kd = kp.view(shape).index_select(0, meta.block_ids).view(B, L, KVH, d).transpose(1, 2)
+                vd = vp.view(shape).index_select(0, meta.block_ids).view(B, L, KVH, d).transpose(1, 2)
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=self.scale)
+            out.index_copy_(0, rows, o.reshape(B, H, d))
+        for p in meta.prefills:
+            a, n = p.row, p.n
+            if p.slots is not None:
+                keys, values = kp.index_select(0, p.slots).transpose(0, 1), vp.index_select(0, p.slots).transpose(0, 1)
+            else:
+                keys, values = k[a:a + n].transpose(0, 1), v[a:a + n].transpose(0, 1)
+            o = F.scaled_dot_product_attention(q[a:a + n].transpose(0, 1)[None], keys[None], values[None],
+                                               attn_mask=p.mask, is_causal=p.mask is None, scale=self.scale,
+                                               enable_gqa=KVH != H)
+            out[a:a + n] = o[0].transpose(0, 1)
+        return out
+
+    def step_done(self, meta: AttentionMetadata) -> None:
+        """After every layer ran: the mirror rows hold one more token each."""
+        if meta.mirror_rows is not None:
+            self.decode_cache.advance(meta.mirror_rows)
+
+    def idle(self) -> None:
+        """Nothing is running: the dense mirror's memory goes."""
+        if self.decode_cache is not None:
+            self.decode_cache.clear()

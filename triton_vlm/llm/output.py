@@ -1,0 +1,128 @@
+"""The output processor: sampled ids become streamed text, stop words and finish reasons.
+
+Each request gets exactly one final emit (`finish_reason` set): on stop, length, cancel, shutdown,
+queue timeout ("rejected"), or an error ("error"; both with `error` set). `release` (the engine's:
+blocks and state back, request id free) runs before that final emit, so a client that sees the end
+of its request can count on the KV blocks being back.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from triton_vlm.llm.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+FINISH_REASONS = ("stop", "length", "cancelled", "rejected", "error")
+
+
+@dataclass
+class GenerationOutput:
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None  # None or one of FINISH_REASONS
+    error: str | None = None          # set with finish_reason "rejected" or "error"
+    logits: torch.Tensor | None = None  # the sampled step's logits, with Engine(return_logits=True)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class IncrementalDetokenizer:
+    """Streams text for generated ids; holds text back while it ends in U+FFFD (a partial UTF-8
+    character), decoding only a small window of ids per token."""
+
+    def __init__(self, tokenizer, prompt_tail: list[int]):
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_tail)
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(int(token_id))
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset:])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            delta = new_text[len(prefix_text):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is held back (a trailing partial character decodes as U+FFFD)."""
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset:])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
+
+
+class OutputProcessor:
+    def __init__(self, eos_token_ids: frozenset[int], release: Callable[[Sequence], None]):
+        self.eos_token_ids = eos_token_ids
+        self.release = release
+        self.num_generated_tokens = 0
+
+    def on_token(self, seq: Sequence, token: int, logits: torch.Tensor | None = None) -> None:
+        """Append a sampled token: emit its text, or finish the request (eos, stop word, length)."""
+        seq.tokens.append(token)
+        self.num_generated_tokens += 1
+        seq.text += seq.detok.add(token)
+        reason, stop_word_at = None, None
+        if token in self.eos_token_ids:
+            reason = "stop"
+        if seq.params.stop_words:
+            start = max(0, seq.sent - max(len(w) for w in seq.params.stop_words))
+            hits = [i for i in (seq.text.find(w, start) for w in seq.params.stop_words) if i >= 0]
+            if hits:
+                reason, stop_word_at = "stop", min(hits)
+        if reason is None and seq.num_generated >= seq.params.max_tokens:
+            reason = "length"
+        if reason is None:
+            end = max(seq.sent, len(seq.text) - self._held_back(seq))
+            text, seq.sent = seq.text[seq.sent:end], end
+            self._emit(seq, GenerationOutput([token], text, logits=logits))
+            return
+        if stop_word_at is None:
+            seq.text += seq.detok.flush()
+        self.finish(seq, reason, token_ids=[token], text_end=stop_word_at, logits=logits)
+
+    @staticmethod
+    def _held_back(seq: Sequence) -> int:
+        """Characters at the end of the text that may be the start of a stop word."""
+        hold = 0
+        for w in seq.params.stop_words:
+            for n in range(min(len(w) - 1, len(seq.text)), hold, -1):
+                if seq.text.endswith(w[:n]):
+                    hold = n
+                    break
+        return hold
+
+    def finish(self, seq: Sequence, reason: str, token_ids: list[int] | None = None, text_end: int | None = None,
+               error: str | None = None, logits: torch.Tensor | None = None) -> None:
+        """The request's final emit, after its resources are released. Idempotent."""
+        if seq.done:
+            return
+        end = len(seq.text) if text_end is None else text_end
+        text = seq.text[seq.sent:end] if reason in ("stop", "length") else ""
+        seq.sent = max(seq.sent, end)
+        seq.done = True
+        self.release(seq)
+        try:
+            seq.emit(GenerationOutput(list(token_ids or []), text, reason, error, logits))
+        except Exception:
+            log.exception("final emit of request %s raised", seq.request_id)
+
+    def _emit(self, seq: Sequence, out: GenerationOutput) -> None:
+        try:
+            seq.emit(out)
+        except Exception:
+            log.exception("emit of request %s raised; ending it", seq.request_id)
+            self.finish(seq, "error", error="emit failed")

@@ -1,0 +1,119 @@
+"""The model runner: owns the KV cache and recurrent-state tensors on the model's device, turns a
+step's scheduled chunks into one `StepBatch` (input embeddings with the vision rows in place,
+positions, attention metadata built once), runs the forward pass and samples the next tokens."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from triton_vlm.errors import InvalidInput
+from triton_vlm.llm.attention import SeqRows, TorchAttention
+from triton_vlm.llm.linear_attention import RecurrentRows
+from triton_vlm.llm.model import DecoderModel, StepBatch
+from triton_vlm.llm.paged import KVCache, StateCache
+from triton_vlm.llm.sampling import sample
+from triton_vlm.llm.scheduler import ScheduledChunk
+
+
+class ModelRunner:
+    """`decode_cache_bytes`: the CPU attention's dense mirror of the decoding sequences' K/V (None:
+    half the KV cache's bytes on the CPU, off elsewhere; 0: off)."""
+
+    def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, state_slots: int = 1,
+                 decode_cache_bytes: int | None = None):
+        self.model = model
+        c = model.config
+        weight = model.embed_tokens
+        self.device, self.dtype = weight.device, weight.dtype
+        self.kv = KVCache.for_model(c, num_blocks, block_size, self.dtype, self.device)
+        self.states = StateCache.for_model(c, state_slots, device=self.device) if c.recurrent else None
+        if decode_cache_bytes is None:
+            decode_cache_bytes = self.kv.nbytes // 2 if self.device.type == "cpu" else 0
+        self.attention = TorchAttention(c, self.kv, decode_cache_bytes)
+
+    def prepare(self, chunks: list[ScheduledChunk]) -> StepBatch:
+        T = sum(c.num_tokens for c in chunks)
+        ids: list[int] = []
+        positions = torch.empty(3, T, dtype=torch.long)
+        seq_rows, logits_rows, vision = [], [], []
+        decode_rows, decode_slots, prefill = [], [], []
+        row = 0
+        for c in chunks:
+            seq, n, a, e = c.seq, c.seq.prompt_len, c.start, c.end
+            ids.extend(seq.tokens[a:e])
+            if a < n:
+                positions[:, row:row + min(e, n) - a] = seq.positions[:, a:min(e, n)]
+                if seq.emb_index is not None:
+                    idx = seq.emb_index[a:min(e, n)]
+                    hit = idx >= 0
+                    if bool(hit.any()):
+                        vision.append((row + hit.nonzero()[:, 0], seq.embeddings[idx[hit]]))
+            if e > n:
+                first = max(a, n)
+                positions[:, row + first - a:row + c.num_tokens] = torch.arange(first, e) + seq.delta
+            seq_rows.append(SeqRows(row, c.num_tokens, a, seq.blocks, seq.arrival))
+            if self.states is not None:
+                if seq.state is None:
+                    raise ValueError("a decoder with linear-attention layers needs a state slot per sequence")
+                if a == 0:
+                    self.states.reset(seq.state)
+                if c.num_tokens == 1:
+                    decode_rows.append(row)
+                    decode_slots.append(seq.state)
+                else:
+                    prefill.append((row, c.num_tokens, seq.state))
+            if c.samples:
+                logits_rows.append(row + c.num_tokens - 1)
+            row += c.num_tokens
+        h = F.embedding(torch.tensor(ids, dtype=torch.long).to(self.device), self.model.embed_tokens)
+        for rows, emb in vision:
+            h[rows.to(self.device)] = emb.to(h.dtype)
+        recurrent = None
+        if self.states is not None:
+            recurrent = RecurrentRows(torch.tensor(decode_rows, dtype=torch.long).to(self.device),
+                                      torch.tensor(decode_slots, dtype=torch.long).to(self.device), prefill)
+        return StepBatch(h, positions.to(self.device), self.attention.build(seq_rows), recurrent,
+                         torch.tensor(logits_rows, dtype=torch.long).to(self.device))
+
+    def forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """float32 logits [chunks that sample, vocab]."""
+        return self.model.forward(self.prepare(chunks), self.attention, self.states).float()
+
+    def sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[int]:
+        """The next token of every chunk that samples, in order (one host copy)."""
+        seqs = [c.seq for c in chunks if c.samples]
+        ids = [sample(row, s.params, s.generator,
+                      torch.tensor(s.tokens) if s.params.repetition_penalty != 1.0 else None)
+               for row, s in zip(logits, seqs)]
+        return ids
+
+    def idle(self) -> None:
+        """Nothing is running."""
+        self.attention.idle()
+
+
+def prompt_logits(model: DecoderModel, input_ids: torch.Tensor, embeddings: torch.Tensor | None,
+                  positions: torch.Tensor) -> torch.Tensor:
+    """The last prompt position's float32 logits [vocab] through a scratch runner (tests, tools)."""
+    from triton_vlm.llm.block_manager import BlockManager
+    from triton_vlm.llm.output import IncrementalDetokenizer
+    from triton_vlm.llm.sampling import SamplingParams
+    from triton_vlm.llm.sequence import Sequence
+
+    ids = input_ids.reshape(-1).long()
+    n = ids.numel()
+    positions = torch.as_tensor(positions).long().reshape(3, -1)
+    if positions.shape[1] != n:
+        raise InvalidInput(f"mrope_position_ids: shape [3, {positions.shape[1]}], expected [3, {n}]")
+    mask, emb = model.placeholder_rows(ids, embeddings)
+    emb_index = None
+    if emb is not None:
+        emb_index = torch.full((n,), -1, dtype=torch.long)
+        emb_index[mask] = torch.arange(emb.shape[0])
+    blocks = BlockManager(-(-n // 16), 16, state_slots=1)
+    seq = Sequence("prompt", n, ids.tolist(), emb, emb_index, positions, 0, SamplingParams(max_tokens=1),
+                   emit=lambda out: None, is_cancelled=lambda: False, generator=torch.Generator(),
+                   detok=IncrementalDetokenizer(None, []), blocks=blocks.allocate(blocks.num_blocks),
+                   state=blocks.allocate_state())
+    runner = ModelRunner(model, blocks.num_blocks, blocks.block_size, state_slots=1)
+    return runner.forward([ScheduledChunk.of(seq, n)])[0]
