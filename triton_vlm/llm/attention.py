@@ -20,6 +20,7 @@ backends are compared with.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +55,22 @@ class AttentionMetadata:
     block_ids: torch.Tensor | None      # [B * blocks] the blocks to gather (None: read the mirror)
     mirror_rows: list[int] | None = None    # the mirror's row of each decode token (None: gather)
     mirror_pos: torch.Tensor | None = None  # [B] where each decode token goes in its mirror row
+
+
+class AttentionBackend(Protocol):
+    """What the model runner and the model's attention layers need of a backend."""
+
+    def build(self, seqs: list[SeqRows]) -> Any:
+        """The step's metadata, once per step, before the forward pass."""
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any) -> torch.Tensor:
+        """Write this layer's new K/V into the paged cache; the attention output [T, heads, d]."""
+
+    def step_done(self, meta: Any) -> None:
+        """After the last layer of the step."""
+
+    def idle(self) -> None:
+        """Nothing is running (caches of the running set may go)."""
 
 
 class TorchAttention:

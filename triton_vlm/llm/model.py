@@ -26,12 +26,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn.functional as F
 
 from triton_vlm.errors import InvalidInput
+
+if TYPE_CHECKING:
+    from triton_vlm.llm.attention import AttentionBackend
+    from triton_vlm.llm.paged import StateCache
 from triton_vlm.llm.linear_attention import GatedDeltaNet, LinearAttentionConfig, RecurrentRows
 from triton_vlm.weights import read_safetensors
 
@@ -449,7 +453,7 @@ class DecoderModel:
 
     # ---- the batched pass ----------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, batch: StepBatch, attention, states) -> torch.Tensor:
+    def forward(self, batch: StepBatch, attention: "AttentionBackend", states: "StateCache | None") -> torch.Tensor:
         """One pass over every row of the step: each linear layer runs once on all rows; attention
         layers call `attention.forward` (the backend writes the rows' K/V into the paged cache and
         attends per sequence); linear-attention layers run each sequence from its slot of `states`.

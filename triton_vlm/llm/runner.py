@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from triton_vlm.errors import InvalidInput
-from triton_vlm.llm.attention import SeqRows, TorchAttention
+from triton_vlm.llm.attention import AttentionBackend, SeqRows, TorchAttention
 from triton_vlm.llm.linear_attention import RecurrentRows
 from triton_vlm.llm.model import DecoderModel, StepBatch
 from triton_vlm.llm.paged import KVCache, StateCache
@@ -29,7 +29,7 @@ class ModelRunner:
         self.states = StateCache.for_model(c, state_slots, device=self.device) if c.recurrent else None
         if decode_cache_bytes is None:
             decode_cache_bytes = self.kv.nbytes // 2 if self.device.type == "cpu" else 0
-        self.attention = TorchAttention(c, self.kv, decode_cache_bytes)
+        self.attention: AttentionBackend = TorchAttention(c, self.kv, decode_cache_bytes)
 
     def prepare(self, chunks: list[ScheduledChunk]) -> StepBatch:
         T = sum(c.num_tokens for c in chunks)
