@@ -298,6 +298,55 @@ def test_error_inside_loop_ends_request_and_engine_survives(ckpt, requests):
         eng.shutdown()
 
 
+def test_sampling_errors_end_only_the_rows_concerned(ckpt, engine, requests, monkeypatch):
+    """A request whose logits turn NaN ends with "error"; the one sampled beside it in the same steps
+    is unaffected. A failing batched draw ends the requests of that step only."""
+    from triton_vlm.llm import engine as engine_module
+
+    req = requests["text"]
+    seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=5)
+    alone = submit(engine, req, seeded, "nan-alone").wait().ids
+    eng = Engine(ckpt)
+    real = eng.model.forward
+
+    def nan_for_first(chunks, pool):  # the first request (arrival 1) gets NaN logits after its 4th token
+        logits = real(chunks, pool).clone()  # (an inference tensor is read-only here)
+        for row, chunk in enumerate(c for c in chunks if c.want_logits):
+            if chunk.key == 1 and chunk.start + len(chunk.h) > len(req["llm"]["input_ids"]) + 3:
+                logits[row] = float("nan")
+        return logits
+
+    eng.model.forward = nan_for_first
+    try:
+        bad = submit(eng, req, SamplingParams(max_tokens=8, temperature=0.8, seed=1), "nan")
+        good = submit(eng, req, seeded, "beside-nan")
+        assert bad.wait().finish_reason == "error" and bad.outputs[-1].error == "internal error: non-finite logits"
+        assert len(bad.ids) == 4
+        assert good.wait().ids == alone
+    finally:
+        eng.shutdown()
+
+    calls = {"n": 0}
+    real_sample = engine_module.sample_batch
+
+    def flaky(*args):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("boom")
+        return real_sample(*args)
+
+    monkeypatch.setattr(engine_module, "sample_batch", flaky)
+    eng = Engine(ckpt, model=engine.model)
+    try:
+        col = submit(eng, req, SamplingParams(max_tokens=8), "sample-err").wait()
+        assert col.finish_reason == "error" and col.outputs[-1].error == "internal error: RuntimeError"
+        assert len(col.ids) == 1
+        assert submit(eng, req, SamplingParams(max_tokens=2), "after-sample-err").wait().finish_reason == "length"
+        assert eng.kv_blocks_used == 0
+    finally:
+        eng.shutdown()
+
+
 def test_shutdown_ends_requests_in_flight(ckpt, requests):
     eng = Engine(ckpt)
     gate = threading.Event()

@@ -2,7 +2,7 @@
 from triton_vlm.llm.engine import Engine, GenerationOutput, IncrementalDetokenizer
 from triton_vlm.llm.model import Chunk, DecoderConfig, DecoderModel
 from triton_vlm.llm.paged import KVPool
-from triton_vlm.llm.sampling import SamplingParams, make_generator, sample
+from triton_vlm.llm.sampling import NO_TOKEN, SamplingParams, make_generator, sample_batch
 
 __all__ = ["DecoderConfig", "DecoderModel", "Engine", "GenerationOutput", "IncrementalDetokenizer", "KVPool", "Chunk",
-           "SamplingParams", "make_generator", "sample"]
+           "NO_TOKEN", "SamplingParams", "make_generator", "sample_batch"]

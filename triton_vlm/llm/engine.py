@@ -16,8 +16,8 @@ Every step (one batched forward pass) the scheduler, oldest request first:
 Decoders with linear-attention layers (`DecoderConfig.recurrent`) also give every running sequence
 a slot of the pool's `StatePool` (taken when it starts running, given back with its blocks: on
 finish, cancel, error and preemption); prefix caching is off for them (see `triton_vlm.llm.paged`).
-Then one `DecoderModel.forward` runs every row, and each sequence whose rows reached its end
-samples its next token with its own generator.
+Then one `DecoderModel.forward` runs every row, and the sequences whose rows reached their end
+sample their next tokens in one batched draw (`sample_batch`), each with its own generator.
 
 Each request gets exactly one final emit (`finish_reason` set): on stop, length, cancel, shutdown,
 queue timeout ("rejected"), or an error inside the loop ("error"; both with `error` set); its
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from triton_vlm.errors import InvalidInput, busy
 from triton_vlm.llm.model import Chunk, DecoderModel
 from triton_vlm.llm.paged import KVPool, block_keys
-from triton_vlm.llm.sampling import SamplingParams, make_generator, sample
+from triton_vlm.llm.sampling import NO_TOKEN, SamplingParams, make_generator, sample_batch
 
 log = logging.getLogger(__name__)
 
@@ -264,7 +264,8 @@ class Engine:
         tail = ids[-_PROMPT_CONTEXT_TOKENS:].tolist()
         seq = _Sequence(request_id=request_id, arrival=0, prompt_len=n, tokens=ids.tolist(), embeddings=emb,
                         emb_index=emb_index, positions=pos, delta=delta, params=params, emit=emit,
-                        is_cancelled=is_cancelled, generator=make_generator(params.seed),
+                        is_cancelled=is_cancelled,
+                        generator=make_generator(params.seed, self.model.embed_tokens.device),
                         detok=IncrementalDetokenizer(self.tokenizer, tail), keys=keys,
                         queued_since=self.clock())
         with self._lock:
@@ -446,21 +447,33 @@ class Engine:
                 self._finish(seq, "error", error=f"internal error: {type(e).__name__}")
             return
         self.num_steps += 1
-        row = 0
+        sampling: list[_Sequence] = []  # the sequences sampling this step: logits rows in order
         bs = self.pool.block_size
         for seq, start, end in plan:
             seq.num_computed = end
             if seq.keys:  # newly completed prompt blocks become reusable
                 for j in range(start // bs, min(end, seq.prompt_len) // bs):
                     self.pool.register(seq.blocks[j], seq.keys[j])
-            if end != len(seq.tokens):
+            if end == len(seq.tokens):
+                sampling.append(seq)
+        if not sampling:
+            return
+        try:  # one batched draw, one host copy of its ids
+            tokens = sample_batch(logits, [s.params for s in sampling], [s.generator for s in sampling],
+                                  [torch.tensor(s.tokens) if s.params.repetition_penalty != 1.0 else None
+                                   for s in sampling]).tolist()
+        except Exception as e:
+            log.exception("sampling failed for %d requests", len(sampling))
+            for seq in sampling:
+                self._finish(seq, "error", error=f"internal error: {type(e).__name__}")
+            return
+        for row, (seq, token) in enumerate(zip(sampling, tokens)):
+            if token == NO_TOKEN:
+                log.error("request %s: its logits are not finite, no token to sample", seq.request_id)
+                self._finish(seq, "error", error="internal error: non-finite logits")
                 continue
-            row_logits = logits[row]
-            row += 1
             try:
-                ctx = torch.tensor(seq.tokens) if seq.params.repetition_penalty != 1.0 else None
-                token = sample(row_logits, seq.params, seq.generator, ctx)
-                self._on_token(seq, token, row_logits if self.return_logits else None)
+                self._on_token(seq, token, logits[row] if self.return_logits else None)
             except Exception as e:
                 log.exception("request %s failed", seq.request_id)
                 self._finish(seq, "error", error=f"internal error: {type(e).__name__}")
