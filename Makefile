@@ -11,7 +11,7 @@ demo: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/triton-vlm demo --workdir build/demo --size small
 
 test: setup
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not gpu" $(PYTEST_ARGS)
 
 SMALL := build/demo/qwen2_5_vl-small
 bench: setup

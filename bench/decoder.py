@@ -1,22 +1,40 @@
 """llm decoder benchmark (issue #5): our engine (paged KV cache, in-flight batching) against
-transformers' `generate` run one request at a time, on the `small` random-weight checkpoint.
+transformers' `generate` run one request at a time, on the same device and dtype.
 
     HF_HUB_OFFLINE=1 .venv/bin/python bench/decoder.py [--family qwen2_5_vl] [--rounds 2] [--max-tokens 64]
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/decoder.py --device cuda --decoder-7b --concurrency 1,16,64 --json out.json
 
-Both run in this process on the same CPU threads, interleaved round by round (transformers, then our
-engine at concurrency 1, 4 and 16), so machine noise hits both alike. Prompts: 16 chat prompts of
-different lengths (68 to 412 tokens), greedy, `max_tokens` new tokens each. Throughput is
-generated tokens / wall time of the whole batch of requests; time to first token (TTFT) is from
-submit to the first token, median over the requests of that run.
+Checkpoint: the family's `small` random-weight demo checkpoint (default), `--checkpoint DIR`, or
+`--decoder-7b`: a Qwen2.5-VL with the 7B's text stack (28 layers, hidden 3584, 28 query / 4 KV
+heads, intermediate 18944, vocab 152064, M-RoPE sections [16, 24, 24], rope theta 1e6), random
+weights in `--dtype` and a tiny vision tower, written by the demo-checkpoint code with size
+overrides (`--layers` / `--hidden` shrink it for a smoke run; `--save DIR` keeps it for `--checkpoint`).
+
+Both run in this process on the same device, interleaved round by round (transformers, then our
+engine at each `--concurrency`), so machine noise hits both alike. Prompts: chat prompts of 16
+lengths (68 to 412 tokens on the `small` tokenizer; past 16 requests the lengths repeat with other
+words), greedy, `max_tokens` new tokens each. Concurrency 1 runs 4 requests, concurrency c > 1 runs
+max(--requests, c), c at a time (closed loop). Throughput is generated tokens / wall time of the
+whole batch of requests; time to first token (TTFT) is from submit to the first token, median over
+the requests of that run.
+
+Also measured in the run: the device's copy bandwidth (bytes read + written by a large
+device-to-device copy, best of 5) and the weight-streaming floor of one decode step (the bytes of
+decoder weights a step reads: every layer, the final norm and the LM head, not the embedding table;
+divided by that bandwidth). The engine's concurrency-1 decode time per token (median over requests
+of (last token - first token) / (tokens - 1)) is printed against that floor.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import platform
 import statistics
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -25,10 +43,30 @@ import torch  # noqa: E402
 
 WORDS = ("red car road tree river small large city house light dark blue green yellow cat dog "
          "runs jumps over under quickly slowly bright morning evening cloud rain snow wind").split()
+PROMPT_LENGTHS = 16  # prompt i has 20 + 9 * (i % 16) words
+
+# Qwen2.5-VL-7B's text stack (its config.json); --hidden scales it at the same head size and grouping.
+DECODER_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                  num_key_value_heads=4, mrope_section=[16, 24, 24])
+VOCAB_7B = 152064
+HEAD_DIM_7B, GROUP_7B = 128, 7  # 28 / 4 query heads per KV head
+
+# Goals of the GPU run: concurrency-1 decode time within 1.4x the weight-streaming floor, and
+# throughput at least these multiples of transformers one request at a time.
+GOAL_FLOOR_RATIO = 1.4
+GOAL_X_TRANSFORMERS = {1: 3.0, 64: 20.0}
+
+
+@dataclass
+class Run:
+    tokens: int
+    seconds: float
+    ttfts: list[float]
+    decode_per_token: list[float] = field(default_factory=list)  # per request with >= 2 tokens
 
 
 def prompts(n: int, chat_template: str, seed: int = 0) -> list[str]:
-    """`n` user turns of growing length through the checkpoint's chat template."""
+    """`n` user turns through the checkpoint's chat template, of 16 growing lengths."""
     import random
 
     from jinja2 import Template
@@ -37,31 +75,66 @@ def prompts(n: int, chat_template: str, seed: int = 0) -> list[str]:
     template = Template(chat_template)
     out = []
     for i in range(n):
-        words = " ".join(rng.choice(WORDS) for _ in range(20 + 9 * i))
+        words = " ".join(rng.choice(WORDS) for _ in range(20 + 9 * (i % PROMPT_LENGTHS)))
         out.append(template.render(messages=[{"role": "user", "content": f"Describe this: {words}"}],
                                    add_generation_prompt=True))
     return out
 
 
-def run_hf(model, inputs: list[torch.Tensor], max_tokens: int) -> tuple[int, float, list[float]]:
-    """One request at a time; TTFT from a separate 1-token generate of each prompt."""
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, repeats: int = 5) -> float:
+    """Bytes per second read + written by a device-to-device copy of 1 GiB (CUDA) or 256 MiB (CPU), best of `repeats`."""
+    n = (1 << 30) if device.type == "cuda" else (256 << 20)
+    src = torch.ones(n, dtype=torch.uint8, device=device)
+    dst = torch.zeros_like(src)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first copy warms up
+        sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    del src, dst
+    return 2 * n / best
+
+
+def decode_weight_bytes(hf) -> int:
+    """Bytes of weights one decode step reads: the language model's layers and final norm, and the LM
+    head (read in full even where it is tied); the embedding table is only indexed."""
+    lm = hf.model.language_model
+    embed = lm.get_input_embeddings().weight
+    head = hf.get_output_embeddings().weight
+    return sum(p.numel() * p.element_size() for p in lm.parameters() if p is not embed) \
+        + head.numel() * head.element_size()
+
+
+def run_hf(model, inputs: list[torch.Tensor], max_tokens: int, device: torch.device) -> Run:
+    """One request at a time; TTFT from a separate 1-token generate of each of the first 4 prompts."""
     tokens, ttfts = 0, []
+    sync(device)
     start = time.perf_counter()
     for ids in inputs:
         out = model.generate(input_ids=ids[None], attention_mask=torch.ones_like(ids[None]),
                              max_new_tokens=max_tokens, do_sample=False)
         tokens += out.shape[1] - ids.numel()
+    sync(device)
     elapsed = time.perf_counter() - start
     for ids in inputs[:4]:
         t0 = time.perf_counter()
         model.generate(input_ids=ids[None], attention_mask=torch.ones_like(ids[None]), max_new_tokens=1,
                        do_sample=False)
+        sync(device)
         ttfts.append(time.perf_counter() - t0)
-    return tokens, elapsed, ttfts
+    return Run(tokens, elapsed, ttfts)
 
 
-def run_engine(engine, inputs: list[torch.Tensor], max_tokens: int, concurrency: int) -> tuple[int, float, list[float]]:
-    """`concurrency` requests in flight at a time until all are done (closed loop)."""
+def run_engine(engine, inputs: list[torch.Tensor], max_tokens: int, concurrency: int) -> Run:
+    """`concurrency` requests in flight at a time until all are done (closed loop). Emits come after
+    the step's sampled ids reached the host, so their times need no device sync."""
     from triton_vlm.llm import SamplingParams
 
     slots = threading.Semaphore(concurrency)
@@ -69,17 +142,23 @@ def run_engine(engine, inputs: list[torch.Tensor], max_tokens: int, concurrency:
     lock = threading.Lock()
     state = {"left": len(inputs), "tokens": 0}
     ttfts: list[float] = []
+    decode: list[float] = []
 
-    def emit_for(t0):
-        first = [True]
+    def emit_for(t0: float):
+        first: list[float] = []  # time of the first token
+        count = [0]
 
         def emit(out):
+            now = time.perf_counter()
             with lock:
                 state["tokens"] += len(out.token_ids)
-                if first[0] and out.token_ids:
-                    first[0] = False
-                    ttfts.append(time.perf_counter() - t0)
+                count[0] += len(out.token_ids)
+                if not first and out.token_ids:
+                    first.append(now)
+                    ttfts.append(now - t0)
                 if out.finish_reason is not None:
+                    if count[0] >= 2:
+                        decode.append((now - first[0]) / (count[0] - 1))
                     state["left"] -= 1
                     slots.release()
                     if state["left"] == 0:
@@ -92,71 +171,168 @@ def run_engine(engine, inputs: list[torch.Tensor], max_tokens: int, concurrency:
         engine.submit(f"b{concurrency}-{i}-{time.monotonic_ns()}", ids, None, None, None,
                       SamplingParams(max_tokens=max_tokens), emit=emit_for(time.perf_counter()))
     done.wait()
-    return state["tokens"], time.perf_counter() - start, ttfts
+    return Run(state["tokens"], time.perf_counter() - start, ttfts, decode)
+
+
+def decoder_7b_overrides(layers: int, hidden: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """`write_demo_checkpoint` overrides of the `small` Qwen2.5-VL demo: the 7B text stack (scaled to
+    `hidden` at the same head size and grouping), its padded vocabulary, `tiny`'s vision tower."""
+    from triton_vlm.families import get_family
+
+    if hidden % (HEAD_DIM_7B * GROUP_7B):
+        raise SystemExit(f"--hidden must be a multiple of {HEAD_DIM_7B * GROUP_7B} "
+                         f"(head size {HEAD_DIM_7B}, {GROUP_7B} query heads per KV head)")
+    heads = hidden // HEAD_DIM_7B
+    text = dict(DECODER_7B, num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                num_key_value_heads=heads // GROUP_7B,
+                intermediate_size=DECODER_7B["intermediate_size"] * hidden // DECODER_7B["hidden_size"])
+    return dict(text=text, vision=get_family("qwen2_5_vl").demo_sizes["tiny"]["vision"], model_vocab_size=VOCAB_7B,
+                dtype=str(dtype).removeprefix("torch."), device=str(device))
+
+
+def make_engine(ckpt: Path, device: torch.device, dtype: torch.dtype, max_running: int, need_tokens: int):
+    """Our engine with a KV pool of at least `need_tokens` (the default pool where that is enough).
+    `device` / `dtype` are passed only when they are not the CPU float32 defaults, so this runs on an
+    engine that does not take them yet."""
+    from triton_vlm.llm import Engine
+
+    kwargs = {} if (device.type == "cpu" and dtype == torch.float32) else {"device": str(device), "dtype": dtype}
+    engine = Engine(ckpt, max_running=max_running, max_num_tokens=512, **kwargs)
+    if engine.pool_tokens < need_tokens:
+        model = engine.model
+        engine.shutdown()
+        engine = Engine(ckpt, model=model, max_running=max_running, max_num_tokens=512, kv_cache_tokens=need_tokens,
+                        **kwargs)
+    return engine
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", help="a checkpoint dir (default: write the family's `small` demo checkpoint)")
     ap.add_argument("--family", default="qwen2_5_vl", help="demo checkpoint family (without --checkpoint)")
+    ap.add_argument("--decoder-7b", action="store_true",
+                    help="write a random-weight Qwen2.5-VL with the 7B's text stack and a tiny vision tower")
+    ap.add_argument("--layers", type=int, help=f"with --decoder-7b (default {DECODER_7B['num_hidden_layers']})")
+    ap.add_argument("--hidden", type=int, help=f"with --decoder-7b (default {DECODER_7B['hidden_size']}): "
+                                               f"a multiple of {HEAD_DIM_7B * GROUP_7B}")
+    ap.add_argument("--save", help="write the demo / --decoder-7b checkpoint here and keep it (default: a temp dir)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                    help="default: float32 on cpu, bfloat16 on cuda")
+    ap.add_argument("--concurrency", default="1,4,16", help="comma-separated engine concurrencies")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--requests", type=int, default=16, help="requests per measurement")
+    ap.add_argument("--requests", type=int, default=16, help="requests per measurement (at least the concurrency)")
+    ap.add_argument("--json", help="also write every figure to this file")
     args = ap.parse_args()
+    if args.decoder_7b and (args.checkpoint or args.family != "qwen2_5_vl"):
+        ap.error("--decoder-7b writes its own Qwen2.5-VL checkpoint: no --checkpoint or --family")
+    if not args.decoder_7b and (args.layers or args.hidden):
+        ap.error("--layers and --hidden size the --decoder-7b checkpoint")
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
 
     from tokenizers import Tokenizer
     from transformers import AutoModelForImageTextToText
 
     from triton_vlm.checkpoint import write_demo_checkpoint
     from triton_vlm.families import detect_family
-    from triton_vlm.llm import Engine
 
     tmp = None
     if args.checkpoint:
         ckpt = Path(args.checkpoint)
     else:
-        tmp = tempfile.TemporaryDirectory()
-        ckpt = write_demo_checkpoint(args.family, Path(tmp.name) / "small", "small")
+        if not args.save:
+            tmp = tempfile.TemporaryDirectory()
+        out = Path(args.save) if args.save else Path(tmp.name) / ("decoder-7b" if args.decoder_7b else "small")
+        if args.decoder_7b:
+            t0 = time.perf_counter()
+            overrides = decoder_7b_overrides(args.layers or DECODER_7B["num_hidden_layers"],
+                                             args.hidden or DECODER_7B["hidden_size"], dtype, device)
+            ckpt = write_demo_checkpoint("qwen2_5_vl", out, "small", overrides=overrides)
+            print(f"wrote {ckpt} in {time.perf_counter() - t0:.0f} s")
+        else:
+            ckpt = write_demo_checkpoint(args.family, out, "small")
     tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
     chat_template = (ckpt / "chat_template.jinja").read_text()
-    inputs = [torch.tensor(tok.encode(p, add_special_tokens=False).ids) for p in prompts(args.requests, chat_template)]
+    n_inputs = max(args.requests, *concurrency)
+    inputs = [torch.tensor(tok.encode(p, add_special_tokens=False).ids, device=device)
+              for p in prompts(n_inputs, chat_template)]
     torch.set_grad_enabled(False)
-    hf = AutoModelForImageTextToText.from_pretrained(ckpt).eval()
-    engine = Engine(ckpt, max_running=64, max_num_tokens=512)
-    print(f"checkpoint {ckpt.name} ({detect_family(ckpt).name}): {sum(p.numel() for p in hf.parameters()) / 1e6:.1f} M parameters; "
-          f"torch threads {torch.get_num_threads()}; {len(inputs)} prompts of "
-          f"{min(i.numel() for i in inputs)}..{max(i.numel() for i in inputs)} tokens, "
+    hf = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=dtype).to(device).eval()
+    longest = max(i.numel() for i in inputs)
+    engine = make_engine(ckpt, device, dtype, max(64, *concurrency),
+                         # the decode steps' dense K/V copies may use half the pool: room for all twice
+                         need_tokens=2 * max(concurrency) * (longest + args.max_tokens + 16))
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()})"
+    n_params = sum(p.numel() for p in hf.parameters())
+    print(f"checkpoint {ckpt.name} ({detect_family(ckpt).name}): {n_params / 1e6:.1f} M parameters "
+          f"({hf.config.text_config.num_hidden_layers} layers, hidden {hf.config.text_config.hidden_size}); "
+          f"{device_name}, {str(dtype).removeprefix('torch.')}; torch threads {torch.get_num_threads()}; "
+          f"{len(inputs)} prompts of {min(i.numel() for i in inputs)}..{longest} tokens, "
           f"max_tokens {args.max_tokens}, greedy")
+
+    bandwidth = copy_bandwidth(device)
+    weight_bytes = decode_weight_bytes(hf)
+    floor = weight_bytes / bandwidth
+    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + written); decode step reads "
+          f"{weight_bytes / 1e9:.3f} GB of weights: floor {floor * 1000:.2f} ms per step")
 
     # warm up both
     hf.generate(input_ids=inputs[0][None], attention_mask=torch.ones_like(inputs[0][None]), max_new_tokens=4)
     run_engine(engine, inputs[:4], 4, 4)
 
-    results: dict[str, list[tuple[int, float, list[float]]]] = {}
-    for r in range(args.rounds):
-        results.setdefault("transformers (one at a time)", []).append(run_hf(hf, inputs, args.max_tokens))
-        for c in (1, 4, 16):
-            subset = inputs[:max(4, c)] if c == 1 else inputs
+    hf_name = "transformers (one at a time)"
+    results: dict[str, list[Run]] = {}
+    for _ in range(args.rounds):
+        results.setdefault(hf_name, []).append(run_hf(hf, inputs[:args.requests], args.max_tokens, device))
+        for c in concurrency:
+            subset = inputs[:4] if c == 1 else inputs[:max(args.requests, c)]
             results.setdefault(f"engine, concurrency {c}", []).append(run_engine(engine, subset, args.max_tokens, c))
     engine.shutdown()
 
-    base = None
+    figures: dict = {"device": device_name, "dtype": str(dtype).removeprefix("torch."), "checkpoint": str(ckpt),
+                     "parameters": n_params, "layers": hf.config.text_config.num_hidden_layers,
+                     "hidden": hf.config.text_config.hidden_size, "torch_threads": torch.get_num_threads(),
+                     "max_tokens": args.max_tokens, "rounds": args.rounds, "copy_bandwidth_gb_s": bandwidth / 1e9,
+                     "decode_weight_bytes": weight_bytes, "floor_ms_per_step": floor * 1000, "runs": {}}
+    hf_runs = results[hf_name]
+    base = sum(r.tokens for r in hf_runs) / sum(r.seconds for r in hf_runs)
     print(f"\n{'path':32} {'tokens':>7} {'seconds':>8} {'tok/s':>8} {'x HF':>6} {'TTFT ms (median)':>17}")
     for name, runs in results.items():
-        tokens = sum(t for t, _, _ in runs)
-        seconds = sum(s for _, s, _ in runs)
-        ttft = statistics.median([x for _, _, ts in runs for x in ts]) * 1000
+        tokens, seconds = sum(r.tokens for r in runs), sum(r.seconds for r in runs)
+        ttft = statistics.median([x for r in runs for x in r.ttfts]) * 1000
         rate = tokens / seconds
-        base = base or rate
+        # per round: each engine row against the transformers run of the same round (on a shared
+        # machine load changes between rounds; a ratio within one round is the fairer comparison)
+        per_round = [(r.tokens / r.seconds) / (h.tokens / h.seconds) for r, h in zip(runs, hf_runs)]
         print(f"{name:32} {tokens:7d} {seconds:8.2f} {rate:8.1f} {rate / base:6.2f} {ttft:17.1f}")
-    # per round: each engine row against the transformers run of the same round (the machine is
-    # shared, so load changes between rounds; a ratio within one round is the fairer comparison)
-    hf_runs = results["transformers (one at a time)"]
+        figures["runs"][name] = dict(tokens=tokens, seconds=seconds, tokens_per_s=rate, x_transformers=rate / base,
+                                     x_transformers_per_round=per_round, ttft_ms_median=ttft)
     print("\nper round, x transformers of the same round:")
-    for name, runs in results.items():
-        if name.startswith("engine"):
-            ratios = [(t / s) / (ht / hs) for (t, s, _), (ht, hs, _) in zip(runs, hf_runs)]
-            print(f"{name:32} " + " ".join(f"{x:6.2f}" for x in ratios))
+    for name, run in figures["runs"].items():
+        if name != hf_name:
+            print(f"{name:32} " + " ".join(f"{x:6.2f}" for x in run["x_transformers_per_round"]))
+
+    c1 = results.get("engine, concurrency 1")
+    if c1 and any(r.decode_per_token for r in c1):
+        step = statistics.median([x for r in c1 for x in r.decode_per_token])
+        figures.update(c1_decode_ms_per_token=step * 1000, c1_decode_x_floor=step / floor)
+        print(f"\nconcurrency 1 decode: {step * 1000:.2f} ms per token, {step / floor:.2f}x the "
+              f"weight-streaming floor ({floor * 1000:.2f} ms)")
+    if device.type == "cuda":
+        goals = {}
+        if "c1_decode_x_floor" in figures:
+            goals["c1 decode <= 1.4x floor"] = figures["c1_decode_x_floor"] <= GOAL_FLOOR_RATIO
+        for c, goal in GOAL_X_TRANSFORMERS.items():
+            run = figures["runs"].get(f"engine, concurrency {c}")
+            if run:
+                goals[f"concurrency {c} >= {goal:g}x transformers"] = run["x_transformers"] >= goal
+        figures["goals"] = goals
+        print("goals: " + "; ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in goals.items()))
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=1))
     if tmp:
         tmp.cleanup()
 

@@ -60,3 +60,21 @@ def test_unsupported_model_type_names_the_supported_ones(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava"}))
     with pytest.raises(ValueError, match="model_type 'llava' is not supported; supported: qwen2_5_vl, glm4v"):
         detect_family(tmp_path)
+
+
+def test_demo_checkpoint_overrides(tmp_path):
+    """Size overrides (bench/decoder.py --decoder-7b writes through them): text sizes key by key, a
+    model vocabulary past the tokenizer's, bfloat16 weights; our decoder and transformers read it."""
+    from safetensors import safe_open
+    from transformers import AutoModelForImageTextToText
+
+    from triton_vlm.llm import DecoderConfig
+
+    ckpt = write_demo_checkpoint("qwen2_5_vl", tmp_path, "tiny", overrides={
+        "text": {"num_hidden_layers": 1}, "model_vocab_size": 1536, "dtype": "bfloat16"})
+    config = DecoderConfig.from_checkpoint(ckpt)
+    assert (config.num_layers, config.vocab_size, config.hidden_size, config.mrope_section) == (1, 1536, 64, (2, 3, 3))
+    assert len(json.loads((ckpt / "tokenizer.json").read_text())["model"]["vocab"]) <= 1024
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    assert AutoModelForImageTextToText.from_pretrained(ckpt).lm_head.weight.shape == (1536, 64)

@@ -299,6 +299,55 @@ def test_error_inside_loop_ends_request_and_engine_survives(ckpt, requests):
         eng.shutdown()
 
 
+def test_sampling_errors_end_only_the_rows_concerned(ckpt, engine, requests, monkeypatch):
+    """A request whose logits turn NaN ends with "error"; the one sampled beside it in the same steps
+    is unaffected. A failing batched draw ends the requests of that step only."""
+    from triton_vlm.llm import runner as runner_module
+
+    req = requests["text"]
+    seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=5)
+    alone = submit(engine, req, seeded, "nan-alone").wait().ids
+    eng = Engine(ckpt)
+    real = eng.runner.forward
+
+    def nan_for_first(chunks):  # the first request (arrival 1) gets NaN logits after its 4th token
+        logits = real(chunks).clone()  # (an inference tensor is read-only here)
+        for row, chunk in enumerate(c for c in chunks if c.samples):
+            if chunk.seq.arrival == 1 and chunk.end > len(req["llm"]["input_ids"]) + 3:
+                logits[row] = float("nan")
+        return logits
+
+    eng.runner.forward = nan_for_first
+    try:
+        bad = submit(eng, req, SamplingParams(max_tokens=8, temperature=0.8, seed=1), "nan")
+        good = submit(eng, req, seeded, "beside-nan")
+        assert bad.wait().finish_reason == "error" and bad.outputs[-1].error == "internal error: non-finite logits"
+        assert len(bad.ids) == 4
+        assert good.wait().ids == alone
+    finally:
+        eng.shutdown()
+
+    calls = {"n": 0}
+    real_sample = runner_module.sample_batch
+
+    def flaky(*args):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("boom")
+        return real_sample(*args)
+
+    monkeypatch.setattr(runner_module, "sample_batch", flaky)
+    eng = Engine(ckpt, model=engine.model)
+    try:
+        col = submit(eng, req, SamplingParams(max_tokens=8), "sample-err").wait()
+        assert col.finish_reason == "error" and col.outputs[-1].error == "internal error: RuntimeError"
+        assert len(col.ids) == 1
+        assert submit(eng, req, SamplingParams(max_tokens=2), "after-sample-err").wait().finish_reason == "length"
+        assert eng.kv_blocks_used == 0
+    finally:
+        eng.shutdown()
+
+
 def test_shutdown_ends_requests_in_flight(ckpt, requests):
     eng = Engine(ckpt)
     gate = threading.Event()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any, Mapping
 
 from triton_vlm.families import get_family
 from triton_vlm.families.base import Family
@@ -46,12 +47,27 @@ def train_tokenizer(family: Family, vocab_size: int, seed: int = 0):
     return tokenizer
 
 
-def write_demo_checkpoint(family_name: str, out: str | Path, size: str = "tiny", seed: int = 0) -> Path:
-    family = get_family(family_name)
+def demo_shape(family: Family, size: str, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The family's `size` shape with `overrides` on top (`text` and `vision` replaced key by key).
+    Besides the family's keys, a shape holds `dtype` (of the written weights, default float32),
+    `device` (where the random weights are made, default CPU) and may hold `model_vocab_size` (the
+    model's vocabulary rows, past the tokenizer's, as real Qwen checkpoints pad theirs)."""
     if size not in family.demo_sizes:
         raise ValueError(f"size must be one of {sorted(family.demo_sizes)}")
+    shape: dict[str, Any] = {"dtype": "float32", "device": "cpu", **family.demo_sizes[size]}
+    for key, value in (overrides or {}).items():
+        shape[key] = {**shape[key], **value} if isinstance(value, Mapping) and key in shape else value
+    return shape
+
+
+def write_demo_checkpoint(family_name: str, out: str | Path, size: str = "tiny", seed: int = 0,
+                          overrides: Mapping[str, Any] | None = None) -> Path:
+    """A random-weight checkpoint of `family_name` at `size` (with `overrides`, see `demo_shape`)."""
+    family = get_family(family_name)
+    shape = demo_shape(family, size, overrides)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(family, family.demo_sizes[size]["vocab_size"], seed)
-    family.write_demo(out, size, tokenizer, seed)
+    tokenizer = train_tokenizer(family, shape["vocab_size"], seed)
+    shape.setdefault("model_vocab_size", len(tokenizer))
+    family.write_demo(out, shape, tokenizer, seed)
     return out

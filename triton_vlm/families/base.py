@@ -51,7 +51,8 @@ class Family:
     # (pixel_values row width, embedding width) from the checkpoint's config.json.
     encoder_dims: Callable[[dict], tuple[int, int]]
     demo_sizes: dict[str, dict[str, Any]] = field(default_factory=dict)
-    # Builds the HF config / model / processor for a random-weight demo checkpoint.
+    # Writes the HF config / model / processor of a random-weight demo checkpoint:
+    # `write_demo(out, shape, tokenizer, seed)`, `shape` from `triton_vlm.checkpoint.demo_shape`.
     write_demo: Callable[..., None] | None = None
     chat_template: str = ""
     # Video frame sampling (`preprocess`): `sample_frames(metadata, *, fps, num_frames, min_frames,
@@ -90,6 +91,21 @@ class Family:
     # Video processor classes (`video_processor_type`) that pick this family among several sharing a
     # `model_type`; see `detect_family`.
     video_processor_types: tuple[str, ...] = ()
+
+
+def random_model(model_class, config, shape: dict[str, Any], seed: int):
+    """`model_class(config)` with random weights from `seed`, made on the shape's `device` in its
+    `dtype` (a 7B-sized model initialises in seconds on a GPU, in half the memory in bfloat16)."""
+    import torch
+
+    torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, shape["dtype"]))
+    try:
+        with torch.device(shape["device"]):
+            return model_class(config).eval()
+    finally:
+        torch.set_default_dtype(default)
 
 
 def patch_encoder_dims(config: dict) -> tuple[int, int]:

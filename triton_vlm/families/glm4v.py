@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from triton_vlm.errors import InvalidInput
-from triton_vlm.families.base import Family, MediaLayout, chat_template, expand_plain, patch_encoder_dims
+from triton_vlm.families.base import Family, MediaLayout, chat_template, expand_plain, patch_encoder_dims, random_model
 from triton_vlm.imaging import smart_resize
 from triton_vlm.media import distinct_indices, video_facts
 from triton_vlm.mrope import MediaSpan
@@ -77,21 +77,19 @@ VARIANTS: dict[str, Variant] = {
 }
 
 
-def write_demo(out: Path, size: str, tokenizer, seed: int, *, variant: str) -> None:
+def write_demo(out: Path, shape: dict[str, Any], tokenizer, seed: int, *, variant: str) -> None:
     """Write a random-weight checkpoint of `variant` that transformers loads offline."""
-    import torch
     import transformers
     from transformers import GenerationConfig
 
     names = VARIANTS[variant]
-    shape = DEMO_SIZES[size]
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     eos_ids = [ids[t] for t in EOS_TOKENS]
     text = dict(shape["text"])
     mrope_section = text.pop("mrope_section")
     config = getattr(transformers, names.config_class)(
         text_config=dict(
-            vocab_size=len(tokenizer), max_position_embeddings=4096, rms_norm_eps=1e-5,
+            vocab_size=shape["model_vocab_size"], max_position_embeddings=4096, rms_norm_eps=1e-5,
             rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=mrope_section,
                                  partial_rotary_factor=0.5),
             eos_token_id=eos_ids, pad_token_id=ids[ENDOFTEXT], **text),
@@ -102,8 +100,7 @@ def write_demo(out: Path, size: str, tokenizer, seed: int, *, variant: str) -> N
         video_start_token_id=ids[BEGIN_VIDEO], video_end_token_id=ids[END_VIDEO],
         tie_word_embeddings=False,
     )
-    torch.manual_seed(seed)
-    model = getattr(transformers, names.model_class)(config).eval()
+    model = random_model(getattr(transformers, names.model_class), config, shape, seed)
     model.generation_config = GenerationConfig(eos_token_id=eos_ids, pad_token_id=ids[ENDOFTEXT],
                                                do_sample=False)
     model.save_pretrained(out)

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from triton_vlm.errors import InvalidInput
-from triton_vlm.families.base import Family, MediaLayout, chat_template
+from triton_vlm.families.base import Family, MediaLayout, chat_template, random_model
 from triton_vlm.imaging import View, VisionSettings
 from triton_vlm.media import distinct_indices, video_facts
 from triton_vlm.mrope import MediaSpan
@@ -77,9 +77,8 @@ DEMO_SIZES: dict[str, dict[str, Any]] = {
 }
 
 
-def write_demo(out: Path, size: str, tokenizer, seed: int) -> None:
+def write_demo(out: Path, shape: dict[str, Any], tokenizer, seed: int) -> None:
     """Write a random-weight MiniCPM-V 4.6 checkpoint that transformers loads offline."""
-    import torch
     from transformers import (
         GenerationConfig,
         MiniCPMV4_6Config,
@@ -89,14 +88,13 @@ def write_demo(out: Path, size: str, tokenizer, seed: int) -> None:
         MiniCPMV4_6VideoProcessor,
     )
 
-    shape = DEMO_SIZES[size]
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     eos_ids = [ids[t] for t in MINICPMV4_6.eos_tokens]
     text = dict(shape["text"])
     mrope_section = text.pop("mrope_section")
     config = MiniCPMV4_6Config(
         text_config=dict(
-            vocab_size=len(tokenizer), max_position_embeddings=4096, rms_norm_eps=1e-6,
+            vocab_size=shape["model_vocab_size"], max_position_embeddings=4096, rms_norm_eps=1e-6,
             rope_parameters=dict(rope_type="default", rope_theta=10000000.0, mrope_section=mrope_section,
                                  mrope_interleaved=True, partial_rotary_factor=0.25),
             eos_token_id=eos_ids, pad_token_id=ids[ENDOFTEXT], tie_word_embeddings=False, **text),
@@ -104,8 +102,7 @@ def write_demo(out: Path, size: str, tokenizer, seed: int) -> None:
         insert_layer_id=shape["insert_layer_id"], image_size=shape["scale_resolution"],
         image_token_id=ids[IMAGE_TOKEN], video_token_id=ids[VIDEO_TOKEN], tie_word_embeddings=False,
     )
-    torch.manual_seed(seed)
-    model = MiniCPMV4_6ForConditionalGeneration(config).eval()
+    model = random_model(MiniCPMV4_6ForConditionalGeneration, config, shape, seed)
     model.generation_config = GenerationConfig(eos_token_id=eos_ids, pad_token_id=ids[ENDOFTEXT], do_sample=False)
     model.save_pretrained(out)
 

@@ -5,7 +5,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from triton_vlm.families.base import Family, chat_template, patch_encoder_dims
+from triton_vlm.families.base import Family, chat_template, patch_encoder_dims, random_model
 
 IMAGE_PAD, VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
 VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
@@ -37,9 +37,8 @@ DEMO_SIZES: dict[str, dict[str, Any]] = {
 }
 
 
-def write_demo(out: Path, size: str, tokenizer, seed: int) -> None:
+def write_demo(out: Path, shape: dict[str, Any], tokenizer, seed: int) -> None:
     """Write a random-weight Qwen2.5-VL checkpoint that transformers loads offline."""
-    import torch
     from transformers import (
         GenerationConfig,
         Qwen2_5_VLConfig,
@@ -49,14 +48,13 @@ def write_demo(out: Path, size: str, tokenizer, seed: int) -> None:
         Qwen2VLVideoProcessor,
     )
 
-    shape = DEMO_SIZES[size]
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN2_5_VL.special_tokens}
     eos_ids = [ids[t] for t in QWEN2_5_VL.eos_tokens]
     text = dict(shape["text"])
     mrope_section = text.pop("mrope_section")
     config = Qwen2_5_VLConfig(
         text_config=dict(
-            vocab_size=len(tokenizer), max_position_embeddings=4096, rms_norm_eps=1e-6,
+            vocab_size=shape["model_vocab_size"], max_position_embeddings=4096, rms_norm_eps=1e-6,
             rope_parameters=dict(rope_type="default", rope_theta=1000000.0, mrope_section=mrope_section),
             bos_token_id=ids["<|endoftext|>"], eos_token_id=eos_ids, pad_token_id=ids["<|endoftext|>"],
             tie_word_embeddings=False, **text),
@@ -67,8 +65,7 @@ def write_demo(out: Path, size: str, tokenizer, seed: int) -> None:
         vision_start_token_id=ids[VISION_START], vision_end_token_id=ids[VISION_END],
         tie_word_embeddings=False,
     )
-    torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    model = random_model(Qwen2_5_VLForConditionalGeneration, config, shape, seed)
     model.generation_config = GenerationConfig(
         bos_token_id=ids["<|endoftext|>"], eos_token_id=eos_ids, pad_token_id=ids["<|endoftext|>"],
         do_sample=False)

@@ -4,8 +4,8 @@ from triton_vlm.llm.engine import Engine
 from triton_vlm.llm.model import DecoderConfig, DecoderModel
 from triton_vlm.llm.output import GenerationOutput, IncrementalDetokenizer
 from triton_vlm.llm.runner import ModelRunner, prompt_logits
-from triton_vlm.llm.sampling import SamplingParams, make_generator, sample
+from triton_vlm.llm.sampling import NO_TOKEN, SamplingParams, make_generator, sample_batch
 from triton_vlm.llm.scheduler import Scheduler
 
 __all__ = ["BlockManager", "DecoderConfig", "DecoderModel", "Engine", "GenerationOutput", "IncrementalDetokenizer",
-           "ModelRunner", "SamplingParams", "Scheduler", "make_generator", "prompt_logits", "sample"]
+           "ModelRunner", "NO_TOKEN", "SamplingParams", "Scheduler", "make_generator", "prompt_logits", "sample_batch"]

@@ -29,7 +29,7 @@ from triton_vlm.llm.block_manager import BlockManager, block_keys
 from triton_vlm.llm.model import DecoderModel
 from triton_vlm.llm.output import GenerationOutput, IncrementalDetokenizer, OutputProcessor
 from triton_vlm.llm.runner import ModelRunner
-from triton_vlm.llm.sampling import SamplingParams, make_generator
+from triton_vlm.llm.sampling import NO_TOKEN, SamplingParams, make_generator
 from triton_vlm.llm.scheduler import Scheduler, SchedulerOutput
 from triton_vlm.llm.sequence import Sequence
 
@@ -189,7 +189,7 @@ class Engine:
         tail = ids[-_PROMPT_CONTEXT_TOKENS:].tolist()
         seq = Sequence(request_id=request_id, prompt_len=n, tokens=ids.tolist(), embeddings=emb,
                         emb_index=emb_index, positions=pos, delta=delta, params=params, emit=emit,
-                        is_cancelled=is_cancelled, generator=make_generator(params.seed),
+                        is_cancelled=is_cancelled, generator=make_generator(params.seed, self.runner.device),
                         detok=IncrementalDetokenizer(self.tokenizer, tail), keys=keys,
                         queued_since=self.clock())
         with self._lock:
@@ -289,6 +289,10 @@ class Engine:
                 self.output.finish(seq, "error", error=f"internal error: {type(e).__name__}")
             return
         for i, (seq, token) in enumerate(zip(sampling, tokens)):
+            if token == NO_TOKEN:
+                log.error("request %s: its logits are not finite, no token to sample", seq.request_id)
+                self.output.finish(seq, "error", error="internal error: non-finite logits")
+                continue
             try:
                 self.output.on_token(seq, token, logits[i] if self.return_logits else None)
             except Exception as e:

@@ -11,7 +11,7 @@ from triton_vlm.llm.attention import AttentionBackend, SeqRows, TorchAttention
 from triton_vlm.llm.linear_attention import RecurrentRows
 from triton_vlm.llm.model import DecoderModel, StepBatch
 from triton_vlm.llm.paged import KVCache, StateCache
-from triton_vlm.llm.sampling import sample
+from triton_vlm.llm.sampling import sample_batch
 from triton_vlm.llm.scheduler import ScheduledChunk
 
 
@@ -80,12 +80,12 @@ class ModelRunner:
         return self.model.forward(self.prepare(chunks), self.attention, self.states).float()
 
     def sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[int]:
-        """The next token of every chunk that samples, in order (one host copy)."""
+        """The next token of every chunk that samples, in order: one batched draw on the device, one
+        host copy (`NO_TOKEN` for a row whose logits are not finite)."""
         seqs = [c.seq for c in chunks if c.samples]
-        ids = [sample(row, s.params, s.generator,
-                      torch.tensor(s.tokens) if s.params.repetition_penalty != 1.0 else None)
-               for row, s in zip(logits, seqs)]
-        return ids
+        context = [torch.tensor(s.tokens, device=self.device) if s.params.repetition_penalty != 1.0 else None
+                   for s in seqs]
+        return sample_batch(logits, [s.params for s in seqs], [s.generator for s in seqs], context).tolist()
 
     def idle(self) -> None:
         """Nothing is running."""

@@ -1,16 +1,19 @@
-"""Sampling controls of a request and the token sampler (as Hugging Face `generate` samples).
+"""Sampling controls of a request and the batched token sampler (as Hugging Face `generate` samples).
 
-Order as in transformers: temperature, then top-k, then top-p filtering, then softmax and
-`torch.multinomial`. Each request owns a `torch.Generator` seeded from its `seed`, so the same seed
-gives the same tokens whatever else the engine runs.
+`sample_batch` draws one token per row of a [rows, vocab] logits batch on the logits' device, in
+transformers' order: repetition penalty, then (sampled rows) temperature, top-k, top-p, softmax and
+one `torch.multinomial` draw. Each request owns a `torch.Generator` seeded from its `seed`, and a row
+draws its noise from its own generator only, so the same seed gives the same tokens whatever else
+is in the batch.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from triton_vlm.errors import InvalidInput
 
@@ -111,8 +114,12 @@ class SamplingParams:
         return cls(**kwargs)
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    gen = torch.Generator(device="cpu")
+NO_TOKEN = -1  # `sample_batch`'s id for a row without a distribution (NaN scores or probabilities)
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A request's generator, on the device its logits will be on; seed None: a random seed."""
+    gen = torch.Generator(device=device)
     if seed is None:
         gen.seed()
     else:
@@ -120,30 +127,90 @@ def make_generator(seed: int | None) -> torch.Generator:
     return gen
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
-           context_ids: torch.Tensor | None = None) -> int:
-    """One token id from logits [vocab] (float32); `context_ids` (prompt and generated ids) feed the
-    repetition penalty, applied first as transformers' `RepetitionPenaltyLogitsProcessor` does."""
-    scores = logits.reshape(1, -1).float()
-    if params.repetition_penalty != 1.0 and context_ids is not None and context_ids.numel():
-        ids = context_ids.reshape(1, -1).long()
-        score = torch.gather(scores, 1, ids)
-        score = torch.where(score < 0, score * params.repetition_penalty, score / params.repetition_penalty)
-        scores = scores.scatter(1, ids, score)
-    if params.greedy:
-        return int(scores.argmax(dim=-1))
-    if params.temperature != 1.0:
-        scores = scores / params.temperature
-    if params.top_k:
-        k = min(params.top_k, scores.shape[-1])
-        kth = torch.topk(scores, k)[0][..., -1, None]
-        scores = scores.masked_fill(scores < kth, -float("inf"))
-    if params.top_p < 1.0:
-        sorted_logits, sorted_indices = torch.sort(scores, descending=False)
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        remove_sorted = cumulative <= (1 - params.top_p)
-        remove_sorted[..., -1:] = False
-        remove = remove_sorted.scatter(1, sorted_indices, remove_sorted)
-        scores = scores.masked_fill(remove, -float("inf"))
-    probs = scores.softmax(dim=-1)
-    return int(torch.multinomial(probs, num_samples=1, generator=generator)[0, 0])
+def _on(values: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host values as a tensor on `device`; through pinned memory to CUDA, so the copy does not wait
+    for the stream (a copy from pageable memory synchronizes it)."""
+    t = torch.as_tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _penalized(scores: torch.Tensor, params: Sequence[SamplingParams],
+               context_ids: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    """transformers' `RepetitionPenaltyLogitsProcessor` on the rows whose penalty is not 1: each row's
+    context ids (padded to the longest with id `vocab`, which lands in an extra column dropped after,
+    as transformers does with ids past the vocabulary) are gathered, penalized and scattered back."""
+    rows = [i for i, p in enumerate(params)
+            if p.repetition_penalty != 1.0 and context_ids[i] is not None and context_ids[i].numel()]
+    if not rows:
+        return scores
+    vocab, device = scores.shape[1], scores.device
+    ids = torch.nn.utils.rnn.pad_sequence([context_ids[i].reshape(-1).long().cpu() for i in rows],
+                                          batch_first=True, padding_value=vocab).clamp_(max=vocab)
+    ids = _on(ids, torch.long, device)
+    index = _on(rows, torch.long, device)
+    penalty = _on([params[i].repetition_penalty for i in rows], torch.float32, device)[:, None]
+    padded = F.pad(scores[index], (0, 1))
+    score = padded.gather(1, ids)
+    score = torch.where(score < 0, score * penalty, score / penalty)
+    return scores.index_copy(0, index, padded.scatter(1, ids, score)[:, :vocab])
+
+
+def _warped(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """transformers' `TemperatureLogitsWarper`, `TopKLogitsWarper` and `TopPLogitsWarper` (in that
+    order) with per-row values; a row whose value is "off" (temperature 1, top_k 0, top_p 1) is left
+    as transformers leaves it (dividing by 1 changes nothing).
+
+    Top-p sorts stably, so tied scores at the cut go by token id: transformers' unstable sort leaves
+    their order to the sort kernel, which differs between batch shapes. The cumulative sum runs in
+    float64, rounded to float32: on CPU that is exactly its float32 `cumsum` (which accumulates in
+    double); CUDA's scan kernels add in an order that depends on the batch shape, and the rounding
+    hides that order unless a sum lies within float64 error of a float32 rounding point."""
+    vocab, device = scores.shape[1], scores.device
+    scores = scores / _on([p.temperature for p in params], torch.float32, device)[:, None]
+    ks = [min(p.top_k, vocab) for p in params]
+    if any(ks):
+        k = _on(ks, torch.long, device)[:, None]
+        kth = torch.topk(scores, max(ks)).values.gather(1, (k - 1).clamp(min=0))
+        scores = scores.masked_fill(scores < kth.masked_fill(k == 0, -math.inf), -math.inf)
+    if any(p.top_p < 1.0 for p in params):
+        cut = _on([1 - p.top_p if p.top_p < 1.0 else -math.inf for p in params], torch.float32, device)[:, None]
+        sorted_scores, order = torch.sort(scores, stable=True)
+        cumulative = sorted_scores.softmax(dim=-1).double().cumsum(dim=-1).float()
+        remove = cumulative <= cut
+        remove[:, -1] = False
+        scores = scores.masked_fill(remove.scatter(1, order, remove), -math.inf)
+    return scores
+
+
+def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams],
+                 generators: Sequence[torch.Generator | None],
+                 context_ids: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    """One token id per row of `logits` [rows, vocab] (any float dtype, any device), as long [rows] on
+    that device. Row i samples with `params[i]` and `generators[i]` (None: the device's default);
+    `context_ids[i]` (prompt and generated ids, or None) feeds its repetition penalty.
+
+    Greedy rows (temperature 0) take the argmax of the penalized scores. The others draw as
+    `torch.multinomial(probs, 1)` does for one sample (ATen's fast path: argmax of probs / q with
+    q ~ Exp(1) from `empty_like(probs).exponential_(1, generator)`), each row's q from its own
+    generator: a row's token and its generator's state afterwards are those of
+    `torch.multinomial(probs_row[None], 1, generator=g)`. Where torch.multinomial would refuse
+    (probabilities with NaN: NaN, +inf or all -inf scores), and for a greedy row with a NaN score,
+    the id is `NO_TOKEN`."""
+    if logits.ndim != 2 or not len(params) == len(generators) == len(context_ids) == logits.shape[0]:
+        raise ValueError(f"logits {list(logits.shape)} with {len(params)} params, {len(generators)} generators, "
+                         f"{len(context_ids)} contexts")
+    scores = _penalized(logits.float(), params, context_ids)
+    tokens = scores.argmax(dim=-1)
+    invalid = scores.isnan().any(dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        index = _on(rows, torch.long, scores.device)
+        probs = _warped(scores[index], [params[i] for i in rows]).softmax(dim=-1)
+        q = torch.empty_like(probs)
+        for j, i in enumerate(rows):
+            q[j].exponential_(generator=generators[i])
+        tokens[index] = (probs / q).argmax(dim=-1)
+        invalid[index] = probs.isnan().any(dim=-1)
+    return tokens.masked_fill(invalid, NO_TOKEN)
