@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from triton_vlm.errors import InvalidInput, busy
+from triton_vlm.llm.device import dtype_name
 from triton_vlm.llm.model import Chunk, DecoderModel
 from triton_vlm.llm.paged import KVPool, block_keys
 from triton_vlm.llm.sampling import SamplingParams, make_generator, sample
@@ -136,18 +137,23 @@ class Engine:
     `queue_timeout_ms` (0: none) bounds the wait for a first place in the batch, timed by `clock`.
     `prefix_caching` is ignored (off) for decoders with a recurrent state (`prefix_caching` tells).
     On top of the pool, decode steps keep dense copies of the decoding sequences' K/V
-    (`pool.decode_cache`: at most half the pool's bytes, grown on demand, freed when nothing runs)."""
+    (`pool.decode_cache`: at most half the pool's bytes, grown on demand, freed when nothing runs).
+    `device` (cpu, cuda, cuda:N) and `dtype` (float32, bfloat16, float16) place the model loaded
+    here, the pool and every tensor of a step (a given `model` keeps its own); the KV pool is in the
+    model's dtype (`kv_bytes_per_token`). Sampling runs on CPU on float32 logits."""
 
     def __init__(self, checkpoint_dir: str | Path, *, max_running: int = 64, tokenizer=None,
                  model: DecoderModel | None = None, kv_cache_tokens: int | None = None,
                  kv_cache_bytes: int | None = None, block_size: int = 16, prefix_caching: bool = False,
                  max_num_tokens: int = 512, return_logits: bool = False, queue_timeout_ms: float = 0.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, device: str = "cpu",
+                 dtype: str | torch.dtype = "float32"):
         from tokenizers import Tokenizer
 
         self.checkpoint_dir = Path(checkpoint_dir)
-        self.model = model or DecoderModel.from_checkpoint(self.checkpoint_dir)
+        self.model = model or DecoderModel.from_checkpoint(self.checkpoint_dir, device=device, dtype=dtype)
         self.config = c = self.model.config
+        self.kv_bytes_per_token = c.kv_bytes_per_token(self.model.dtype)
         self.tokenizer = tokenizer or Tokenizer.from_file(str(self.checkpoint_dir / "tokenizer.json"))
         self.eos_token_ids = frozenset(self.config.eos_token_ids)
         self.context_length = self.config.max_position_embeddings
@@ -161,7 +167,7 @@ class Engine:
         if kv_cache_tokens:
             tokens = int(kv_cache_tokens)
         else:
-            tokens = int(kv_cache_bytes or DEFAULT_KV_CACHE_BYTES) // c.kv_bytes_per_token
+            tokens = int(kv_cache_bytes or DEFAULT_KV_CACHE_BYTES) // self.kv_bytes_per_token
         num_blocks = tokens // int(block_size)
         if num_blocks < 1:
             raise ValueError(f"KV pool of {tokens} tokens holds no block of {block_size}")
@@ -170,8 +176,11 @@ class Engine:
                      c.model_type)
         self.prefix_caching = bool(prefix_caching) and not c.recurrent
         self.pool = KVPool.for_model(c, num_blocks * int(block_size), block_size, self.prefix_caching,
-                                     state_slots=self.max_running)
+                                     state_slots=self.max_running, dtype=self.model.dtype, device=self.model.device)
         self.pool_tokens = num_blocks * int(block_size)
+        log.info("llm KV cache: %d blocks x %d tokens, %d bytes per token (%s on %s), %.1f MiB", num_blocks,
+                 block_size, self.kv_bytes_per_token, dtype_name(self.model.dtype), self.model.device,
+                 self.pool.nbytes / (1 << 20))
 
         self.num_running = 0
         self.num_waiting = 0
@@ -203,7 +212,7 @@ class Engine:
     @property
     def kv_cache_bytes(self) -> int:
         """Bytes of the pool held by live sequences."""
-        return self.pool.num_used * self.pool.block_size * self.config.kv_bytes_per_token
+        return self.pool.num_used * self.pool.block_size * self.kv_bytes_per_token
 
     # ---- public --------------------------------------------------------------------------------
     def submit(self, request_id: str, input_ids, embeddings, mrope_position_ids, mrope_position_delta,
@@ -259,6 +268,8 @@ class Engine:
             emb_index = torch.full((n,), -1, dtype=torch.long)
             emb_index[mask] = torch.arange(emb.shape[0])
         keys = block_keys(ids, pos, emb, mask, self.pool.block_size) if self.pool.prefix_caching else []
+        if emb is not None:  # keyed by the float32 rows above; cast once for the model
+            emb = emb.to(self.model.device, self.model.dtype)
 
         request_id = str(request_id)
         tail = ids[-_PROMPT_CONTEXT_TOKENS:].tolist()
@@ -419,7 +430,7 @@ class Engine:
 
     def _chunk(self, seq: _Sequence, start: int, end: int) -> Chunk:
         n = seq.prompt_len
-        ids = torch.tensor(seq.tokens[start:end], dtype=torch.long)
+        ids = torch.tensor(seq.tokens[start:end], dtype=torch.long, device=self.model.device)
         h = F.embedding(ids, self.model.embed_tokens)
         if start < n and seq.emb_index is not None:
             idx = seq.emb_index[start:min(end, n)]
@@ -439,7 +450,7 @@ class Engine:
     def _run(self, plan: list[tuple[_Sequence, int, int]]) -> None:
         try:
             chunks = [self._chunk(seq, start, end) for seq, start, end in plan]
-            logits = self.model.forward(chunks, self.pool)
+            logits = self.model.forward(chunks, self.pool).cpu()
         except Exception as e:
             log.exception("llm forward pass failed for %d requests", len(plan))
             for seq, _, _ in plan:

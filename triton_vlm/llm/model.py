@@ -1,4 +1,5 @@
-"""The decoders of the served VLMs with M-RoPE, float32 on CPU, read from a Hugging Face checkpoint.
+"""The decoders of the served VLMs with M-RoPE, read from a Hugging Face checkpoint, in float32,
+bfloat16 or float16 on CPU or CUDA.
 
 Follows transformers' text models closely enough that greedy tokens equal Hugging Face's:
 - Qwen2 (Qwen2.5-VL, `modeling_qwen2_5_vl`): RMSNorm, GQA attention with q/k/v biases, SwiGLU
@@ -15,6 +16,12 @@ runs (t.., h.., w..) or interleaved (t, h, w, t, h, w, ...: `mrope_interleaved`)
 
 Every size, token id, eos id, rope theta, `mrope_section` and `partial_rotary_factor` comes from
 the checkpoint's files.
+In bfloat16 / float16 the numerics are transformers' in that dtype (`from_pretrained(dtype=...)`):
+every weight is rounded to the dtype once, at load; RMSNorms compute in float32 and cast back where
+transformers' do (`_rms`); rotary angles, cos and sin are float32, cast to the dtype before they
+rotate; attention runs through SDPA in the dtype; the linear-attention layers keep transformers'
+float32 islands (`triton_vlm.llm.linear_attention`); logits come out of lm_head in the dtype and
+are returned as float32 (as `generate` takes them).
 The KV cache is paged (`triton_vlm.llm.paged.KVPool`): `forward` runs one flat batch of token rows
 from many sequences (prefill chunks and decode tokens together) through every linear layer at once,
 writes each row's K/V into its slot of the pool and attends per sequence through its block table;
@@ -34,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from triton_vlm.errors import InvalidInput
+from triton_vlm.llm.device import parse_device, parse_dtype
 from triton_vlm.llm.linear_attention import GatedDeltaNet, LinearAttentionConfig, RecurrentRows
 from triton_vlm.weights import read_safetensors
 
@@ -83,9 +91,9 @@ class DecoderConfig:
         a sequence, so prefix caching is off."""
         return len(self.kv_layers) < self.num_layers
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return 2 * len(self.kv_layers) * self.num_kv_heads * self.head_dim * 4  # float32 K and V
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """K and V of one token over the attention layers, in the KV pool's dtype (the model's)."""
+        return 2 * len(self.kv_layers) * self.num_kv_heads * self.head_dim * dtype.itemsize
 
     @classmethod
     def from_checkpoint(cls, checkpoint_dir: str | Path) -> "DecoderConfig":
@@ -171,8 +179,15 @@ class Chunk:
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    variance = x.pow(2).mean(-1, keepdim=True)
-    return weight * (x * torch.rsqrt(variance + eps))
+    """RMSNorm as transformers computes it in any dtype: the variance and the normalization in
+    float32. A weight in x's dtype scales after the cast back (Qwen2RMSNorm, Glm4vRMSNorm: `weight *
+    x.to(dtype)`); a float32 weight before it (Qwen3_5RMSNorm: `(x * (1 + weight.float())).to(dtype)`,
+    see `SwiGLULayer.norm_weight`). In float32 both are the same."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype == torch.float32:
+        return (normed * weight).to(x.dtype)
+    return weight * normed.to(x.dtype)
 
 
 # ---- rotary -------------------------------------------------------------------------------------
@@ -210,9 +225,12 @@ class Rotary:
     `positions[axis[i]] * inv_freq[i]`, and `x * cos + partners(x) * sin` (sign folded into `sin`)
     is exactly transformers' `x * cos + rotate_half(x) * sin`. Interleaved M-RoPE (Qwen3.5's
     `recomposition_frequencies`): frequency j turns by the height axis if j % 3 == 1 and
-    j < 3 * section[1], by the width axis if j % 3 == 2 and j < 3 * section[2], else by time."""
+    j < 3 * section[1], by the width axis if j % 3 == 2 and j < 3 * section[2], else by time.
+    As in transformers, angles, cos and sin are float32 whatever the model's dtype; cos and sin are
+    cast to `dtype` before they rotate q and k (in `dtype`)."""
 
-    def __init__(self, config: DecoderConfig, pairing: type):
+    def __init__(self, config: DecoderConfig, pairing: type, device: torch.device = torch.device("cpu"),
+                 dtype: torch.dtype = torch.float32):
         r = self.rotary_dim = config.rotary_dim
         sign, freq = pairing.tables(r)
         section = config.mrope_section
@@ -223,14 +241,15 @@ class Rotary:
         else:
             axis_of_freq = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(section)])
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float) / r))
-        self.axis, self.inv_freq, self.sign = axis_of_freq[freq], inv_freq[freq], sign
+        self.axis, self.inv_freq, self.sign = (t.to(device) for t in (axis_of_freq[freq], inv_freq[freq], sign))
+        self.dtype = dtype
         self.partners = pairing.partners
         self.partial = r < config.head_dim
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [n, rotary_dim] for 3-D positions [3, n]."""
-        angles = positions[self.axis].t().float() * self.inv_freq
-        return angles.cos(), angles.sin() * self.sign
+        """cos, sin [n, rotary_dim] in the model's dtype for 3-D positions [3, n] (on any device)."""
+        angles = positions.to(self.axis.device)[self.axis].t().float() * self.inv_freq
+        return angles.cos().to(self.dtype), (angles.sin() * self.sign).to(self.dtype)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, heads, head_dim] rotated; cos, sin [T, 1, rotary_dim]."""
@@ -257,8 +276,12 @@ class SwiGLULayer:
         self.w_gate_up = self.gate_up_weight(w)
         self.w_down = w("mlp.down_proj.weight")
 
-    def norm_weight(self, weight: torch.Tensor) -> torch.Tensor:
-        return weight + self.norm_offset if self.norm_offset else weight
+    @classmethod
+    def norm_weight(cls, weight: torch.Tensor) -> torch.Tensor:
+        """An RMSNorm's weight as `_rms` takes it. Offset norms (Qwen3.5's `1 + weight`) keep it in
+        float32, as transformers adds the offset to the upcast weight and scales before casting
+        back; plain ones keep it in the model's dtype, scaling after the cast."""
+        return weight.float() + cls.norm_offset if cls.norm_offset else weight
 
     @staticmethod
     def gate_up_weight(w: Callable[[str], torch.Tensor]) -> torch.Tensor:
@@ -396,37 +419,46 @@ def decoder_spec(model_type: str) -> DecoderSpec:
 
 
 class DecoderModel:
-    """The language model of a VLM checkpoint. Not thread-safe: one caller at a time."""
+    """The language model of a VLM checkpoint, on `device` (cpu, cuda, cuda:N) in `dtype` (float32,
+    bfloat16, float16: every weight converted once, here, as transformers loads every parameter in
+    the model's dtype). Not thread-safe: one caller at a time."""
 
-    def __init__(self, config: DecoderConfig, weights: dict[str, torch.Tensor]):
+    def __init__(self, config: DecoderConfig, weights: dict[str, torch.Tensor], *,
+                 device: str | torch.device = "cpu", dtype: str | torch.dtype = torch.float32):
         self.config = c = config
+        self.device, self.dtype = parse_device(device), parse_dtype(dtype)
         spec = decoder_spec(c.model_type)
         prefix = next((p for p in _DECODER_PREFIXES if p + "embed_tokens.weight" in weights), None)
         if prefix is None:
             raise ValueError("checkpoint has no embed_tokens.weight for the language model")
 
+        def convert(t: torch.Tensor) -> torch.Tensor:
+            return t.to(self.device, self.dtype).contiguous()
+
         def w(name: str) -> torch.Tensor:
-            return weights[prefix + name].contiguous()
+            return convert(weights[prefix + name])
 
         self.embed_tokens = w("embed_tokens.weight")
-        self.norm = w("norm.weight") + spec.layer.norm_offset
+        self.norm = spec.layer.norm_weight(w("norm.weight"))
         head = next((weights[k] for k in _LM_HEAD_KEYS if k in weights), None)
-        self.lm_head = self.embed_tokens if (c.tie_word_embeddings or head is None) else head.contiguous()
+        self.lm_head = self.embed_tokens if (c.tie_word_embeddings or head is None) else convert(head)
         self.layers = []
         self.layer_index: list[int] = []  # per layer: its K/V index in the pool, or its StatePool index
         for i, kind in enumerate(c.layer_types):
             cls = spec.linear_layer if kind == "linear_attention" else spec.layer
             self.layers.append(cls(lambda name, i=i: w(f"layers.{i}.{name}"), c))
             self.layer_index.append(sum(1 for t in c.layer_types[:i] if t == kind))
-        self.rotary = Rotary(c, spec.rotary_pairing)
+        self.rotary = Rotary(c, spec.rotary_pairing, self.device, self.dtype)
 
     @classmethod
-    def from_checkpoint(cls, checkpoint_dir: str | Path) -> "DecoderModel":
+    def from_checkpoint(cls, checkpoint_dir: str | Path, *, device: str | torch.device = "cpu",
+                        dtype: str | torch.dtype = torch.float32) -> "DecoderModel":
         root = Path(checkpoint_dir)
         config = DecoderConfig.from_checkpoint(root)
         weights = read_safetensors(root, lambda k: None if ("visual" in k or "vision" in k or k.startswith("mlp1")
-                                                            or k.startswith("model.merger.")) else k)
-        return cls(config, weights)
+                                                            or k.startswith("model.merger.")) else k,
+                                   dtype=parse_dtype(dtype))
+        return cls(config, weights, device=device, dtype=dtype)
 
     # ---- inputs --------------------------------------------------------------------------------
     def placeholder_mask(self, ids: torch.Tensor) -> torch.Tensor:
@@ -456,9 +488,9 @@ class DecoderModel:
         """Token embeddings with the image/video placeholder rows replaced by `embeddings` in order."""
         ids = input_ids.reshape(-1).long()
         mask, embeddings = self.placeholder_rows(ids, embeddings)
-        h = F.embedding(ids, self.embed_tokens)
+        h = F.embedding(ids.to(self.device), self.embed_tokens)
         if embeddings is not None:
-            h[mask] = embeddings.to(h.dtype)
+            h[mask.to(h.device)] = embeddings.to(h.device, h.dtype)
         return h
 
     # ---- the batched pass ----------------------------------------------------------------------
@@ -492,24 +524,24 @@ class DecoderModel:
             order = [0] * B
             for j, r in enumerate(cache_rows):
                 order[r] = j
-            tok_rows = torch.tensor([offsets[dec[j]] for j in order])
-            buf_pos = torch.tensor([chunks[dec[j]].start for j in order])
-            buf_idx = torch.arange(B)
+            tok_rows = torch.tensor([offsets[dec[j]] for j in order], device=self.device)
+            buf_pos = torch.tensor([chunks[dec[j]].start for j in order], device=self.device)
+            buf_idx = torch.arange(B, device=self.device)
             lmax = int(buf_pos.max()) + 1
-            dec_mask = (torch.arange(lmax)[None, :] <= buf_pos[:, None])[:, None, None, :]
+            dec_mask = (torch.arange(lmax, device=self.device)[None, :] <= buf_pos[:, None])[:, None, None, :]
         elif dec:
-            dec_rows = torch.tensor([offsets[i] for i in dec])
-            lengths = torch.tensor([chunks[i].slots.numel() for i in dec])
+            dec_rows = torch.tensor([offsets[i] for i in dec], device=self.device)
+            lengths = torch.tensor([chunks[i].slots.numel() for i in dec], device=self.device)
             # gather whole blocks (block tables from the slots), not single slots: bs x fewer indices
             bs = pool.block_size
             nb = -(-int(lengths.max()) // bs)
             lmax = nb * bs
-            dec_blocks = torch.zeros(len(dec), nb, dtype=torch.long)
+            dec_blocks = torch.zeros(len(dec), nb, dtype=torch.long, device=self.device)
             for j, i in enumerate(dec):
                 table = chunks[i].slots[::bs] // bs
                 dec_blocks[j, :table.numel()] = table
             dec_blocks = dec_blocks.reshape(-1)
-            dec_mask = (torch.arange(lmax)[None, :] < lengths[:, None])[:, None, None, :]
+            dec_mask = (torch.arange(lmax, device=self.device)[None, :] < lengths[:, None])[:, None, None, :]
             kv_shape = (pool.num_blocks, bs, c.num_kv_heads, c.head_dim)
         rows = None
         if c.recurrent:  # each sequence's linear-attention rows run from its own state slot
@@ -519,15 +551,16 @@ class DecoderModel:
             for ch in chunks:
                 if ch.start == 0:
                     states.reset(ch.state)
-            rows = RecurrentRows(torch.tensor([offsets[i] for i in dec], dtype=torch.long),
-                                 torch.tensor([chunks[i].state for i in dec], dtype=torch.long),
+            rows = RecurrentRows(torch.tensor([offsets[i] for i in dec], dtype=torch.long, device=self.device),
+                                 torch.tensor([chunks[i].state for i in dec], dtype=torch.long, device=self.device),
                                  [(offsets[i], chunks[i].h.shape[0], chunks[i].state) for i in pre])
         pre_masks = {}
         for i in pre:
             ch = chunks[i]
             n, L = ch.h.shape[0], ch.slots.numel()
             if ch.start:
-                pre_masks[i] = torch.arange(L)[None, :] <= (ch.start + torch.arange(n))[:, None]
+                pre_masks[i] = (torch.arange(L, device=self.device)[None, :]
+                                <= (ch.start + torch.arange(n, device=self.device))[:, None])
         scale = c.head_dim ** -0.5
         gqa = c.num_kv_heads != c.num_heads
         for layer, li in zip(self.layers, self.layer_index):
@@ -539,7 +572,7 @@ class DecoderModel:
             kp, vp = pool.k[li], pool.v[li]
             kp.index_copy_(0, new_slots, k)
             vp.index_copy_(0, new_slots, v)
-            attn = torch.empty(T, c.num_heads, c.head_dim)
+            attn = torch.empty(T, c.num_heads, c.head_dim, dtype=h.dtype, device=self.device)
             if cache_rows is not None:
                 kb, vb = cache.k[li], cache.v[li]
                 kb[buf_idx, :, buf_pos] = k.index_select(0, tok_rows)
@@ -572,10 +605,10 @@ class DecoderModel:
         if cache_rows is not None:
             cache.advance(cache_rows)
         last = torch.tensor([offsets[i] + ch.h.shape[0] - 1 for i, ch in enumerate(chunks) if ch.want_logits],
-                            dtype=torch.long)
+                            dtype=torch.long, device=self.device)
         if last.numel() == 0:
-            return torch.empty(0, c.vocab_size)
-        return F.linear(_rms(h.index_select(0, last), self.norm, c.rms_norm_eps), self.lm_head)
+            return torch.empty(0, c.vocab_size, device=self.device)
+        return F.linear(_rms(h.index_select(0, last), self.norm, c.rms_norm_eps), self.lm_head).float()
 
     def prompt_logits(self, input_ids: torch.Tensor, embeddings: torch.Tensor | None,
                       positions: torch.Tensor) -> torch.Tensor:
@@ -587,5 +620,6 @@ class DecoderModel:
         positions = torch.as_tensor(positions).long().reshape(3, -1)
         if positions.shape[1] != n:
             raise InvalidInput(f"mrope_position_ids: shape [3, {positions.shape[1]}], expected [3, {n}]")
-        pool = KVPool.for_model(self.config, num_tokens=n, block_size=16)
-        return self.forward([Chunk(h, positions, 0, torch.arange(n), state=pool.states.allocate())], pool)[0]
+        pool = KVPool.for_model(self.config, num_tokens=n, block_size=16, dtype=self.dtype, device=self.device)
+        return self.forward([Chunk(h, positions, 0, torch.arange(n, device=self.device), state=pool.states.allocate())],
+                            pool)[0]

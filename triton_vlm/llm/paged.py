@@ -1,7 +1,8 @@
 """The paged KV cache: one preallocated pool of fixed-size blocks, reference-counted, with prefix caching.
 
-K and V of every layer live in `k` / `v` [layers, blocks * block_size, kv_heads, head_dim]; a token's
-slot is `block * block_size + offset`. A sequence owns a block table (a list of block ids); blocks go
+K and V of every layer live in `k` / `v` [layers, blocks * block_size, kv_heads, head_dim], in the
+model's dtype on its device (slot tensors are on that device too); a token's slot is
+`block * block_size + offset`. A sequence owns a block table (a list of block ids); blocks go
 back to the pool the moment it ends, is cancelled, fails or is preempted.
 
 Prefix caching: a full block of prompt tokens gets a key chained from the previous block's key and
@@ -23,18 +24,21 @@ from collections import OrderedDict, deque
 
 import torch
 
+from triton_vlm.llm.linear_attention import STATE_DTYPE
+
 
 class KVPool:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
                  prefix_caching: bool = False, dtype: torch.dtype = torch.float32,
-                 decode_cache_bytes: int | None = None, states: "StatePool | None" = None):
+                 decode_cache_bytes: int | None = None, states: "StatePool | None" = None,
+                 device: str | torch.device = "cpu"):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"KV pool needs >= 1 block of >= 1 token, got {num_blocks} x {block_size}")
         self.num_blocks, self.block_size = int(num_blocks), int(block_size)
         self.prefix_caching = bool(prefix_caching)
         shape = (num_layers, self.num_blocks * self.block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype)
-        self.v = torch.zeros(shape, dtype=dtype)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.nbytes = 2 * self.k.numel() * self.k.element_size()
         self._free: deque[int] = deque(range(self.num_blocks))  # never keyed, or key dropped
         self._ref = [0] * self.num_blocks
@@ -48,12 +52,13 @@ class KVPool:
 
     @classmethod
     def for_model(cls, config, num_tokens: int, block_size: int, prefix_caching: bool = False,
-                  state_slots: int = 1) -> "KVPool":
-        """K/V for the config's attention layers only; a StatePool of up to `state_slots` sequences
-        for its linear-attention layers (with no layers when it has none)."""
+                  state_slots: int = 1, dtype: torch.dtype = torch.float32,
+                  device: str | torch.device = "cpu") -> "KVPool":
+        """K/V for the config's attention layers only, in the model's dtype; a StatePool of up to
+        `state_slots` sequences for its linear-attention layers (with no layers when it has none)."""
         blocks = -(-int(num_tokens) // int(block_size))
         return cls(len(config.kv_layers), config.num_kv_heads, config.head_dim, blocks, block_size, prefix_caching,
-                   states=StatePool.for_model(config, state_slots))
+                   dtype=dtype, states=StatePool.for_model(config, state_slots, dtype, device), device=device)
 
     # ---- counts --------------------------------------------------------------------------------
     @property
@@ -122,8 +127,8 @@ class KVPool:
     def slots(self, blocks: list[int], num_tokens: int) -> torch.Tensor:
         """Slot of every token 0 .. num_tokens-1 of a sequence with this block table."""
         bs = self.block_size
-        table = torch.tensor(blocks[:self.blocks_for(num_tokens)], dtype=torch.long)
-        return (table[:, None] * bs + torch.arange(bs)[None, :]).reshape(-1)[:num_tokens]
+        table = torch.tensor(blocks[:self.blocks_for(num_tokens)], dtype=torch.long, device=self.k.device)
+        return (table[:, None] * bs + torch.arange(bs, device=self.k.device)[None, :]).reshape(-1)[:num_tokens]
 
 
 def block_keys(input_ids: torch.Tensor, positions: torch.Tensor, embeddings: torch.Tensor | None,
@@ -213,7 +218,8 @@ class DecodeCache:
             p = self.pool
             shape = (p.k.shape[0], new_rows, p.k.shape[2], new_len, p.k.shape[3])
             # zeros, not empty: SDPA multiplies the masked-out tail by 0 weights, and 0 * NaN is NaN
-            k, v = torch.zeros(shape, dtype=p.k.dtype), torch.zeros(shape, dtype=p.v.dtype)
+            k, v = (torch.zeros(shape, dtype=p.k.dtype, device=p.k.device),
+                    torch.zeros(shape, dtype=p.v.dtype, device=p.v.device))
             if self.keys:
                 n, m = len(self.keys), max(self.lengths)
                 k[:, :n, :, :m] = self.k[:, :n, :, :m]
@@ -246,23 +252,27 @@ class StatePool:
     `recurrent` [layers, slots, v_heads, k_head_dim, v_head_dim] (the delta-rule state).
     A sequence takes a slot when it starts running and gives it back when it ends or is preempted
     (then it is recomputed from its prompt); the model zeroes a slot when a sequence starts at token 0.
-    The buffers grow (doubling) as more sequences run at once, up to `max_slots`."""
+    The buffers grow (doubling) as more sequences run at once, up to `max_slots`.
+    `conv` is in the model's dtype (`dtype`), `recurrent` in float32 whatever it is, as transformers
+    keeps them (`triton_vlm.llm.linear_attention.STATE_DTYPE`)."""
 
     def __init__(self, num_layers: int, max_slots: int, conv_shape: tuple[int, ...],
-                 recurrent_shape: tuple[int, ...], dtype: torch.dtype = torch.float32):
+                 recurrent_shape: tuple[int, ...], dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu"):
         self.max_slots = max(1, int(max_slots))
-        self.conv = torch.zeros((num_layers, 0, *conv_shape), dtype=dtype)
-        self.recurrent = torch.zeros((num_layers, 0, *recurrent_shape), dtype=dtype)
+        self.conv = torch.zeros((num_layers, 0, *conv_shape), dtype=dtype, device=device)
+        self.recurrent = torch.zeros((num_layers, 0, *recurrent_shape), dtype=STATE_DTYPE, device=device)
         self._free: deque[int] = deque()
         self._used: set[int] = set()
 
     @classmethod
-    def for_model(cls, config, max_slots: int) -> "StatePool":
+    def for_model(cls, config, max_slots: int, dtype: torch.dtype = torch.float32,
+                  device: str | torch.device = "cpu") -> "StatePool":
         lin = config.linear_attention
         if lin is None:
-            return cls(0, max_slots, (0,), (0,))
+            return cls(0, max_slots, (0,), (0,), dtype, device)
         return cls(len(config.layer_types) - len(config.kv_layers), max_slots, lin.conv_state_shape,
-                   lin.recurrent_state_shape)
+                   lin.recurrent_state_shape, dtype, device)
 
     @property
     def capacity(self) -> int:
@@ -278,7 +288,8 @@ class StatePool:
             new = min(self.max_slots, max(1, 2 * old))
             if new == old:
                 raise RuntimeError(f"all {self.max_slots} recurrent-state slots are in use")
-            grown = [torch.zeros((t.shape[0], new, *t.shape[2:]), dtype=t.dtype) for t in (self.conv, self.recurrent)]
+            grown = [torch.zeros((t.shape[0], new, *t.shape[2:]), dtype=t.dtype, device=t.device)
+                     for t in (self.conv, self.recurrent)]
             grown[0][:, :old], grown[1][:, :old] = self.conv, self.recurrent
             self.conv, self.recurrent = grown
             self._free.extend(range(old, new))
