@@ -1,8 +1,7 @@
 """The paged KV cache: one preallocated pool of fixed-size blocks, reference-counted, with prefix caching.
 
-K and V of every layer live in `k` / `v` [layers, blocks * block_size, kv_heads, head_dim], in the
-model's dtype on its device (slot tensors are on that device too); a token's slot is
-`block * block_size + offset`. A sequence owns a block table (a list of block ids); blocks go
+K and V of every layer live in `k` / `v` [layers, blocks * block_size, kv_heads, head_dim]; a token's
+slot is `block * block_size + offset`. A sequence owns a block table (a list of block ids); blocks go
 back to the pool the moment it ends, is cancelled, fails or is preempted.
 
 Prefix caching: a full block of prompt tokens gets a key chained from the previous block's key and
@@ -125,7 +124,7 @@ class KVPool:
             self._key[block] = key
 
     def slots(self, blocks: list[int], num_tokens: int) -> torch.Tensor:
-        """Slot of every token 0 .. num_tokens-1 of a sequence with this block table."""
+        """Slot of every token 0 .. num_tokens-1 of a sequence with this block table (on the pool's device)."""
         bs = self.block_size
         table = torch.tensor(blocks[:self.blocks_for(num_tokens)], dtype=torch.long, device=self.k.device)
         return (table[:, None] * bs + torch.arange(bs, device=self.k.device)[None, :]).reshape(-1)[:num_tokens]
