@@ -99,3 +99,33 @@ def test_demo_checkpoint_small_loads_offline_in_transformers(family, tmp_path):
     assert model.config.model_type == FAMILIES[family].model_types[0]
     assert processor.tokenizer.convert_tokens_to_ids(FAMILIES[family].named_special_tokens["image_token"]) \
         == model.config.image_token_id
+
+
+def test_llm_device_and_dtype_are_build_options(tiny_checkpoint, tmp_path):
+    """`--llm-device` / `--llm-dtype` reach the llm's config parameters (LLMModel passes them to the
+    Engine); an empty dtype follows the device; a bad value is refused by the llm's own parser
+    before anything is written."""
+    import json
+
+    from triton_vlm.cli import build_options, parser
+    from triton_vlm.repository import BuildOptions, build_repository, model_configs
+
+    family, config = detect_family(tiny_checkpoint), json.loads((tiny_checkpoint / "config.json").read_text())
+
+    def llm_params(*flags: str) -> dict[str, str]:
+        args = parser().parse_args(["build", "--checkpoint", "c", "--repo", "r", *flags])
+        params = model_configs(family, config, build_options(args))["llm"].parameters
+        return {k: params[k].string_value for k in ("device", "dtype")}
+
+    assert build_options(parser().parse_args(["build", "--checkpoint", "c", "--repo", "r", "--llm-device", "cuda:1",
+                                              "--llm-dtype", "float16"])) \
+        == BuildOptions(llm_device="cuda:1", llm_dtype="float16")
+    assert llm_params() == {"device": "cpu", "dtype": "float32"}
+    assert llm_params("--llm-dtype", "bfloat16") == {"device": "cpu", "dtype": "bfloat16"}
+    assert llm_params("--llm-device", "cuda") == {"device": "cuda", "dtype": "bfloat16"}
+    assert llm_params("--llm-device", "cuda:1", "--llm-dtype", "float16") == {"device": "cuda:1", "dtype": "float16"}
+    for options, message in ((BuildOptions(llm_device="gpu"), "llm device 'gpu': expected cpu, cuda or cuda:N"),
+                             (BuildOptions(llm_dtype="fp16"), "llm dtype 'fp16': expected float32, bfloat16, float16")):
+        with pytest.raises(ValueError, match=message):
+            build_repository(tiny_checkpoint, tmp_path / "repository", options)
+        assert not (tmp_path / "repository").exists()

@@ -38,13 +38,14 @@ PROMPTS = {
 MAX_TOKENS = 16
 
 
-@pytest.fixture(scope="module")
-def hf(tmp_path_factory) -> Oracle:
+def perturbed_checkpoint(out):
+    """The tiny demo checkpoint with its language model's norm weights and dt_bias perturbed and its
+    other weights scaled (see the module docstring), saved again."""
     from transformers import AutoModelForImageTextToText
 
     from triton_vlm.checkpoint import write_demo_checkpoint
 
-    ckpt = write_demo_checkpoint("minicpmv4_6", tmp_path_factory.mktemp("minicpmv4_6-tiny"), "tiny")
+    ckpt = write_demo_checkpoint("minicpmv4_6", out, "tiny")
     model = AutoModelForImageTextToText.from_pretrained(ckpt)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -54,7 +55,12 @@ def hf(tmp_path_factory) -> Oracle:
             elif "language_model" in name or name.startswith("lm_head"):
                 p.mul_(4.0)
     model.save_pretrained(ckpt)
-    return Oracle(ckpt)
+    return ckpt
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory) -> Oracle:
+    return Oracle(perturbed_checkpoint(tmp_path_factory.mktemp("minicpmv4_6-tiny")))
 
 
 @pytest.fixture(scope="module")

@@ -59,6 +59,10 @@ class BuildOptions:
     prefix_caching: bool = True
     llm_max_running: int = 64
     llm_max_num_tokens: int = 512
+    # llm: where the decoder runs (cpu | cuda | cuda:N) and in which dtype (float32 | bfloat16 |
+    # float16; empty: float32 on cpu, bfloat16 on cuda). The KV cache is in that dtype.
+    llm_device: str = "cpu"
+    llm_dtype: str = ""
     max_inflight_requests: int = 64     # `ensemble`: requests beyond this are refused at once (UNAVAILABLE)
     # Triton's queues of preprocess, vision_encoder and vision_encoder_batch: a request finding
     # max_queue_size waiting is refused at once, one that waited queue_timeout_ms is refused
@@ -210,7 +214,7 @@ def model_configs(family: Family, checkpoint_config: dict, options: BuildOptions
     llm_params = {**common, "kv_block_size": str(options.kv_block_size),
                   "prefix_caching": str(options.prefix_caching).lower(), "max_running": str(options.llm_max_running),
                   "max_num_tokens": str(options.llm_max_num_tokens),
-                  "queue_timeout_ms": str(options.llm_queue_timeout_ms)}
+                  "queue_timeout_ms": str(options.llm_queue_timeout_ms), **llm_placement(options)}
     if options.kv_cache_tokens:
         llm_params["kv_cache_tokens"] = str(options.kv_cache_tokens)
     if options.kv_cache_bytes:
@@ -221,6 +225,16 @@ def model_configs(family: Family, checkpoint_config: dict, options: BuildOptions
     llm = _python_model("llm", llm_inputs + (STOP_INPUT,), GENERATION_OUTPUTS, 1, llm_params, decoupled=True)
     ensemble = _pipeline([preprocess, encoder, llm], options)
     return {c.name: c for c in (preprocess, encoder, encoder_batch, llm, ensemble)}
+
+
+def llm_placement(options: BuildOptions) -> dict[str, str]:
+    """The `llm` model's `device` and `dtype` parameters, checked by the llm's own parser (ValueError
+    naming what is accepted); an empty `llm_dtype` is float32 on cpu, bfloat16 on cuda."""
+    from triton_vlm.llm.device import default_dtype, dtype_name, parse_device, parse_dtype
+
+    device = parse_device(options.llm_device)
+    dtype = parse_dtype(options.llm_dtype) if options.llm_dtype else default_dtype(device)
+    return {"device": str(device), "dtype": dtype_name(dtype)}
 
 
 def write_config(config: mc.ModelConfig, path: Path) -> None:

@@ -409,7 +409,8 @@ class LLMModel:
             if params.get(key):
                 options["block_size" if key == "kv_block_size" else key] = kind(params[key])
         options["prefix_caching"] = params.get("prefix_caching", "false").lower() == "true"
-        self.engine = Engine(version_dir / params["checkpoint"], **options)
+        self.engine = Engine(version_dir / params["checkpoint"], device=params.get("device", "cpu"),
+                             dtype=params.get("dtype", "float32"), **options)
         self._next_id = 0
         self._lock = threading.Lock()
         labels = {"model": args["model_name"], "version": args["model_version"]}
@@ -421,6 +422,9 @@ class LLMModel:
                                               "(running, waiting)", kind=pb_utils.MetricFamily.GAUGE),
             "tokens": pb_utils.MetricFamily(name="triton_vlm_llm_generated_tokens", description="tokens generated "
                                             "by the llm", kind=pb_utils.MetricFamily.COUNTER),
+            "token_bytes": pb_utils.MetricFamily(name="triton_vlm_llm_kv_bytes_per_token", description="KV cache "
+                                                 "bytes per token (K and V of every attention layer, in the llm's "
+                                                 "dtype)", kind=pb_utils.MetricFamily.GAUGE),
         }
         self._metrics = {
             "used": self._families["blocks"].Metric(labels={**labels, "state": "used"}),
@@ -428,7 +432,9 @@ class LLMModel:
             "running": self._families["requests"].Metric(labels={**labels, "state": "running"}),
             "waiting": self._families["requests"].Metric(labels={**labels, "state": "waiting"}),
             "tokens": self._families["tokens"].Metric(labels=labels),
+            "token_bytes": self._families["token_bytes"].Metric(labels=labels),
         }
+        self._metrics["token_bytes"].set(self.engine.kv_bytes_per_token)
         self._counted_tokens = 0
         self._metrics_stop = threading.Event()
         self._metrics_thread = threading.Thread(target=self._publish_metrics, name="llm-metrics", daemon=True)

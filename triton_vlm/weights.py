@@ -8,8 +8,9 @@ from typing import Callable
 import torch
 
 
-def read_safetensors(checkpoint_dir: str | Path, rename: Callable[[str], str | None]) -> dict[str, torch.Tensor]:
-    """Float32 tensors under the names `rename` gives; a key it maps to None is not read at all."""
+def read_safetensors(checkpoint_dir: str | Path, rename: Callable[[str], str | None],
+                     dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Tensors in `dtype` under the names `rename` gives; a key it maps to None is not read at all."""
     from safetensors import safe_open
 
     root = Path(checkpoint_dir)
@@ -26,5 +27,5 @@ def read_safetensors(checkpoint_dir: str | Path, rename: Callable[[str], str | N
             for key in f.keys():
                 new_name = rename(key)
                 if new_name is not None:
-                    tensors[new_name] = f.get_tensor(key).to(torch.float32)
+                    tensors[new_name] = f.get_tensor(key).to(dtype)
     return tensors

@@ -26,6 +26,7 @@ import torch
 
 from triton_vlm.errors import InvalidInput, busy
 from triton_vlm.llm.block_manager import BlockManager, block_keys
+from triton_vlm.llm.device import dtype_name
 from triton_vlm.llm.model import DecoderModel
 from triton_vlm.llm.output import GenerationOutput, IncrementalDetokenizer, OutputProcessor
 from triton_vlm.llm.runner import ModelRunner
@@ -56,18 +57,23 @@ class Engine:
     KV cache size: `kv_cache_tokens`, else `kv_cache_bytes` (default 256 MiB), rounded down to blocks.
     `queue_timeout_ms` (0: none) bounds the wait for a first place in the batch, timed by `clock`.
     `prefix_caching` is ignored (off) for decoders with a recurrent state (`prefix_caching` tells).
-    `decode_cache_bytes`: see `ModelRunner`."""
+    `decode_cache_bytes`: see `ModelRunner`.
+    `device` (cpu, cuda, cuda:N) and `dtype` (float32, bfloat16, float16) place the model loaded
+    here, the KV cache and every tensor of a step (a given `model` keeps its own); the KV cache is in
+    the model's dtype (`kv_bytes_per_token`)."""
 
     def __init__(self, checkpoint_dir: str | Path, *, max_running: int = 64, tokenizer=None,
                  model: DecoderModel | None = None, kv_cache_tokens: int | None = None,
                  kv_cache_bytes: int | None = None, block_size: int = 16, prefix_caching: bool = False,
                  max_num_tokens: int = 512, return_logits: bool = False, queue_timeout_ms: float = 0.0,
-                 clock: Callable[[], float] = time.monotonic, decode_cache_bytes: int | None = None):
+                 clock: Callable[[], float] = time.monotonic, decode_cache_bytes: int | None = None,
+                 device: str = "cpu", dtype: str | torch.dtype = "float32"):
         from tokenizers import Tokenizer
 
         self.checkpoint_dir = Path(checkpoint_dir)
-        self.model = model or DecoderModel.from_checkpoint(self.checkpoint_dir)
+        self.model = model or DecoderModel.from_checkpoint(self.checkpoint_dir, device=device, dtype=dtype)
         self.config = c = self.model.config
+        self.kv_bytes_per_token = c.kv_bytes_per_token(self.model.dtype)
         self.tokenizer = tokenizer or Tokenizer.from_file(str(self.checkpoint_dir / "tokenizer.json"))
         self.eos_token_ids = frozenset(self.config.eos_token_ids)
         self.context_length = self.config.max_position_embeddings
@@ -75,7 +81,7 @@ class Engine:
         if kv_cache_tokens:
             tokens = int(kv_cache_tokens)
         else:
-            tokens = int(kv_cache_bytes or DEFAULT_KV_CACHE_BYTES) // c.kv_bytes_per_token
+            tokens = int(kv_cache_bytes or DEFAULT_KV_CACHE_BYTES) // self.kv_bytes_per_token
         num_blocks = tokens // int(block_size)
         if num_blocks < 1:
             raise ValueError(f"KV cache of {tokens} tokens holds no block of {block_size}")
@@ -91,6 +97,9 @@ class Engine:
         self.runner = ModelRunner(self.model, num_blocks, block_size, state_slots=max_running,
                                   decode_cache_bytes=decode_cache_bytes)
         self.output = OutputProcessor(self.eos_token_ids, self._release)
+        log.info("llm KV cache: %d blocks x %d tokens, %d bytes per token (%s on %s), %.1f MiB", num_blocks,
+                 block_size, self.kv_bytes_per_token, dtype_name(self.model.dtype), self.model.device,
+                 self.runner.kv.nbytes / (1 << 20))
         self.clock = clock
         self.pool_tokens = num_blocks * int(block_size)
 
@@ -120,7 +129,7 @@ class Engine:
     @property
     def kv_cache_bytes(self) -> int:
         """Bytes of the KV cache held by live sequences."""
-        return self.blocks.num_used * self.blocks.block_size * self.runner.kv.bytes_per_token
+        return self.blocks.num_used * self.blocks.block_size * self.kv_bytes_per_token
 
     @property
     def num_generated_tokens(self) -> int:
@@ -184,6 +193,8 @@ class Engine:
             emb_index = torch.full((n,), -1, dtype=torch.long)
             emb_index[mask] = torch.arange(emb.shape[0])
         keys = block_keys(ids, pos, emb, mask, self.blocks.block_size) if self.prefix_caching else []
+        if emb is not None:  # keyed by the float32 rows above; cast once for the model
+            emb = emb.to(self.model.device, self.model.dtype)
 
         request_id = str(request_id)
         tail = ids[-_PROMPT_CONTEXT_TOKENS:].tolist()

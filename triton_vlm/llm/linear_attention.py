@@ -10,6 +10,13 @@ The math follows transformers' torch fallbacks (`causal_conv1d_fn` / `causal_con
 `torch_chunk_gated_delta_rule` / `torch_recurrent_gated_delta_rule`): prefill chunks use the
 chunked form (per sequence, from its state), decode rows the one-step recurrent form, batched over
 all decoding sequences.
+
+Dtypes, as those fallbacks have them whatever the model's dtype: projections, the conv and its
+state, SiLU and the out-projection run in the model's dtype; the decay `g` is float32 (A_log
+upcast before exp, `a` upcast before dt_bias is added); the delta rule computes in float32 (q, k,
+v, g, beta upcast, q and k L2-normalized there), keeps its recurrent state in float32
+(`STATE_DTYPE`) and casts its output back; the gated RMSNorm normalizes in float32, scales by its
+weight in the model's dtype and gates by SiLU(z) in float32 before the cast back.
 """
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 _CHUNK = 64  # the chunked form's block length (transformers' default)
+STATE_DTYPE = torch.float32  # the delta-rule state, in every model dtype (the pool's StatePool.recurrent)
 
 
 @dataclass(frozen=True)
@@ -78,7 +86,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     v_beta, k_beta = v * beta[..., None], k * beta[..., None]
     q, k, k_beta, v_beta = (x.reshape(H, nc, _CHUNK, x.shape[-1]) for x in (q, k, k_beta, v_beta))
     g = g.reshape(H, nc, _CHUNK).cumsum(-1)
-    upper = torch.ones(_CHUNK, _CHUNK, dtype=torch.bool).triu(1)
+    upper = torch.ones(_CHUNK, _CHUNK, dtype=torch.bool, device=q.device).triu(1)
     decay = (g[..., :, None] - g[..., None, :]).masked_fill(upper, float("-inf")).exp()
     ut = (k_beta @ k.transpose(-1, -2)) * decay
     intra = (q @ k.transpose(-1, -2)) * decay
@@ -87,7 +95,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     q = q * g.exp()[..., None]
     k = k * (g[..., -1:] - g).exp()[..., None]
     chunk_decay = g[..., -1].exp()[..., None, None]
-    out = torch.empty(H, nc, _CHUNK, dv)
+    out = torch.empty(H, nc, _CHUNK, dv, dtype=v.dtype, device=v.device)
     for i in range(nc):
         v_new = new_values[:, i] - k_cumdecay[:, i] @ state
         out[:, i] = q[:, i] @ state + intra[:, i] @ v_new
@@ -127,7 +135,8 @@ class GatedDeltaNet:
         if rows.decode_rows.numel():
             window = torch.cat([conv_state.index_select(0, rows.decode_slots),
                                 x.index_select(0, rows.decode_rows)[..., None]], dim=-1)  # [B, C, K]
-            out.index_copy_(0, rows.decode_rows, (window * self.w_conv).sum(-1))
+            out.index_copy_(0, rows.decode_rows,
+                            F.conv1d(window, self.w_conv[:, None], groups=self.lin.conv_dim)[..., 0])
             conv_state.index_copy_(0, rows.decode_slots, window[..., 1:])
         for a, n, slot in rows.prefill:
             full = torch.cat([conv_state[slot], x[a:a + n].t()], dim=-1)  # [C, K - 1 + n]
@@ -142,20 +151,20 @@ class GatedDeltaNet:
         lin, T = self.lin, x.shape[0]
         mixed, z, b, a = F.linear(x, self.w_in).split(self._split, dim=-1)
         mixed = self._conv(mixed, rows, conv_state)
-        q, k, v = mixed.split((lin.key_dim, lin.key_dim, lin.value_dim), dim=-1)
+        q, k, v = mixed.float().split((lin.key_dim, lin.key_dim, lin.value_dim), dim=-1)
         q = _l2norm(q.reshape(T, lin.num_k_heads, lin.k_head_dim)) * lin.k_head_dim ** -0.5
         k = _l2norm(k.reshape(T, lin.num_k_heads, lin.k_head_dim))
         if lin.num_v_heads != lin.num_k_heads:
             rep = lin.num_v_heads // lin.num_k_heads
             q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
         v = v.reshape(T, lin.num_v_heads, lin.v_head_dim)
-        beta = b.sigmoid()
-        g = self.neg_a * F.softplus(a + self.dt_bias)
-        core = torch.empty(T, lin.num_v_heads, lin.v_head_dim)
+        beta = b.sigmoid().float()
+        g = self.neg_a * F.softplus(a.float() + self.dt_bias)
+        core = torch.empty(T, lin.num_v_heads, lin.v_head_dim, dtype=x.dtype, device=x.device)
         if rows.decode_rows.numel():
             r, s = rows.decode_rows, rows.decode_slots
             out, new = recurrent_gated_delta_step(q[r], k[r], v[r], g[r], beta[r], rec.index_select(0, s))
-            core.index_copy_(0, r, out)
+            core.index_copy_(0, r, out.to(x.dtype))
             rec.index_copy_(0, s, new)
         for a0, n, slot in rows.prefill:
             sl = slice(a0, a0 + n)
@@ -163,6 +172,7 @@ class GatedDeltaNet:
                                                     v[sl].transpose(0, 1), g[sl].t(), beta[sl].t(), rec[slot])
             core[sl] = out.transpose(0, 1)
         # gated RMSNorm per value head (plain weight, not 1 + weight), then SiLU(z) gate
-        core = core * torch.rsqrt(core.pow(2).mean(-1, keepdim=True) + self.eps) * self.w_norm
-        core = core * F.silu(z.reshape(T, lin.num_v_heads, lin.v_head_dim))
-        return F.linear(core.reshape(T, lin.value_dim), self.w_out)
+        cf = core.float()
+        normed = (cf * torch.rsqrt(cf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        gated = self.w_norm * normed * F.silu(z.reshape(T, lin.num_v_heads, lin.v_head_dim).float())
+        return F.linear(gated.to(x.dtype).reshape(T, lin.value_dim), self.w_out)

@@ -1,4 +1,5 @@
-"""The decoders of the served VLMs with M-RoPE, float32 on CPU, read from a Hugging Face checkpoint.
+"""The decoders of the served VLMs with M-RoPE, read from a Hugging Face checkpoint, in float32,
+bfloat16 or float16 on CPU or CUDA.
 
 Follows transformers' text models closely enough that greedy tokens equal Hugging Face's:
 - Qwen2 (Qwen2.5-VL, `modeling_qwen2_5_vl`): RMSNorm, GQA attention with q/k/v biases, SwiGLU
@@ -15,6 +16,12 @@ runs (t.., h.., w..) or interleaved (t, h, w, t, h, w, ...: `mrope_interleaved`)
 
 Every size, token id, eos id, rope theta, `mrope_section` and `partial_rotary_factor` comes from
 the checkpoint's files.
+In bfloat16 / float16 the numerics are transformers' in that dtype (`from_pretrained(dtype=...)`):
+every weight is rounded to the dtype once, at load; RMSNorms compute in float32 and cast back where
+transformers' do (`_rms`); rotary angles, cos and sin are float32, cast to the dtype before they
+rotate; attention runs through SDPA in the dtype; the linear-attention layers keep transformers'
+float32 islands (`triton_vlm.llm.linear_attention`); logits come out of lm_head in the dtype and
+are returned as float32 (as `generate` takes them).
 `forward` runs one flat batch of token rows from many sequences (prefill chunks and decode tokens
 together, `StepBatch`) through every linear layer at once; attention goes through the backend the
 model runner passes (`triton_vlm.llm.attention`: paged K/V, attention per sequence).
@@ -32,12 +39,13 @@ import torch
 import torch.nn.functional as F
 
 from triton_vlm.errors import InvalidInput
+from triton_vlm.llm.device import parse_device, parse_dtype
+from triton_vlm.llm.linear_attention import GatedDeltaNet, LinearAttentionConfig, RecurrentRows
+from triton_vlm.weights import read_safetensors
 
 if TYPE_CHECKING:
     from triton_vlm.llm.attention import AttentionBackend
     from triton_vlm.llm.paged import StateCache
-from triton_vlm.llm.linear_attention import GatedDeltaNet, LinearAttentionConfig, RecurrentRows
-from triton_vlm.weights import read_safetensors
 
 # Where the language model's weights live, newest layout first (v5 writes either).
 _DECODER_PREFIXES = ("model.language_model.", "model.", "language_model.model.", "language_model.")
@@ -85,9 +93,9 @@ class DecoderConfig:
         a sequence, so prefix caching is off."""
         return len(self.kv_layers) < self.num_layers
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return 2 * len(self.kv_layers) * self.num_kv_heads * self.head_dim * 4  # float32 K and V
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """K and V of one token over the attention layers, in the KV pool's dtype (the model's)."""
+        return 2 * len(self.kv_layers) * self.num_kv_heads * self.head_dim * dtype.itemsize
 
     @classmethod
     def from_checkpoint(cls, checkpoint_dir: str | Path) -> "DecoderConfig":
@@ -170,8 +178,15 @@ class StepBatch:
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    variance = x.pow(2).mean(-1, keepdim=True)
-    return weight * (x * torch.rsqrt(variance + eps))
+    """RMSNorm as transformers computes it in any dtype: the variance and the normalization in
+    float32. A weight in x's dtype scales after the cast back (Qwen2RMSNorm, Glm4vRMSNorm: `weight *
+    x.to(dtype)`); a float32 weight before it (Qwen3_5RMSNorm: `(x * (1 + weight.float())).to(dtype)`,
+    see `SwiGLULayer.norm_weight`). In float32 both are the same."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype == torch.float32:
+        return (normed * weight).to(x.dtype)
+    return weight * normed.to(x.dtype)
 
 
 # ---- rotary -------------------------------------------------------------------------------------
@@ -209,9 +224,12 @@ class Rotary:
     `positions[axis[i]] * inv_freq[i]`, and `x * cos + partners(x) * sin` (sign folded into `sin`)
     is exactly transformers' `x * cos + rotate_half(x) * sin`. Interleaved M-RoPE (Qwen3.5's
     `recomposition_frequencies`): frequency j turns by the height axis if j % 3 == 1 and
-    j < 3 * section[1], by the width axis if j % 3 == 2 and j < 3 * section[2], else by time."""
+    j < 3 * section[1], by the width axis if j % 3 == 2 and j < 3 * section[2], else by time.
+    As in transformers, angles, cos and sin are float32 whatever the model's dtype; cos and sin are
+    cast to `dtype` before they rotate q and k (in `dtype`)."""
 
-    def __init__(self, config: DecoderConfig, pairing: type):
+    def __init__(self, config: DecoderConfig, pairing: type, device: torch.device = torch.device("cpu"),
+                 dtype: torch.dtype = torch.float32):
         r = self.rotary_dim = config.rotary_dim
         sign, freq = pairing.tables(r)
         section = config.mrope_section
@@ -222,14 +240,15 @@ class Rotary:
         else:
             axis_of_freq = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(section)])
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float) / r))
-        self.axis, self.inv_freq, self.sign = axis_of_freq[freq], inv_freq[freq], sign
+        self.axis, self.inv_freq, self.sign = (t.to(device) for t in (axis_of_freq[freq], inv_freq[freq], sign))
+        self.dtype = dtype
         self.partners = pairing.partners
         self.partial = r < config.head_dim
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [n, rotary_dim] for 3-D positions [3, n]."""
-        angles = positions[self.axis].t().float() * self.inv_freq
-        return angles.cos(), angles.sin() * self.sign
+        """cos, sin [n, rotary_dim] in the model's dtype for 3-D positions [3, n] (on any device)."""
+        angles = positions.to(self.axis.device)[self.axis].t().float() * self.inv_freq
+        return angles.cos().to(self.dtype), (angles.sin() * self.sign).to(self.dtype)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, heads, head_dim] rotated; cos, sin [T, 1, rotary_dim]."""
@@ -256,8 +275,12 @@ class SwiGLULayer:
         self.w_gate_up = self.gate_up_weight(w)
         self.w_down = w("mlp.down_proj.weight")
 
-    def norm_weight(self, weight: torch.Tensor) -> torch.Tensor:
-        return weight + self.norm_offset if self.norm_offset else weight
+    @classmethod
+    def norm_weight(cls, weight: torch.Tensor) -> torch.Tensor:
+        """An RMSNorm's weight as `_rms` takes it. Offset norms (Qwen3.5's `1 + weight`) keep it in
+        float32, as transformers adds the offset to the upcast weight and scales before casting
+        back; plain ones keep it in the model's dtype, scaling after the cast."""
+        return weight.float() + cls.norm_offset if cls.norm_offset else weight
 
     @staticmethod
     def gate_up_weight(w: Callable[[str], torch.Tensor]) -> torch.Tensor:
@@ -395,37 +418,46 @@ def decoder_spec(model_type: str) -> DecoderSpec:
 
 
 class DecoderModel:
-    """The language model of a VLM checkpoint. Not thread-safe: one caller at a time."""
+    """The language model of a VLM checkpoint, on `device` (cpu, cuda, cuda:N) in `dtype` (float32,
+    bfloat16, float16: every weight converted once, here, as transformers loads every parameter in
+    the model's dtype). Not thread-safe: one caller at a time."""
 
-    def __init__(self, config: DecoderConfig, weights: dict[str, torch.Tensor]):
+    def __init__(self, config: DecoderConfig, weights: dict[str, torch.Tensor], *,
+                 device: str | torch.device = "cpu", dtype: str | torch.dtype = torch.float32):
         self.config = c = config
+        self.device, self.dtype = parse_device(device), parse_dtype(dtype)
         spec = decoder_spec(c.model_type)
         prefix = next((p for p in _DECODER_PREFIXES if p + "embed_tokens.weight" in weights), None)
         if prefix is None:
             raise ValueError("checkpoint has no embed_tokens.weight for the language model")
 
+        def convert(t: torch.Tensor) -> torch.Tensor:
+            return t.to(self.device, self.dtype).contiguous()
+
         def w(name: str) -> torch.Tensor:
-            return weights[prefix + name].contiguous()
+            return convert(weights[prefix + name])
 
         self.embed_tokens = w("embed_tokens.weight")
-        self.norm = w("norm.weight") + spec.layer.norm_offset
+        self.norm = spec.layer.norm_weight(w("norm.weight"))
         head = next((weights[k] for k in _LM_HEAD_KEYS if k in weights), None)
-        self.lm_head = self.embed_tokens if (c.tie_word_embeddings or head is None) else head.contiguous()
+        self.lm_head = self.embed_tokens if (c.tie_word_embeddings or head is None) else convert(head)
         self.layers = []
         self.layer_index: list[int] = []  # per layer: its K/V index in the pool, or its StatePool index
         for i, kind in enumerate(c.layer_types):
             cls = spec.linear_layer if kind == "linear_attention" else spec.layer
             self.layers.append(cls(lambda name, i=i: w(f"layers.{i}.{name}"), c))
             self.layer_index.append(sum(1 for t in c.layer_types[:i] if t == kind))
-        self.rotary = Rotary(c, spec.rotary_pairing)
+        self.rotary = Rotary(c, spec.rotary_pairing, self.device, self.dtype)
 
     @classmethod
-    def from_checkpoint(cls, checkpoint_dir: str | Path) -> "DecoderModel":
+    def from_checkpoint(cls, checkpoint_dir: str | Path, *, device: str | torch.device = "cpu",
+                        dtype: str | torch.dtype = torch.float32) -> "DecoderModel":
         root = Path(checkpoint_dir)
         config = DecoderConfig.from_checkpoint(root)
         weights = read_safetensors(root, lambda k: None if ("visual" in k or "vision" in k or k.startswith("mlp1")
-                                                            or k.startswith("model.merger.")) else k)
-        return cls(config, weights)
+                                                            or k.startswith("model.merger.")) else k,
+                                   dtype=parse_dtype(dtype))
+        return cls(config, weights, device=device, dtype=dtype)
 
     # ---- inputs --------------------------------------------------------------------------------
     def placeholder_mask(self, ids: torch.Tensor) -> torch.Tensor:
@@ -470,4 +502,4 @@ class DecoderModel:
             attn = attention.forward(li, q, k, v, batch.attn)
             h = layer.finish(h, attn.view(h.shape[0], c.num_heads * c.head_dim), gate)
         attention.step_done(batch.attn)
-        return F.linear(_rms(h.index_select(0, batch.logits_rows), self.norm, c.rms_norm_eps), self.lm_head)
+        return F.linear(_rms(h.index_select(0, batch.logits_rows), self.norm, c.rms_norm_eps), self.lm_head).float()

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from triton_vlm.llm.linear_attention import STATE_DTYPE
+
 
 def token_slots(blocks: list[int], num_tokens: int, block_size: int) -> torch.Tensor:
     """Slot of every token 0 .. num_tokens-1 of a sequence with this block table (host tensor)."""
@@ -35,24 +37,22 @@ class KVCache:
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 
-    @property
-    def bytes_per_token(self) -> int:
-        return 2 * self.k.shape[0] * self.k.shape[2] * self.k.shape[3] * self.k.element_size()
-
 
 class StateCache:
     """The recurrent state of the linear-attention layers, one slot per running sequence:
     `conv` [layers, slots, conv_dim, conv_kernel - 1] (the causal conv's last inputs) and
     `recurrent` [layers, slots, v_heads, k_head_dim, v_head_dim] (the delta-rule state). Slots come
     from the block manager (lowest free first); the tensors grow (doubling, up to `max_slots`) to
-    hold the highest slot in use. `reset` zeroes a slot when a sequence starts at token 0."""
+    hold the highest slot in use. `reset` zeroes a slot when a sequence starts at token 0.
+    `conv` is in the model's dtype (`dtype`), `recurrent` in float32 whatever it is, as transformers
+    keeps them (`triton_vlm.llm.linear_attention.STATE_DTYPE`)."""
 
     def __init__(self, num_layers: int, max_slots: int, conv_shape: tuple[int, ...],
                  recurrent_shape: tuple[int, ...], dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu"):
         self.max_slots = max(1, int(max_slots))
         self.conv = torch.zeros((num_layers, 0, *conv_shape), dtype=dtype, device=device)
-        self.recurrent = torch.zeros((num_layers, 0, *recurrent_shape), dtype=dtype, device=device)
+        self.recurrent = torch.zeros((num_layers, 0, *recurrent_shape), dtype=STATE_DTYPE, device=device)
 
     @classmethod
     def for_model(cls, config, max_slots: int, dtype: torch.dtype = torch.float32,

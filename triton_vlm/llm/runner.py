@@ -26,7 +26,7 @@ class ModelRunner:
         weight = model.embed_tokens
         self.device, self.dtype = weight.device, weight.dtype
         self.kv = KVCache.for_model(c, num_blocks, block_size, self.dtype, self.device)
-        self.states = StateCache.for_model(c, state_slots, device=self.device) if c.recurrent else None
+        self.states = StateCache.for_model(c, state_slots, self.dtype, self.device) if c.recurrent else None
         if decode_cache_bytes is None:
             decode_cache_bytes = self.kv.nbytes // 2 if self.device.type == "cpu" else 0
         self.attention: AttentionBackend = TorchAttention(c, self.kv, decode_cache_bytes)
@@ -76,8 +76,8 @@ class ModelRunner:
                          torch.tensor(logits_rows, dtype=torch.long).to(self.device))
 
     def forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """float32 logits [chunks that sample, vocab]."""
-        return self.model.forward(self.prepare(chunks), self.attention, self.states).float()
+        """float32 logits [chunks that sample, vocab], on the model's device."""
+        return self.model.forward(self.prepare(chunks), self.attention, self.states)
 
     def sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[int]:
         """The next token of every chunk that samples, in order: one batched draw on the device, one
