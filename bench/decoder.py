@@ -191,12 +191,10 @@ def decoder_7b_overrides(layers: int, hidden: int, dtype: torch.dtype, device: t
 
 
 def make_engine(ckpt: Path, device: torch.device, dtype: torch.dtype, max_running: int, need_tokens: int):
-    """Our engine with a KV pool of at least `need_tokens` (the default pool where that is enough).
-    `device` / `dtype` are passed only when they are not the CPU float32 defaults, so this runs on an
-    engine that does not take them yet."""
+    """Our engine with a KV pool of at least `need_tokens` (the default pool where that is enough)."""
     from triton_vlm.llm import Engine
 
-    kwargs = {} if (device.type == "cpu" and dtype == torch.float32) else {"device": str(device), "dtype": dtype}
+    kwargs = {"device": str(device), "dtype": dtype}
     engine = Engine(ckpt, max_running=max_running, max_num_tokens=512, **kwargs)
     if engine.pool_tokens < need_tokens:
         model = engine.model
