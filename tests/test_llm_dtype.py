@@ -79,17 +79,18 @@ def bf16(request, checkpoint):
         with torch.no_grad():
             rows = []
             if "pixel_values" in inputs:
-                grid = inputs["target_sizes"] if family == "minicpmv4_6" else inputs["image_grid_thw"]
-                rows += model.model.get_image_features(on_device["pixel_values"], grid.to(device)).pooler_output
+                grid = "target_sizes" if family == "minicpmv4_6" else "image_grid_thw"
+                rows += model.model.get_image_features(on_device["pixel_values"],
+                                                       on_device[grid]).pooler_output
             if "pixel_values_videos" in inputs:
                 rows += model.model.get_video_features(on_device["pixel_values_videos"],
                                                        on_device["video_grid_thw"]).pooler_output
             pos = delta = None
             if family != "minicpmv4_6":
-                pos, delta = model.model.get_rope_index(
-                    inputs["input_ids"], mm_token_type_ids=inputs["mm_token_type_ids"],
-                    image_grid_thw=inputs.get("image_grid_thw"), video_grid_thw=inputs.get("video_grid_thw"),
-                    second_per_grid_ts=inputs.get("second_per_grid_ts"))
+                pos, delta = (t.cpu() for t in model.model.get_rope_index(
+                    on_device["input_ids"], mm_token_type_ids=on_device["mm_token_type_ids"],
+                    image_grid_thw=on_device.get("image_grid_thw"), video_grid_thw=on_device.get("video_grid_thw"),
+                    second_per_grid_ts=on_device.get("second_per_grid_ts")))
         assert bool(rows) == (name != "text")
         requests[name] = dict(llm_request(model, inputs, [r.float().cpu() for r in rows], pos, delta),
                               hf_inputs=on_device)
