@@ -38,14 +38,14 @@ PROMPTS = {
 MAX_TOKENS = 16
 
 
-def perturbed_checkpoint(out):
-    """The tiny demo checkpoint with its language model's norm weights and dt_bias perturbed and its
-    other weights scaled (see the module docstring), saved again."""
+def perturbed_checkpoint(out, family: str = "minicpmv4_6"):
+    """The family's tiny demo checkpoint with its language model's norm weights (and dt_bias)
+    perturbed and its other weights scaled (see the module docstring), saved again."""
     from transformers import AutoModelForImageTextToText
 
     from triton_vlm.checkpoint import write_demo_checkpoint
 
-    ckpt = write_demo_checkpoint("minicpmv4_6", out, "tiny")
+    ckpt = write_demo_checkpoint(family, out, "tiny")
     model = AutoModelForImageTextToText.from_pretrained(ckpt)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():

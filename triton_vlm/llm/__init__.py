@@ -1,4 +1,5 @@
-"""The `llm` step: the Qwen2 / GLM-4 / Qwen3.5-hybrid (M-RoPE) decoders, paged KV cache, in-flight batching."""
+"""The `llm` step: the Qwen2 / GLM-4 / Qwen3.5-hybrid (M-RoPE) decoders on CPU or CUDA in float32 / bfloat16 /
+float16, paged KV cache, in-flight batching."""
 from triton_vlm.llm.block_manager import BlockManager
 from triton_vlm.llm.engine import Engine
 from triton_vlm.llm.model import DecoderConfig, DecoderModel
