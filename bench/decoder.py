@@ -190,12 +190,11 @@ def decoder_7b_overrides(layers: int, hidden: int, dtype: torch.dtype, device: t
                 dtype=str(dtype).removeprefix("torch."), device=str(device))
 
 
-def make_engine(ckpt: Path, device: torch.device, dtype: torch.dtype, max_running: int, need_tokens: int,
-                decode_cache_bytes: int | None = None):
+def make_engine(ckpt: Path, device: torch.device, dtype: torch.dtype, max_running: int, need_tokens: int):
     """Our engine with a KV pool of at least `need_tokens` (the default pool where that is enough)."""
     from triton_vlm.llm import Engine
 
-    kwargs = {"device": str(device), "dtype": dtype, "decode_cache_bytes": decode_cache_bytes}
+    kwargs = {"device": str(device), "dtype": dtype}
     engine = Engine(ckpt, max_running=max_running, max_num_tokens=512, **kwargs)
     if engine.pool_tokens < need_tokens:
         model = engine.model
@@ -223,8 +222,6 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--requests", type=int, default=16, help="requests per measurement (at least the concurrency)")
     ap.add_argument("--json", help="also write every figure to this file")
-    ap.add_argument("--decode-cache-bytes", type=int,
-                    help="the runner's dense decode mirror (default: half the KV cache on CPU, off on CUDA; 0: off)")
     args = ap.parse_args()
     if args.decoder_7b and (args.checkpoint or args.family != "qwen2_5_vl"):
         ap.error("--decoder-7b writes its own Qwen2.5-VL checkpoint: no --checkpoint or --family")
@@ -264,9 +261,8 @@ def main() -> None:
     hf = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=dtype).to(device).eval()
     longest = max(i.numel() for i in inputs)
     engine = make_engine(ckpt, device, dtype, max(64, *concurrency),
-                         # the decode steps' dense K/V copies may use half the pool: room for all twice
-                         need_tokens=2 * max(concurrency) * (longest + args.max_tokens + 16),
-                         decode_cache_bytes=args.decode_cache_bytes)
+                         # room for every request in flight at once: no preemption in the measurement
+                         need_tokens=max(concurrency) * (longest + args.max_tokens + 16))
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()})"
     n_params = sum(p.numel() for p in hf.parameters())
     print(f"checkpoint {ckpt.name} ({detect_family(ckpt).name}): {n_params / 1e6:.1f} M parameters "

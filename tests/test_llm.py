@@ -490,28 +490,6 @@ def test_eight_concurrent_requests_equal_alone(batching_engine, requests):
     assert (eng.num_running, eng.num_waiting) == (0, 0)
 
 
-def test_decode_cache_equals_gather_from_pool(ckpt, engine, requests):
-    """Decode rows read K/V from the pool's dense DecodeCache (copied in once per sequence, one row
-    appended per step); with the cache off they gather the blocks from the pool every step: same
-    tokens, logits within 1e-4, the cache empty once nothing runs."""
-    jobs = _jobs()
-    out = {}
-    for limit in (None, 0):
-        eng = Engine(ckpt, model=engine.model, kv_cache_tokens=4096, max_num_tokens=24, return_logits=True)
-        if limit is not None:
-            eng.runner.attention.decode_cache.limit_bytes = limit
-        try:
-            out[limit] = _together(eng, requests, jobs, f"dc{limit}")
-            cache = eng.runner.attention.decode_cache
-            # each sequence copied in about once (again only after a step without it), not every step
-            assert (cache.rebuilt_rows > 0) == (limit is None)
-            assert cache.rebuilt_rows <= 2 * len(jobs)
-            assert cache.k is None and cache.nbytes == 0 and eng.kv_blocks_used == 0
-        finally:
-            eng.shutdown()
-    assert_same(out[None], out[0])
-
-
 def test_batched_step_mixes_prefill_chunks_and_decodes(ckpt, engine, requests):
     eng = Engine(ckpt, model=engine.model, kv_cache_tokens=4096, max_num_tokens=16)
     seen = []
@@ -681,43 +659,3 @@ def test_incremental_detokenizer_never_emits_broken_utf8(engine):
     pieces = [detok.add(t) for t in ids] + [detok.flush()]
     assert "".join(pieces) == tok.decode(ids) == text
     assert not any("\ufffd" in p for p in pieces)
-
-
-def test_decode_cache_rows_follow_the_pool():
-    """DecodeCache unit: rows copied in from the pool equal the pool's K/V; a sequence not decoding
-    in a step is dropped and the last row moves into its hole; the padded tail is finite (SDPA
-    multiplies it by 0 weights); over the byte limit it declines."""
-    from triton_vlm.llm.paged import DecodeCache, KVCache, token_slots
-
-    torch.manual_seed(0)
-    pool = KVCache(num_layers=2, num_kv_heads=2, head_dim=4, num_blocks=16, block_size=4)
-    pool.k.normal_(), pool.v.normal_()
-    cache = DecodeCache(pool, 1 << 20)
-    tables = {"a": [3, 7], "b": [1, 9, 2], "c": [5]}
-    starts = {"a": 6, "b": 10, "c": 2}
-
-    def seqs(names):
-        return [(n, starts[n], tables[n]) for n in names]
-
-    def check(names, rows):
-        for n, r in zip(names, rows):
-            idx = token_slots(tables[n], starts[n], 4)
-            assert torch.equal(cache.k[:, r, :, :starts[n]], pool.k[:, idx].transpose(1, 2))
-            assert torch.equal(cache.v[:, r, :, :starts[n]], pool.v[:, idx].transpose(1, 2))
-        assert torch.isfinite(cache.k).all() and torch.isfinite(cache.v).all()
-
-    rows = cache.prepare(seqs("abc"))
-    assert rows == [0, 1, 2] and cache.rebuilt_rows == 3
-    check("abc", rows)
-    for n, r in zip("abc", rows):  # what the model's step does: write token `start`, then advance
-        slot = token_slots(tables[n], starts[n] + 1, 4)[-1]
-        cache.k[:, r, :, starts[n]], cache.v[:, r, :, starts[n]] = pool.k[:, slot], pool.v[:, slot]
-    cache.advance(rows)
-    for n in "ac":
-        starts[n] += 1
-    rows = cache.prepare(seqs("ca"))       # b left: c moves into its row, nothing copied from the pool
-    assert sorted(rows) == [0, 1] and cache.rebuilt_rows == 3 and cache.keys[rows[0]] == "c"
-    check("ca", rows)
-    cache.limit_bytes = 0
-    cache.clear()
-    assert cache.prepare(seqs("a")) is None and cache.nbytes == 0

@@ -127,7 +127,6 @@ def test_concurrent_requests_equal_alone(glm, requests):
         together = [c.wait() for c in cols]
         assert_same(together, alone)
         assert max(seen_running) > 1  # they really did run at the same time
-        assert eng.runner.attention.decode_cache.rebuilt_rows > 0  # decode steps read the dense decode cache
         assert eng.kv_blocks_used == 0 and (eng.num_running, eng.num_waiting) == (0, 0)
     finally:
         eng.shutdown()

@@ -10,9 +10,7 @@ step; `forward` is then called by every attention layer with that layer's q, k, 
   its cached prefix, gathered slot by slot, plus its own rows;
 - decode rows attend together, one padded and masked SDPA: the query heads of one KV head attend as
   G "query rows" (no K/V repeat for GQA). Their K/V are gathered block by block through the block
-  table, or, on the CPU, read from the `DecodeCache`, a dense mirror of the decoding sequences' K/V
-  (copied in once per sequence, one row appended per step). The mirror trades memory (at most
-  `decode_cache_bytes`) for the per-layer gather: see bench/RESULTS.md for what it saves here.
+  tables, per layer (a transient copy; no second copy of the KV memory is kept).
 
 This backend is plain torch and runs on any device; it is the reference the faster kernels of other
 backends are compared with.
@@ -25,7 +23,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from triton_vlm.llm.paged import DecodeCache, KVCache, token_slots
+from triton_vlm.llm.paged import KVCache, token_slots
 
 
 @dataclass(frozen=True)
@@ -35,7 +33,6 @@ class SeqRows:
     n: int
     start: int
     blocks: list[int]   # the sequence's block table
-    key: int            # the sequence's identity across steps (the dense decode mirror's row key)
 
 
 @dataclass
@@ -50,11 +47,9 @@ class PrefillMeta:
 class AttentionMetadata:
     slot_mapping: torch.Tensor          # [T] where each row's K/V go
     prefills: list[PrefillMeta]
-    decode_rows: torch.Tensor           # [B] batch rows of the decode tokens, in buffer order
-    decode_mask: torch.Tensor | None    # [B, 1, 1, L] which of the L gathered / mirrored tokens each sees
-    block_ids: torch.Tensor | None      # [B * blocks] the blocks to gather (None: read the mirror)
-    mirror_rows: list[int] | None = None    # the mirror's row of each decode token (None: gather)
-    mirror_pos: torch.Tensor | None = None  # [B] where each decode token goes in its mirror row
+    decode_rows: torch.Tensor           # [B] batch rows of the decode tokens
+    decode_mask: torch.Tensor | None    # [B, 1, 1, L] which of the L gathered tokens each sees
+    block_ids: torch.Tensor | None      # [B * blocks] the blocks to gather, B block tables padded to one length
 
 
 class AttentionBackend(Protocol):
@@ -66,19 +61,12 @@ class AttentionBackend(Protocol):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any) -> torch.Tensor:
         """Write this layer's new K/V into the paged cache; the attention output [T, heads, d]."""
 
-    def step_done(self, meta: Any) -> None:
-        """After the last layer of the step."""
-
-    def idle(self) -> None:
-        """Nothing is running (caches of the running set may go)."""
-
 
 class TorchAttention:
-    def __init__(self, config, kv: KVCache, decode_cache_bytes: int = 0):
+    def __init__(self, config, kv: KVCache):
         self.kv = kv
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.scale = config.head_dim ** -0.5
-        self.decode_cache = DecodeCache(kv, decode_cache_bytes) if decode_cache_bytes else None
 
     def build(self, seqs: list[SeqRows]) -> AttentionMetadata:
         device, bs = self.kv.k.device, self.kv.block_size
@@ -100,29 +88,17 @@ class TorchAttention:
                                  torch.empty(0, dtype=torch.long, device=device), None, None)
         if not decode:
             return meta
-        mirror_rows = None
-        if self.decode_cache is not None:
-            mirror_rows = self.decode_cache.prepare([(s.key, s.start, s.blocks) for s in decode])
-        if mirror_rows is not None:
-            # buffer row r holds decode sequence order[r]
-            order = [0] * len(decode)
-            for j, r in enumerate(mirror_rows):
-                order[r] = j
-            decode = [decode[j] for j in order]
-            pos = torch.tensor([s.start for s in decode])
-            meta.mirror_rows, meta.mirror_pos = mirror_rows, pos.to(device)
-            length = int(pos.max()) + 1
-            meta.decode_mask = (torch.arange(length)[None, :] <= pos[:, None])[:, None, None, :].to(device)
-        else:
-            # gather whole blocks (block tables), not single slots: block_size x fewer indices
-            lengths = torch.tensor([s.start + 1 for s in decode])
-            nb = -(-int(lengths.max()) // bs)
-            table = torch.zeros(len(decode), nb, dtype=torch.long)
-            for j, s in enumerate(decode):
-                used = s.blocks[:-(-(s.start + 1) // bs)]
-                table[j, :len(used)] = torch.tensor(used, dtype=torch.long)
-            meta.block_ids = table.reshape(-1).to(device)
-            meta.decode_mask = (torch.arange(nb * bs)[None, :] < lengths[:, None])[:, None, None, :].to(device)
+        # gather whole blocks (block tables), not single slots: block_size x fewer indices
+        lengths = torch.tensor([s.start + 1 for s in decode])
+        nb = -(-int(lengths.max()) // bs)
+        table = torch.zeros(len(decode), nb, dtype=torch.long)
+        for j, s in enumerate(decode):
+            used = s.blocks[:-(-(s.start + 1) // bs)]
+            table[j, :len(used)] = torch.tensor(used, dtype=torch.long)
+        meta.block_ids = table.reshape(-1).to(device)
+        # as long as the longest context, not its last block: one sequence alone attends over exactly
+        # its tokens (SDPA's reduction, and so its rounding, is that of an unpaged cache)
+        meta.decode_mask = (torch.arange(int(lengths.max()))[None, :] < lengths[:, None])[:, None, None, :].to(device)
         meta.decode_rows = torch.tensor([s.row for s in decode], dtype=torch.long).to(device)
         return meta
 
@@ -138,18 +114,10 @@ class TorchAttention:
         if B:
             rows = meta.decode_rows
             qd = q.index_select(0, rows).view(B, KVH, H // KVH, d)
-            if meta.mirror_rows is not None:
-                kb, vb = self.decode_cache.k[layer], self.decode_cache.v[layer]
-                idx = torch.arange(B, device=q.device)
-                kb[idx, :, meta.mirror_pos] = k.index_select(0, rows)
-                vb[idx, :, meta.mirror_pos] = v.index_select(0, rows)
-                L = meta.decode_mask.shape[-1]
-                kd, vd = kb[:B, :, :L], vb[:B, :, :L]
-            else:
-                shape = (self.kv.num_blocks, self.kv.block_size, KVH, d)
-                L = meta.decode_mask.shape[-1]
-                kd = kp.view(shape).index_select(0, meta.block_ids).view(B, L, KVH, d).transpose(1, 2)
-                vd = vp.view(shape).index_select(0, meta.block_ids).view(B, L, KVH, d).transpose(1, 2)
+            shape = (self.kv.num_blocks, self.kv.block_size, KVH, d)
+            L = meta.decode_mask.shape[-1]
+            kd = kp.view(shape).index_select(0, meta.block_ids).view(B, -1, KVH, d)[:, :L].transpose(1, 2)
+            vd = vp.view(shape).index_select(0, meta.block_ids).view(B, -1, KVH, d)[:, :L].transpose(1, 2)
             o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=self.scale)
             out.index_copy_(0, rows, o.reshape(B, H, d))
         for p in meta.prefills:
@@ -163,13 +131,3 @@ class TorchAttention:
                                                enable_gqa=KVH != H)
             out[a:a + n] = o[0].transpose(0, 1)
         return out
-
-    def step_done(self, meta: AttentionMetadata) -> None:
-        """After every layer ran: the mirror rows hold one more token each."""
-        if meta.mirror_rows is not None:
-            self.decode_cache.advance(meta.mirror_rows)
-
-    def idle(self) -> None:
-        """Nothing is running: the dense mirror's memory goes."""
-        if self.decode_cache is not None:
-            self.decode_cache.clear()

@@ -57,7 +57,6 @@ class Engine:
     KV cache size: `kv_cache_tokens`, else `kv_cache_bytes` (default 256 MiB), rounded down to blocks.
     `queue_timeout_ms` (0: none) bounds the wait for a first place in the batch, timed by `clock`.
     `prefix_caching` is ignored (off) for decoders with a recurrent state (`prefix_caching` tells).
-    `decode_cache_bytes`: see `ModelRunner`.
     `device` (cpu, cuda, cuda:N) and `dtype` (float32, bfloat16, float16) place the model loaded
     here, the KV cache and every tensor of a step (a given `model` keeps its own); the KV cache is in
     the model's dtype (`kv_bytes_per_token`)."""
@@ -66,7 +65,7 @@ class Engine:
                  model: DecoderModel | None = None, kv_cache_tokens: int | None = None,
                  kv_cache_bytes: int | None = None, block_size: int = 16, prefix_caching: bool = False,
                  max_num_tokens: int = 512, return_logits: bool = False, queue_timeout_ms: float = 0.0,
-                 clock: Callable[[], float] = time.monotonic, decode_cache_bytes: int | None = None,
+                 clock: Callable[[], float] = time.monotonic,
                  device: str = "cpu", dtype: str | torch.dtype = "float32"):
         from tokenizers import Tokenizer
 
@@ -94,8 +93,7 @@ class Engine:
                                    state_slots=max_running if c.recurrent else 0)
         self.scheduler = Scheduler(self.blocks, max_running=max_running, max_num_tokens=max_num_tokens,
                                    recurrent=c.recurrent, queue_timeout_ms=queue_timeout_ms, clock=clock)
-        self.runner = ModelRunner(self.model, num_blocks, block_size, state_slots=max_running,
-                                  decode_cache_bytes=decode_cache_bytes)
+        self.runner = ModelRunner(self.model, num_blocks, block_size, state_slots=max_running)
         self.output = OutputProcessor(self.eos_token_ids, self._release)
         log.info("llm KV cache: %d blocks x %d tokens, %d bytes per token (%s on %s), %.1f MiB", num_blocks,
                  block_size, self.kv_bytes_per_token, dtype_name(self.model.dtype), self.model.device,
@@ -315,8 +313,6 @@ class Engine:
         self.scheduler.finish(seq)
         seq.embeddings = seq.emb_index = None
         self.num_running = len(self.scheduler.running)
-        if not self.scheduler.running:  # nothing decoding: the dense decode copies go too
-            self.runner.idle()
         self.num_finished += 1
         with self._lock:
             self._ids_in_flight.discard(seq.request_id)

@@ -501,5 +501,4 @@ class DecoderModel:
             q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
             attn = attention.forward(li, q, k, v, batch.attn)
             h = layer.finish(h, attn.view(h.shape[0], c.num_heads * c.head_dim), gate)
-        attention.step_done(batch.attn)
         return F.linear(_rms(h.index_select(0, batch.logits_rows), self.norm, c.rms_norm_eps), self.lm_head).float()

@@ -3,8 +3,7 @@
 K and V of every attention layer live in `KVCache.k` / `.v` [layers, blocks * block_size, kv_heads,
 head_dim]; a token's slot is `block * block_size + offset` (`triton_vlm.llm.block_manager` says
 which blocks belong to which sequence). `StateCache` holds the linear-attention layers' recurrent
-state, one slot per running sequence. `DecodeCache` is the CPU attention's dense mirror of the
-decoding sequences' K/V (see `triton_vlm.llm.attention`).
+state, one slot per running sequence.
 """
 from __future__ import annotations
 
@@ -81,95 +80,3 @@ class StateCache:
         self.ensure(slot)
         self.conv[:, slot] = 0
         self.recurrent[:, slot] = 0
-
-
-class DecodeCache:
-    """Dense copies of the K/V of the sequences decoding now, so a decode step reads them without
-    gathering every block of every layer again (the KV cache stays the source of truth).
-
-    `k` / `v` [layers, rows, kv_heads, length, head_dim]: row r holds tokens `0 .. lengths[r]` of
-    the sequence `keys[r]`. A step passes its decode sequences (key, start, slots); rows of sequences
-    not decoding in this step, or not exactly at `start`, are dropped (finished, preempted,
-    cancelled, failed); a sequence new to decoding is copied in from the KV cache once, all layers
-    in one gather. The buffers grow on demand up to `limit_bytes`; past that, `prepare` returns None
-    and the caller gathers from the KV cache as before."""
-
-    def __init__(self, kv: KVCache, limit_bytes: int):
-        self.kv, self.limit_bytes = kv, int(limit_bytes)
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
-        self.keys: list = []
-        self.lengths: list[int] = []
-        self.rebuilt_rows = 0  # sequences copied in from the KV cache (counter, for tests/benchmarks)
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.k is None else 2 * self.k.numel() * self.k.element_size()
-
-    def clear(self) -> None:
-        self.k = self.v = None
-        self.keys, self.lengths = [], []
-
-    def _bytes(self, rows: int, length: int) -> int:
-        p = self.kv
-        return 2 * p.k.shape[0] * rows * p.k.shape[2] * length * p.k.shape[3] * p.k.element_size()
-
-    def prepare(self, seqs: list[tuple[object, int, list[int]]]) -> list[int] | None:
-        """Rows for decode sequences (key, start, block table); on return row
-        `rows[j]` holds tokens 0 .. start_j of sequence j and has room for token start_j. Every row
-        of the buffer belongs to one of `seqs` (rows 0 .. len(seqs)). None: over the byte limit."""
-        want = {key: start for key, start, _ in seqs}
-        if len(want) != len(seqs) or any(key is None for key in want):
-            self.clear()
-            return None
-        keep = [r for r, key in enumerate(self.keys) if want.get(key, -1) == self.lengths[r]]
-        n_keep = len(keep)
-        # compact: kept rows past n_keep move into the holes before it
-        holes = [r for r in range(n_keep) if r not in set(keep)]
-        tail = [r for r in keep if r >= n_keep]
-        for dst, src in zip(holes, tail):
-            self.k[:, dst] = self.k[:, src]
-            self.v[:, dst] = self.v[:, src]
-            self.keys[dst], self.lengths[dst] = self.keys[src], self.lengths[src]
-        del self.keys[n_keep:], self.lengths[n_keep:]
-        rows_needed = len(seqs)
-        len_needed = max(start + 1 for _, start, _ in seqs)
-        cap_rows = 0 if self.k is None else self.k.shape[1]
-        cap_len = 0 if self.k is None else self.k.shape[3]
-        if rows_needed > cap_rows or len_needed > cap_len:
-            bs = self.kv.block_size
-            new_rows = max(rows_needed, cap_rows, -(-rows_needed * 5 // 4 // 8) * 8)
-            new_len = max(cap_len, -(-(len_needed + len_needed // 4 + 64) // bs) * bs)
-            if self._bytes(new_rows, new_len) > self.limit_bytes:
-                new_rows, new_len = max(rows_needed, cap_rows), max(len_needed, cap_len)
-                if self._bytes(new_rows, new_len) > self.limit_bytes:
-                    self.clear()
-                    return None
-            p = self.kv
-            shape = (p.k.shape[0], new_rows, p.k.shape[2], new_len, p.k.shape[3])
-            # zeros, not empty: SDPA multiplies the masked-out tail by 0 weights, and 0 * NaN is NaN
-            k, v = p.k.new_zeros(shape), p.v.new_zeros(shape)
-            if self.keys:
-                n, m = len(self.keys), max(self.lengths)
-                k[:, :n, :, :m] = self.k[:, :n, :, :m]
-                v[:, :n, :, :m] = self.v[:, :n, :, :m]
-            self.k, self.v = k, v
-        row_of = {key: r for r, key in enumerate(self.keys)}
-        rows = []
-        for key, start, blocks in seqs:
-            r = row_of.get(key)
-            if r is None:  # new to decoding: copy its tokens in from the KV cache, all layers at once
-                r = len(self.keys)
-                self.keys.append(key)
-                self.lengths.append(start)
-                idx = token_slots(blocks, start, self.kv.block_size).to(self.kv.k.device)
-                self.k[:, r, :, :start] = self.kv.k.index_select(1, idx).transpose(1, 2)
-                self.v[:, r, :, :start] = self.kv.v.index_select(1, idx).transpose(1, 2)
-                self.rebuilt_rows += 1
-            rows.append(r)
-        return rows
-
-    def advance(self, rows: list[int]) -> None:
-        """The step wrote one more token into each of these rows."""
-        for r in rows:
-            self.lengths[r] += 1

@@ -16,20 +16,14 @@ from triton_vlm.llm.scheduler import ScheduledChunk
 
 
 class ModelRunner:
-    """`decode_cache_bytes`: the CPU attention's dense mirror of the decoding sequences' K/V (None:
-    half the KV cache's bytes on the CPU, off elsewhere; 0: off)."""
-
-    def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, state_slots: int = 1,
-                 decode_cache_bytes: int | None = None):
+    def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, state_slots: int = 1):
         self.model = model
         c = model.config
         weight = model.embed_tokens
         self.device, self.dtype = weight.device, weight.dtype
         self.kv = KVCache.for_model(c, num_blocks, block_size, self.dtype, self.device)
         self.states = StateCache.for_model(c, state_slots, self.dtype, self.device) if c.recurrent else None
-        if decode_cache_bytes is None:
-            decode_cache_bytes = self.kv.nbytes // 2 if self.device.type == "cpu" else 0
-        self.attention: AttentionBackend = TorchAttention(c, self.kv, decode_cache_bytes)
+        self.attention: AttentionBackend = TorchAttention(c, self.kv)
 
     def prepare(self, chunks: list[ScheduledChunk]) -> StepBatch:
         T = sum(c.num_tokens for c in chunks)
@@ -51,7 +45,7 @@ class ModelRunner:
             if e > n:
                 first = max(a, n)
                 positions[:, row + first - a:row + c.num_tokens] = torch.arange(first, e) + seq.delta
-            seq_rows.append(SeqRows(row, c.num_tokens, a, seq.blocks, seq.arrival))
+            seq_rows.append(SeqRows(row, c.num_tokens, a, seq.blocks))
             if self.states is not None:
                 if seq.state is None:
                     raise ValueError("a decoder with linear-attention layers needs a state slot per sequence")
@@ -86,10 +80,6 @@ class ModelRunner:
         context = [torch.tensor(s.tokens, device=self.device) if s.params.repetition_penalty != 1.0 else None
                    for s in seqs]
         return sample_batch(logits, [s.params for s in seqs], [s.generator for s in seqs], context).tolist()
-
-    def idle(self) -> None:
-        """Nothing is running."""
-        self.attention.idle()
 
 
 def prompt_logits(model: DecoderModel, input_ids: torch.Tensor, embeddings: torch.Tensor | None,
