@@ -67,6 +67,17 @@ class TorchAttention:
         self.kv = kv
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.scale = config.head_dim ** -0.5
+        # where decode K and V are gathered, reused by every layer and step (grown on demand): a fresh
+        # tensor per layer costs page faults on the CPU at every step
+        self._gathered = kv.k.new_empty(0, 0), kv.v.new_empty(0, 0)
+
+    def _gather(self, k_layer: torch.Tensor, v_layer: torch.Tensor, block_ids: torch.Tensor):
+        """The blocks `block_ids` of one layer's K and V, as [len(block_ids), block_size * kv_heads * d] rows."""
+        rows, width = block_ids.numel(), self.kv.block_size * self.num_kv_heads * self.head_dim
+        if self._gathered[0].shape[0] < rows:
+            self._gathered = tuple(t.new_empty(rows + rows // 4, width) for t in (k_layer, v_layer))
+        return [torch.index_select(cache.view(self.kv.num_blocks, width), 0, block_ids, out=buf[:rows])
+                for cache, buf in zip((k_layer, v_layer), self._gathered)]
 
     def build(self, seqs: list[SeqRows]) -> AttentionMetadata:
         device, bs = self.kv.k.device, self.kv.block_size
@@ -114,10 +125,8 @@ class TorchAttention:
         if B:
             rows = meta.decode_rows
             qd = q.index_select(0, rows).view(B, KVH, H // KVH, d)
-            shape = (self.kv.num_blocks, self.kv.block_size, KVH, d)
             L = meta.decode_mask.shape[-1]
-            kd = kp.view(shape).index_select(0, meta.block_ids).view(B, -1, KVH, d)[:, :L].transpose(1, 2)
-            vd = vp.view(shape).index_select(0, meta.block_ids).view(B, -1, KVH, d)[:, :L].transpose(1, 2)
+            kd, vd = (t.view(B, -1, KVH, d)[:, :L].transpose(1, 2) for t in self._gather(kp, vp, meta.block_ids))
             o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=self.scale)
             out.index_copy_(0, rows, o.reshape(B, H, d))
         for p in meta.prefills:
