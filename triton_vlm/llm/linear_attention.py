@@ -3,7 +3,7 @@
 
 Per layer and sequence the mixer carries two states instead of K/V for every token: the last
 `conv_kernel - 1` inputs of its causal depthwise conv1d, and the delta-rule state
-[v_heads, k_head_dim, v_head_dim]. Both live in the pool's `StatePool` (`triton_vlm.llm.paged`), one
+[v_heads, k_head_dim, v_head_dim]. Both live in the runner's `StateCache` (`triton_vlm.llm.paged`), one
 slot per running sequence, carried across prefill chunks and decode steps.
 
 The math follows transformers' torch fallbacks (`causal_conv1d_fn` / `causal_conv1d_update`,
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 _CHUNK = 64  # the chunked form's block length (transformers' default)
-STATE_DTYPE = torch.float32  # the delta-rule state, in every model dtype (the pool's StatePool.recurrent)
+STATE_DTYPE = torch.float32  # the delta-rule state, in every model dtype (StateCache.recurrent)
 
 
 @dataclass(frozen=True)

@@ -442,7 +442,7 @@ class DecoderModel:
         head = next((weights[k] for k in _LM_HEAD_KEYS if k in weights), None)
         self.lm_head = self.embed_tokens if (c.tie_word_embeddings or head is None) else convert(head)
         self.layers = []
-        self.layer_index: list[int] = []  # per layer: its K/V index in the pool, or its StatePool index
+        self.layer_index: list[int] = []  # per layer: its index in the KV cache, or in the StateCache
         for i, kind in enumerate(c.layer_types):
             cls = spec.linear_layer if kind == "linear_attention" else spec.layer
             self.layers.append(cls(lambda name, i=i: w(f"layers.{i}.{name}"), c))
