@@ -1,15 +1,22 @@
 """`triton-vlm demo-checkpoint`: random-weight checkpoints that transformers loads offline.
 
 The tokenizer is a byte-level BPE trained here on generated text, with the family's special
-tokens as single ids, so no model hub is needed for tests or the demo.
+tokens as single ids, so no model hub is needed for tests or the demo. Everything here is demo
+data (`DEMOS`: each family's sizes, checkpoint writer and chat template), kept out of the serving
+path: a served checkpoint brings its own.
 """
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from triton_vlm.families import get_family
+from triton_vlm.families import glm4v as glm
+from triton_vlm.families import minicpmv as mc
+from triton_vlm.families import qwen2_5_vl as qwen
 from triton_vlm.families.base import Family
 
 _WORDS = (
@@ -47,14 +54,333 @@ def train_tokenizer(family: Family, vocab_size: int, seed: int = 0):
     return tokenizer
 
 
+def random_model(model_class, config, shape: dict[str, Any], seed: int):
+    """`model_class(config)` with random weights from `seed`, made on the shape's `device` in its
+    `dtype` (a 7B-sized model initialises in seconds on a GPU, in half the memory in bfloat16)."""
+    import torch
+
+    torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, shape["dtype"]))
+    try:
+        with torch.device(shape["device"]):
+            return model_class(config).eval()
+    finally:
+        torch.set_default_dtype(default)
+
+
+def chat_template(*, prefix: str, message_start: str, message_end: str, image: str, video: str,
+                  generation_prompt: str) -> str:
+    """A Jinja chat template reduced to what the demo needs: text, image and video content parts.
+    `message_start` may use `{{ message['role'] }}`."""
+    return (
+        prefix + "{% for message in messages %}" + message_start
+        + "{% if message['content'] is string %}{{ message['content'] }}"
+        "{% else %}{% for part in message['content'] %}"
+        "{% if part['type'] == 'image' %}" + image
+        + "{% elif part['type'] == 'video' %}" + video
+        + "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+        "{% endfor %}{% endif %}" + message_end + "{% endfor %}"
+        "{% if add_generation_prompt %}" + generation_prompt + "{% endif %}"
+    )
+
+
+# The families' chat templates, reduced to what the demo needs.
+QWEN_TEMPLATE = chat_template(
+    prefix="", message_start="<|im_start|>{{ message['role'] }}\n", message_end="<|im_end|>\n",
+    image=qwen.VISION_START + qwen.IMAGE_PAD + qwen.VISION_END, video=qwen.VISION_START + qwen.VIDEO_PAD + qwen.VISION_END,
+    generation_prompt="<|im_start|>assistant\n")
+GLM_TEMPLATE = chat_template(
+    prefix="[gMASK]<sop>", message_start="<|{{ message['role'] }}|>\n", message_end="",
+    image=glm.BEGIN_IMAGE + glm.IMAGE_TOKEN + glm.END_IMAGE, video=glm.BEGIN_VIDEO + glm.VIDEO_TOKEN + glm.END_VIDEO,
+    generation_prompt="<|assistant|>\n")
+MINICPMV_TEMPLATE = chat_template(
+    prefix="", message_start="<|im_start|>{{ message['role'] }}\n", message_end="<|im_end|>\n",
+    image=mc.IMAGE_TOKEN, video=mc.VIDEO_TOKEN, generation_prompt="<|im_start|>assistant\n")
+
+
+# Random-weight demo shapes. `tiny` keeps tests to seconds; `small` is tens of millions of
+# parameters for the demo and benchmarks.
+# Qwen2.5-VL: windows and full-attention blocks as in the real models (window 112 px, full
+# attention every few blocks).
+QWEN2_5_VL_SIZES: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        vocab_size=1024,
+        text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, mrope_section=[2, 3, 3]),
+        vision=dict(depth=4, hidden_size=32, intermediate_size=64, num_heads=2, fullatt_block_indexes=[1, 3]),
+        image_pixels=(4 * 28 * 28, 256 * 28 * 28), video_pixels=(4 * 28 * 28, 64 * 28 * 28),
+    ),
+    "small": dict(
+        vocab_size=8192,
+        text=dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=2, mrope_section=[8, 12, 12]),
+        vision=dict(depth=8, hidden_size=256, intermediate_size=704, num_heads=4, fullatt_block_indexes=[3, 7]),
+        image_pixels=(16 * 28 * 28, 1024 * 28 * 28), video_pixels=(16 * 28 * 28, 256 * 28 * 28),
+    ),
+}
+
+# MiniCPM-V 4.6: the text stack alternates linear-attention (gated delta rule) and full-attention
+# layers as Qwen3.5 does (`full_attention_interval`); the vision tower inserts its window-attention
+# merger after `insert_layer_id`.
+MINICPMV4_6_SIZES: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        vocab_size=1024,
+        text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=32, linear_key_head_dim=16, linear_value_head_dim=16,
+                  linear_num_key_heads=2, linear_num_value_heads=4, mrope_section=[2, 1, 1]),
+        vision=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                    image_size=224, patch_size=14),
+        insert_layer_id=0, scale_resolution=112, max_slice_nums=4,
+    ),
+    "small": dict(
+        vocab_size=8192,
+        text=dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=2, head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64,
+                  linear_num_key_heads=4, linear_num_value_heads=8, mrope_section=[4, 2, 2]),
+        vision=dict(hidden_size=256, intermediate_size=704, num_hidden_layers=8, num_attention_heads=4,
+                    image_size=448, patch_size=14),
+        insert_layer_id=3, scale_resolution=448, max_slice_nums=9,
+    ),
+}
+
+# GLM: rotary covers half of each head (`partial_rotary_factor` 0.5), so `mrope_section` sums to
+# head_dim / 4. `image_size` sets the learned position-embedding grid that the GLM-4.1V tower
+# interpolates to every image's patch grid (GLM-OCR's tower has none).
+GLM_SIZES: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        vocab_size=1024,
+        text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, mrope_section=[2, 3, 3]),
+        vision=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, image_size=112),
+        image_pixels=(112 * 112, 256 * 28 * 28), video_pixels=(112 * 112, 2 * 64 * 28 * 28),
+    ),
+    "small": dict(
+        vocab_size=8192,
+        text=dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=2, mrope_section=[4, 6, 6]),
+        vision=dict(depth=8, hidden_size=256, intermediate_size=704, num_heads=4, image_size=336),
+        image_pixels=(112 * 112, 1024 * 28 * 28), video_pixels=(112 * 112, 2 * 256 * 28 * 28),
+    ),
+}
+
+# GLM-4.5V: GLM_SIZES with a mixture-of-experts text stack: dense layers before
+# `first_k_dense_replace`, then routed experts in `n_group` groups (more experts than
+# `num_experts_per_tok`, more than one group, so the group-limited choice is exercised) plus shared ones.
+GLM4V_MOE_SIZES: dict[str, dict[str, Any]] = {
+    "tiny": {**GLM_SIZES["tiny"], "text": {
+        **GLM_SIZES["tiny"]["text"], "num_hidden_layers": 3, "first_k_dense_replace": 1, "n_routed_experts": 8,
+        "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "n_shared_experts": 1,
+        "moe_intermediate_size": 32, "routed_scaling_factor": 2.5, "norm_topk_prob": True}},
+    "small": {**GLM_SIZES["small"], "text": {
+        **GLM_SIZES["small"]["text"], "first_k_dense_replace": 1, "n_routed_experts": 16,
+        "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2, "n_shared_experts": 1,
+        "moe_intermediate_size": 256, "routed_scaling_factor": 2.5, "norm_topk_prob": True}},
+}
+
+
+def _write_qwen2_5_vl(out: Path, shape: dict[str, Any], tokenizer, seed: int) -> None:
+    """Write a random-weight Qwen2.5-VL checkpoint that transformers loads offline."""
+    from transformers import (
+        GenerationConfig,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2_5_VLProcessor,
+        Qwen2VLImageProcessor,
+        Qwen2VLVideoProcessor,
+    )
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in qwen.QWEN2_5_VL.special_tokens}
+    eos_ids = [ids[t] for t in qwen.QWEN2_5_VL.eos_tokens]
+    text = dict(shape["text"])
+    mrope_section = text.pop("mrope_section")
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=shape["model_vocab_size"], max_position_embeddings=4096, rms_norm_eps=1e-6,
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0, mrope_section=mrope_section),
+            bos_token_id=ids["<|endoftext|>"], eos_token_id=eos_ids, pad_token_id=ids["<|endoftext|>"],
+            tie_word_embeddings=False, **text),
+        vision_config=dict(patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                           tokens_per_second=2, out_hidden_size=text["hidden_size"], in_channels=3,
+                           **shape["vision"]),
+        image_token_id=ids[qwen.IMAGE_PAD], video_token_id=ids[qwen.VIDEO_PAD],
+        vision_start_token_id=ids[qwen.VISION_START], vision_end_token_id=ids[qwen.VISION_END],
+        tie_word_embeddings=False,
+    )
+    model = random_model(Qwen2_5_VLForConditionalGeneration, config, shape, seed)
+    model.generation_config = GenerationConfig(
+        bos_token_id=ids["<|endoftext|>"], eos_token_id=eos_ids, pad_token_id=ids["<|endoftext|>"],
+        do_sample=False)
+    model.save_pretrained(out)
+
+    (img_min, img_max), (vid_min, vid_max) = shape["image_pixels"], shape["video_pixels"]
+    processor = Qwen2_5_VLProcessor(
+        image_processor=Qwen2VLImageProcessor(min_pixels=img_min, max_pixels=img_max),
+        video_processor=Qwen2VLVideoProcessor(min_pixels=vid_min, max_pixels=vid_max, fps=2.0),
+        tokenizer=tokenizer, chat_template=QWEN_TEMPLATE)
+    processor.save_pretrained(out)
+
+
+def _write_minicpmv4_6(out: Path, shape: dict[str, Any], tokenizer, seed: int) -> None:
+    """Write a random-weight MiniCPM-V 4.6 checkpoint that transformers loads offline."""
+    from transformers import (
+        GenerationConfig,
+        MiniCPMV4_6Config,
+        MiniCPMV4_6ForConditionalGeneration,
+        MiniCPMV4_6ImageProcessor,
+        MiniCPMV4_6Processor,
+        MiniCPMV4_6VideoProcessor,
+    )
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in mc.SPECIAL_TOKENS}
+    eos_ids = [ids[t] for t in mc.MINICPMV4_6.eos_tokens]
+    text = dict(shape["text"])
+    mrope_section = text.pop("mrope_section")
+    config = MiniCPMV4_6Config(
+        text_config=dict(
+            vocab_size=shape["model_vocab_size"], max_position_embeddings=4096, rms_norm_eps=1e-6,
+            rope_parameters=dict(rope_type="default", rope_theta=10000000.0, mrope_section=mrope_section,
+                                 mrope_interleaved=True, partial_rotary_factor=0.25),
+            eos_token_id=eos_ids, pad_token_id=ids[mc.ENDOFTEXT], tie_word_embeddings=False, **text),
+        vision_config=dict(shape["vision"]),
+        insert_layer_id=shape["insert_layer_id"], image_size=shape["scale_resolution"],
+        image_token_id=ids[mc.IMAGE_TOKEN], video_token_id=ids[mc.VIDEO_TOKEN], tie_word_embeddings=False,
+    )
+    model = random_model(MiniCPMV4_6ForConditionalGeneration, config, shape, seed)
+    model.generation_config = GenerationConfig(eos_token_id=eos_ids, pad_token_id=ids[mc.ENDOFTEXT], do_sample=False)
+    model.save_pretrained(out)
+
+    patch = shape["vision"]["patch_size"]
+    common = dict(scale_resolution=shape["scale_resolution"], max_slice_nums=shape["max_slice_nums"], patch_size=patch)
+    processor = MiniCPMV4_6Processor(
+        image_processor=MiniCPMV4_6ImageProcessor(**common), video_processor=MiniCPMV4_6VideoProcessor(**common),
+        tokenizer=tokenizer, chat_template=MINICPMV_TEMPLATE)
+    processor.save_pretrained(out)
+
+
+@dataclass(frozen=True)
+class GlmClasses:
+    """What one GLM checkpoint is made of: its transformers class names, and whether it carries a
+    multi-token-prediction layer after its decoder layers (served checkpoints do; it is not loaded)."""
+    config: str
+    model: str
+    processor: str
+    image_processor: str
+    video_processor: str
+    mtp_layer: bool = False
+
+
+GLM_CLASSES: dict[str, GlmClasses] = {
+    "glm4v": GlmClasses("Glm4vConfig", "Glm4vForConditionalGeneration", "Glm4vProcessor",
+                        "Glm4vImageProcessor", "Glm4vVideoProcessor"),
+    "glm46v": GlmClasses("Glm46VConfig", "Glm46VForConditionalGeneration", "Glm46VProcessor",
+                         "Glm46VImageProcessor", "Glm46VVideoProcessor"),
+    "glmga": GlmClasses("GlmgaConfig", "Glm46VForConditionalGeneration", "Glm46VProcessor",
+                        "GlmgaImageProcessor", "GlmgaVideoProcessor"),
+    "glm_ocr": GlmClasses("GlmOcrConfig", "GlmOcrForConditionalGeneration", "Glm46VProcessor",
+                          "Glm46VImageProcessor", "Glm46VVideoProcessor", mtp_layer=True),
+    "glm4v_moe": GlmClasses("Glm4vMoeConfig", "Glm4vMoeForConditionalGeneration", "Glm4vProcessor",
+                            "Glm4vImageProcessor", "Glm4vVideoProcessor", mtp_layer=True),
+}
+
+
+def _write_glm(out: Path, shape: dict[str, Any], tokenizer, seed: int, *, variant: str) -> None:
+    """A random-weight GLM checkpoint of `variant` (`GLM_CLASSES`) that transformers loads offline."""
+    import torch
+    import transformers
+    from transformers import GenerationConfig
+
+    names = GLM_CLASSES[variant]
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in glm.SPECIAL_TOKENS}
+    eos_ids = [ids[t] for t in glm.EOS_TOKENS]
+    text = dict(shape["text"])
+    mrope_section = text.pop("mrope_section")
+    config = getattr(transformers, names.config)(
+        text_config=dict(
+            vocab_size=shape["model_vocab_size"], max_position_embeddings=4096, rms_norm_eps=1e-5,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=mrope_section,
+                                 partial_rotary_factor=0.5),
+            eos_token_id=eos_ids, pad_token_id=ids[glm.ENDOFTEXT], **text),
+        vision_config=dict(patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
+                           out_hidden_size=text["hidden_size"], rms_norm_eps=1e-5, **shape["vision"]),
+        image_token_id=ids[glm.IMAGE_TOKEN], video_token_id=ids[glm.VIDEO_TOKEN],
+        image_start_token_id=ids[glm.BEGIN_IMAGE], image_end_token_id=ids[glm.END_IMAGE],
+        video_start_token_id=ids[glm.BEGIN_VIDEO], video_end_token_id=ids[glm.END_VIDEO],
+        tie_word_embeddings=False,
+    )
+    model = random_model(getattr(transformers, names.model), config, shape, seed)
+    # transformers initialises the routers' score-correction bias to zero, which would leave the
+    # biased expert choice untested: a random one, of the sigmoid scores' scale.
+    generator = torch.Generator().manual_seed(seed + 1)
+    for name, buffer in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buffer.copy_(torch.rand(buffer.shape, generator=generator) * 0.5)
+    model.generation_config = GenerationConfig(eos_token_id=eos_ids, pad_token_id=ids[glm.ENDOFTEXT],
+                                               do_sample=False)
+    model.save_pretrained(out)
+    if names.mtp_layer:
+        _add_mtp_layer(out, config.text_config.num_hidden_layers, seed)
+
+    (img_min, img_max), (vid_min, vid_max) = shape["image_pixels"], shape["video_pixels"]
+    image_processor = getattr(transformers, names.image_processor)(
+        size={"shortest_edge": img_min, "longest_edge": img_max})
+    video_processor = getattr(transformers, names.video_processor)(
+        size={"shortest_edge": vid_min, "longest_edge": vid_max})
+    processor = getattr(transformers, names.processor)(
+        image_processor=image_processor, video_processor=video_processor, tokenizer=tokenizer,
+        chat_template=GLM_TEMPLATE)
+    processor.save_pretrained(out)
+
+
+def _add_mtp_layer(out: Path, num_layers: int, seed: int) -> None:
+    """Append a multi-token-prediction layer `layers.{num_layers}.*` to the checkpoint (a decoder
+    layer's tensors plus the MTP head's `eh_proj`, `enorm`, `hnorm`, `shared_head.norm`, all random),
+    as released GLM-OCR / GLM-4.5V weights hold one that transformers and our decoder do not load."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = out / "model.safetensors"
+    tensors = load_file(path)
+    generator = torch.Generator().manual_seed(seed + 2)
+    last, mtp = f"model.language_model.layers.{num_layers - 1}.", f"model.language_model.layers.{num_layers}."
+    extra = {mtp + key[len(last):]: torch.randn(value.shape, generator=generator)
+             for key, value in tensors.items() if key.startswith(last)}
+    hidden = tensors["model.language_model.norm.weight"].shape[0]
+    extra[mtp + "eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=generator)
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        extra[mtp + f"{norm}.weight"] = torch.randn(hidden, generator=generator)
+    save_file({**tensors, **extra}, path, metadata={"format": "pt"})
+
+
+@dataclass(frozen=True)
+class Demo:
+    """A family's demo checkpoint: its sizes and its writer (`write(out, shape, tokenizer, seed)`,
+    `shape` from `demo_shape`)."""
+    sizes: dict[str, dict[str, Any]]
+    write: Callable[..., None]
+
+
+def _glm(variant: str, sizes: dict[str, dict[str, Any]] = GLM_SIZES) -> Demo:
+    return Demo(sizes, partial(_write_glm, variant=variant))
+
+
+DEMOS: dict[str, Demo] = {
+    "qwen2_5_vl": Demo(QWEN2_5_VL_SIZES, _write_qwen2_5_vl),
+    "glm4v": _glm("glm4v"), "glm46v": _glm("glm46v"), "glmga": _glm("glmga"), "glm_ocr": _glm("glm_ocr"),
+    "glm4v_moe": _glm("glm4v_moe", GLM4V_MOE_SIZES),
+    "minicpmv4_6": Demo(MINICPMV4_6_SIZES, _write_minicpmv4_6),
+}
+
+
 def demo_shape(family: Family, size: str, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The family's `size` shape with `overrides` on top (`text` and `vision` replaced key by key).
     Besides the family's keys, a shape holds `dtype` (of the written weights, default float32),
     `device` (where the random weights are made, default CPU) and may hold `model_vocab_size` (the
     model's vocabulary rows, past the tokenizer's, as real Qwen checkpoints pad theirs)."""
-    if size not in family.demo_sizes:
-        raise ValueError(f"size must be one of {sorted(family.demo_sizes)}")
-    shape: dict[str, Any] = {"dtype": "float32", "device": "cpu", **family.demo_sizes[size]}
+    sizes = DEMOS[family.name].sizes
+    if size not in sizes:
+        raise ValueError(f"size must be one of {sorted(sizes)}")
+    shape: dict[str, Any] = {"dtype": "float32", "device": "cpu", **sizes[size]}
     for key, value in (overrides or {}).items():
         shape[key] = {**shape[key], **value} if isinstance(value, Mapping) and key in shape else value
     return shape
@@ -69,5 +395,5 @@ def write_demo_checkpoint(family_name: str, out: str | Path, size: str = "tiny",
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(family, shape["vocab_size"], seed)
     shape.setdefault("model_vocab_size", len(tokenizer))
-    family.write_demo(out, shape, tokenizer, seed)
+    DEMOS[family.name].write(out, shape, tokenizer, seed)
     return out

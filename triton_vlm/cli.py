@@ -127,6 +127,7 @@ def _demo(args) -> int:
 
 def parser() -> argparse.ArgumentParser:
     from triton_vlm.limits import Limits
+    from triton_vlm.families import FAMILIES
     from triton_vlm.repository import BuildOptions
     from triton_vlm.vision.tensorrt_engine import PRECISIONS
 
@@ -134,7 +135,7 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("demo-checkpoint", help="write a random-weight checkpoint that transformers loads offline")
-    c.add_argument("--family", required=True)
+    c.add_argument("--family", required=True, choices=FAMILIES)
     c.add_argument("--out", required=True)
     c.add_argument("--size", choices=("tiny", "small"), default="tiny")
     c.add_argument("--seed", type=int, default=0)
@@ -227,7 +228,7 @@ def parser() -> argparse.ArgumentParser:
     c = sub.add_parser("demo", help="checkpoint, build, serve, one image + video request streamed, stop")
     c.add_argument("--workdir", default="build/demo")
     c.add_argument("--size", choices=("tiny", "small"), default="small")
-    c.add_argument("--family", default="qwen2_5_vl", help="qwen2_5_vl, glm4v, glm46v, glmga or minicpmv4_6")
+    c.add_argument("--family", default="qwen2_5_vl", choices=FAMILIES)
     c.set_defaults(run=_demo)
     return p
 

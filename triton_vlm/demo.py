@@ -36,7 +36,7 @@ def run_demo(workdir: Path, size: str = "small", family_name: str = "qwen2_5_vl"
     started = time.perf_counter()
     with TritonServer(repo, log_file=workdir / "tritonserver.log") as server:
         step(f"ready in {time.perf_counter() - started:.1f} s (gRPC {server.grpc_url}, HTTP {server.http_url})")
-        prompt = demo_prompt(family.chat_template)
+        prompt = demo_prompt((checkpoint / "chat_template.jinja").read_text())
         step("one 640x480 JPEG + a 2 s 160x120 H.264 video + text, streamed over gRPC:")
         result = generate(server.grpc_url, prompt, [samples.image_bytes(640, 480)], [samples.video_bytes(2.0)],
                           max_tokens=32, stream=True, on_text=lambda t: print(t, end="", flush=True))

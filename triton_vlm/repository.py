@@ -200,10 +200,8 @@ def model_configs(family: Family, checkpoint_config: dict, options: BuildOptions
                                               options.preprocess_instances, {**common, **options.limits.to_params()}),
                                 options)
     enc_in, enc_out = encoder_io(patch_dim, hidden)
-    from triton_vlm.vision import get_tower
-
     # patches per token along each side, as the family's tower counts it
-    merge = int(get_tower(family.name).checkpoint_settings(checkpoint_config)["spatial_merge_size"])
+    merge = int(family.tower_class().checkpoint_settings(checkpoint_config)["spatial_merge_size"])
     encoder = _bounded_queue(_python_model(
         "vision_encoder", enc_in, enc_out, options.encoder_frontends,
         {**common, "batch_model": ENCODER_BATCH_MODEL, "patch_dim": str(patch_dim), "hidden": str(hidden),

@@ -1,6 +1,7 @@
 """What every family provides. Shared mechanisms take a `Family` and never branch on its name."""
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -50,11 +51,11 @@ class Family:
     named_special_tokens: dict[str, str]
     # (pixel_values row width, embedding width) from the checkpoint's config.json.
     encoder_dims: Callable[[dict], tuple[int, int]]
-    demo_sizes: dict[str, dict[str, Any]] = field(default_factory=dict)
-    # Writes the HF config / model / processor of a random-weight demo checkpoint:
-    # `write_demo(out, shape, tokenizer, seed)`, `shape` from `triton_vlm.checkpoint.demo_shape`.
-    write_demo: Callable[..., None] | None = None
-    chat_template: str = ""
+    # Its vision tower class (`triton_vlm.vision.tower.Tower`) and decoder (`triton_vlm.llm.model.
+    # DecoderSpec`) as "module:name", imported when used (`tower_class`, `decoder_spec`): the
+    # preprocess model needs neither.
+    tower: str
+    decoder: str
     # Video frame sampling (`preprocess`): `sample_frames(metadata, *, fps, num_frames, min_frames,
     # max_frames, temporal_patch_size) -> increasing frame indices`; videos are always sampled, at
     # `default_video_fps` unless the request or the checkpoint's processor config says otherwise.
@@ -92,20 +93,17 @@ class Family:
     # `model_type`; see `detect_family`.
     video_processor_types: tuple[str, ...] = ()
 
+    def tower_class(self) -> type:
+        return _import(self.tower)
 
-def random_model(model_class, config, shape: dict[str, Any], seed: int):
-    """`model_class(config)` with random weights from `seed`, made on the shape's `device` in its
-    `dtype` (a 7B-sized model initialises in seconds on a GPU, in half the memory in bfloat16)."""
-    import torch
+    def decoder_spec(self) -> Any:
+        return _import(self.decoder)
 
-    torch.manual_seed(seed)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(getattr(torch, shape["dtype"]))
-    try:
-        with torch.device(shape["device"]):
-            return model_class(config).eval()
-    finally:
-        torch.set_default_dtype(default)
+
+def _import(path: str) -> Any:
+    """The object a "module:name" path names."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def patch_encoder_dims(config: dict) -> tuple[int, int]:
@@ -114,19 +112,3 @@ def patch_encoder_dims(config: dict) -> tuple[int, int]:
     vision = config["vision_config"]
     patch_dim = vision.get("in_channels", 3) * vision["temporal_patch_size"] * vision["patch_size"] ** 2
     return patch_dim, vision["out_hidden_size"]
-
-
-def chat_template(*, prefix: str, message_start: str, message_end: str, image: str, video: str,
-                  generation_prompt: str) -> str:
-    """A Jinja chat template reduced to what the demo needs: text, image and video content parts.
-    `message_start` may use `{{ message['role'] }}`."""
-    return (
-        prefix + "{% for message in messages %}" + message_start
-        + "{% if message['content'] is string %}{{ message['content'] }}"
-        "{% else %}{% for part in message['content'] %}"
-        "{% if part['type'] == 'image' %}" + image
-        + "{% elif part['type'] == 'video' %}" + video
-        + "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-        "{% endfor %}{% endif %}" + message_end + "{% endfor %}"
-        "{% if add_generation_prompt %}" + generation_prompt + "{% endif %}"
-    )

@@ -86,7 +86,7 @@ class Engine:
             raise ValueError(f"KV cache of {tokens} tokens holds no block of {block_size}")
         if prefix_caching and c.recurrent:
             log.info("prefix caching is off: %s has linear-attention layers (a recurrent state per sequence)",
-                     c.model_type)
+                     c.family)
         self.prefix_caching = bool(prefix_caching) and not c.recurrent
         max_running = max(1, int(max_running))
         self.blocks = BlockManager(num_blocks, block_size, self.prefix_caching,

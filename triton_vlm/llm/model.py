@@ -6,7 +6,12 @@ Follows transformers' text models closely enough that greedy tokens equal Huggin
   MLP, rotate-half rotary over the whole head;
 - GLM-4 (GLM-4.1V, GLM-4.6V, GLMGA: `glm4v_text`, `modeling_glm4v`): the same attention and MLP
   with an RMSNorm after each of them too, rotary over the first `partial_rotary_factor` of each
-  head with interleaved pairs (0, 1), (2, 3), ...
+  head with interleaved pairs (0, 1), (2, 3), ...; GLM-OCR's (`modeling_glm_ocr`) is the same
+  without q/k/v biases;
+- GLM-4.5V (`glm4v_moe`, `modeling_glm4v_moe`): Qwen2's layer (q/k/v biases, two RMSNorms) with
+  GLM's partial rotary in rotate-half pairs; the MLP of every layer from `first_k_dense_replace`
+  on is a mixture of experts (`triton_vlm.llm.moe`); the multi-token-prediction layers past
+  `num_hidden_layers` are not loaded;
 - Qwen3.5 (MiniCPM-V 4.6: `qwen3_5_text`, `modeling_qwen3_5`): a hybrid stack. Full-attention
   layers have q/k RMSNorms, a sigmoid output gate and partial rotate-half rotary; linear-attention
   layers (Gated DeltaNet, `triton_vlm.llm.linear_attention`) keep a per-sequence recurrent state
@@ -17,20 +22,22 @@ runs (t.., h.., w..) or interleaved (t, h, w, t, h, w, ...: `mrope_interleaved`)
 Every size, token id, eos id, rope theta, `mrope_section` and `partial_rotary_factor` comes from
 the checkpoint's files.
 In bfloat16 / float16 the numerics are transformers' in that dtype (`from_pretrained(dtype=...)`):
-every weight is rounded to the dtype once, at load; RMSNorms compute in float32 and cast back where
-transformers' do (`_rms`); rotary angles, cos and sin are float32, cast to the dtype before they
-rotate; attention runs through SDPA in the dtype; the linear-attention layers keep transformers'
-float32 islands (`triton_vlm.llm.linear_attention`); logits come out of lm_head in the dtype and
-are returned as float32 (as `generate` takes them).
+every weight is rounded to the dtype once, at load (but those transformers keeps in float32,
+`_FLOAT32_WEIGHTS`); RMSNorms compute in float32 and cast back where transformers' do (`_rms`);
+rotary angles, cos and sin are float32, cast to the dtype before they rotate; attention runs through
+SDPA in the dtype; the linear-attention layers and the MoE router keep transformers' float32 islands
+(`triton_vlm.llm.linear_attention`, `triton_vlm.llm.moe`); logits come out of lm_head in the dtype
+and are returned as float32 (as `generate` takes them).
 `forward` runs one flat batch of token rows from many sequences (prefill chunks and decode tokens
 together, `StepBatch`) through every linear layer at once; attention goes through the backend the
 model runner passes (`triton_vlm.llm.attention`: paged K/V, attention per sequence).
-What differs per family is data (`DECODERS`, keyed by the config's `model_type`): the layer class,
-how rotary dims pair up, which token ids are image/video placeholders.
+What differs per family is data (the `DecoderSpec` its `Family` names: `QWEN2`, `GLM4`, ...): the layer class,
+how rotary dims pair up, which token ids are image/video placeholders, the layer class of MoE layers.
 """
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -39,8 +46,10 @@ import torch
 import torch.nn.functional as F
 
 from triton_vlm.errors import InvalidInput
+from triton_vlm.families import detect_family, get_family
 from triton_vlm.llm.device import parse_device, parse_dtype
 from triton_vlm.llm.linear_attention import GatedDeltaNet, LinearAttentionConfig, RecurrentRows
+from triton_vlm.llm.moe import MoeConfig, SparseMoe, swiglu
 from triton_vlm.weights import read_safetensors
 
 if TYPE_CHECKING:
@@ -50,6 +59,10 @@ if TYPE_CHECKING:
 # Where the language model's weights live, newest layout first (v5 writes either).
 _DECODER_PREFIXES = ("model.language_model.", "model.", "language_model.model.", "language_model.")
 _LM_HEAD_KEYS = ("lm_head.weight", "language_model.lm_head.weight", "model.lm_head.weight")
+# A decoder layer's weights: (prefix, layer index).
+_LAYER_KEY = re.compile("^(?:" + "|".join(map(re.escape, _DECODER_PREFIXES)) + r")layers\.(\d+)\.")
+# Weights transformers keeps in float32 whatever the model's dtype (`_keep_in_fp32_modules_strict`).
+_FLOAT32_WEIGHTS = ("e_score_correction_bias",)
 
 
 def _ids(value: Any) -> list[int]:
@@ -77,10 +90,18 @@ class DecoderConfig:
     tie_word_embeddings: bool
     placeholder_token_ids: tuple[int, ...]  # prompt tokens replaced by image/video embedding rows
     eos_token_ids: tuple[int, ...]
-    model_type: str = "qwen2_5_vl"
+    family: str = "qwen2_5_vl"  # the serving family (`triton_vlm.families`), which names the `DecoderSpec`
     layer_types: tuple[str, ...] = ()  # per layer: "full_attention" or "linear_attention"
     linear_attention: LinearAttentionConfig | None = None  # set when some layer is linear attention
     mrope_interleaved: bool = False
+    moe: MoeConfig | None = None  # set for mixture-of-experts decoders (config `n_routed_experts`)
+
+    @property
+    def moe_layers(self) -> tuple[bool, ...]:
+        """Per layer: whether its MLP is the mixture of experts (layers from the MoE config's
+        `first_k_dense_replace` on; none in a dense model)."""
+        first = self.num_layers if self.moe is None else self.moe.first_k_dense_replace
+        return tuple(i >= first for i in range(self.num_layers))
 
     @property
     def kv_layers(self) -> tuple[int, ...]:
@@ -101,8 +122,8 @@ class DecoderConfig:
     def from_checkpoint(cls, checkpoint_dir: str | Path) -> "DecoderConfig":
         root = Path(checkpoint_dir)
         cfg = json.loads((root / "config.json").read_text())
-        model_type = str(cfg.get("model_type", "qwen2_5_vl"))
-        spec = decoder_spec(model_type)
+        family = detect_family(root)
+        spec = family.decoder_spec()
         # Older Qwen2.5-VL configs hold the text fields at top level; v5 (and GLM) nest them in text_config.
         text = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")}
         text.update(cfg.get("text_config") or {})
@@ -145,11 +166,14 @@ class DecoderConfig:
         linear = None
         if "linear_attention" in layer_types:
             if spec.linear_layer is None:
-                raise NotImplementedError(f"model_type {model_type!r}: no linear-attention layer registered")
+                raise NotImplementedError(f"{family.name}: no linear-attention layer registered")
             linear = LinearAttentionConfig(
                 num_k_heads=int(text["linear_num_key_heads"]), num_v_heads=int(text["linear_num_value_heads"]),
                 k_head_dim=int(text["linear_key_head_dim"]), v_head_dim=int(text["linear_value_head_dim"]),
                 conv_kernel=int(text["linear_conv_kernel_dim"]))
+        moe = MoeConfig.from_text_config(text)
+        if moe is not None and spec.moe_layer is None:
+            raise NotImplementedError(f"{family.name}: no mixture-of-experts layer registered")
         return cls(
             vocab_size=int(text["vocab_size"]), hidden_size=hidden,
             intermediate_size=int(text["intermediate_size"]), num_layers=num_layers,
@@ -157,9 +181,10 @@ class DecoderConfig:
             rotary_dim=rotary_dim, rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
             mrope_section=tuple(int(s) for s in section),
             max_position_embeddings=int(text["max_position_embeddings"]), tie_word_embeddings=tie,
-            placeholder_token_ids=placeholders, eos_token_ids=tuple(dict.fromkeys(eos)), model_type=model_type,
+            placeholder_token_ids=placeholders, eos_token_ids=tuple(dict.fromkeys(eos)), family=family.name,
             layer_types=layer_types, linear_attention=linear,
             mrope_interleaved=bool(rope.get("mrope_interleaved", legacy.get("mrope_interleaved", False))),
+            moe=moe,
         )
 
 
@@ -271,6 +296,9 @@ class SwiGLULayer:
         self.c = config
         self.ln1 = self.norm_weight(w("input_layernorm.weight"))
         self.ln2 = self.norm_weight(w("post_attention_layernorm.weight"))
+        self.init_mlp(w)
+
+    def init_mlp(self, w: Callable[[str], torch.Tensor]) -> None:
         # gate/up run as one matmul (weights concatenated once, at load)
         self.w_gate_up = self.gate_up_weight(w)
         self.w_down = w("mlp.down_proj.weight")
@@ -287,8 +315,7 @@ class SwiGLULayer:
         return torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")])
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.w_gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.w_down)
+        return swiglu(x, self.w_gate_up, self.w_down)
 
     def mlp_block(self, h: torch.Tensor) -> torch.Tensor:
         """The layer's second half: post-attention RMSNorm, MLP, residual add."""
@@ -346,6 +373,23 @@ class Glm4Layer(Qwen2Layer):
         return h + _rms(self.mlp(_rms(h, self.ln2, eps)), self.ln_post_mlp, eps)
 
 
+class GlmOcrLayer(Glm4Layer):
+    """A GLM-OCR decoder layer (`GlmOcrTextDecoderLayer`): GLM-4's, without q/k/v biases."""
+    qkv_bias = False
+
+
+class Glm4MoeLayer(Qwen2Layer):
+    """A GLM-4.5V mixture-of-experts layer (`Glm4vMoeTextDecoderLayer` from `first_k_dense_replace`
+    on): Qwen2's attention and norms; the MLP is `Glm4vMoeTextMoE` (`triton_vlm.llm.moe.SparseMoe`).
+    GLM-4.5V's dense layers are `Qwen2Layer`s."""
+
+    def init_mlp(self, w: Callable[[str], torch.Tensor]) -> None:
+        self.moe = SparseMoe(w, self.c.moe)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.moe(x)
+
+
 class Qwen35AttentionLayer(Qwen2Layer):
     """A Qwen3.5 full-attention layer (`Qwen3_5Attention`): Qwen2's attention without biases,
     q_proj yields each head's query and its output gate side by side; q and k are RMS-normed per
@@ -389,32 +433,31 @@ class Qwen35LinearLayer(SwiGLULayer):
 @dataclass(frozen=True)
 class DecoderSpec:
     """What one family's decoder is made of: its (attention) layer class, how its rotary dims pair
-    up, the config keys of the token ids its prompts hold image/video placeholders under, and the
-    layer class of its `linear_attention` layers (hybrid stacks; config `layer_types`)."""
+    up, the config keys of the token ids its prompts hold image/video placeholders under, the
+    layer class of its `linear_attention` layers (hybrid stacks; config `layer_types`) and of its
+    mixture-of-experts layers (`DecoderConfig.moe_layers`)."""
     layer: type
     rotary_pairing: type  # HalfPairs or InterleavedPairs
     placeholder_keys: tuple[str, ...]
     linear_layer: type | None = None
+    moe_layer: type | None = None
+
+    def layer_class(self, layer_type: str, moe: bool) -> type:
+        """The class of a layer of `layer_type` (config `layer_types`) whose MLP is (`moe`) or is
+        not a mixture of experts."""
+        if layer_type == "linear_attention":
+            return self.linear_layer
+        return self.moe_layer if moe else self.layer
 
 
-_QWEN2 = DecoderSpec(Qwen2Layer, HalfPairs, ("image_token_id", "video_token_id"))
+# The families' decoders; each `Family` names its own (`Family.decoder`). No branches in the model.
+QWEN2 = DecoderSpec(Qwen2Layer, HalfPairs, ("image_token_id", "video_token_id"))
 # GLM's processor writes every video frame as image tokens; transformers replaces image_token_id only.
-_GLM4 = DecoderSpec(Glm4Layer, InterleavedPairs, ("image_token_id",))
-_QWEN3_5 = DecoderSpec(Qwen35AttentionLayer, HalfPairs, ("image_token_id", "video_token_id"), Qwen35LinearLayer)
-
-# config.json `model_type` -> decoder. One entry per model type; no branches in the model.
-DECODERS: dict[str, DecoderSpec] = {
-    "qwen2_5_vl": _QWEN2, "qwen2_vl": _QWEN2,
-    "glm4v": _GLM4, "glm46v": _GLM4, "glmga": _GLM4,
-    "minicpmv4_6": _QWEN3_5,
-}
-
-
-def decoder_spec(model_type: str) -> DecoderSpec:
-    if model_type not in DECODERS:
-        raise NotImplementedError(f"model_type {model_type!r}: no decoder registered "
-                                  f"(known: {', '.join(sorted(DECODERS))})")
-    return DECODERS[model_type]
+GLM4 = DecoderSpec(Glm4Layer, InterleavedPairs, ("image_token_id",))
+GLM_OCR = DecoderSpec(GlmOcrLayer, InterleavedPairs, ("image_token_id",))
+# GLM-4.5V: dense layers before `first_k_dense_replace`, MoE layers after; rotate-half partial rotary.
+GLM4V_MOE = DecoderSpec(Qwen2Layer, HalfPairs, ("image_token_id",), moe_layer=Glm4MoeLayer)
+QWEN3_5 = DecoderSpec(Qwen35AttentionLayer, HalfPairs, ("image_token_id", "video_token_id"), Qwen35LinearLayer)
 
 
 class DecoderModel:
@@ -426,16 +469,16 @@ class DecoderModel:
                  device: str | torch.device = "cpu", dtype: str | torch.dtype = torch.float32):
         self.config = c = config
         self.device, self.dtype = parse_device(device), parse_dtype(dtype)
-        spec = decoder_spec(c.model_type)
+        spec = get_family(c.family).decoder_spec()
         prefix = next((p for p in _DECODER_PREFIXES if p + "embed_tokens.weight" in weights), None)
         if prefix is None:
             raise ValueError("checkpoint has no embed_tokens.weight for the language model")
 
-        def convert(t: torch.Tensor) -> torch.Tensor:
-            return t.to(self.device, self.dtype).contiguous()
+        def convert(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+            return t.to(self.device, dtype or self.dtype).contiguous()
 
         def w(name: str) -> torch.Tensor:
-            return convert(weights[prefix + name])
+            return convert(weights[prefix + name], torch.float32 if name.endswith(_FLOAT32_WEIGHTS) else None)
 
         self.embed_tokens = w("embed_tokens.weight")
         self.norm = spec.layer.norm_weight(w("norm.weight"))
@@ -443,8 +486,8 @@ class DecoderModel:
         self.lm_head = self.embed_tokens if (c.tie_word_embeddings or head is None) else convert(head)
         self.layers = []
         self.layer_index: list[int] = []  # per layer: its index in the KV cache, or in the StateCache
-        for i, kind in enumerate(c.layer_types):
-            cls = spec.linear_layer if kind == "linear_attention" else spec.layer
+        for i, (kind, moe) in enumerate(zip(c.layer_types, c.moe_layers)):
+            cls = spec.layer_class(kind, moe)
             self.layers.append(cls(lambda name, i=i: w(f"layers.{i}.{name}"), c))
             self.layer_index.append(sum(1 for t in c.layer_types[:i] if t == kind))
         self.rotary = Rotary(c, spec.rotary_pairing, self.device, self.dtype)
@@ -454,9 +497,18 @@ class DecoderModel:
                         dtype: str | torch.dtype = torch.float32) -> "DecoderModel":
         root = Path(checkpoint_dir)
         config = DecoderConfig.from_checkpoint(root)
-        weights = read_safetensors(root, lambda k: None if ("visual" in k or "vision" in k or k.startswith("mlp1")
-                                                            or k.startswith("model.merger.")) else k,
-                                   dtype=parse_dtype(dtype))
+
+        def wanted(k: str) -> bool:
+            """Not the vision tower's, nor a layer past the stack (GLM-4.5V's multi-token-prediction
+            layers, which transformers does not load either)."""
+            if "visual" in k or "vision" in k or k.startswith("mlp1") or k.startswith("model.merger."):
+                return False
+            layer = _LAYER_KEY.match(k)
+            return layer is None or int(layer[1]) < config.num_layers
+
+        weights = read_safetensors(root, lambda k: k if wanted(k) else None, dtype=parse_dtype(dtype))
+        if parse_dtype(dtype) != torch.float32:  # read again, unrounded
+            weights.update(read_safetensors(root, lambda k: k if wanted(k) and k.endswith(_FLOAT32_WEIGHTS) else None))
         return cls(config, weights, device=device, dtype=dtype)
 
     # ---- inputs --------------------------------------------------------------------------------

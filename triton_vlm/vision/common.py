@@ -178,9 +178,9 @@ def example_inputs(settings: dict[str, Any], encoder_metadata, grid_thw) -> tupl
     return pixels, encoder_metadata(grid, settings)
 
 
-# ONNX dynamic axes of the inputs every tower has.
+# ONNX dynamic axes of the rotary and per-frame group inputs (`frame_profile`'s).
 FRAME_AXES: dict[str, dict[int, str]] = {
-    "pixel_values": {0: "patches"}, "rotary_cos": {0: "patches"}, "rotary_sin": {0: "patches"},
+    "rotary_cos": {0: "patches"}, "rotary_sin": {0: "patches"},
     "full_index": {0: "frames", 1: "frame_len"}, "full_mask": {0: "frames", 1: "frame_len"},
     "full_inverse": {0: "patches"},
 }
@@ -310,12 +310,17 @@ class VisionAttention(nn.Module):
     # float32); float16 graphs and eager torch use the plain MatMul / Softmax form.
     fused = True
 
-    def __init__(self, dim: int, num_heads: int, qkv_bias: bool, proj_bias: bool):
+    def __init__(self, dim: int, num_heads: int, qkv_bias: bool, proj_bias: bool, qk_norm_eps: float | None = None):
+        """`qk_norm_eps`: q and k are RMS-normed per head (`q_norm`, `k_norm`) before the rotary."""
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
         self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
         self.proj = nn.Linear(dim, dim, bias=proj_bias)
+        self.qk_norm = qk_norm_eps is not None
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, qk_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, qk_norm_eps)
 
     def forward(self, x, cos, sin, index, mask, inverse, lengths):
         n, dim = x.shape
@@ -326,6 +331,9 @@ class VisionAttention(nn.Module):
         w, b = self.qkv.weight, self.qkv.bias
         qk = nn.functional.linear(x, w[:2 * dim], None if b is None else b[:2 * dim])
         qk = qk.reshape(n, 2, self.num_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = qk.unbind(1)
+            qk = torch.stack((self.q_norm(q), self.k_norm(k)), dim=1)
         v = nn.functional.linear(x, w[2 * dim:], None if b is None else b[2 * dim:])
         dtype = qk.dtype
         qk = qk.float()
@@ -357,11 +365,11 @@ class VisionBlock(nn.Module):
     """Pre-norm block: x + attn(norm1(x)), then x + mlp(norm2(x))."""
 
     def __init__(self, dim: int, num_heads: int, mlp_hidden: int, act: str, eps: float, *,
-                 qkv_bias: bool, proj_bias: bool, mlp_bias: bool):
+                 qkv_bias: bool, proj_bias: bool, mlp_bias: bool, qk_norm: bool = False):
         super().__init__()
         self.norm1 = RMSNorm(dim, eps)
         self.norm2 = RMSNorm(dim, eps)
-        self.attn = VisionAttention(dim, num_heads, qkv_bias, proj_bias)
+        self.attn = VisionAttention(dim, num_heads, qkv_bias, proj_bias, eps if qk_norm else None)
         self.mlp = VisionMLP(dim, mlp_hidden, act, mlp_bias)
 
     def forward(self, x, cos, sin, index, mask, inverse, lengths):

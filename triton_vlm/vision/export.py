@@ -35,11 +35,11 @@ def export_onnx(checkpoint_dir: str | Path, out_path: str | Path, dtype: str = "
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {_DTYPES}, not {dtype!r}")
     family = detect_family(checkpoint_dir).name
-    tower_mod = get_tower(family)
-    settings = tower_mod.read_vision_config(checkpoint_dir)
-    model = tower_mod.load_tower(checkpoint_dir, getattr(torch, dtype))
-    pixels, metadata = tower_mod.example_inputs(settings)
-    args = (torch.from_numpy(pixels),) + tuple(torch.from_numpy(metadata[k]) for k in tower_mod.METADATA_INPUTS)
+    tower = get_tower(family)
+    settings = tower.read_vision_config(checkpoint_dir)
+    model = tower.load_tower(checkpoint_dir, getattr(torch, dtype))
+    pixels, metadata = tower.example_inputs(settings)
+    args = (torch.from_numpy(pixels),) + tuple(torch.from_numpy(metadata[k]) for k in tower.METADATA_INPUTS)
 
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -49,8 +49,8 @@ def export_onnx(checkpoint_dir: str | Path, out_path: str | Path, dtype: str = "
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         torch.onnx.export(model, args, str(out_path), dynamo=False, opset_version=OPSET,
-                          input_names=list(tower_mod.INPUT_NAMES), output_names=[tower_mod.OUTPUT_NAME],
-                          dynamic_axes=tower_mod.dynamic_axes(), do_constant_folding=True,
+                          input_names=list(tower.INPUT_NAMES), output_names=[tower.OUTPUT_NAME],
+                          dynamic_axes=tower.dynamic_axes(), do_constant_folding=True,
                           custom_opsets={"com.microsoft": 1})
     # Record what the runtime needs; large models keep their external data where it is.
     proto = onnx.load(str(out_path), load_external_data=False)

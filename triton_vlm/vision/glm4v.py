@@ -16,12 +16,17 @@ for the position-embedding resampling, ((w + 0.5) / W) * 2 - 1 and the same for 
 as transformers forms it. The resampling itself is in the graph (ONNX `GridSample`, bicubic,
 border), so any patch grid works, larger or smaller than the embedding grid.
 
+GLM-OCR's tower (`GlmOcrTower`, transformers' `GlmOcrVisionModel`) is the same without the
+post-conv RMSNorm and the position embeddings (so no `pos_grid`), with q and k RMS-normed per head
+before the rotary, `attention_bias` on the attention output and block MLP projections too, block
+MLPs `intermediate_size` wide, and a merger whose SwiGLU is `out_hidden_size * in_channels` wide
+(transformers' sizing; vLLM uses the text `intermediate_size`).
+
 Videos: every temporal step is encoded as its own frame with its item's (h, w), as transformers'
 `get_video_features` does (it flattens `video_grid_thw` to one row per step before the tower).
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,10 +34,7 @@ import torch
 import torch.nn as nn
 
 from triton_vlm.vision import common
-
-METADATA_INPUTS = common.ROTARY_INPUTS + ("pos_grid",) + common.FULL_INPUTS
-INPUT_NAMES = ("pixel_values",) + METADATA_INPUTS
-OUTPUT_NAME = "embeddings"
+from triton_vlm.vision.tower import Tower
 
 # The vision-config fields the tower and its metadata read, with Hugging Face's defaults
 # (`Glm4vVisionConfig`).
@@ -41,12 +43,15 @@ _DEFAULTS: dict[str, Any] = dict(
     image_size=336, patch_size=14, rms_norm_eps=1e-5, spatial_merge_size=2, temporal_patch_size=2,
     out_hidden_size=4096, intermediate_size=13696, rope_theta=10000.0,
 )
+# `GlmOcrVisionConfig`'s own defaults on top.
+_OCR_DEFAULTS: dict[str, Any] = {**_DEFAULTS, **dict(hidden_size=1024, attention_bias=True, num_heads=16,
+                                                      out_hidden_size=1536, intermediate_size=4096)}
 
 
-def vision_settings(vision_config: Any) -> dict[str, Any]:
+def vision_settings(vision_config: Any, defaults: dict[str, Any] = _DEFAULTS) -> dict[str, Any]:
     """Normalise a vision config (HF config object or dict, e.g. `config.json`'s `vision_config`)
     into a plain JSON-able dict of the fields this module uses."""
-    out = common.config_fields(vision_config, _DEFAULTS)
+    out = common.config_fields(vision_config, defaults)
     for key in ("image_size", "patch_size", "temporal_patch_size"):
         out[key] = common.square(out[key], key)
     for key in ("depth", "hidden_size", "num_heads", "in_channels", "spatial_merge_size", "out_hidden_size",
@@ -77,7 +82,7 @@ def _frame_layout(h: int, w: int, m: int, inv_freq: np.ndarray) -> tuple[np.ndar
 def encoder_metadata(grid_thw: np.ndarray, settings: dict[str, Any]) -> dict[str, np.ndarray]:
     """The tower's metadata inputs for `grid_thw` [M, 3] (processor order), computed with numpy.
 
-    Keys: `METADATA_INPUTS`. Requires at least one item."""
+    Keys: `Glm4vTower.METADATA_INPUTS`. Requires at least one item."""
     m = settings["spatial_merge_size"]
     grid = common.check_grid(grid_thw, m)
     inv_freq = common.rotary_inv_freq(settings["head_dim"], settings["rope_theta"])
@@ -126,23 +131,22 @@ class PatchMerger(common.VisionMLP):
         return super().forward(self.act1(self.post_projection_norm(self.proj(x))))
 
 
-class Glm4vVisionTower(nn.Module):
-    """Inputs: `pixel_values` [N, patch_dim] plus `METADATA_INPUTS`; output float32 [N / merge^2, out_hidden]."""
+class _GlmVisionTower(nn.Module):
+    """What both GLM towers share: the patch embedding, the blocks (MLPs `mlp_hidden` wide), the
+    post-layernorm, the 2x2 `downsample` and the merger (`merger_context` wide)."""
 
-    def __init__(self, cfg: dict[str, Any]):
+    def __init__(self, cfg: dict[str, Any], *, mlp_hidden: int, bias: bool, qk_norm: bool, merger_context: int):
+        """`bias`: the attention output and MLP projections have biases (qkv's: `attention_bias`)."""
         super().__init__()
         dim, m, eps = cfg["hidden_size"], cfg["spatial_merge_size"], cfg["rms_norm_eps"]
         self.patch_embed = common.PatchEmbed(cfg, bias=True)
-        self.post_conv_layernorm = common.RMSNorm(dim, eps)
-        self.embeddings = PositionEmbedding(cfg["pos_embed_size"], dim)
-        # The block MLP is out_hidden_size wide, the merger's intermediate_size (as in transformers).
         self.blocks = nn.ModuleList([
-            common.VisionBlock(dim, cfg["num_heads"], cfg["out_hidden_size"], cfg["hidden_act"], eps,
-                               qkv_bias=cfg["attention_bias"], proj_bias=False, mlp_bias=False)
+            common.VisionBlock(dim, cfg["num_heads"], mlp_hidden, cfg["hidden_act"], eps,
+                               qkv_bias=cfg["attention_bias"], proj_bias=bias, mlp_bias=bias, qk_norm=qk_norm)
             for _ in range(cfg["depth"])])
         self.post_layernorm = common.RMSNorm(dim, eps)
         self.downsample = nn.Conv2d(dim, cfg["out_hidden_size"], kernel_size=m, stride=m)
-        self.merger = PatchMerger(cfg["out_hidden_size"], cfg["intermediate_size"], cfg["hidden_act"])
+        self.merger = PatchMerger(cfg["out_hidden_size"], merger_context, cfg["hidden_act"])
 
     def _downsample(self, x: torch.Tensor) -> torch.Tensor:
         """The m x m Conv2d over each merge block's adjacent rows as one MatMul: rows [N/m^2, m*m*C]
@@ -151,9 +155,8 @@ class Glm4vVisionTower(nn.Module):
         flat = weight.permute(0, 2, 3, 1).reshape(weight.shape[0], -1)
         return nn.functional.linear(x.reshape(-1, flat.shape[1]), flat, self.downsample.bias)
 
-    def forward(self, pixel_values, rotary_cos, rotary_sin, pos_grid, full_index, full_mask, full_inverse):
-        x = self.post_conv_layernorm(self.patch_embed(pixel_values))
-        x = self.embeddings(x, pos_grid)
+    def encode(self, x, rotary_cos, rotary_sin, full_index, full_mask, full_inverse) -> torch.Tensor:
+        """The blocks onward, from the embedded patches x [N, hidden]."""
         cos, sin = rotary_cos.float()[:, None, None, :], rotary_sin.float()[:, None, None, :]
         full_mask = full_mask.float()
         full_len = common.key_lengths(full_mask)
@@ -163,32 +166,58 @@ class Glm4vVisionTower(nn.Module):
         return self.merger(x).float()
 
 
-# --------------------------------------------------------------------------------------------
-# Checkpoint loading
-# --------------------------------------------------------------------------------------------
+class Glm4vVisionTower(_GlmVisionTower):
+    """Inputs: `pixel_values` [N, patch_dim] plus `Glm4vTower.METADATA_INPUTS`; output float32
+    [N / merge^2, out_hidden]."""
 
-def checkpoint_settings(config: dict[str, Any]) -> dict[str, Any]:
-    """The settings of a checkpoint's `config.json`."""
-    return vision_settings(config["vision_config"])
+    def __init__(self, cfg: dict[str, Any]):
+        # The block MLP is out_hidden_size wide, the merger's intermediate_size (as in transformers).
+        super().__init__(cfg, mlp_hidden=cfg["out_hidden_size"], bias=False, qk_norm=False,
+                         merger_context=cfg["intermediate_size"])
+        self.post_conv_layernorm = common.RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        self.embeddings = PositionEmbedding(cfg["pos_embed_size"], cfg["hidden_size"])
 
-
-def read_vision_config(checkpoint_dir: str | Path) -> dict[str, Any]:
-    return checkpoint_settings(common.read_config_json(checkpoint_dir))
-
-
-def load_tower(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32) -> Glm4vVisionTower:
-    return common.load_strict(Glm4vVisionTower(read_vision_config(checkpoint_dir)), checkpoint_dir, dtype)
-
-
-def example_inputs(settings: dict[str, Any],
-                   grid_thw=((1, 4, 6), (2, 8, 8))) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """Small random inputs for tracing / smoke tests."""
-    return common.example_inputs(settings, encoder_metadata, grid_thw)
+    def forward(self, pixel_values, rotary_cos, rotary_sin, pos_grid, full_index, full_mask, full_inverse):
+        x = self.embeddings(self.post_conv_layernorm(self.patch_embed(pixel_values)), pos_grid)
+        return self.encode(x, rotary_cos, rotary_sin, full_index, full_mask, full_inverse)
 
 
-def dynamic_axes() -> dict[str, dict[int, str]]:
-    return {
-        **common.FRAME_AXES,
-        "pos_grid": {0: "patches"},
-        OUTPUT_NAME: {0: "tokens"},
-    }
+class GlmOcrVisionTower(_GlmVisionTower):
+    """GLM-OCR: inputs `pixel_values` [N, patch_dim] plus `GlmOcrTower.METADATA_INPUTS`."""
+
+    def __init__(self, cfg: dict[str, Any]):
+        super().__init__(cfg, mlp_hidden=cfg["intermediate_size"], bias=cfg["attention_bias"], qk_norm=True,
+                         merger_context=cfg["out_hidden_size"] * cfg["in_channels"])
+
+    def forward(self, pixel_values, rotary_cos, rotary_sin, full_index, full_mask, full_inverse):
+        return self.encode(self.patch_embed(pixel_values), rotary_cos, rotary_sin, full_index, full_mask,
+                           full_inverse)
+
+
+class Glm4vTower(Tower):
+    module = Glm4vVisionTower
+    METADATA_INPUTS = common.ROTARY_INPUTS + ("pos_grid",) + common.FULL_INPUTS
+    METADATA_AXES = {**common.FRAME_AXES, "pos_grid": {0: "patches"}}
+    vision_settings = staticmethod(vision_settings)
+    encoder_metadata = staticmethod(encoder_metadata)
+    profile_shapes = staticmethod(profile_shapes)
+
+
+class GlmOcrTower(Tower):
+    """GLM-4.1V's metadata less `pos_grid`."""
+    module = GlmOcrVisionTower
+    METADATA_INPUTS = common.ROTARY_INPUTS + common.FULL_INPUTS
+    METADATA_AXES = common.FRAME_AXES
+
+    @staticmethod
+    def vision_settings(vision_config: Any) -> dict[str, Any]:
+        return vision_settings(vision_config, _OCR_DEFAULTS)
+
+    @classmethod
+    def encoder_metadata(cls, grid_thw: np.ndarray, settings: dict[str, Any]) -> dict[str, np.ndarray]:
+        metadata = encoder_metadata(grid_thw, settings)
+        return {name: metadata[name] for name in cls.METADATA_INPUTS}
+
+    @classmethod
+    def profile_shapes(cls, settings: dict[str, Any], patches: tuple[int, int, int]) -> common.Shapes:
+        return common.frame_profile(settings, patches)

@@ -30,7 +30,6 @@ per-slice attention groups before (`full_*`) and after (`merged_*`) the window m
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -38,11 +37,10 @@ import torch
 import torch.nn as nn
 
 from triton_vlm.vision import common
+from triton_vlm.vision.tower import Tower
 
 METADATA_INPUTS = ("patch_order", "position_ids") + common.FULL_INPUTS + ("merged_index", "merged_mask",
                                                                           "merged_inverse")
-INPUT_NAMES = ("pixel_values",) + METADATA_INPUTS
-OUTPUT_NAME = "embeddings"
 
 # Fields read from the model config (`MiniCPMV4_6Config`, top level) and its vision_config
 # (`MiniCPMV4_6VisionConfig`), with Hugging Face's defaults.
@@ -81,12 +79,6 @@ def vision_settings(config: Any) -> dict[str, Any]:
     out.update(depth=out["num_hidden_layers"], num_heads=out["num_attention_heads"],
                in_channels=out["num_channels"], temporal_patch_size=1)
     return common.add_derived(out)
-
-
-def checkpoint_settings(config: dict[str, Any]) -> dict[str, Any]:
-    """The settings of a checkpoint's `config.json`."""
-    return vision_settings(config)
-
 
 
 def patch_rows(pixel_values: Any) -> np.ndarray:
@@ -301,31 +293,23 @@ class MiniCPMV4_6VisionTower(nn.Module):
         return x.float()
 
 
-# --------------------------------------------------------------------------------------------
-# Checkpoint loading
-# --------------------------------------------------------------------------------------------
-
-def read_vision_config(checkpoint_dir: str | Path) -> dict[str, Any]:
-    return checkpoint_settings(common.read_config_json(checkpoint_dir))
-
-
-def load_tower(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32) -> MiniCPMV4_6VisionTower:
-    return common.load_strict(MiniCPMV4_6VisionTower(read_vision_config(checkpoint_dir)), checkpoint_dir, dtype,
-                              PREFIXES)
-
-
-def example_inputs(settings: dict[str, Any],
-                   grid_thw=((1, 8, 12), (2, 8, 8))) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """Small random inputs for tracing / smoke tests."""
-    return common.example_inputs(settings, encoder_metadata, grid_thw)
-
-
-def dynamic_axes() -> dict[str, dict[int, str]]:
-    return {
-        "pixel_values": {0: "patches"}, "patch_order": {0: "patches"}, "position_ids": {0: "patches"},
+class MiniCPMV4_6Tower(Tower):
+    """Its settings come from the whole `config.json` (the merger fields are at its top level)."""
+    module = MiniCPMV4_6VisionTower
+    METADATA_INPUTS = METADATA_INPUTS
+    METADATA_AXES = {
+        "patch_order": {0: "patches"}, "position_ids": {0: "patches"},
         "full_index": {0: "slices", 1: "slice_len"}, "full_mask": {0: "slices", 1: "slice_len"},
         "full_inverse": {0: "patches"},
         "merged_index": {0: "slices", 1: "merged_len"}, "merged_mask": {0: "slices", 1: "merged_len"},
         "merged_inverse": {0: "merged_rows"},
-        OUTPUT_NAME: {0: "tokens"},
     }
+    PREFIXES = PREFIXES
+    EXAMPLE_GRID = ((1, 8, 12), (2, 8, 8))
+    vision_settings = staticmethod(vision_settings)
+    encoder_metadata = staticmethod(encoder_metadata)
+    profile_shapes = staticmethod(profile_shapes)
+
+    @classmethod
+    def checkpoint_settings(cls, config: dict[str, Any]) -> dict[str, Any]:
+        return vision_settings(config)

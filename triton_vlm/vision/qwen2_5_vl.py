@@ -10,21 +10,16 @@ Every size comes from the checkpoint's vision config.
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 import torch.nn as nn
 
 from triton_vlm.vision import common
+from triton_vlm.vision.tower import Tower
 
 RMS_EPS = 1e-6  # fixed in the Hugging Face implementation (not a config field)
-
-# ONNX graph interface (names are the tower's; the runtime feeds them by name).
 METADATA_INPUTS = common.ROTARY_INPUTS + ("window_index", "window_mask", "window_inverse") + common.FULL_INPUTS
-INPUT_NAMES = ("pixel_values",) + METADATA_INPUTS
-OUTPUT_NAME = "embeddings"
 
 # The vision-config fields the tower and its metadata read, with Hugging Face's defaults.
 _DEFAULTS: dict[str, Any] = dict(
@@ -153,33 +148,11 @@ class Qwen2_5_VLVisionTower(nn.Module):
         return self.merger(x).float()
 
 
-# --------------------------------------------------------------------------------------------
-# Checkpoint loading
-# --------------------------------------------------------------------------------------------
-
-def checkpoint_settings(config: dict[str, Any]) -> dict[str, Any]:
-    """The settings of a checkpoint's `config.json`."""
-    return vision_settings(config["vision_config"])
-
-
-def read_vision_config(checkpoint_dir: str | Path) -> dict[str, Any]:
-    return checkpoint_settings(common.read_config_json(checkpoint_dir))
-
-
-def load_tower(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32) -> Qwen2_5_VLVisionTower:
-    return common.load_strict(Qwen2_5_VLVisionTower(read_vision_config(checkpoint_dir)), checkpoint_dir, dtype)
-
-
-def example_inputs(settings: dict[str, Any],
-                   grid_thw=((1, 4, 6), (2, 8, 8))) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """Small random inputs for tracing / smoke tests."""
-    return common.example_inputs(settings, encoder_metadata, grid_thw)
-
-
-def dynamic_axes() -> dict[str, dict[int, str]]:
-    return {
-        **common.FRAME_AXES,
-        "window_index": {0: "windows", 1: "window_len"}, "window_mask": {0: "windows", 1: "window_len"},
-        "window_inverse": {0: "patches"},
-        OUTPUT_NAME: {0: "tokens"},
-    }
+class Qwen2_5_VLTower(Tower):
+    module = Qwen2_5_VLVisionTower
+    METADATA_INPUTS = METADATA_INPUTS
+    METADATA_AXES = {**common.FRAME_AXES, "window_index": {0: "windows", 1: "window_len"},
+                     "window_mask": {0: "windows", 1: "window_len"}, "window_inverse": {0: "patches"}}
+    vision_settings = staticmethod(vision_settings)
+    encoder_metadata = staticmethod(encoder_metadata)
+    profile_shapes = staticmethod(profile_shapes)

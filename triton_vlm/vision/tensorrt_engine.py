@@ -11,8 +11,7 @@ it. A float32 graph under the FP16 builder flag (weak typing) would let TensorRT
 an RMSNorm's x^2 and mean, which overflow once |x| > 256 (real vision towers have such
 activations); weak typing is also gone in TensorRT 11. One optimisation profile. Every dynamic
 input dimension derives from the number of patch rows of one engine run, so the profile is given
-as min/opt/max patches and the tower module turns it into shapes (`profile_shapes` of
-`triton_vlm.vision.<family>`):
+as min/opt/max patches and the tower class turns it into shapes (`Tower.profile_shapes`):
 
 - `pixel_values`, `rotary_cos/sin`, `*_inverse`, GLM's `pos_grid`: [patches, ...];
 - Qwen2.5-VL's `window_index/mask`: [windows, window_len], windows <= patches / merge^2 (a window
@@ -22,7 +21,7 @@ as min/opt/max patches and the tower module turns it into shapes (`profile_shape
   the 2x2 window merger (patches / 4 rows), `merged_inverse`: [patches / 4].
 
 Run: `TensorRTEncoder` has the interface of the ONNX Runtime `VisionEncoder` (`encode`,
-`warmup`, `merge_unit`, ...): host metadata from the tower module, runs of at most `max` patches
+`warmup`, `merge_unit`, ...): host metadata from the tower class, runs of at most `max` patches
 (frames of one size together, each video frame on its own), buffers as torch CUDA
 tensors, `execute_async_v3` on a torch stream.
 """
@@ -55,7 +54,7 @@ class EngineProfile:
 
 
 def profile_shapes(family: str, settings: dict, profile: EngineProfile) -> dict[str, tuple[tuple[int, ...], ...]]:
-    """(min, opt, max) shape of every engine input: the family's tower module knows its inputs."""
+    """(min, opt, max) shape of every engine input: the family's tower class knows its inputs."""
     return get_tower(family).profile_shapes(
         settings, (profile.min_patches, profile.opt_patches, profile.max_patches))
 

@@ -1,0 +1,74 @@
+"""`Tower`: one family's vision tower as the encoders, the ONNX exporter and the TensorRT builder
+see it. A subclass names its torch module (`module`, parameter names as in the HF state_dict),
+its metadata inputs and their dynamic axes, and implements `vision_settings`, `encoder_metadata`
+and `profile_shapes`; reading a checkpoint, loading its weights, example inputs and the full
+ONNX axes are the same for every tower and live here. Towers hold no state: everything is a
+class method, and a `Family` names its tower class (`triton_vlm.vision.get_tower`).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar, Mapping
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from triton_vlm.vision import common
+
+
+class Tower:
+    module: ClassVar[type[nn.Module]]
+    METADATA_INPUTS: ClassVar[tuple[str, ...]]
+    INPUT_NAMES: ClassVar[tuple[str, ...]]
+    OUTPUT_NAME: ClassVar[str] = "embeddings"
+    # ONNX dynamic axes of the metadata inputs (`pixel_values` and the output are added).
+    METADATA_AXES: ClassVar[dict[str, dict[int, str]]]
+    # checkpoint name prefix -> the module's name prefix
+    PREFIXES: ClassVar[Mapping[str, str]] = common.PREFIXES
+    # the grid_thw of `example_inputs` (tracing, smoke tests)
+    EXAMPLE_GRID: ClassVar[tuple[tuple[int, int, int], ...]] = ((1, 4, 6), (2, 8, 8))
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.INPUT_NAMES = ("pixel_values",) + cls.METADATA_INPUTS
+
+    @classmethod
+    def vision_settings(cls, vision_config: Any) -> dict[str, Any]:
+        """A vision config (HF config object or dict) as a plain JSON-able dict of the fields the
+        tower uses, with at least `patch_dim`, `out_hidden_size` and `spatial_merge_size`."""
+        raise NotImplementedError
+
+    @classmethod
+    def encoder_metadata(cls, grid_thw: np.ndarray, settings: dict[str, Any]) -> dict[str, np.ndarray]:
+        """The metadata inputs (`METADATA_INPUTS`) for `grid_thw` [M, 3], computed with numpy."""
+        raise NotImplementedError
+
+    @classmethod
+    def profile_shapes(cls, settings: dict[str, Any], patches: tuple[int, int, int]) -> common.Shapes:
+        """TensorRT (min, opt, max) shape of every input for runs of `patches` (min, opt, max) rows."""
+        raise NotImplementedError
+
+    @classmethod
+    def checkpoint_settings(cls, config: dict[str, Any]) -> dict[str, Any]:
+        """The settings of a checkpoint's `config.json`."""
+        return cls.vision_settings(config["vision_config"])
+
+    @classmethod
+    def read_vision_config(cls, checkpoint_dir: str | Path) -> dict[str, Any]:
+        return cls.checkpoint_settings(common.read_config_json(checkpoint_dir))
+
+    @classmethod
+    def load_tower(cls, checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+        """The torch tower with the checkpoint's weights (every one of them, strictly), in `dtype`."""
+        return common.load_strict(cls.module(cls.read_vision_config(checkpoint_dir)), checkpoint_dir, dtype,
+                                  cls.PREFIXES)
+
+    @classmethod
+    def example_inputs(cls, settings: dict[str, Any], grid_thw=None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Random float32 pixel rows for `grid_thw` (default `EXAMPLE_GRID`) and their metadata."""
+        return common.example_inputs(settings, cls.encoder_metadata, grid_thw or cls.EXAMPLE_GRID)
+
+    @classmethod
+    def dynamic_axes(cls) -> dict[str, dict[int, str]]:
+        return {"pixel_values": {0: "patches"}, **cls.METADATA_AXES, cls.OUTPUT_NAME: {0: "tokens"}}
