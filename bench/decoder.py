@@ -177,7 +177,7 @@ def run_engine(engine, inputs: list[torch.Tensor], max_tokens: int, concurrency:
 def decoder_7b_overrides(layers: int, hidden: int, dtype: torch.dtype, device: torch.device) -> dict:
     """`write_demo_checkpoint` overrides of the `small` Qwen2.5-VL demo: the 7B text stack (scaled to
     `hidden` at the same head size and grouping), its padded vocabulary, `tiny`'s vision tower."""
-    from triton_vlm.families import get_family
+    from triton_vlm.checkpoint import DEMOS
 
     if hidden % (HEAD_DIM_7B * GROUP_7B):
         raise SystemExit(f"--hidden must be a multiple of {HEAD_DIM_7B * GROUP_7B} "
@@ -186,7 +186,7 @@ def decoder_7b_overrides(layers: int, hidden: int, dtype: torch.dtype, device: t
     text = dict(DECODER_7B, num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                 num_key_value_heads=heads // GROUP_7B,
                 intermediate_size=DECODER_7B["intermediate_size"] * hidden // DECODER_7B["hidden_size"])
-    return dict(text=text, vision=get_family("qwen2_5_vl").demo_sizes["tiny"]["vision"], model_vocab_size=VOCAB_7B,
+    return dict(text=text, vision=DEMOS["qwen2_5_vl"].sizes["tiny"]["vision"], model_vocab_size=VOCAB_7B,
                 dtype=str(dtype).removeprefix("torch."), device=str(device))
 
 

@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from types import ModuleType
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from triton_vlm.vision.tower import Tower
 
 ENCODER_MODELS = ("vision_encoder", "vision_encoder_batch")  # the encoder's two Triton models
 
@@ -52,7 +55,7 @@ def unfused_copy(onnx_path: Path, out_path: Path) -> Path:
     return out_path
 
 
-def check_unfused_matches(onnx_path: Path, tower: ModuleType, settings: dict, cases: dict, tmp_path: Path) -> None:
+def check_unfused_matches(onnx_path: Path, tower: type["Tower"], settings: dict, cases: dict, tmp_path: Path) -> None:
     """The unfused copy of `onnx_path`, run by ONNX Runtime on the tower's own metadata, matches
     the reference of every case: name -> (pixels, grid_thw, reference)."""
     import onnxruntime as ort
@@ -103,7 +106,7 @@ def check_engine_graphs(checkpoint: Path, float32_onnx: Path, tmp_path: Path) ->
     assert not (tmp_path / "engine.plan").exists()
 
 
-def check_profile_covers(family: str, tower: ModuleType, settings: dict, profile, grids) -> None:
+def check_profile_covers(family: str, tower: type["Tower"], settings: dict, profile, grids) -> None:
     """The TensorRT profile names every input of the tower, its (min, opt, max) are ordered, and
     the metadata of each grid of `grids` lies within (min, max)."""
     from triton_vlm.vision import tensorrt_engine as trt_engine

@@ -1,11 +1,12 @@
-"""Issue #7 end to end: GLM-4.1V, GLM-4.6V-Flash and GLMGA, each behind its own real tritonserver,
-checked against transformers in the same run.
+"""GLM end to end: GLM-4.1V, GLM-4.6V-Flash, GLMGA, GLM-OCR and GLM-4.5V (MoE decoder), each behind its
+own real tritonserver, checked against transformers in the same run.
 
 For each variant (tiny demo checkpoint): `preprocess` equals the checkpoint's own processor
 (`input_ids` with the video timestamps, `grid_thw` and `pixel_values` rows in prompt order) and
 `get_rope_index`, for an image, videos of 4 s, 45 s and 400 s, and a mix; `vision_encoder` equals
 the model's `get_image_features` / `get_video_features`; the ensemble's greedy `output_ids` equal
-`generate` over gRPC streaming and HTTP generate. transformers' GLM cannot generate from an image
+`generate` over gRPC streaming and HTTP generate, alone and with the other prompts in flight at the
+same time. transformers' GLM cannot generate from an image
 and a video in one prompt (its video mask also selects the image tokens), so the mixed prompt is
 checked through `preprocess` only; the engine has no such limit (tests/test_llm_glm.py checks its
 logits per step).
@@ -21,7 +22,7 @@ from tests.test_e2e import family_server, grpc_tokens, http_tokens, infer_direct
 from triton_vlm import samples
 from triton_vlm.families.glm4v import BEGIN_VIDEO, GLM4V
 
-VARIANTS = ("glm4v", "glm46v", "glmga")
+VARIANTS = ("glm4v", "glm46v", "glmga", "glm_ocr", "glm4v_moe")
 IMG, VID = GLM4V.image_placeholder, GLM4V.video_placeholder
 IMAGE_A = samples.image_bytes(300, 200)
 IMAGE_B = samples.image_bytes(120, 180, fmt="PNG", seed=1.0)
@@ -120,3 +121,15 @@ def test_greedy_tokens_equal_hf_generate(glm, expected_tokens, kind):
     _, server, _ = glm
     assert grpc_tokens(server, *PROMPTS[kind], NEW_TOKENS) == expected_tokens[kind]
     assert http_tokens(server, *PROMPTS[kind], NEW_TOKENS) == expected_tokens[kind]
+
+
+def test_concurrent_requests_each_equal_alone(glm, expected_tokens):
+    """Every prompt twice, all in flight at once (batched prefill and decode, MoE experts grouped
+    over rows of several sequences): each gets the tokens it gets alone, which are `generate`'s."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    _, server, _ = glm
+    kinds = list(PROMPTS) * 2
+    with ThreadPoolExecutor(len(kinds)) as pool:
+        results = list(pool.map(lambda kind: grpc_tokens(server, *PROMPTS[kind], NEW_TOKENS), kinds))
+    assert results == [expected_tokens[kind] for kind in kinds]

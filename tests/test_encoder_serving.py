@@ -97,9 +97,9 @@ def batching_server(tiny_repo, tiny_checkpoint, tmp_path_factory):
 
 
 def test_items_of_concurrent_requests_run_in_one_execution_and_split_back(batching_server, hf, tiny_checkpoint):
-    from triton_vlm.vision.qwen2_5_vl import read_vision_config
+    from triton_vlm.vision.qwen2_5_vl import Qwen2_5_VLTower
 
-    width = read_vision_config(tiny_checkpoint)["patch_dim"]
+    width = Qwen2_5_VLTower.read_vision_config(tiny_checkpoint)["patch_dim"]
     rng = np.random.default_rng(5)
     cases = {k: (rng.standard_normal((int(np.prod(g, axis=1).sum()), width)).astype(np.float32),
                  np.array(g, dtype=np.int64)) for k, g in BATCH_GRIDS.items()}

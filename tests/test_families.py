@@ -16,7 +16,8 @@ from triton_vlm.families import FAMILIES, detect_family
 
 @pytest.fixture(scope="module")
 def glm_checkpoints(tmp_path_factory):
-    return {v: write_demo_checkpoint(v, tmp_path_factory.mktemp(v), "tiny") for v in ("glm4v", "glm46v", "glmga")}
+    return {v: write_demo_checkpoint(v, tmp_path_factory.mktemp(v), "tiny")
+            for v in ("glm4v", "glm46v", "glmga", "glm_ocr", "glm4v_moe")}
 
 
 def _set_model_type(checkpoint, model_type: str) -> None:
@@ -54,6 +55,17 @@ def test_glm4v_model_type_without_a_video_processor_is_glm4v(glm_checkpoints, tm
 def test_every_family_detects_its_own_model_type(glm_checkpoints):
     for variant, checkpoint in glm_checkpoints.items():
         assert detect_family(checkpoint) is FAMILIES[variant]
+
+
+def test_the_family_names_its_tower_decoder_and_demo():
+    """One registry: each family names its tower class and decoder spec; each has a demo checkpoint."""
+    from triton_vlm.checkpoint import DEMOS
+    from triton_vlm.llm.model import DecoderSpec
+    from triton_vlm.vision.tower import Tower
+
+    for family in FAMILIES.values():
+        assert issubclass(family.tower_class(), Tower) and isinstance(family.decoder_spec(), DecoderSpec)
+    assert set(DEMOS) == set(FAMILIES)
 
 
 def test_unsupported_model_type_names_the_supported_ones(tmp_path):

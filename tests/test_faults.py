@@ -188,7 +188,7 @@ def test_a_request_past_a_triton_queue_timeout_is_unavailable(queue_server, tiny
     import tritonclient.http as httpclient
     from tritonclient.utils import InferenceServerException
 
-    from triton_vlm.vision.qwen2_5_vl import read_vision_config
+    from triton_vlm.vision.qwen2_5_vl import Qwen2_5_VLTower
 
     client = httpclient.InferenceServerClient(queue_server.http_url)
     try:
@@ -200,7 +200,8 @@ def test_a_request_past_a_triton_queue_timeout_is_unavailable(queue_server, tiny
         client.close()
     refused = "vision_encoder_batch: Request timeout expired"
     grid = np.array([[1, 4, 4]], np.int64)
-    inputs = [grpcclient.InferInput("pixel_values", [16, read_vision_config(tiny_checkpoint)["patch_dim"]], "FP32"),
+    patch_dim = Qwen2_5_VLTower.read_vision_config(tiny_checkpoint)["patch_dim"]
+    inputs = [grpcclient.InferInput("pixel_values", [16, patch_dim], "FP32"),
               grpcclient.InferInput("grid_thw", list(grid.shape), "INT64")]
     inputs[0].set_data_from_numpy(np.zeros(inputs[0].shape(), np.float32))
     inputs[1].set_data_from_numpy(grid)

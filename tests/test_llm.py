@@ -460,6 +460,29 @@ def assert_prefill_logits_match(hf_model, engine, req) -> None:
     assert torch.allclose(logits, ref, atol=1e-4, rtol=0), (logits - ref).abs().max()
 
 
+def assert_chunked_concurrent_equal_alone(engine, requests: dict) -> None:
+    """Greedy and seeded requests of every prompt of `requests` at once, in a small per-step token
+    budget (prompts prefilled in chunks beside other requests' decode steps), on a second engine
+    sharing `engine`'s model: each equals its run alone, and every block comes back."""
+    eng = Engine(engine.checkpoint_dir, model=engine.model, kv_cache_tokens=2048, max_num_tokens=16,
+                 return_logits=True)
+    jobs = []
+    for i, name in enumerate(requests):
+        jobs.append((name, SamplingParams(max_tokens=10 + i)))
+        jobs.append((name, SamplingParams(max_tokens=12 - i, temperature=0.9, top_k=50, top_p=0.9, seed=7 + i)))
+    try:
+        alone = [submit(eng, requests[n], p, f"alone-{i}").wait() for i, (n, p) in enumerate(jobs)]
+        seen_running = []
+        cols = [submit(eng, requests[n], p, f"conc-{i}", on_emit=lambda c: seen_running.append(eng.num_running))
+                for i, (n, p) in enumerate(jobs)]
+        together = [c.wait() for c in cols]
+        assert_same(together, alone)
+        assert max(seen_running) > 1  # they really did run at the same time
+        assert eng.kv_blocks_used == 0 and (eng.num_running, eng.num_waiting) == (0, 0)
+    finally:
+        eng.shutdown()
+
+
 def assert_same(together, alone, atol=1e-4):
     """Tokens equal; logits of every step within `atol` (batched matmuls sum in another order, so
     rows are not bitwise batch-invariant on CPU: see bench/RESULTS.md)."""

@@ -1,5 +1,6 @@
-"""The `llm` engine on the GLM-4 decoder (`glm4v_text`) of GLM-4.1V, GLM-4.6V-Flash and GLMGA,
-against transformers as the oracle (tiny random checkpoint of each variant, CPU).
+"""The `llm` engine on the GLM-4 decoder (`glm4v_text`) of GLM-4.1V, GLM-4.6V-Flash and GLMGA, and on
+GLM-OCR's (the same without q/k/v biases), against transformers as the oracle (tiny random
+checkpoint of each variant, CPU).
 
 Inputs come from the variant's HF processor; vision rows from the HF model's own
 `get_image_features` / `get_video_features`; positions from its `get_rope_index`. The engine gets
@@ -19,11 +20,12 @@ import pytest
 import torch
 
 from tests.oracle import Oracle
-from tests.test_llm import (assert_matches_generate, assert_prefill_logits_match, assert_same,
+from tests.test_llm import (assert_chunked_concurrent_equal_alone, assert_matches_generate,
+                             assert_prefill_logits_match,
                              hf_greedy_with_logits, llm_request, submit)
 from triton_vlm.llm import DecoderConfig, Engine, SamplingParams
 
-VARIANTS = ("glm4v", "glm46v", "glmga")
+VARIANTS = ("glm4v", "glm46v", "glmga", "glm_ocr")
 PROMPTS = {
     "text": "describe the red car on the road",
     "image": "<|begin_of_image|><|image|><|end_of_image|>what is in this image",
@@ -83,7 +85,7 @@ def test_config_read_from_checkpoint(glm):
     hf, engine = glm
     c, cfg = engine.config, hf.model.config
     text = cfg.text_config
-    assert c.model_type == cfg.model_type
+    assert c.family == cfg.model_type
     assert c.head_dim == text.hidden_size // text.num_attention_heads
     assert c.rotary_dim == int(c.head_dim * text.rope_parameters["partial_rotary_factor"]) < c.head_dim
     assert c.mrope_section == tuple(text.rope_parameters["mrope_section"])
@@ -113,21 +115,6 @@ def test_greedy_matches_hf_generate(glm, requests, name):
 def test_concurrent_requests_equal_alone(glm, requests):
     """Greedy and seeded requests of every prompt at once, in a small per-step token budget (prompts
     prefilled in chunks beside other requests' decode steps): each equals its run alone."""
-    hf, engine = glm
-    eng = Engine(hf.checkpoint, model=engine.model, kv_cache_tokens=2048, max_num_tokens=16, return_logits=True)
-    jobs = []
-    for i, name in enumerate(PROMPTS):
-        jobs.append((name, SamplingParams(max_tokens=10 + i)))
-        jobs.append((name, SamplingParams(max_tokens=12 - i, temperature=0.9, top_k=50, top_p=0.9, seed=7 + i)))
-    try:
-        alone = [submit(eng, requests[n], p, f"alone-{i}").wait() for i, (n, p) in enumerate(jobs)]
-        seen_running = []
-        cols = [submit(eng, requests[n], p, f"conc-{i}", on_emit=lambda c: seen_running.append(eng.num_running))
-                for i, (n, p) in enumerate(jobs)]
-        together = [c.wait() for c in cols]
-        assert_same(together, alone)
-        assert max(seen_running) > 1  # they really did run at the same time
-        assert eng.kv_blocks_used == 0 and (eng.num_running, eng.num_waiting) == (0, 0)
-    finally:
-        eng.shutdown()
+    _, engine = glm
+    assert_chunked_concurrent_equal_alone(engine, requests)
 

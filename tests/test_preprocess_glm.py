@@ -1,4 +1,6 @@
-"""GLM-4.1V, GLM-4.6V-Flash and GLMGA `preprocess` against transformers, computed in the same run.
+"""GLM-4.1V, GLM-4.6V-Flash, GLMGA, GLM-OCR and GLM-4.5V `preprocess` against transformers, computed
+in the same run. GLM-OCR and GLM-4.5V use GLM-4.6V's and GLM-4.1V's processor rules: they get the
+image, video and mixed cases and the sampler checks.
 
 Oracles:
 - token ids (timestamps included), grids, pixel values: `AutoProcessor.from_pretrained(ckpt)` of
@@ -32,6 +34,7 @@ from triton_vlm.media import VideoMetadata, video_facts
 from triton_vlm.preprocess import Preprocessor, _bind_sampler
 
 VARIANTS = ("glm4v", "glm46v", "glmga")
+ALL_VARIANTS = VARIANTS + ("glm_ocr", "glm4v_moe")
 IMG, VID = GLM4V.image_placeholder, GLM4V.video_placeholder
 PIXEL_TOL = 1e-4
 
@@ -121,8 +124,8 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant,case", [(v, c) for v in VARIANTS for c in CASES] + [
+    (v, c) for v in ALL_VARIANTS[len(VARIANTS):] for c in ("image", "video_4s", "image_and_video")])
 def test_matches_transformers(glm, variant, case):
     pre, hf = glm(variant)
     content, images, videos = CASES[case](variant)
@@ -166,7 +169,7 @@ def hf_metadata(total, fps, duration):
     return HFVideoMetadata(total_num_frames=total, fps=fps, duration=duration)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", ALL_VARIANTS)
 def test_sampler_matches_transformers(glm, variant):
     pre, hf = glm(variant)
     sampler, processor = bound_sampler(pre), hf.processor.video_processor
@@ -457,7 +460,7 @@ def test_no_assert_in_request_path():
 
 
 def test_variants_are_told_apart(glm):
-    for variant in VARIANTS:
+    for variant in ALL_VARIANTS:
         assert glm(variant)[0].family is get_family(variant)
 
 

@@ -1,11 +1,12 @@
-"""GLM vision tower (GLM-4.1V, GLM-4.6V-Flash, GLMGA): torch re-implementation, ONNX Runtime export
-(float32 fused, float16, the unfused TensorRT form) and the repository build, against transformers.
+"""GLM vision towers (GLM-4.1V's, shared by GLM-4.6V-Flash, GLMGA and GLM-4.5V; GLM-OCR's): torch
+re-implementation, ONNX Runtime export (float32 fused, float16, the unfused TensorRT form) and the
+repository build, against transformers.
 
 Oracle: `model.model.get_image_features(pixel_values, image_grid_thw)` and
 `get_video_features(pixel_values_videos, video_grid_thw)` (pooler outputs, concatenated in item
 order) of tiny random checkpoints (vision depth 2, hidden 32, 2 heads, position-embedding grid 8x8),
-with inputs from each checkpoint's own transformers processor. The glm4v checkpoint has every
-parameter drawn at random (the demo writer leaves biases at zero and norm weights at one, which
+with inputs from each checkpoint's own transformers processor. The glm4v and glm_ocr checkpoints
+have every parameter drawn at random (the demo writer leaves biases at zero and norm weights at one, which
 would hide a missing bias or norm). Error = max |ours - ref| / max |ref|.
 """
 from __future__ import annotations
@@ -24,7 +25,8 @@ from tests.encoder_checks import (check_engine_graphs, check_profile_covers, che
                                   encoder_models, rel_err)
 from tests.oracle import EncoderOracle
 from triton_vlm.vision import get_tower
-from triton_vlm.vision import glm4v as g
+from triton_vlm.vision.glm4v import Glm4vTower as g
+from triton_vlm.vision.glm4v import GlmOcrTower
 
 # Image sizes (width, height) -> the tiny processor's grids: 22x22 (merged 11x11: odd, larger than
 # the 8x8 embedding grid), 18x28, 6x6 (smaller than it), 22x14, 72x6.
@@ -56,8 +58,9 @@ def checkpoints(tmp_path_factory):
     from triton_vlm.checkpoint import write_demo_checkpoint
 
     root = tmp_path_factory.mktemp("glm_vision")
-    out = {v: write_demo_checkpoint(v, root / v, "tiny") for v in ("glm4v", "glm46v", "glmga")}
+    out = {v: write_demo_checkpoint(v, root / v, "tiny") for v in ("glm4v", "glm46v", "glmga", "glm_ocr", "glm4v_moe")}
     _randomise_weights(out["glm4v"])
+    _randomise_weights(out["glm_ocr"])
     return out
 
 
@@ -85,7 +88,7 @@ def exported(checkpoints, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("glm_onnx")
     return {"glm4v-float16": export_onnx(checkpoints["glm4v"], out / "glm4v-float16.onnx", dtype="float16"),
-            **{v: export_onnx(checkpoints[v], out / f"{v}.onnx") for v in ("glm46v", "glmga")}}
+            **{v: export_onnx(checkpoints[v], out / f"{v}.onnx") for v in ("glm46v", "glmga", "glm4v_moe", "glm_ocr")}}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -142,6 +145,45 @@ def test_position_embeddings_matter(checkpoints, oracles, settings):
     assert rel_err(_torch_tower(tower, settings, pixels, grid), ref) > 1e-3
 
 
+# GLM-OCR's tower: no position embeddings or post-conv norm, q/k norms, a 3x wider merger.
+
+def test_ocr_tower_loads_hf_state_dict_strictly(checkpoints, oracles):
+    tower = GlmOcrTower.load_tower(checkpoints["glm_ocr"])
+    ours, theirs = tower.state_dict(), oracles["glm_ocr"].model.model.visual.state_dict()
+    assert set(ours) == set(theirs) and any("q_norm" in k for k in ours) and "pos_grid" not in GlmOcrTower.INPUT_NAMES
+    for key in ours:
+        torch.testing.assert_close(ours[key], theirs[key], rtol=0, atol=0)
+
+
+def _ocr_tower(tower, checkpoints, pixels, grid) -> np.ndarray:
+    settings = GlmOcrTower.read_vision_config(checkpoints["glm_ocr"])
+    md = GlmOcrTower.encoder_metadata(grid, settings)
+    with torch.no_grad():
+        return tower(torch.from_numpy(pixels), *[torch.from_numpy(md[k]) for k in GlmOcrTower.METADATA_INPUTS]).numpy()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_ocr_torch_tower_matches_hf(case, checkpoints, oracles):
+    pixels, grid, ref = oracles["glm_ocr"](case)
+    assert rel_err(_ocr_tower(GlmOcrTower.load_tower(checkpoints["glm_ocr"]), checkpoints, pixels, grid), ref) < 1e-5
+
+
+def test_ocr_qk_norms_matter(checkpoints, oracles):
+    """Without the per-head q/k norms the output moves by far more than the tolerance."""
+    pixels, grid, ref = oracles["glm_ocr"]("several sizes")
+    tower = GlmOcrTower.load_tower(checkpoints["glm_ocr"])
+    for block in tower.blocks:
+        block.attn.qk_norm = False
+    assert rel_err(_ocr_tower(tower, checkpoints, pixels, grid), ref) > 1e-3
+
+
+def test_ocr_tensorrt_profile_covers_the_inputs(checkpoints):
+    from triton_vlm.vision.tensorrt_engine import EngineProfile
+
+    check_profile_covers("glm_ocr", GlmOcrTower, GlmOcrTower.read_vision_config(checkpoints["glm_ocr"]),
+                         EngineProfile(4, 1024, 4096), ([[1, 64, 64]], [[16, 16, 16]], [[1, 2, 2]] * 1024))
+
+
 # ---------------------------------------------------------------------------------------------
 # ONNX Runtime
 # ---------------------------------------------------------------------------------------------
@@ -196,14 +238,15 @@ def test_onnx_fp16_matches_hf(exported, oracles):
         assert rel_err(out, ref) < 1e-2, case
 
 
-@pytest.mark.parametrize("variant", ["glm46v", "glmga"])
+@pytest.mark.parametrize("variant", ["glm46v", "glmga", "glm4v_moe", "glm_ocr"])
 def test_other_variants_match_hf(variant, exported, oracles):
     import onnx
 
     from triton_vlm.vision.encoder import VisionEncoder
 
     enc = VisionEncoder(exported[variant])
-    assert enc.family == variant and enc.tower is g
+    assert enc.family == variant and enc.tower is (GlmOcrTower if variant == "glm_ocr" else g)
+    assert [i.name for i in enc.session.get_inputs()] == list(enc.tower.INPUT_NAMES)
     assert {p.key: p.value for p in onnx.load(str(exported[variant]), load_external_data=False).metadata_props}[
         "family"] == variant
     pixels, grid, ref = oracles[variant]("images and video")

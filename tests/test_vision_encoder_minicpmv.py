@@ -28,6 +28,7 @@ from tests.oracle import EncoderOracle
 from triton_vlm.errors import InvalidInput
 from triton_vlm.vision import get_tower
 from triton_vlm.vision import minicpmv as mc
+from triton_vlm.vision.minicpmv import MiniCPMV4_6Tower as MC
 
 # Image sizes (width, height); the tiny processor slices them into 8x8, 8x12 / 12x8, 4x16 and
 # 4x12 patch grids (the overview image first).
@@ -84,7 +85,7 @@ def oracle(checkpoint):
 
 @pytest.fixture(scope="module")
 def settings(checkpoint):
-    return mc.read_vision_config(checkpoint)
+    return MC.read_vision_config(checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +117,7 @@ def test_settings(settings, checkpoint):
     assert settings["out_hidden_size"] == config["text_config"]["hidden_size"]
     assert settings["insert_layer_id"] == config["insert_layer_id"] == 0
     with pytest.raises(ValueError, match="16x"):
-        mc.vision_settings({**config, "downsample_mode": "4x"})
+        MC.vision_settings({**config, "downsample_mode": "4x"})
 
 
 @pytest.mark.parametrize("side", [16, 32, 70, 27])
@@ -139,7 +140,7 @@ def test_metadata_orders_patches_by_transformers_windows(oracle, settings):
     )
 
     _, grid, _ = oracle("images and video")
-    md = mc.encoder_metadata(grid, settings)
+    md = MC.encoder_metadata(grid, settings)
     ref_windows, _ = get_vision_window_index(torch.from_numpy(grid), spatial_merge_size=1, window_size=2, patch_size=1)
     assert sorted(map(tuple, md["patch_order"].reshape(-1, 4).tolist())) == \
         sorted(map(tuple, ref_windows.numpy().reshape(-1, 4).tolist()))
@@ -151,7 +152,7 @@ def test_metadata_orders_patches_by_transformers_windows(oracle, settings):
 
 
 def test_tower_loads_hf_state_dict_strictly(checkpoint, oracle):
-    tower = mc.load_tower(checkpoint)  # strict=True inside
+    tower = MC.load_tower(checkpoint)  # strict=True inside
     theirs = {f"{name}.{k}": v for name in ("vision_tower", "merger")
               for k, v in getattr(oracle.model.model, name).state_dict().items()}
     ours = tower.state_dict()
@@ -163,10 +164,10 @@ def test_tower_loads_hf_state_dict_strictly(checkpoint, oracle):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_torch_tower_matches_hf(case, checkpoint, oracle, settings):
     pixels, grid, ref = oracle(case)
-    md = mc.encoder_metadata(grid, settings)
+    md = MC.encoder_metadata(grid, settings)
     with torch.no_grad():
-        out = mc.load_tower(checkpoint)(torch.from_numpy(pixels),
-                                        *[torch.from_numpy(md[k]) for k in mc.METADATA_INPUTS]).numpy()
+        out = MC.load_tower(checkpoint)(torch.from_numpy(pixels),
+                                        *[torch.from_numpy(md[k]) for k in MC.METADATA_INPUTS]).numpy()
     assert rel_err(out, ref) < 1e-5
 
 
@@ -177,8 +178,8 @@ def test_torch_tower_matches_hf(case, checkpoint, oracle, settings):
 def test_onnx_graph(encoder, onnx_path, settings):
     import onnx
 
-    assert [i.name for i in encoder.session.get_inputs()] == list(mc.INPUT_NAMES)
-    assert encoder.family == "minicpmv4_6" and get_tower(encoder.family) is mc and encoder.merge_unit == 16
+    assert [i.name for i in encoder.session.get_inputs()] == list(MC.INPUT_NAMES)
+    assert encoder.family == "minicpmv4_6" and get_tower(encoder.family) is MC and encoder.merge_unit == 16
     proto = onnx.load(str(onnx_path))
     ops = collections.Counter((n.domain, n.op_type) for n in proto.graph.node)
     # window attention: one unmasked fused node; slice attention: masked only when padded
@@ -236,7 +237,7 @@ def test_bad_grid_is_refused(encoder, oracle):
 
 def test_unfused_graph_runs_standard_ops_and_matches(onnx_path, settings, oracle, tmp_path):
     cases = {case: oracle(case) for case in ("448x448", "images and video")}
-    check_unfused_matches(onnx_path, mc, settings, cases, tmp_path)
+    check_unfused_matches(onnx_path, MC, settings, cases, tmp_path)
 
 
 def test_tensorrt_engines_are_built_from_the_export_of_their_precision(checkpoint, onnx_path, tmp_path):
@@ -247,7 +248,7 @@ def test_tensorrt_profile_covers_the_inputs(settings):
     from triton_vlm.vision.tensorrt_engine import EngineProfile
 
     grids = ([[1, 64, 64]], [[16, 16, 16]], [[1, 4, 4]] * 256, [[1, 32, 32]], [[1, 4, 4]], [[1, 8, 12], [1, 4, 16]])
-    check_profile_covers("minicpmv4_6", mc, settings, EngineProfile(16, 1024, 4096), grids)
+    check_profile_covers("minicpmv4_6", MC, settings, EngineProfile(16, 1024, 4096), grids)
 
 
 # ---------------------------------------------------------------------------------------------
