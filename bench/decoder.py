@@ -10,8 +10,11 @@ heads, intermediate 18944, vocab 152064, M-RoPE sections [16, 24, 24], rope thet
 weights in `--dtype` and a tiny vision tower, written by the demo-checkpoint code with size
 overrides (`--layers` / `--hidden` shrink it for a smoke run; `--save DIR` keeps it for `--checkpoint`).
 
-Both run in this process on the same device, interleaved round by round (transformers, then our
-engine at each `--concurrency`), so machine noise hits both alike. Prompts: chat prompts of 16
+Both run on the same device, interleaved round by round (transformers, then our engine at each
+`--concurrency`), so machine noise hits both alike. transformers runs in a child process (it writes
+the demo checkpoint, loads the model and measures the copy bandwidth there): each process then has
+one thread running OpenMP regions (ours: the engine's scheduler thread), as a server would; two
+such threads in one process slow each other's small ops several-fold (see `Engine`). Prompts: chat prompts of 16
 lengths (68 to 412 tokens on the `small` tokenizer; past 16 requests the lengths repeat with other
 words), greedy, `max_tokens` new tokens each. Concurrency 1 runs 4 requests, concurrency c > 1 runs
 max(--requests, c), c at a time (closed loop). Throughput is generated tokens / wall time of the
@@ -112,9 +115,10 @@ def decode_weight_bytes(hf) -> int:
         + head.numel() * head.element_size()
 
 
-def run_hf(model, inputs: list[torch.Tensor], max_tokens: int, device: torch.device) -> Run:
+def run_hf(model, inputs: list[list[int]], max_tokens: int, device: torch.device) -> Run:
     """One request at a time; TTFT from a separate 1-token generate of each of the first 4 prompts."""
     tokens, ttfts = 0, []
+    inputs = [torch.tensor(ids, device=device) for ids in inputs]
     sync(device)
     start = time.perf_counter()
     for ids in inputs:
@@ -130,6 +134,29 @@ def run_hf(model, inputs: list[torch.Tensor], max_tokens: int, device: torch.dev
         sync(device)
         ttfts.append(time.perf_counter() - t0)
     return Run(tokens, elapsed, ttfts)
+
+
+def transformers_process(conn, write: dict | None, ckpt: str, device: str, dtype: str) -> None:
+    """The child process: writes the checkpoint (`write`: `write_demo_checkpoint` arguments), loads
+    transformers' model, reports its facts, then runs `run_hf` on each `(inputs, max_tokens)` it gets
+    until None."""
+    from transformers import AutoModelForImageTextToText
+
+    from triton_vlm.checkpoint import write_demo_checkpoint
+
+    torch.set_grad_enabled(False)
+    t0 = time.perf_counter()
+    if write:
+        write_demo_checkpoint(**write)
+    written = time.perf_counter() - t0
+    device = torch.device(device)
+    hf = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=getattr(torch, dtype)).to(device).eval()
+    text = hf.config.text_config
+    conn.send(dict(parameters=sum(p.numel() for p in hf.parameters()), layers=text.num_hidden_layers,
+                   hidden=text.hidden_size, bandwidth=copy_bandwidth(device), weight_bytes=decode_weight_bytes(hf),
+                   written_s=written, torch_threads=torch.get_num_threads()))
+    while (job := conn.recv()) is not None:
+        conn.send(run_hf(hf, *job, device))
 
 
 def run_engine(engine, inputs: list[torch.Tensor], max_tokens: int, concurrency: int) -> Run:
@@ -231,68 +258,77 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
 
-    from tokenizers import Tokenizer
-    from transformers import AutoModelForImageTextToText
+    import multiprocessing
 
-    from triton_vlm.checkpoint import write_demo_checkpoint
+    from tokenizers import Tokenizer
+
     from triton_vlm.families import detect_family
 
     tmp = None
+    write = None
     if args.checkpoint:
         ckpt = Path(args.checkpoint)
     else:
         if not args.save:
             tmp = tempfile.TemporaryDirectory()
-        out = Path(args.save) if args.save else Path(tmp.name) / ("decoder-7b" if args.decoder_7b else "small")
+        ckpt = Path(args.save) if args.save else Path(tmp.name) / ("decoder-7b" if args.decoder_7b else "small")
         if args.decoder_7b:
-            t0 = time.perf_counter()
             overrides = decoder_7b_overrides(args.layers or DECODER_7B["num_hidden_layers"],
                                              args.hidden or DECODER_7B["hidden_size"], dtype, device)
-            ckpt = write_demo_checkpoint("qwen2_5_vl", out, "small", overrides=overrides)
-            print(f"wrote {ckpt} in {time.perf_counter() - t0:.0f} s")
+            write = dict(family_name="qwen2_5_vl", out=ckpt, size="small", overrides=overrides)
         else:
-            ckpt = write_demo_checkpoint(args.family, out, "small")
+            write = dict(family_name=args.family, out=ckpt, size="small")
+    conn, child_conn = multiprocessing.Pipe()
+    child = multiprocessing.get_context("spawn").Process(
+        target=transformers_process, args=(child_conn, write, str(ckpt), str(device), str(dtype).removeprefix("torch.")),
+        daemon=True)
+    child.start()
+    facts = conn.recv()
+    if write:
+        print(f"wrote {ckpt} in {facts['written_s']:.0f} s")
     tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
     chat_template = (ckpt / "chat_template.jinja").read_text()
     n_inputs = max(args.requests, *concurrency)
-    inputs = [torch.tensor(tok.encode(p, add_special_tokens=False).ids, device=device)
-              for p in prompts(n_inputs, chat_template)]
-    torch.set_grad_enabled(False)
-    hf = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=dtype).to(device).eval()
-    longest = max(i.numel() for i in inputs)
+    inputs = [tok.encode(p, add_special_tokens=False).ids for p in prompts(n_inputs, chat_template)]
+    longest = max(len(i) for i in inputs)
     engine = make_engine(ckpt, device, dtype, max(64, *concurrency),
                          # room for every request in flight at once: no preemption in the measurement
                          need_tokens=max(concurrency) * (longest + args.max_tokens + 16))
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()})"
-    n_params = sum(p.numel() for p in hf.parameters())
+    n_params = facts["parameters"]
     print(f"checkpoint {ckpt.name} ({detect_family(ckpt).name}): {n_params / 1e6:.1f} M parameters "
-          f"({hf.config.text_config.num_hidden_layers} layers, hidden {hf.config.text_config.hidden_size}); "
-          f"{device_name}, {str(dtype).removeprefix('torch.')}; torch threads {torch.get_num_threads()}; "
-          f"{len(inputs)} prompts of {min(i.numel() for i in inputs)}..{longest} tokens, "
+          f"({facts['layers']} layers, hidden {facts['hidden']}); "
+          f"{device_name}, {str(dtype).removeprefix('torch.')}; torch threads {facts['torch_threads']}; "
+          f"{len(inputs)} prompts of {min(len(i) for i in inputs)}..{longest} tokens, "
           f"max_tokens {args.max_tokens}, greedy")
 
-    bandwidth = copy_bandwidth(device)
-    weight_bytes = decode_weight_bytes(hf)
+    bandwidth, weight_bytes = facts["bandwidth"], facts["weight_bytes"]
     floor = weight_bytes / bandwidth
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + written); decode step reads "
           f"{weight_bytes / 1e9:.3f} GB of weights: floor {floor * 1000:.2f} ms per step")
 
+    def hf_run(subset: list[list[int]], max_tokens: int) -> Run:
+        conn.send((subset, max_tokens))
+        return conn.recv()
+
     # warm up both
-    hf.generate(input_ids=inputs[0][None], attention_mask=torch.ones_like(inputs[0][None]), max_new_tokens=4)
+    hf_run(inputs[:1], 4)
     run_engine(engine, inputs[:4], 4, 4)
 
     hf_name = "transformers (one at a time)"
     results: dict[str, list[Run]] = {}
     for _ in range(args.rounds):
-        results.setdefault(hf_name, []).append(run_hf(hf, inputs[:args.requests], args.max_tokens, device))
+        results.setdefault(hf_name, []).append(hf_run(inputs[:args.requests], args.max_tokens))
         for c in concurrency:
             subset = inputs[:4] if c == 1 else inputs[:max(args.requests, c)]
             results.setdefault(f"engine, concurrency {c}", []).append(run_engine(engine, subset, args.max_tokens, c))
     engine.shutdown()
+    conn.send(None)
+    child.join()
 
     figures: dict = {"device": device_name, "dtype": str(dtype).removeprefix("torch."), "checkpoint": str(ckpt),
-                     "parameters": n_params, "layers": hf.config.text_config.num_hidden_layers,
-                     "hidden": hf.config.text_config.hidden_size, "torch_threads": torch.get_num_threads(),
+                     "parameters": n_params, "layers": facts["layers"],
+                     "hidden": facts["hidden"], "torch_threads": facts["torch_threads"],
                      "max_tokens": args.max_tokens, "rounds": args.rounds, "copy_bandwidth_gb_s": bandwidth / 1e9,
                      "decode_weight_bytes": weight_bytes, "floor_ms_per_step": floor * 1000, "runs": {}}
     hf_runs = results[hf_name]
