@@ -356,3 +356,15 @@ def test_every_stub_exits_when_tritonserver_is_killed(tiny_repo, tmp_path):
     finally:
         _kill_and_close(pidfds)
         server.stop()
+
+
+def test_a_server_on_busy_ports_is_refused_before_it_starts(server, tiny_repo):
+    """Readiness is asked over HTTP, so a second server on a busy port would take the running one's
+    answers for its own (and its supervisor would reload the running one's models when it exits):
+    it is refused before anything starts, naming the port, and the running server is untouched."""
+    from triton_vlm.server import ServerError, TritonServer
+
+    second = TritonServer(tiny_repo, http_port=server.http_port, supervise=True)
+    with pytest.raises(ServerError, match=f"^HTTP port {server.http_port} already in use"):
+        second.start()
+    assert second.process is None and server.is_ready()

@@ -52,6 +52,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_in_use(port: int) -> bool:
+    """Whether something listens on `port` (tritonserver binds every address)."""
+    with socket.socket() as s:
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return True
+        return False
+
+
 def _ended_with_this_process(command: list[str]) -> list[str]:
     """`command` run through util-linux `setpriv --pdeathsig TERM` (prctl PR_SET_PDEATHSIG, kept
     across its exec) when called from the main thread: SIGTERM reaches it when this process ends.
@@ -140,6 +150,12 @@ class TritonServer:
         return "\n".join(lines or [l.rstrip() for l in list(self._tail)[-20:]])
 
     def start(self, timeout: float = 300.0) -> "TritonServer":
+        # Readiness is asked over HTTP: a server already on these ports would answer for ours (and
+        # the supervisor would reload *its* models when ours exits), so refuse to start beside it.
+        busy = [f"{name} port {port}" for name, port in (("HTTP", self.http_port), ("gRPC", self.grpc_port),
+                                                          ("metrics", self.metrics_port)) if port_in_use(port)]
+        if busy:
+            raise ServerError(f"{', '.join(busy)} already in use (another server?)")
         self.process = subprocess.Popen(_ended_with_this_process(self.command()), env=server_env(),
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         start_new_session=True)
@@ -200,6 +216,8 @@ class TritonServer:
             if pid in retiring:
                 retiring.discard(pid)
                 continue
+            if self.process.poll() is not None:  # the server itself went, and its stubs with it
+                return
             model = instance.rsplit("_", 2)[0]
             retiring.update(p for p, name in known.items() if name.rsplit("_", 2)[0] == model)
             self._event(f"model instance {instance} died (stub pid {pid}); requests routed to it fail "
