@@ -52,9 +52,11 @@ def test_cancelled_stream_stops_the_llm_and_frees_its_blocks(server):
     after = wait_for(server, _idle, timeout=10)
     assert _idle(after)
     generated = after["triton_vlm_llm_generated_tokens"] - before
-    # Stopped by the ensemble's cancellation watcher (20 ms poll) plus one step: a few steps past
-    # what the client saw, nowhere near the 3000 asked for.
-    assert received <= generated < received + 100, generated
+    # Stopped by the ensemble's cancellation watcher (20 ms poll) plus one step, nowhere near the
+    # 3000 asked for. How far the llm is past what the client saw depends on how fast it decodes
+    # against the ensemble's forwarding, and on the metrics wait above (refreshed every 100 ms): on
+    # the tiny model a few hundred tokens at most.
+    assert received <= generated < 500, generated
 
 
 def test_client_killed_mid_stream_stops_the_llm(server):

@@ -2,19 +2,23 @@
 state, token for token), and its batch invariance."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 import torch
 from transformers.generation.logits_process import (
     LogitsProcessorList,
+    MinNewTokensLengthLogitsProcessor,
+    NoBadWordsLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
 
-from triton_vlm.llm.sampling import NO_TOKEN, SamplingParams, make_generator, sample_batch
+from triton_vlm.errors import InvalidInput
+from triton_vlm.llm.sampling import NO_TOKEN, SamplingParams, make_generator, sample_batch, token_logprobs
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -201,3 +205,214 @@ def test_make_generator():
     assert torch.equal(torch.rand(4, generator=a), torch.rand(4, generator=b))
     assert make_generator(2 ** 64 - 1).initial_seed() == 2 ** 64 - 1
     assert make_generator(None).initial_seed() != make_generator(None).initial_seed()
+
+
+# ---------------------------------------------------------------------------------------------
+# min_tokens, bad words, presence / frequency penalties, log-probabilities
+# ---------------------------------------------------------------------------------------------
+
+def openai_penalties(scores: torch.Tensor, generated: torch.Tensor, presence: float, frequency: float) -> torch.Tensor:
+    """OpenAI's formula (vLLM's): mu[j] - c[j] * frequency - (c[j] > 0) * presence, c counted over
+    the generated ids."""
+    counts = torch.bincount(generated.cpu(), minlength=scores.shape[-1]).float().to(scores.device)
+    return scores - counts * frequency - (counts > 0).float() * presence
+
+
+def hf_reference_full(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator, context: torch.Tensor,
+                      num_generated: int) -> int:
+    """`hf_reference` with transformers' NoBadWords and MinNewTokensLength processors and the OpenAI
+    penalties (after the repetition penalty; the masks commute with them)."""
+    ids = context.to(logits.device)[None]
+    scores = logits[None].float()
+    if params.repetition_penalty != 1.0:
+        scores = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(ids, scores)
+    if num_generated and (params.presence_penalty or params.frequency_penalty):
+        scores = openai_penalties(scores, context[len(context) - num_generated:], params.presence_penalty,
+                                  params.frequency_penalty)
+    processors = LogitsProcessorList()
+    if params.bad_word_ids:
+        processors.append(NoBadWordsLogitsProcessor([list(w) for w in params.bad_word_ids]))
+    if params.min_tokens:
+        processors.append(MinNewTokensLengthLogitsProcessor(len(context) - num_generated, params.min_tokens,
+                                                            sorted(params.eos_token_ids), device=logits.device.type))
+    scores = processors(ids, scores)
+    plain = SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature, top_k=params.top_k,
+                           top_p=params.top_p)
+    return hf_reference(scores[0], plain, gen, None)
+
+
+def random_full_params(rng: random.Random, vocab: int, context: list[int]) -> SamplingParams:
+    """Random controls, new ones included; some bad words end with the context's tail so that they bite."""
+    words = []
+    for _ in range(rng.choice([0, 0, 1, 3])):
+        n = rng.randint(1, 3)
+        prefix = context[len(context) - n + 1:] if n > 1 and rng.random() < 0.6 else \
+            [rng.randrange(vocab) for _ in range(n - 1)]
+        words.append((*prefix, rng.randrange(vocab)))
+    return SamplingParams(
+        max_tokens=8, temperature=rng.choice([0.0, 0.0, 0.7, 1.0]), top_k=rng.choice([0, 0, 5]),
+        top_p=rng.choice([1.0, 0.9]), repetition_penalty=rng.choice([1.0, 1.0, 1.3]),
+        presence_penalty=rng.choice([0.0, 0.0, 0.5, -1.0, 2.0]), frequency_penalty=rng.choice([0.0, 0.0, 0.3, -2.0]),
+        min_tokens=rng.choice([0, 0, 3, 8]), eos_token_ids=frozenset(rng.sample(range(vocab), rng.randint(1, 2))),
+        bad_word_ids=tuple(words))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("vocab", [6, 300, 8192])
+def test_new_controls_match_transformers_processors(device, vocab):
+    """Token for token what transformers' MinNewTokensLength / NoBadWords / RepetitionPenalty
+    processors (and the OpenAI penalty formula) with its warpers and torch.multinomial give."""
+    rng = random.Random(1000 + vocab)
+    for trial in range(30):
+        rows = rng.randint(1, 8)
+        logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(trial)) * rng.choice([1, 4])
+        contexts = [torch.randint(0, vocab, (rng.randint(1, 30),), generator=torch.Generator().manual_seed(100 + i))
+                    for i in range(rows)]
+        generated = [rng.randint(0, len(c)) for c in contexts]
+        params = [random_full_params(rng, vocab, c.tolist()) for c in contexts]
+        gens = [make_generator(rng.getrandbits(64), device) for _ in range(rows)]
+        refs = [copy_of(g) for g in gens]
+        got = sample_batch(logits.to(device), params, gens, contexts, generated).tolist()
+        want = [hf_reference_full(logits[i].to(device), params[i], refs[i], contexts[i], generated[i])
+                for i in range(rows)]
+        assert got == want, (trial, params)
+
+
+def test_min_tokens_masks_eos_until_then_and_bad_words_bite():
+    logits = torch.zeros(4, 10)
+    logits[:, 3] = 5.0   # eos, the favourite
+    logits[:, 7] = 4.0
+    eos = frozenset({3})
+    params = [SamplingParams(max_tokens=5, min_tokens=2, eos_token_ids=eos),   # 1 generated: masked
+              SamplingParams(max_tokens=5, min_tokens=2, eos_token_ids=eos),   # 2 generated: free
+              SamplingParams(max_tokens=5, bad_word_ids=((3,), (1, 2, 7))),     # context ends 1, 2: 7 banned too
+              SamplingParams(max_tokens=5, bad_word_ids=((9, 2, 7),))]          # context does not end 9, 2
+    context = [torch.tensor([5, 1, 2])] * 4
+    tokens = sample_batch(logits, params, [None] * 4, context, [1, 2, 0, 0]).tolist()
+    assert tokens[0] == 7 and tokens[1] == 3 and tokens[2] not in (3, 7) and tokens[3] == 3
+
+
+def test_presence_and_frequency_penalties_count_generated_ids_only():
+    logits = torch.zeros(1, 5)
+    logits[0, 1], logits[0, 2] = 1.0, 0.9
+    context = [torch.tensor([1, 1, 1, 2, 2])]   # prompt 1, 1, 1; generated 2, 2
+    for presence, frequency, want in ((0.0, 0.0, 1), (0.2, 0.0, 1), (0.0, 0.1, 1), (-0.2, 0.0, 2), (0.0, -0.1, 2)):
+        params = [SamplingParams(max_tokens=4, presence_penalty=presence, frequency_penalty=frequency)]
+        assert sample_batch(logits, params, [None], context, [2]).tolist() == [want], (presence, frequency)
+
+
+def test_new_controls_keep_seeded_rows_batch_invariant():
+    """Seeded rows with penalties, bad words and min_tokens, alone and among changing batches."""
+    vocab, steps = 300, 30
+    rng = random.Random(11)
+
+    def run(streams):
+        tokens = sample_batch(torch.stack([s.logits() for s in streams]), [s.params for s in streams],
+                              [s.generator for s in streams], [torch.tensor(s.context + s.tokens) for s in streams],
+                              [len(s.tokens) for s in streams]).tolist()
+        for s, t in zip(streams, tokens):
+            s.tokens.append(t)
+
+    probes = [dataclasses.replace(random_full_params(random.Random(k), vocab, list(range(5))), temperature=1.0,
+                                  seed=50 + k, min_tokens=k % 3 * 4) for k in range(5)]
+    alone = []
+    for key, params in enumerate(probes):
+        s = Stream(key, params, vocab)
+        for _ in range(steps):
+            run([s])
+        alone.append(s.tokens)
+    streams = [Stream(key, params, vocab) for key, params in enumerate(probes)]
+    others = 100
+    while any(len(s.tokens) < steps for s in streams):
+        batch = [s for s in streams if len(s.tokens) < steps and rng.random() < 0.7]
+        for _ in range(rng.randint(0, 8)):
+            batch.append(Stream(others, dataclasses.replace(random_full_params(rng, vocab, [0]), seed=others), vocab))
+            others += 1
+        rng.shuffle(batch)
+        if batch:
+            run(batch)
+    assert [s.tokens for s in streams] == alone
+
+
+def test_token_logprobs_are_the_raw_log_softmax():
+    logits = torch.randn(4, 50) * 3
+    tokens = torch.tensor([3, 10, 0, 49])
+    got = token_logprobs(logits, tokens, [0, 2, 3])
+    want = torch.log_softmax(logits, dim=-1)[[0, 2, 3], [3, 0, 49]]
+    torch.testing.assert_close(got, want)
+
+
+# ---------------------------------------------------------------------------------------------
+# The parser: every input honoured or refused, naming it
+# ---------------------------------------------------------------------------------------------
+
+def test_every_input_is_read():
+    import numpy as np
+
+    inputs = {"max_tokens": np.array([16], np.int32), "temperature": np.array([0.5], np.float32),
+              "top_p": np.array([0.9], np.float32), "top_k": np.array([4], np.int32),
+              "random_seed": np.array([7], np.uint64), "stop_words": np.array([b"x"], np.object_),
+              "repetition_penalty": np.array([1.1], np.float32), "bad_words": np.array([b"bad", b"w\xff"], np.object_),
+              "exclude_input_in_output": np.array([True]), "end_id": np.array([2], np.int32),
+              "pad_id": np.array([0], np.int32), "length_penalty": np.array([1.0], np.float32),
+              "min_length": np.array([3], np.int32), "presence_penalty": np.array([0.5], np.float32),
+              "frequency_penalty": np.array([-0.5], np.float32), "beam_width": np.array([1], np.int32),
+              "num_return_sequences": np.array([1], np.int32), "return_log_probs": np.array([True]),
+              "return_context_logits": np.array([False]), "return_generation_logits": np.array([False]),
+              "return_perf_metrics": np.array([False]), "return_num_input_tokens": np.array([False]),
+              "return_num_output_tokens": np.array([True]), "stream": np.array([True]), "text_input": "ignored"}
+    p = SamplingParams.from_inputs(inputs)
+    assert (p.max_tokens, p.top_k, p.seed, p.min_tokens, p.end_id, p.pad_id) == (16, 4, 7, 3, 2, 0)
+    assert (p.temperature, p.top_p, p.presence_penalty, p.frequency_penalty) == pytest.approx((0.5, 0.9, 0.5, -0.5))
+    assert p.repetition_penalty == pytest.approx(1.1)
+    assert p.stop_words == ["x"] and p.bad_words == ["bad", "w\ufffd"]
+    assert (p.return_log_probs, p.return_num_input_tokens, p.return_num_output_tokens) == (True, False, True)
+    assert SamplingParams.from_inputs({"max_tokens": 4, "seed": 7, "random_seed": 7}).seed == 7
+    assert SamplingParams.from_inputs({"max_tokens": 4, "min_tokens": 2}).min_tokens == 2
+    defaults = SamplingParams.from_inputs({"max_tokens": 4})
+    assert (defaults.return_log_probs, defaults.return_num_input_tokens, defaults.min_tokens) == (False, True, 0)
+
+
+REFUSED = {
+    "exclude_input_in_output": (False, "exclude_input_in_output: false is not supported (outputs never include "
+                                       "the prompt); send true or leave it out"),
+    "beam_width": (4, "beam_width: 4 is not supported (no beam search); send 1 or leave it out"),
+    "length_penalty": (0.5, "length_penalty: 0.5 is not supported (it applies to beam search"),
+    "num_return_sequences": (2, "num_return_sequences: 2 is not supported"),
+    "return_context_logits": (True, "return_context_logits: true is not supported"),
+    "return_generation_logits": (True, "return_generation_logits: true is not supported"),
+    "return_perf_metrics": (True, "return_perf_metrics: true is not supported"),
+    "min_tokens": (20, "min_tokens: must be in [0, max_tokens=16], got 20"),
+    "min_length": (-1, "min_length: must be in [0, max_tokens=16], got -1"),
+    "presence_penalty": (2.5, "presence_penalty: must be in [-2, 2], got 2.5"),
+    "frequency_penalty": (-3.0, "frequency_penalty: must be in [-2, 2], got -3.0"),
+    "end_id": (-1, "end_id: must be a token id >= 0, got -1"),
+    "pad_id": (-5, "pad_id: must be a token id >= 0, got -5"),
+    "bad_words": ([b""], "bad_words[0]: must be a non-empty string"),
+    "return_log_probs": (1, "return_log_probs: must be true or false, got 1"),
+    "return_num_input_tokens": (0, "return_num_input_tokens: must be true or false, got 0"),
+    "random_seed": (-1, "random_seed: must be an integer in"),
+}
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_refusals_name_the_input_and_the_value(name):
+    value, message = REFUSED[name]
+    with pytest.raises(InvalidInput) as error:
+        SamplingParams.from_inputs({"max_tokens": 16, name: value})
+    assert str(error.value).startswith(message)
+
+
+def test_an_old_name_and_the_new_one_must_agree():
+    with pytest.raises(InvalidInput, match="min_length: the old name of min_tokens, both set, to 3 and 2"):
+        SamplingParams.from_inputs({"max_tokens": 16, "min_tokens": 2, "min_length": 3})
+
+
+def test_for_model_resolves_token_ids():
+    words = {"ab": [5, 6], "c": [7], "nothing": []}
+    p = SamplingParams(max_tokens=4, bad_words=["ab", "c", "nothing"]).for_model(10, [1, 2], words.__getitem__)
+    assert p.eos_token_ids == {1, 2} and p.bad_word_ids == ((5, 6), (7,)) and p.bad_words == ["ab", "c", "nothing"]
+    assert SamplingParams(max_tokens=4, end_id=9).for_model(10, [1, 2], words.__getitem__).eos_token_ids == {9}
+    for name in ("end_id", "pad_id"):
+        with pytest.raises(InvalidInput, match=rf"{name}: must be a token id in \[0, 10\), got 10"):
+            SamplingParams(max_tokens=4, **{name: 10}).for_model(10, [1], words.__getitem__)

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Mapping
+
+from triton_vlm.options import ModelParams
 
 
 @dataclass(frozen=True)
-class Limits:
+class Limits(ModelParams):
     # Encoded size of one media item after base64 / data: URL decoding.
     max_item_bytes: int = 64 * 1024 * 1024
     # Encoded size of all media items of one request together.
@@ -32,22 +35,14 @@ class Limits:
     # the llm step checks the checkpoint's own context as well).
     max_prompt_tokens: int = 131072
 
-    def to_params(self) -> dict[str, str]:
-        """The limits as model config parameters (string values)."""
-        return {f.name: repr(getattr(self, f.name)) for f in dataclasses.fields(self)}
-
     @classmethod
-    def from_params(cls, params: dict[str, str]) -> Limits:
-        """Limits from model config parameters; keys that are not limits are ignored."""
-        values = {}
+    def from_params(cls, params: Mapping[str, str]) -> Limits:
+        """Limits from model config parameters (`ModelParams.from_params`), each one positive."""
+        limits = super().from_params(params)
         for f in dataclasses.fields(cls):
-            if f.name in params:
-                kind = float if f.type in ("float", float) else int
-                value = kind(params[f.name])
-                if not value > 0:
-                    raise ValueError(f"{f.name} must be positive, got {params[f.name]!r}")
-                values[f.name] = value
-        return cls(**values)
+            if f.name in params and not getattr(limits, f.name) > 0:
+                raise ValueError(f"{f.name} must be positive, got {params[f.name]!r}")
+        return limits
 
 
 DEFAULT_LIMITS = Limits()

@@ -16,9 +16,11 @@ from pathlib import Path
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
+from triton_vlm.chat import load_chat_template
 from triton_vlm.families import detect_family
 from triton_vlm.families.base import Family
 from triton_vlm.limits import DEFAULT_LIMITS, Limits
+from triton_vlm.options import EncoderBatchOptions, EncoderOptions, LLMOptions
 
 SOURCE_MODELS = Path(__file__).resolve().parent.parent / "model_repository"
 CHECKPOINT_DIR = "checkpoint"  # inside each model's version folder
@@ -89,6 +91,9 @@ MEDIA_INPUTS = (
     TensorSpec("videos", BYTES, (-1,), optional=True),
     TensorSpec("mm_options", BYTES, (1,), optional=True),
 )
+# Generation controls, read by `SamplingParams.from_inputs` (triton_vlm.sampling_params): ours, then
+# tensorrtllm_backend's other ensemble inputs with their names, types and shapes (`min_length` and
+# `random_seed`: its older names of `min_tokens` and `seed`), each honoured or refused by value.
 SAMPLING_INPUTS = (
     TensorSpec("max_tokens", INT32, (1,)),
     TensorSpec("temperature", FP32, (1,), optional=True),
@@ -98,13 +103,36 @@ SAMPLING_INPUTS = (
     TensorSpec("stop_words", BYTES, (-1,), optional=True),
     TensorSpec("stream", BOOL, (1,), optional=True),
     TensorSpec("repetition_penalty", FP32, (1,), optional=True),
+    TensorSpec("bad_words", BYTES, (-1,), optional=True),
+    TensorSpec("exclude_input_in_output", BOOL, (1,), optional=True),
+    TensorSpec("end_id", INT32, (1,), optional=True),
+    TensorSpec("pad_id", INT32, (1,), optional=True),
+    TensorSpec("length_penalty", FP32, (1,), optional=True),
+    TensorSpec("min_tokens", INT32, (1,), optional=True),
+    TensorSpec("min_length", INT32, (1,), optional=True),
+    TensorSpec("presence_penalty", FP32, (1,), optional=True),
+    TensorSpec("frequency_penalty", FP32, (1,), optional=True),
+    TensorSpec("random_seed", UINT64, (1,), optional=True),
+    TensorSpec("beam_width", INT32, (1,), optional=True),
+    TensorSpec("num_return_sequences", INT32, (1,), optional=True),
+    TensorSpec("return_log_probs", BOOL, (1,), optional=True),
+    TensorSpec("return_context_logits", BOOL, (1,), optional=True),
+    TensorSpec("return_generation_logits", BOOL, (1,), optional=True),
+    TensorSpec("return_perf_metrics", BOOL, (1,), optional=True),
+    TensorSpec("return_num_input_tokens", BOOL, (1,), optional=True),
+    TensorSpec("return_num_output_tokens", BOOL, (1,), optional=True),
 )
 # tensorrtllm_backend's `stop`: a request with this set ends the in-flight request of the same id.
 STOP_INPUT = TensorSpec("stop", BOOL, (1,), optional=True)
+# The last four are tensorrtllm_backend's, sent as `ResponseBuilder` (triton_vlm.llm.responses) says.
 GENERATION_OUTPUTS = (
     TensorSpec("text_output", BYTES, (1,)),
     TensorSpec("output_ids", INT32, (-1,)),
     TensorSpec("finish_reason", BYTES, (1,)),
+    TensorSpec("cum_log_probs", FP32, (-1,)),
+    TensorSpec("output_log_probs", FP32, (-1, -1)),
+    TensorSpec("num_input_tokens", INT32, (1,)),
+    TensorSpec("num_output_tokens", INT32, (1,)),
 )
 
 
@@ -133,12 +161,14 @@ def encoder_batch_io(patch_dim: int, hidden: int) -> tuple[tuple[TensorSpec, ...
 def _encoder_batch_model(patch_dim: int, hidden: int, options: BuildOptions, common: dict[str, str]) -> mc.ModelConfig:
     enc_in, enc_out = encoder_batch_io(patch_dim, hidden)
     gpu = options.device == "gpu"
-    params = {**common, "instances": str(options.encoder_instances), "cache_bytes": str(options.encoder_cache_bytes)}
+    batch = EncoderBatchOptions(instances=options.encoder_instances, cache_bytes=options.encoder_cache_bytes)
     if gpu:
-        params["engine_file"] = ENGINE_FILE
+        batch = dataclasses.replace(batch, engine_file=ENGINE_FILE)
     else:
-        params.update(encoder_file=f"../../vision_encoder/1/{ENCODER_FILE}", intra_op_threads=str(options.encoder_threads))
-    config = _python_model(ENCODER_BATCH_MODEL, enc_in, enc_out, options.encoder_instances, params)
+        batch = dataclasses.replace(batch, encoder_file=f"../../vision_encoder/1/{ENCODER_FILE}",
+                                    intra_op_threads=options.encoder_threads)
+    config = _python_model(ENCODER_BATCH_MODEL, enc_in, enc_out, options.encoder_instances,
+                           {**common, **batch.to_params()})
     config.max_batch_size = options.encoder_max_batch_patches
     config.dynamic_batching.max_queue_delay_microseconds = options.encoder_max_queue_delay_us
     if gpu:
@@ -176,23 +206,27 @@ def _python_model(name: str, inputs, outputs, instances: int, parameters: dict[s
     return config
 
 
-def _pipeline(steps: list[mc.ModelConfig], options: BuildOptions) -> mc.ModelConfig:
+def _pipeline(steps: list[mc.ModelConfig], options: BuildOptions, chat_template: str | None = None) -> mc.ModelConfig:
     """`ensemble`: a decoupled Python model that runs the steps in order through BLS.
 
     Not a Triton ensemble: in Triton 2.51 an ensemble does not pass a client's cancellation on
     to a decoupled step that is already running (server issue 6739), so a cancelled or
     disconnected stream would keep the `llm` generating. This model sees the cancellation and
     sends the `llm` a `stop` request for the same request id (tensorrtllm_backend's `stop`).
-    The step list is data in its parameters, checked by `check_pipeline`.
+    The step list is data in its parameters, checked by `check_pipeline`. The checkpoint's chat
+    template is one too (`chat_template`), for clients that render prompts (`triton-vlm infer`).
     """
     description = [{"model": m.name, "inputs": [t.name for t in m.input if t.name != STOP_INPUT.name],
                     "outputs": [t.name for t in m.output]} for m in steps]
     params = {"steps": json.dumps(description), "max_inflight_requests": str(options.max_inflight_requests),
               "final_output": "finish_reason"}
+    if chat_template:
+        params["chat_template"] = chat_template
     return _python_model("ensemble", MEDIA_INPUTS + SAMPLING_INPUTS, GENERATION_OUTPUTS, 1, params, decoupled=True)
 
 
-def model_configs(family: Family, checkpoint_config: dict, options: BuildOptions) -> dict[str, mc.ModelConfig]:
+def model_configs(family: Family, checkpoint_config: dict, options: BuildOptions,
+                  chat_template: str | None = None) -> dict[str, mc.ModelConfig]:
     """Every model's config for one checkpoint and build, keyed by model name."""
     patch_dim, hidden = family.encoder_dims(checkpoint_config)
     common = {"family": family.name, "checkpoint": CHECKPOINT_DIR}
@@ -202,37 +236,33 @@ def model_configs(family: Family, checkpoint_config: dict, options: BuildOptions
     enc_in, enc_out = encoder_io(patch_dim, hidden)
     # patches per token along each side, as the family's tower counts it
     merge = int(family.tower_class().checkpoint_settings(checkpoint_config)["spatial_merge_size"])
-    encoder = _bounded_queue(_python_model(
-        "vision_encoder", enc_in, enc_out, options.encoder_frontends,
-        {**common, "batch_model": ENCODER_BATCH_MODEL, "patch_dim": str(patch_dim), "hidden": str(hidden),
-         "spatial_merge_size": str(merge), "max_batch_patches": str(options.encoder_max_batch_patches)}), options)
+    front = EncoderOptions(batch_model=ENCODER_BATCH_MODEL, patch_dim=patch_dim, hidden=hidden,
+                           spatial_merge_size=merge, max_batch_patches=options.encoder_max_batch_patches)
+    encoder = _bounded_queue(_python_model("vision_encoder", enc_in, enc_out, options.encoder_frontends,
+                                           {**common, **front.to_params()}), options)
     encoder_batch = _encoder_batch_model(patch_dim, hidden, options, common)
     llm_in = (TensorSpec("input_ids", INT32, (-1,)), TensorSpec("embeddings", FP32, (-1, hidden)),
               TensorSpec("mrope_position_ids", INT64, (3, -1)), TensorSpec("mrope_position_delta", INT64, (1,)))
-    llm_params = {**common, "kv_block_size": str(options.kv_block_size),
-                  "prefix_caching": str(options.prefix_caching).lower(), "max_running": str(options.llm_max_running),
-                  "max_num_tokens": str(options.llm_max_num_tokens),
-                  "queue_timeout_ms": str(options.llm_queue_timeout_ms), **llm_placement(options)}
-    if options.kv_cache_tokens:
-        llm_params["kv_cache_tokens"] = str(options.kv_cache_tokens)
-    if options.kv_cache_bytes:
-        llm_params["kv_cache_bytes"] = str(options.kv_cache_bytes)
+    llm_params = {**common, **llm_options(options).to_params()}
     # Optional in the config so that a `stop` request needs nothing else; the llm itself answers a
     # generation request that lacks one of them with INVALID_ARG naming it.
     llm_inputs = tuple(dataclasses.replace(t, optional=True) for t in llm_in + SAMPLING_INPUTS)
     llm = _python_model("llm", llm_inputs + (STOP_INPUT,), GENERATION_OUTPUTS, 1, llm_params, decoupled=True)
-    ensemble = _pipeline([preprocess, encoder, llm], options)
+    ensemble = _pipeline([preprocess, encoder, llm], options, chat_template)
     return {c.name: c for c in (preprocess, encoder, encoder_batch, llm, ensemble)}
 
 
-def llm_placement(options: BuildOptions) -> dict[str, str]:
-    """The `llm` model's `device` and `dtype` parameters, checked by the llm's own parser (ValueError
+def llm_options(options: BuildOptions) -> LLMOptions:
+    """The `llm` model's parameters. Device and dtype are checked by the llm's own parser (ValueError
     naming what is accepted); an empty `llm_dtype` is float32 on cpu, bfloat16 on cuda."""
     from triton_vlm.llm.device import default_dtype, dtype_name, parse_device, parse_dtype
 
     device = parse_device(options.llm_device)
     dtype = parse_dtype(options.llm_dtype) if options.llm_dtype else default_dtype(device)
-    return {"device": str(device), "dtype": dtype_name(dtype)}
+    return LLMOptions(device=str(device), dtype=dtype_name(dtype), kv_cache_tokens=options.kv_cache_tokens,
+                      kv_cache_bytes=options.kv_cache_bytes, block_size=options.kv_block_size,
+                      prefix_caching=options.prefix_caching, max_running=options.llm_max_running,
+                      max_num_tokens=options.llm_max_num_tokens, queue_timeout_ms=options.llm_queue_timeout_ms)
 
 
 def write_config(config: mc.ModelConfig, path: Path) -> None:
@@ -292,7 +322,7 @@ def build_repository(checkpoint: str | Path, repo: str | Path, options: BuildOpt
     if options.device == "gpu" and options.encoder_dtype != "float32":
         raise ValueError("--encoder-dtype sets the CPU graph; with --device gpu the graph's dtype follows "
                          f"--trt-precision (fp32 | fp16 | bf16), got --encoder-dtype {options.encoder_dtype}")
-    configs = model_configs(family, checkpoint_config, options)
+    configs = model_configs(family, checkpoint_config, options, load_chat_template(checkpoint))
     check_pipeline(configs)
 
     if repo.exists():

@@ -6,17 +6,21 @@ INVALID_ARG with the message as is, so a bad request fails alone.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from triton_vlm import stub_watch
-from triton_vlm.errors import BUSY_PREFIX, InvalidInput, busy
+from triton_vlm.errors import InvalidInput
+from triton_vlm.options import EncoderBatchOptions, EncoderOptions, LLMOptions
+from triton_vlm.pipeline import Failure, Pipeline, Reply, Step, StepFailed, step_failure
+from triton_vlm.sampling_params import SamplingParams
 
 log = logging.getLogger("triton_vlm")
 
@@ -70,18 +74,18 @@ def _scalar(request, name: str, kind: Callable[[Any], Any]) -> Any:
     return kind(value.reshape(-1)[0])
 
 
-# A BLS caller in Triton 2.51 gets every error as INTERNAL, whatever its code: refusals for now
-# (Triton's queue policy, the llm's queue timeout) are told by their messages and passed on as
-# UNAVAILABLE, so a client of a non-decoupled model sees them as such.
-_REFUSALS = ("Request timeout expired", "Exceeds maximum queue size", BUSY_PREFIX)
+_CODES = ("UNKNOWN", "INTERNAL", "NOT_FOUND", "INVALID_ARG", "UNAVAILABLE", "UNSUPPORTED", "ALREADY_EXISTS",
+          "CANCELLED")
 
 
-def _bls_error(error) -> pb_utils.TritonError:
-    """The error of a BLS response, with the code to pass on."""
-    code = error.code()
-    if code == pb_utils.TritonError.INTERNAL and any(m in error.message() for m in _REFUSALS):
-        code = pb_utils.TritonError.UNAVAILABLE
-    return pb_utils.TritonError(error.message(), code)
+def _bls_error(error) -> Failure:
+    """The error of a BLS response, with the code to pass on (`pipeline.step_failure`)."""
+    names = {getattr(pb_utils.TritonError, name): name for name in _CODES}
+    return step_failure(names.get(error.code(), "INTERNAL"), error.message())
+
+
+def _failure_response(failure: Failure) -> pb_utils.InferenceResponse:
+    return _error_response(failure.message, getattr(pb_utils.TritonError, failure.code))
 
 
 class _Unavailable(Exception):
@@ -147,41 +151,40 @@ class VisionEncoderModel:
     def initialize(self, args: dict[str, Any]) -> None:
         stub_watch.start()
         _, params = _model_dir(args)
-        self.batch_model = params["batch_model"]
-        self.patch_dim, self.hidden = int(params["patch_dim"]), int(params["hidden"])
-        self.merge = int(params["spatial_merge_size"])
-        self.max_rows = int(params["max_batch_patches"])
+        self.options = EncoderOptions.from_params(params)
 
     def _encode_rows(self, pixels: np.ndarray, grid: np.ndarray) -> np.ndarray:
         from triton_vlm.vision.batching import patch_grid
 
+        batch_model = self.options.batch_model
         request = pb_utils.InferenceRequest(
-            model_name=self.batch_model, requested_output_names=["embeddings"],
+            model_name=batch_model, requested_output_names=["embeddings"],
             inputs=[pb_utils.Tensor("pixel_values", np.ascontiguousarray(pixels, dtype=np.float32)),
                     pb_utils.Tensor("patch_grid", patch_grid(grid))])
         response = request.exec()
         if response.has_error():
             error = _bls_error(response.error())
-            if error.code() == pb_utils.TritonError.INVALID_ARG:
-                raise InvalidInput(error.message())
-            if error.code() == pb_utils.TritonError.UNAVAILABLE:
-                raise _Unavailable(f"{self.batch_model}: {error.message()}")
-            raise RuntimeError(f"{self.batch_model}: {error.message()}")
+            if error.code == "INVALID_ARG":
+                raise InvalidInput(error.message)
+            if error.code == "UNAVAILABLE":
+                raise _Unavailable(f"{batch_model}: {error.message}")
+            raise RuntimeError(f"{batch_model}: {error.message}")
         return pb_utils.get_output_tensor_by_name(response, "embeddings").as_numpy()
 
     def _handle(self, request) -> list:
         from triton_vlm.vision.batching import chunk_items
         from triton_vlm.vision.encoder import validate_inputs
 
+        o = self.options
         pixels, grid = validate_inputs(_required(request, "pixel_values"), _required(request, "grid_thw"),
-                                       self.patch_dim, self.merge)
+                                       o.patch_dim, o.spatial_merge_size)
         # A video's frames go as items of their own (triton_vlm.vision: frames are independent),
         # so a long video splits across batches and each frame is cached on its own.
         grid = np.repeat(np.concatenate([np.ones_like(grid[:, :1]), grid[:, 1:]], axis=1), grid[:, 0], axis=0)
         parts, rows = [], np.concatenate([[0], np.cumsum(grid.prod(axis=1))]).astype(np.int64)
-        for first, end in chunk_items(grid, self.max_rows):
+        for first, end in chunk_items(grid, o.max_batch_patches):
             parts.append(self._encode_rows(pixels[rows[first]:rows[end]], grid[first:end]))
-        embeddings = np.concatenate(parts, axis=0) if parts else np.zeros((0, self.hidden), np.float32)
+        embeddings = np.concatenate(parts, axis=0) if parts else np.zeros((0, o.hidden), np.float32)
         return [pb_utils.Tensor("embeddings", np.ascontiguousarray(embeddings, dtype=np.float32))]
 
     def execute(self, requests):
@@ -200,18 +203,19 @@ class VisionEncoderBatchModel:
 
         stub_watch.start()
         version_dir, params = _model_dir(args)
-        if params.get("engine_file"):
+        options = EncoderBatchOptions.from_params(params)
+        if options.engine_file:
             from triton_vlm.vision.tensorrt_engine import TensorRTEncoder
 
             device = int(args.get("model_instance_device_id", "0"))
-            encoder = TensorRTEncoder(version_dir / params["engine_file"], device=device)
+            encoder = TensorRTEncoder(version_dir / options.engine_file, device=device)
         else:
             from triton_vlm.vision.encoder import VisionEncoder, default_threads
 
-            threads = int(params.get("intra_op_threads", "0")) or default_threads(int(params.get("instances", "1")))
-            encoder = VisionEncoder(version_dir / params["encoder_file"], intra_op_threads=threads)
+            threads = options.intra_op_threads or default_threads(options.instances)
+            encoder = VisionEncoder(version_dir / options.encoder_file, intra_op_threads=threads)
         encoder.warmup()
-        self.cache = EmbeddingCache(int(params.get("cache_bytes", "0")))
+        self.cache = EmbeddingCache(options.cache_bytes)
         self.batched = BatchedEncoder(encoder, self.cache)
         labels = {"model": args["model_name"], "version": args["model_version"]}
         # The families must stay referenced as long as their metrics are used.
@@ -254,12 +258,12 @@ class VisionEncoderBatchModel:
 
 
 class PipelineModel:
-    """`ensemble`: runs preprocess -> vision_encoder -> llm through BLS, streaming the llm's responses.
+    """`ensemble`: `triton_vlm.pipeline.Pipeline` over BLS calls to preprocess -> vision_encoder -> llm.
 
     A Triton ensemble would not tell a running decoupled step that its client cancelled or went
-    away (Triton 2.51); this model watches `is_cancelled()` and sends the last step a `stop`
-    request with the same request id, so the llm ends the request within a step and frees its
-    KV blocks. Requests beyond `max_inflight_requests` are refused at once with UNAVAILABLE.
+    away (Triton 2.51); the pipeline sees it and this model sends the last step a `stop` request
+    with the same request id, so the llm ends the request within a step and frees its KV blocks.
+    Its sampling inputs are checked (`SamplingParams.from_inputs`) before any step runs.
     """
 
     FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -267,130 +271,77 @@ class PipelineModel:
     def initialize(self, args: dict[str, Any]) -> None:
         stub_watch.start()
         _, params = _model_dir(args)
-        self.steps: list[dict] = json.loads(params["steps"])
+        steps = [Step(s["model"], tuple(s["inputs"]), tuple(s["outputs"])) for s in json.loads(params["steps"])]
         self.final_output = params["final_output"]
-        self.max_inflight = int(params["max_inflight_requests"])
-        self._flights: dict[str, _Flight] = {}
-        self._lock = threading.Lock()
-        self._next_id = 0
-        self._stopping = threading.Event()
-        self._watcher = threading.Thread(target=self._watch_cancellations, name="ensemble-cancel", daemon=True)
-        self._watcher.start()
+        self.pipeline = Pipeline(steps, call=self._call, stream=self._stream, stop=self._stop, check=_check_sampling,
+                                 max_inflight=int(params["max_inflight_requests"]))
 
     def execute(self, requests):
         for request in requests:
-            sender = request.get_response_sender()
             # Copies: the request's own memory is not ours once execute returns.
-            values = {t.name(): t.as_numpy().copy() for t in request.inputs()}
-            with self._lock:
-                if len(self._flights) >= self.max_inflight:
-                    sender.send(_error_response(busy(f"{len(self._flights)} requests in flight, "
-                                                     f"max_inflight_requests={self.max_inflight}"),
-                                                pb_utils.TritonError.UNAVAILABLE), flags=self.FINAL)
-                    continue
-                self._next_id += 1
-                request_id = f"{request.request_id() or 'ensemble'}-{self._next_id}"
-                self._flights[request_id] = flight = _Flight(sender)
-            # A daemon thread per request (at most max_inflight_requests): nothing joins a thread
-            # that waits on a step when the stub exits.
-            threading.Thread(target=self._run, args=(request_id, flight, values), name=f"ensemble-{request_id}",
-                             daemon=True).start()
+            inputs = {t.name(): pb_utils.Tensor(t.name(), t.as_numpy().copy()) for t in request.inputs()}
+            self.pipeline.submit(inputs, _Client(request.get_response_sender()), request.request_id() or "ensemble")
         return None
 
-    def _run(self, request_id: str, flight: "_Flight", values: dict[str, np.ndarray]) -> None:
-        try:
-            tensors = {name: pb_utils.Tensor(name, value) for name, value in values.items()}
-            for step in self.steps[:-1]:
-                if flight.is_cancelled():
-                    flight.finish(pb_utils.TritonError("cancelled", pb_utils.TritonError.CANCELLED))
-                    return
-                response = self._request(step, tensors, request_id).exec()
-                if response.has_error():
-                    flight.finish(_bls_error(response.error()))
-                    return
-                for name in step["outputs"]:
-                    tensors[name] = pb_utils.get_output_tensor_by_name(response, name)
-            last = self.steps[-1]
-            flight.last_started = True
-            for response in self._request(last, tensors, request_id).exec(decoupled=True):
-                if flight.done:
-                    continue  # drain to the last step's own final response
-                if response.has_error():
-                    flight.finish(_bls_error(response.error()))
-                elif response.output_tensors():
-                    reason = pb_utils.get_output_tensor_by_name(response, self.final_output)
-                    final = reason is not None and any(bytes(r) for r in reason.as_numpy().reshape(-1))
-                    flight.send(pb_utils.InferenceResponse(output_tensors=response.output_tensors()), final)
-            flight.finish()
-        except Exception:
-            log.exception("ensemble request %s failed", request_id)
-            flight.finish(pb_utils.TritonError("internal error in the ensemble; see the server log"))
-        finally:
-            with self._lock:
-                self._flights.pop(request_id, None)
+    @staticmethod
+    def _request(step: Step, tensors: dict, request_id: str) -> pb_utils.InferenceRequest:
+        return pb_utils.InferenceRequest(model_name=step.model, request_id=request_id, inputs=list(tensors.values()),
+                                         requested_output_names=list(step.outputs))
 
-    def _request(self, step: dict, tensors: dict, request_id: str) -> "pb_utils.InferenceRequest":
-        return pb_utils.InferenceRequest(model_name=step["model"], request_id=request_id,
-                                         inputs=[tensors[n] for n in step["inputs"] if n in tensors],
-                                         requested_output_names=step["outputs"])
+    def _call(self, step: Step, tensors: dict, request_id: str) -> dict:
+        response = self._request(step, tensors, request_id).exec()
+        if response.has_error():
+            raise StepFailed(_bls_error(response.error()))
+        return {name: pb_utils.get_output_tensor_by_name(response, name) for name in step.outputs}
 
-    def _watch_cancellations(self, period: float = 0.02) -> None:
-        """One thread polls every request in flight; a cancelled one gets the last step stopped."""
-        while not self._stopping.wait(period):
-            with self._lock:
-                flights = [(rid, f) for rid, f in self._flights.items() if f.last_started and not f.stop_sent]
-            for request_id, flight in flights:
-                try:
-                    if flight.is_cancelled():
-                        flight.stop_sent = True
-                        # Only fresh tensors: the flight's own may be freed once its last step ends.
-                        stop = pb_utils.Tensor("stop", np.array([True]))
-                        request = pb_utils.InferenceRequest(model_name=self.steps[-1]["model"], request_id=request_id,
-                                                            inputs=[stop], requested_output_names=[])
-                        for _ in request.exec(decoupled=True):
-                            pass
-                except Exception:
-                    log.exception("stopping request %s failed", request_id)
+    def _stream(self, step: Step, tensors: dict, request_id: str) -> Iterator[Reply]:
+        """The last step's responses. Their tensors are copied into the client's response: handing
+        on the BLS response's own tensors let the stub free that memory twice when the next
+        response came fast enough ("double free or corruption", the ensemble stub gone; seen under
+        perf_analyzer once the llm's decode step got twice as fast)."""
+        for response in self._request(step, tensors, request_id).exec(decoupled=True):
+            if response.has_error():
+                yield Reply(error=_bls_error(response.error()))
+            elif response.output_tensors():
+                reason = pb_utils.get_output_tensor_by_name(response, self.final_output)
+                final = reason is not None and any(bytes(r) for r in reason.as_numpy().reshape(-1))
+                yield Reply(outputs=[pb_utils.Tensor(t.name(), t.as_numpy().copy()) for t in response.output_tensors()],
+                            final=final)
+
+    def _stop(self, request_id: str) -> None:
+        """tensorrtllm_backend's `stop` request to the last step (fresh tensors only: the request's
+        own may be freed once its last step ends)."""
+        stop = pb_utils.Tensor("stop", np.array([True]))
+        request = pb_utils.InferenceRequest(model_name=self.pipeline.steps[-1].model, request_id=request_id,
+                                            inputs=[stop], requested_output_names=[])
+        for _ in request.exec(decoupled=True):
+            pass
 
     def finalize(self) -> None:
-        self._stopping.set()
+        self.pipeline.close()
 
 
-class _Flight:
-    """One `ensemble` request in flight.
+def _check_sampling(tensors: dict) -> None:
+    SamplingParams.from_inputs({name: tensor.as_numpy() for name, tensor in tensors.items()})
 
-    Its sender must not be touched once the final response is out (the request is released
-    then: a later `is_cancelled()` reads freed memory in the server), so sending and polling
-    go through one lock and stop at `done`.
-    """
+
+class _Client:
+    """`pipeline.Client` over a decoupled model's response sender."""
 
     def __init__(self, sender) -> None:
-        self._sender = sender
-        self._lock = threading.Lock()
-        self.done = False
-        self.last_started = False
-        self.stop_sent = False
+        self.sender = sender
 
-    def send(self, response, final: bool) -> None:
-        with self._lock:
-            if not self.done:
-                self._sender.send(response, flags=PipelineModel.FINAL if final else 0)
-                self.done = final
+    def send(self, outputs: list, final: bool) -> None:
+        self.sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=PipelineModel.FINAL if final else 0)
 
-    def finish(self, error=None) -> None:
-        """Send the final response (an error, or just the FINAL flag) unless one was sent."""
-        with self._lock:
-            if self.done:
-                return
-            self.done = True
-            if error is None:
-                self._sender.send(flags=PipelineModel.FINAL)
-            else:
-                self._sender.send(pb_utils.InferenceResponse(error=error), flags=PipelineModel.FINAL)
+    def close(self, error: Failure | None = None) -> None:
+        if error is None:
+            self.sender.send(flags=PipelineModel.FINAL)
+        else:
+            self.sender.send(_failure_response(error), flags=PipelineModel.FINAL)
 
     def is_cancelled(self) -> bool:
-        with self._lock:
-            return not self.done and self._sender.is_cancelled()
+        return self.sender.is_cancelled()
 
 
 class LLMModel:
@@ -403,14 +354,7 @@ class LLMModel:
 
         stub_watch.start()
         version_dir, params = _model_dir(args)
-        options = {}
-        for key, kind in (("kv_cache_tokens", int), ("kv_cache_bytes", int), ("kv_block_size", int),
-                          ("max_running", int), ("max_num_tokens", int), ("queue_timeout_ms", float)):
-            if params.get(key):
-                options["block_size" if key == "kv_block_size" else key] = kind(params[key])
-        options["prefix_caching"] = params.get("prefix_caching", "false").lower() == "true"
-        self.engine = Engine(version_dir / params["checkpoint"], device=params.get("device", "cpu"),
-                             dtype=params.get("dtype", "float32"), **options)
+        self.engine = Engine(version_dir / params["checkpoint"], **dataclasses.asdict(LLMOptions.from_params(params)))
         self._next_id = 0
         self._lock = threading.Lock()
         labels = {"model": args["model_name"], "version": args["model_version"]}
@@ -458,12 +402,9 @@ class LLMModel:
             if self._metrics_stop.wait(period):
                 return
 
-    def _sampling(self, request):
-        from triton_vlm.llm.sampling import SamplingParams
-
-        return SamplingParams.from_inputs({t.name(): t.as_numpy() for t in request.inputs()})
-
     def _submit(self, request) -> None:
+        from triton_vlm.llm.responses import ResponseBuilder
+
         sender = request.get_response_sender()
         if _scalar(request, "stop", bool):
             # tensorrtllm_backend's `stop`: end the in-flight request with this request id.
@@ -471,7 +412,7 @@ class LLMModel:
             sender.send(flags=self.FINAL)
             return
         try:
-            params = self._sampling(request)
+            params = SamplingParams.from_inputs({t.name(): t.as_numpy() for t in request.inputs()})
             stream = bool(_scalar(request, "stream", bool) or False)
             args = (_required(request, "input_ids"), _required(request, "embeddings"),
                     _required(request, "mrope_position_ids"), int(_required(request, "mrope_position_delta").reshape(-1)[0]))
@@ -483,7 +424,7 @@ class LLMModel:
             with self._lock:
                 self._next_id += 1
                 request_id = f"llm-{self._next_id}"
-        emit = _StreamEmitter(sender) if stream else _CollectingEmitter(sender)
+        emit = _Emitter(sender, ResponseBuilder(params, stream, num_input_tokens=int(args[0].size)))
         try:
             self.engine.submit(request_id, *args, params=params, emit=emit, is_cancelled=sender.is_cancelled)
         except InvalidInput as error:
@@ -499,14 +440,6 @@ class LLMModel:
         self.engine.shutdown()
 
 
-def _generation_tensors(token_ids: list[int], text: str, finish_reason: str | None) -> list:
-    return [
-        pb_utils.Tensor("output_ids", np.asarray(token_ids, dtype=np.int32)),
-        pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
-        pb_utils.Tensor("finish_reason", np.array([(finish_reason or "").encode()], dtype=np.object_)),
-    ]
-
-
 def _send_final_error(sender, out) -> None:
     """A request the engine refused for now ("rejected": its queue timeout) is UNAVAILABLE, the
     client may retry; any other error is INTERNAL."""
@@ -514,34 +447,18 @@ def _send_final_error(sender, out) -> None:
     sender.send(_error_response(out.error, code), flags=LLMModel.FINAL)
 
 
-class _StreamEmitter:
-    """One response per engine output; the last one carries the FINAL flag."""
+class _Emitter:
+    """Sends a request's responses as its engine outputs come (`ResponseBuilder`); the last one
+    carries the FINAL flag."""
 
-    def __init__(self, sender) -> None:
-        self.sender = sender
-
-    def __call__(self, out) -> None:
-        if out.error:
-            _send_final_error(self.sender, out)
-            return
-        final = out.finish_reason is not None
-        self.sender.send(pb_utils.InferenceResponse(output_tensors=_generation_tensors(out.token_ids, out.text, out.finish_reason)),
-                         flags=LLMModel.FINAL if final else 0)
-
-
-class _CollectingEmitter:
-    """Non-streaming: one response with everything, sent when the request finishes."""
-
-    def __init__(self, sender) -> None:
-        self.sender, self.token_ids, self.text = sender, [], []
+    def __init__(self, sender, builder) -> None:
+        self.sender, self.builder = sender, builder
 
     def __call__(self, out) -> None:
         if out.error:
             _send_final_error(self.sender, out)
             return
-        self.token_ids.extend(out.token_ids)
-        self.text.append(out.text)
-        if out.finish_reason is not None:
-            self.sender.send(pb_utils.InferenceResponse(
-                output_tensors=_generation_tensors(self.token_ids, "".join(self.text), out.finish_reason)),
-                flags=LLMModel.FINAL)
+        tensors = self.builder.add(out)
+        if tensors is not None:
+            response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(n, v) for n, v in tensors.items()])
+            self.sender.send(response, flags=LLMModel.FINAL if out.finished else 0)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from functools import partial
 import time
 from collections import deque
 from pathlib import Path
@@ -68,45 +67,9 @@ class Engine:
                  max_num_tokens: int = 512, return_logits: bool = False, queue_timeout_ms: float = 0.0,
                  clock: Callable[[], float] = time.monotonic,
                  device: str = "cpu", dtype: str | torch.dtype = "float32"):
-        self.checkpoint_dir = Path(checkpoint_dir)
-        self.clock = clock
-        self.num_running = 0
-        self.num_waiting = 0
-        self.num_finished = 0
-        self.num_steps = 0
-
-        self._lock = threading.Condition()
-        self._incoming: deque[Sequence] = deque()   # submitted, not yet seen by the scheduler
-        self._arrivals = 0
-        self._ids_in_flight: set[str] = set()
-        self._cancel_ids: set[str] = set()
-        self._stop = False
-        # The model, the KV cache and every step's tensors are made on the scheduler thread: with
-        # libgomp, a second thread running parallel regions (here: the caller's, loading weights)
-        # keeps its pool of workers, and once the process manages more OpenMP threads than cores
-        # every region's wake-up slows several-fold (an index_add_ from 5 to 30 us on 2 cores;
-        # bench/RESULTS.md). The caller's thread runs no parallel region.
-        build = partial(self._build, model=model, device=device, dtype=dtype, tokenizer=tokenizer,
-                        max_running=max_running, kv_cache_tokens=kv_cache_tokens, kv_cache_bytes=kv_cache_bytes,
-                        block_size=block_size, prefix_caching=prefix_caching, max_num_tokens=max_num_tokens,
-                        return_logits=return_logits, queue_timeout_ms=queue_timeout_ms)
-        built: list[BaseException | None] = []
-        ready = threading.Event()
-        self._thread = threading.Thread(target=self._loop, args=(build, built, ready), name="llm-scheduler",
-                                        daemon=True)
-        self._thread.start()
-        ready.wait()
-        if built[0] is not None:
-            self._thread.join()
-            raise built[0]
-
-    def _build(self, *, model: DecoderModel | None, device: str, dtype: str | torch.dtype, tokenizer,
-               max_running: int, kv_cache_tokens: int | None, kv_cache_bytes: int | None, block_size: int,
-               prefix_caching: bool, max_num_tokens: int, return_logits: bool, queue_timeout_ms: float) -> None:
-        """Everything that holds tensors: the model (loaded here unless given), the KV and state
-        caches, the scheduler and the output processor. Runs on the scheduler thread."""
         from tokenizers import Tokenizer
 
+        self.checkpoint_dir = Path(checkpoint_dir)
         self.model = model or DecoderModel.from_checkpoint(self.checkpoint_dir, device=device, dtype=dtype)
         self.config = c = self.model.config
         self.kv_bytes_per_token = c.kv_bytes_per_token(self.model.dtype)
@@ -129,13 +92,28 @@ class Engine:
         self.blocks = BlockManager(num_blocks, block_size, self.prefix_caching,
                                    state_slots=max_running if c.recurrent else 0)
         self.scheduler = Scheduler(self.blocks, max_running=max_running, max_num_tokens=max_num_tokens,
-                                   recurrent=c.recurrent, queue_timeout_ms=queue_timeout_ms, clock=self.clock)
+                                   recurrent=c.recurrent, queue_timeout_ms=queue_timeout_ms, clock=clock)
         self.runner = ModelRunner(self.model, num_blocks, block_size, state_slots=max_running)
-        self.output = OutputProcessor(self.eos_token_ids, self._release)
+        self.output = OutputProcessor(self._release)
         log.info("llm KV cache: %d blocks x %d tokens, %d bytes per token (%s on %s), %.1f MiB", num_blocks,
                  block_size, self.kv_bytes_per_token, dtype_name(self.model.dtype), self.model.device,
                  self.runner.kv.nbytes / (1 << 20))
+        self.clock = clock
         self.pool_tokens = num_blocks * int(block_size)
+
+        self.num_running = 0
+        self.num_waiting = 0
+        self.num_finished = 0
+        self.num_steps = 0
+
+        self._lock = threading.Condition()
+        self._incoming: deque[Sequence] = deque()   # submitted, not yet seen by the scheduler
+        self._arrivals = 0
+        self._ids_in_flight: set[str] = set()
+        self._cancel_ids: set[str] = set()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="llm-scheduler", daemon=True)
+        self._thread.start()
 
     # ---- counters ------------------------------------------------------------------------------
     @property
@@ -168,6 +146,8 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams")
         c = self.config
+        params = params.for_model(c.vocab_size, self.eos_token_ids,
+                                  lambda word: self.tokenizer.encode(word, add_special_tokens=False).ids)
         ids = _as_tensor(input_ids, "input_ids", torch.long).reshape(-1) if input_ids is not None else None
         if ids is None or ids.numel() == 0:
             raise InvalidInput("input_ids: empty prompt")
@@ -213,6 +193,8 @@ class Engine:
             emb_index = torch.full((n,), -1, dtype=torch.long)
             emb_index[mask] = torch.arange(emb.shape[0])
         keys = block_keys(ids, pos, emb, mask, self.blocks.block_size) if self.prefix_caching else []
+        if emb is not None:  # keyed by the float32 rows above; cast once for the model
+            emb = emb.to(self.model.device, self.model.dtype)
 
         request_id = str(request_id)
         tail = ids[-_PROMPT_CONTEXT_TOKENS:].tolist()
@@ -254,15 +236,7 @@ class Engine:
         self.shutdown()
 
     # ---- scheduler thread ----------------------------------------------------------------------
-    def _loop(self, build: Callable[[], None], built: list, ready: threading.Event) -> None:
-        try:
-            build()
-            built.append(None)
-        except BaseException as e:  # raised again by __init__
-            built.append(e)
-            return
-        finally:
-            ready.set()
+    def _loop(self) -> None:
         torch.set_grad_enabled(False)
         while True:
             try:
@@ -272,8 +246,6 @@ class Engine:
                     if self._stop:
                         break
                     for seq in self._incoming:
-                        if seq.embeddings is not None:  # cast here, not on the caller's thread (`_build`)
-                            seq.embeddings = seq.embeddings.to(self.model.device, self.model.dtype)
                         self.scheduler.add(seq)
                     self._incoming.clear()
                 self._step()
@@ -321,19 +293,19 @@ class Engine:
         self.scheduler.advance(out)
         sampling = [c.seq for c in out.chunks if c.samples]
         try:
-            tokens = self.runner.sample(out.chunks, logits)
+            tokens, logprobs = self.runner.sample(out.chunks, logits)
         except Exception as e:
             log.exception("sampling failed for %d requests", len(sampling))
             for seq in sampling:
                 self.output.finish(seq, "error", error=f"internal error: {type(e).__name__}")
             return
-        for i, (seq, token) in enumerate(zip(sampling, tokens)):
+        for i, (seq, token, logprob) in enumerate(zip(sampling, tokens, logprobs)):
             if token == NO_TOKEN:
                 log.error("request %s: its logits are not finite, no token to sample", seq.request_id)
                 self.output.finish(seq, "error", error="internal error: non-finite logits")
                 continue
             try:
-                self.output.on_token(seq, token, logits[i] if self.return_logits else None)
+                self.output.on_token(seq, token, logits[i] if self.return_logits else None, logprob)
             except Exception as e:
                 log.exception("request %s failed", seq.request_id)
                 self.output.finish(seq, "error", error=f"internal error: {type(e).__name__}")

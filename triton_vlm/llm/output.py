@@ -27,6 +27,7 @@ class GenerationOutput:
     finish_reason: str | None = None  # None or one of FINISH_REASONS
     error: str | None = None          # set with finish_reason "rejected" or "error"
     logits: torch.Tensor | None = None  # the sampled step's logits, with Engine(return_logits=True)
+    logprobs: list[float] | None = None  # one per token id, where the request asks (`return_log_probs`)
 
     @property
     def finished(self) -> bool:
@@ -65,18 +66,19 @@ class IncrementalDetokenizer:
 
 
 class OutputProcessor:
-    def __init__(self, eos_token_ids: frozenset[int], release: Callable[[Sequence], None]):
-        self.eos_token_ids = eos_token_ids
+    def __init__(self, release: Callable[[Sequence], None]):
         self.release = release
         self.num_generated_tokens = 0
 
-    def on_token(self, seq: Sequence, token: int, logits: torch.Tensor | None = None) -> None:
+    def on_token(self, seq: Sequence, token: int, logits: torch.Tensor | None = None,
+                 logprob: float | None = None) -> None:
         """Append a sampled token: emit its text, or finish the request (eos, stop word, length)."""
         seq.tokens.append(token)
         self.num_generated_tokens += 1
         seq.text += seq.detok.add(token)
+        logprobs = None if logprob is None else [logprob]
         reason, stop_word_at = None, None
-        if token in self.eos_token_ids:
+        if token in seq.params.eos_token_ids:
             reason = "stop"
         if seq.params.stop_words:
             start = max(0, seq.sent - max(len(w) for w in seq.params.stop_words))
@@ -88,11 +90,11 @@ class OutputProcessor:
         if reason is None:
             end = max(seq.sent, len(seq.text) - self._held_back(seq))
             text, seq.sent = seq.text[seq.sent:end], end
-            self._emit(seq, GenerationOutput([token], text, logits=logits))
+            self._emit(seq, GenerationOutput([token], text, logits=logits, logprobs=logprobs))
             return
         if stop_word_at is None:
             seq.text += seq.detok.flush()
-        self.finish(seq, reason, token_ids=[token], text_end=stop_word_at, logits=logits)
+        self.finish(seq, reason, token_ids=[token], text_end=stop_word_at, logits=logits, logprobs=logprobs)
 
     @staticmethod
     def _held_back(seq: Sequence) -> int:
@@ -106,7 +108,8 @@ class OutputProcessor:
         return hold
 
     def finish(self, seq: Sequence, reason: str, token_ids: list[int] | None = None, text_end: int | None = None,
-               error: str | None = None, logits: torch.Tensor | None = None) -> None:
+               error: str | None = None, logits: torch.Tensor | None = None,
+               logprobs: list[float] | None = None) -> None:
         """The request's final emit, after its resources are released. Idempotent."""
         if seq.done:
             return
@@ -116,7 +119,7 @@ class OutputProcessor:
         seq.done = True
         self.release(seq)
         try:
-            seq.emit(GenerationOutput(list(token_ids or []), text, reason, error, logits))
+            seq.emit(GenerationOutput(list(token_ids or []), text, reason, error, logits, logprobs))
         except Exception:
             log.exception("final emit of request %s raised", seq.request_id)
 

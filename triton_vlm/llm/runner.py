@@ -11,7 +11,7 @@ from triton_vlm.llm.attention import AttentionBackend, SeqRows, TorchAttention
 from triton_vlm.llm.linear_attention import RecurrentRows
 from triton_vlm.llm.model import DecoderModel, StepBatch
 from triton_vlm.llm.paged import KVCache, StateCache
-from triton_vlm.llm.sampling import sample_batch
+from triton_vlm.llm.sampling import sample_batch, token_logprobs
 from triton_vlm.llm.scheduler import ScheduledChunk
 
 
@@ -73,13 +73,20 @@ class ModelRunner:
         """float32 logits [chunks that sample, vocab], on the model's device."""
         return self.model.forward(self.prepare(chunks), self.attention, self.states)
 
-    def sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[int]:
-        """The next token of every chunk that samples, in order: one batched draw on the device, one
-        host copy (`NO_TOKEN` for a row whose logits are not finite)."""
+    def sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> tuple[list[int], list[float | None]]:
+        """The next token of every chunk that samples, in order (`NO_TOKEN` for a row whose logits are
+        not finite): one batched draw on the device, one host copy; and its log-probability
+        (`token_logprobs`) where the request asks for it, else None."""
         seqs = [c.seq for c in chunks if c.samples]
-        context = [torch.tensor(s.tokens, device=self.device) if s.params.repetition_penalty != 1.0 else None
-                   for s in seqs]
-        return sample_batch(logits, [s.params for s in seqs], [s.generator for s in seqs], context).tolist()
+        context = [torch.tensor(s.tokens) if s.params.reads_context else None for s in seqs]
+        tokens = sample_batch(logits, [s.params for s in seqs], [s.generator for s in seqs], context,
+                              [s.num_generated for s in seqs])
+        logprobs: list[float | None] = [None] * len(seqs)
+        rows = [i for i, s in enumerate(seqs) if s.params.return_log_probs]
+        if rows:
+            for i, value in zip(rows, token_logprobs(logits, tokens, rows).tolist()):
+                logprobs[i] = value
+        return tokens.tolist(), logprobs
 
 
 def prompt_logits(model: DecoderModel, input_ids: torch.Tensor, embeddings: torch.Tensor | None,

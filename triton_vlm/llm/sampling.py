@@ -1,7 +1,8 @@
-"""Sampling controls of a request and the batched token sampler (as Hugging Face `generate` samples).
+"""The batched token sampler (as Hugging Face `generate` samples); the controls are `SamplingParams`.
 
 `sample_batch` draws one token per row of a [rows, vocab] logits batch on the logits' device, in
-transformers' order: repetition penalty, then (sampled rows) temperature, top-k, top-p, softmax and
+transformers' order: repetition penalty, then vLLM's frequency and presence penalties, the masks
+(eos before `min_tokens`, bad words), then (sampled rows) temperature, top-k, top-p, softmax and
 one `torch.multinomial` draw. Each request owns a `torch.Generator` seeded from its `seed`, and a row
 draws its noise from its own generator only, so the same seed gives the same tokens whatever else
 is in the batch.
@@ -9,110 +10,14 @@ is in the batch.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from triton_vlm.errors import InvalidInput
+from triton_vlm.sampling_params import SamplingParams
 
-UINT64_MAX = 2 ** 64 - 1
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-@dataclass
-class SamplingParams:
-    max_tokens: int
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0        # (0, 1]
-    top_k: int = 0            # 0: off
-    seed: int | None = None   # uint64; None: a random seed per request
-    stop_words: list[str] = field(default_factory=list)
-    repetition_penalty: float = 1.0  # > 0; 1: off (as Hugging Face: over prompt and generated ids)
-
-    def __post_init__(self) -> None:
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise InvalidInput(f"max_tokens: must be >= 1, got {self.max_tokens}")
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
-                or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise InvalidInput(f"temperature: must be >= 0, got {self.temperature:g}"
-                               if isinstance(self.temperature, (int, float)) else
-                               f"temperature: must be a number >= 0, got {self.temperature!r}")
-        self.temperature = float(self.temperature)
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) \
-                or not (0.0 < self.top_p <= 1.0):
-            raise InvalidInput(f"top_p: must be in (0, 1], got {self.top_p}")
-        self.top_p = float(self.top_p)
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise InvalidInput(f"top_k: must be >= 0, got {self.top_k}")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= UINT64_MAX):
-            raise InvalidInput(f"seed: must be an integer in [0, {UINT64_MAX}], got {self.seed}")
-        if isinstance(self.stop_words, str):
-            raise InvalidInput("stop_words: must be a list of strings, got one string")
-        words = list(self.stop_words or [])
-        for i, w in enumerate(words):
-            if not isinstance(w, str) or not w:
-                raise InvalidInput(f"stop_words[{i}]: must be a non-empty string, got {w!r}")
-        self.stop_words = words
-        if isinstance(self.repetition_penalty, bool) or not isinstance(self.repetition_penalty, (int, float)) \
-                or not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise InvalidInput(f"repetition_penalty: must be > 0, got {self.repetition_penalty}")
-        self.repetition_penalty = float(self.repetition_penalty)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @classmethod
-    def from_inputs(cls, inputs: Mapping[str, Any]) -> "SamplingParams":
-        """From Triton-style inputs (`max_tokens`, `temperature`, `top_p`, `top_k`, `seed`,
-        `repetition_penalty`, `stop_words`), each a scalar, a list or a numpy array of shape [1] (stop_words [-1] BYTES),
-        or absent / None for the default. As in tensorrtllm_backend, 0 for `temperature`, `top_p` or
-        `top_k` also means "not set" (greedy, no nucleus cut, no top-k cut); stop words are UTF-8, an
-        undecodable byte becoming U+FFFD."""
-
-        def scalar(name: str, kind):
-            value = inputs.get(name)
-            if value is None:
-                return None
-            if hasattr(value, "reshape"):  # numpy / torch
-                value = value.reshape(-1).tolist()
-            if isinstance(value, (list, tuple)):
-                if len(value) != 1:
-                    raise InvalidInput(f"{name}: expected one value, got {len(value)}")
-                value = value[0]
-            if kind is int:
-                if isinstance(value, float) and value.is_integer():
-                    value = int(value)
-                if not _is_int(value):
-                    raise InvalidInput(f"{name}: must be an integer, got {value!r}")
-                return int(value)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise InvalidInput(f"{name}: must be a number, got {value!r}")
-            return float(value)
-
-        max_tokens = scalar("max_tokens", int)
-        if max_tokens is None:
-            raise InvalidInput("max_tokens: required input is missing")
-        kwargs: dict[str, Any] = {"max_tokens": max_tokens}
-        for name, kind, unset in (("temperature", float, (None, 0)), ("top_p", float, (None, 0)),
-                                  ("top_k", int, (None, 0)), ("seed", int, (None,)),
-                                  ("repetition_penalty", float, (None,))):
-            value = scalar(name, kind)
-            if value not in unset:
-                kwargs[name] = value
-        words = inputs.get("stop_words")
-        if words is not None:
-            if hasattr(words, "reshape"):
-                words = words.reshape(-1).tolist()
-            kwargs["stop_words"] = [bytes(w).decode("utf-8", "replace") if isinstance(w, (bytes, bytearray)) else w
-                                    for w in words]
-        return cls(**kwargs)
-
+__all__ = ["NO_TOKEN", "SamplingParams", "make_generator", "sample_batch", "token_logprobs"]
 
 NO_TOKEN = -1  # `sample_batch`'s id for a row without a distribution (NaN scores or probabilities)
 
@@ -157,6 +62,50 @@ def _penalized(scores: torch.Tensor, params: Sequence[SamplingParams],
     return scores.index_copy(0, index, padded.scatter(1, ids, score)[:, :vocab])
 
 
+def _output_penalized(scores: torch.Tensor, params: Sequence[SamplingParams],
+                      context_ids: Sequence[torch.Tensor | None], num_generated: Sequence[int]) -> torch.Tensor:
+    """vLLM's (and OpenAI's) frequency and presence penalties on the rows that set one: a token's score
+    goes down by frequency_penalty times its count among the row's generated ids (the last
+    `num_generated` of its context ids), and by presence_penalty if that count is not 0."""
+    rows = [i for i, p in enumerate(params) if (p.presence_penalty or p.frequency_penalty) and num_generated[i]
+            and context_ids[i] is not None]
+    if not rows:
+        return scores
+    vocab, device = scores.shape[1], scores.device
+    ids = torch.nn.utils.rnn.pad_sequence([context_ids[i].reshape(-1)[-num_generated[i]:].long().cpu() for i in rows],
+                                          batch_first=True, padding_value=vocab).clamp_(max=vocab)
+    ids = _on(ids, torch.long, device)
+    counts = torch.zeros(len(rows), vocab + 1, device=device).scatter_add_(1, ids, torch.ones(ids.shape, device=device))
+    counts = counts[:, :vocab]
+    index = _on(rows, torch.long, device)
+    frequency = _on([params[i].frequency_penalty for i in rows], torch.float32, device)[:, None]
+    presence = _on([params[i].presence_penalty for i in rows], torch.float32, device)[:, None]
+    return scores.index_copy(0, index, scores[index] - frequency * counts - presence * (counts > 0))
+
+
+def _masked(scores: torch.Tensor, params: Sequence[SamplingParams], context_ids: Sequence[torch.Tensor | None],
+            num_generated: Sequence[int]) -> torch.Tensor:
+    """-inf for the tokens a row may not take now: its eos ids while fewer than `min_tokens` are
+    generated (transformers' `MinNewTokensLengthLogitsProcessor`), and the last token of each bad word
+    whose other tokens end the row's context ids (`NoBadWordsLogitsProcessor`: a one-token word always)."""
+    vocab = scores.shape[1]
+    rows, tokens = [], []
+    for i, p in enumerate(params):
+        banned = list(p.eos_token_ids) if num_generated[i] < p.min_tokens else []
+        if p.bad_word_ids:
+            longest = max(len(w) for w in p.bad_word_ids) - 1
+            tail = context_ids[i].reshape(-1)[-longest:].tolist() if longest and context_ids[i] is not None else []
+            banned += [w[-1] for w in p.bad_word_ids
+                       if len(w) == 1 or (len(w) - 1 <= len(tail) and tuple(tail[len(tail) - len(w) + 1:]) == w[:-1])]
+        banned = [t for t in banned if t < vocab]
+        rows += [i] * len(banned)
+        tokens += banned
+    if not rows:
+        return scores
+    index = (_on(rows, torch.long, scores.device), _on(tokens, torch.long, scores.device))
+    return scores.index_put(index, torch.tensor(-math.inf, device=scores.device))
+
+
 def _warped(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """transformers' `TemperatureLogitsWarper`, `TopKLogitsWarper` and `TopPLogitsWarper` (in that
     order) with per-row values; a row whose value is "off" (temperature 1, top_k 0, top_p 1) is left
@@ -186,10 +135,13 @@ def _warped(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Ten
 
 def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams],
                  generators: Sequence[torch.Generator | None],
-                 context_ids: Sequence[torch.Tensor | None]) -> torch.Tensor:
+                 context_ids: Sequence[torch.Tensor | None],
+                 num_generated: Sequence[int] | None = None) -> torch.Tensor:
     """One token id per row of `logits` [rows, vocab] (any float dtype, any device), as long [rows] on
     that device. Row i samples with `params[i]` and `generators[i]` (None: the device's default);
-    `context_ids[i]` (prompt and generated ids, or None) feeds its repetition penalty.
+    `context_ids[i]` (prompt and generated ids, or None) feeds its penalties and bad words, and its
+    last `num_generated[i]` ids (None: 0 each) are the generated ones, which the frequency and
+    presence penalties and `min_tokens` count.
 
     Greedy rows (temperature 0) take the argmax of the penalized scores. The others draw as
     `torch.multinomial(probs, 1)` does for one sample (ATen's fast path: argmax of probs / q with
@@ -198,10 +150,13 @@ def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams],
     `torch.multinomial(probs_row[None], 1, generator=g)`. Where torch.multinomial would refuse
     (probabilities with NaN: NaN, +inf or all -inf scores), and for a greedy row with a NaN score,
     the id is `NO_TOKEN`."""
-    if logits.ndim != 2 or not len(params) == len(generators) == len(context_ids) == logits.shape[0]:
+    num_generated = [0] * len(params) if num_generated is None else num_generated
+    if logits.ndim != 2 or not (len(params) == len(generators) == len(context_ids) == len(num_generated)
+                                == logits.shape[0]):
         raise ValueError(f"logits {list(logits.shape)} with {len(params)} params, {len(generators)} generators, "
-                         f"{len(context_ids)} contexts")
+                         f"{len(context_ids)} contexts, {len(num_generated)} generated counts")
     scores = _penalized(logits.float(), params, context_ids)
+    scores = _masked(_output_penalized(scores, params, context_ids, num_generated), params, context_ids, num_generated)
     tokens = scores.argmax(dim=-1)
     invalid = scores.isnan().any(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -214,3 +169,12 @@ def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams],
         tokens[index] = (probs / q).argmax(dim=-1)
         invalid[index] = probs.isnan().any(dim=-1)
     return tokens.masked_fill(invalid, NO_TOKEN)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+    """The log-probability of `tokens[i]` for each row i of `rows`, under the model's own distribution:
+    log_softmax of the raw logits, before any penalty, mask, temperature or cut (vLLM's default
+    `raw_logprobs`). float32 [len(rows)] on the logits' device; a `NO_TOKEN` row gets token 0's."""
+    index = _on(rows, torch.long, logits.device)
+    picked = tokens[index].clamp(min=0)[:, None]
+    return torch.log_softmax(logits[index].float(), dim=-1).gather(1, picked)[:, 0]

@@ -1,0 +1,319 @@
+"""`triton_vlm.pipeline.Pipeline` without Triton: fake steps and clients, real threads."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from triton_vlm.errors import InvalidInput
+from triton_vlm.pipeline import Failure, Pipeline, Reply, Step, StepFailed, step_failure
+
+TIMEOUT = 10
+STEPS = [Step("preprocess", ("text_input",), ("input_ids",)), Step("encoder", ("input_ids",), ("embeddings",)),
+         Step("llm", ("input_ids", "embeddings", "max_tokens"), ("output_ids",))]
+
+
+class FakeClient:
+    """Records what the pipeline sends; `cancel()` makes `is_cancelled()` true. Touching it after
+    its final response is a test failure (in Triton: freed memory)."""
+
+    def __init__(self) -> None:
+        self.responses: list[tuple] = []   # ("send", outputs, final) / ("close", error)
+        self.cancelled = False
+        self.closed = threading.Event()
+        self.after_final: list[str] = []
+
+    def _touch(self, what: str) -> None:
+        if self.closed.is_set():
+            self.after_final.append(what)
+
+    def send(self, outputs, final: bool) -> None:
+        self._touch("send")
+        self.responses.append(("send", outputs, final))
+        if final:
+            self.closed.set()
+
+    def close(self, error=None) -> None:
+        self._touch("close")
+        self.responses.append(("close", error))
+        self.closed.set()
+
+    def is_cancelled(self) -> bool:
+        self._touch("is_cancelled")
+        return self.cancelled
+
+    def wait(self) -> FakeClient:
+        assert self.closed.wait(TIMEOUT)
+        return self
+
+    @property
+    def finals(self) -> int:
+        return sum(1 for r in self.responses if r[0] == "close" or r[2])
+
+    @property
+    def outputs(self) -> list:
+        return [r[1] for r in self.responses if r[0] == "send"]
+
+
+class FakeSteps:
+    """`call`, `stream` and `stop` of a pipeline. Middle steps return `{output: (model, inputs)}`; the
+    last step yields `replies` (a list, or a callable of the request id giving an iterable)."""
+
+    def __init__(self, replies=None, fail: dict | None = None) -> None:
+        self.calls: list[tuple[str, dict]] = []
+        self.streams: list[tuple[str, dict]] = []
+        self.stops: list[str] = []
+        self.replies = replies if replies is not None else [Reply(outputs=["t1"]), Reply(outputs=["t2"], final=True)]
+        self.fail = fail or {}
+        self.on_call = None   # called with the step before it answers
+
+    def call(self, step: Step, tensors: dict, request_id: str) -> dict:
+        self.calls.append((step.model, dict(tensors)))
+        if self.on_call:
+            self.on_call(step)
+        if step.model in self.fail:
+            raise StepFailed(self.fail[step.model])
+        return {name: (step.model, tuple(sorted(tensors))) for name in step.outputs}
+
+    def stream(self, step: Step, tensors: dict, request_id: str):
+        self.streams.append((request_id, dict(tensors)))
+        yield from (self.replies(request_id) if callable(self.replies) else self.replies)
+
+    def stop(self, request_id: str) -> None:
+        self.stops.append(request_id)
+
+    def pipeline(self, max_inflight: int = 4, **kwargs) -> Pipeline:
+        return Pipeline(STEPS, call=self.call, stream=self.stream, stop=self.stop, max_inflight=max_inflight,
+                        poll_s=0.005, **kwargs)
+
+
+def wait_until(condition, timeout: float = TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.005)
+
+
+def test_steps_run_in_order_with_the_tensors_they_take_and_replies_reach_the_client():
+    fake = FakeSteps()
+    pipeline = fake.pipeline()
+    client = FakeClient()
+    pipeline.submit({"text_input": "hi", "max_tokens": 4, "unused": 0}, client, "abc")
+    client.wait()
+    assert [m for m, _ in fake.calls] == ["preprocess", "encoder"]
+    assert fake.calls[0][1] == {"text_input": "hi"}
+    assert fake.calls[1][1] == {"input_ids": ("preprocess", ("text_input",))}
+    request_id, given = fake.streams[0]
+    assert request_id.startswith("abc-") and set(given) == {"input_ids", "embeddings", "max_tokens"}
+    assert client.responses == [("send", ["t1"], False), ("send", ["t2"], True)]
+    wait_until(lambda: pipeline.in_flight == 0)
+    assert not fake.stops and not client.after_final
+    pipeline.close()
+
+
+def test_request_ids_are_unique():
+    fake = FakeSteps()
+    pipeline = fake.pipeline()
+    clients = [FakeClient() for _ in range(3)]
+    for client in clients:
+        pipeline.submit({"text_input": "x"}, client, "same")
+    for client in clients:
+        client.wait()
+    assert len({rid for rid, _ in fake.streams}) == 3
+    pipeline.close()
+
+
+def test_a_failed_middle_step_ends_the_request_with_its_error_and_the_last_step_never_starts():
+    error = step_failure("INVALID_ARG", "images[0]: not a decodable image")
+    fake = FakeSteps(fail={"preprocess": error})
+    pipeline = fake.pipeline()
+    client = FakeClient()
+    pipeline.submit({"text_input": "x"}, client)
+    client.wait()
+    assert client.responses == [("close", error)]
+    assert [m for m, _ in fake.calls] == ["preprocess"] and not fake.streams
+    wait_until(lambda: pipeline.in_flight == 0)
+    pipeline.close()
+
+
+@pytest.mark.parametrize("message, code", [("Request timeout expired", "UNAVAILABLE"),
+                                           ("Exceeds maximum queue size", "UNAVAILABLE"),
+                                           ("server busy: 3 requests; retry later", "UNAVAILABLE"),
+                                           ("something broke", "INTERNAL")])
+def test_refusals_for_now_seen_as_internal_are_passed_on_as_unavailable(message, code):
+    message = f"vision_encoder_batch: {message}"
+    assert step_failure("INTERNAL", message) == Failure(code, message)
+    assert step_failure("INVALID_ARG", message).code == "INVALID_ARG"
+
+
+def test_the_check_refuses_before_any_step():
+    def check(inputs):
+        if inputs["max_tokens"] < 1:
+            raise InvalidInput(f"max_tokens: must be >= 1, got {inputs['max_tokens']}")
+
+    fake = FakeSteps()
+    pipeline = fake.pipeline(check=check)
+    client = FakeClient()
+    pipeline.submit({"text_input": "x", "max_tokens": 0}, client)
+    client.wait()
+    assert client.responses == [("close", Failure("INVALID_ARG", "max_tokens: must be >= 1, got 0"))]
+    assert not fake.calls and not fake.streams
+    pipeline.close()
+
+
+def test_a_last_step_error_ends_the_request_and_the_stream_is_drained():
+    error = Failure("INTERNAL", "llm: boom")
+    drained = []
+
+    def replies(request_id):
+        yield Reply(outputs=["t1"])
+        yield Reply(error=error)
+        yield Reply(outputs=["t2"], final=True)  # after the end: drained, not sent
+        drained.append(True)
+
+    fake = FakeSteps(replies=replies)
+    pipeline = fake.pipeline()
+    client = FakeClient()
+    pipeline.submit({"text_input": "x"}, client)
+    client.wait()
+    wait_until(lambda: pipeline.in_flight == 0)
+    assert client.responses == [("send", ["t1"], False), ("close", error)]
+    assert drained and client.finals == 1 and not client.after_final
+    pipeline.close()
+
+
+def test_the_final_response_is_sent_once():
+    """A final reply, then more replies and the stream's end: one final response, nothing after."""
+    fake = FakeSteps(replies=[Reply(outputs=["a"], final=True), Reply(outputs=["b"], final=True),
+                              Reply(error=Failure("INTERNAL", "late")), Reply()])
+    pipeline = fake.pipeline()
+    client = FakeClient()
+    pipeline.submit({"text_input": "x"}, client)
+    client.wait()
+    wait_until(lambda: pipeline.in_flight == 0)
+    assert client.responses == [("send", ["a"], True)] and not client.after_final
+    pipeline.close()
+
+
+def test_a_stream_without_a_final_reply_gets_a_bare_final_response():
+    fake = FakeSteps(replies=[Reply(outputs=["a"]), Reply()])
+    pipeline = fake.pipeline()
+    client = FakeClient()
+    pipeline.submit({"text_input": "x"}, client)
+    client.wait()
+    assert client.responses == [("send", ["a"], False), ("close", None)]
+    pipeline.close()
+
+
+def test_cancellation_mid_stream_sends_exactly_one_stop():
+    """The client cancels after the first reply; the last step goes on (as an llm does for a step)
+    until the stop arrives, then ends the request: one stop for its id, one final response."""
+    fake = FakeSteps()
+    stopped = threading.Event()
+    client = FakeClient()
+
+    def replies(request_id):
+        yield Reply(outputs=["t1"])
+        client.cancelled = True
+        while not stopped.wait(0.001):
+            yield Reply(outputs=["more"])
+        time.sleep(0.05)  # several watcher polls after the stop: still one stop
+        yield Reply(outputs=[], final=True)
+
+    fake.replies = replies
+    real_stop = fake.stop
+
+    def stop(request_id):
+        real_stop(request_id)
+        stopped.set()
+
+    pipeline = Pipeline(STEPS, call=fake.call, stream=fake.stream, stop=stop, max_inflight=4, poll_s=0.005)
+    pipeline.submit({"text_input": "x"}, client, "c")
+    client.wait()
+    wait_until(lambda: pipeline.in_flight == 0)
+    time.sleep(0.05)
+    assert fake.stops == [fake.streams[0][0]]
+    assert client.finals == 1 and client.responses[-1] == ("send", [], True) and not client.after_final
+    pipeline.close()
+
+
+def test_a_request_cancelled_before_its_last_step_never_starts_it():
+    fake = FakeSteps()
+    client = FakeClient()
+    fake.on_call = lambda step: setattr(client, "cancelled", step.model == "encoder" or client.cancelled)
+    pipeline = fake.pipeline()
+    pipeline.submit({"text_input": "x"}, client)
+    client.wait()
+    wait_until(lambda: pipeline.in_flight == 0)
+    assert [m for m, _ in fake.calls] == ["preprocess", "encoder"]
+    assert not fake.streams and not fake.stops
+    assert client.responses == [("close", Failure("CANCELLED", "cancelled"))]
+    pipeline.close()
+
+
+def test_the_in_flight_cap_refuses_at_once_with_unavailable():
+    release = threading.Event()
+
+    def replies(request_id):
+        release.wait(TIMEOUT)
+        yield Reply(outputs=["done"], final=True)
+
+    fake = FakeSteps(replies=replies)
+    pipeline = fake.pipeline(max_inflight=1)
+    first, second, third = FakeClient(), FakeClient(), FakeClient()
+    pipeline.submit({"text_input": "x"}, first)
+    pipeline.submit({"text_input": "x"}, second)
+    assert second.closed.is_set()  # refused within submit
+    assert second.responses == [("close", Failure("UNAVAILABLE", "server busy: 1 requests in flight, "
+                                                                 "max_inflight_requests=1; retry later"))]
+    release.set()
+    first.wait()
+    wait_until(lambda: pipeline.in_flight == 0)
+    pipeline.submit({"text_input": "x"}, third)
+    assert third.wait().responses == [("send", ["done"], True)]
+    assert len(fake.streams) == 2
+    pipeline.close()
+
+
+def test_an_exception_in_a_step_call_is_an_internal_error_and_frees_the_slot():
+    fake = FakeSteps()
+    fake.on_call = lambda step: 1 / 0
+    pipeline = fake.pipeline(max_inflight=1)
+    client = FakeClient()
+    pipeline.submit({"text_input": "x"}, client)
+    client.wait()
+    assert client.responses == [("close", Failure("INTERNAL", "internal error in the ensemble; see the server log"))]
+    wait_until(lambda: pipeline.in_flight == 0)
+    fake.on_call = None
+    again = FakeClient()
+    pipeline.submit({"text_input": "x"}, again)
+    assert again.wait().finals == 1
+    pipeline.close()
+
+
+def test_a_failing_stop_is_logged_and_the_watcher_goes_on(caplog):
+    """A stop that raises (a dead llm) is logged; the next cancelled request still gets its stop."""
+    stopped: dict[str, threading.Event] = {}
+
+    def replies(request_id):
+        stopped[request_id] = threading.Event()
+        yield Reply(outputs=["t"])
+        stopped[request_id].wait(TIMEOUT)
+        yield Reply(outputs=[], final=True)
+
+    def stop(request_id):
+        stopped[request_id].set()
+        if len(stopped) == 1:
+            raise RuntimeError("llm is gone")
+
+    fake = FakeSteps(replies=replies)
+    pipeline = Pipeline(STEPS, call=fake.call, stream=fake.stream, stop=stop, max_inflight=4, poll_s=0.005)
+    for _ in range(2):
+        client = FakeClient()
+        pipeline.submit({"text_input": "x"}, client)
+        wait_until(lambda: bool(client.outputs))
+        client.cancelled = True
+        assert client.wait().finals == 1
+    assert "stopping request" in caplog.text and "llm is gone" in caplog.text
+    pipeline.close()

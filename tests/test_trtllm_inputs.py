@@ -1,0 +1,266 @@
+"""tensorrtllm_backend's ensemble inputs and outputs through the session's tritonserver (the tiny
+Qwen2.5-VL checkpoint), checked against transformers' `generate` with its own logits processors."""
+from __future__ import annotations
+
+import queue
+
+import numpy as np
+import pytest
+import torch
+import tritonclient.grpc as grpcclient
+from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList
+
+from triton_vlm import samples
+from triton_vlm.client import RequestError, generate_payload, grpc_inputs, http_generate, request_values
+from triton_vlm.families.qwen2_5_vl import QWEN2_5_VL
+
+PROMPT = "<|im_start|>user\nTell me about a red car on the road.<|im_end|>\n<|im_start|>assistant\n"
+IMAGE_PROMPT = ("<|im_start|>user\n" + QWEN2_5_VL.image_placeholder + "What is in the picture?<|im_end|>\n"
+                "<|im_start|>assistant\n")
+IMAGE = samples.image_bytes(320, 240)
+N = 12
+
+
+def tensor(value, datatype: str) -> tuple[np.ndarray, str]:
+    dtype = {"BOOL": bool, "INT32": np.int32, "UINT64": np.uint64, "FP32": np.float32, "BYTES": np.object_}[datatype]
+    values = value if isinstance(value, list) else [value]
+    return np.array([v.encode() if isinstance(v, str) else v for v in values], dtype=dtype), datatype
+
+
+# Every tensorrtllm_backend input the ensemble takes, each with a value it honours (as sent below).
+TRTLLM_INPUTS = {
+    "bad_words": tensor(["\x00never"], "BYTES"), "stop_words": tensor(["\x00never either"], "BYTES"),
+    "exclude_input_in_output": tensor(True, "BOOL"), "end_id": tensor(2, "INT32"), "pad_id": tensor(0, "INT32"),
+    "top_k": tensor(5, "INT32"), "top_p": tensor(0.9, "FP32"), "temperature": tensor(0.7, "FP32"),
+    "length_penalty": tensor(1.0, "FP32"), "repetition_penalty": tensor(1.1, "FP32"), "min_tokens": tensor(4, "INT32"),
+    "min_length": tensor(4, "INT32"), "presence_penalty": tensor(0.2, "FP32"), "frequency_penalty": tensor(0.1, "FP32"),
+    "seed": tensor(9, "UINT64"), "random_seed": tensor(9, "UINT64"), "beam_width": tensor(1, "INT32"),
+    "num_return_sequences": tensor(1, "INT32"), "return_log_probs": tensor(True, "BOOL"),
+    "return_context_logits": tensor(False, "BOOL"), "return_generation_logits": tensor(False, "BOOL"),
+    "return_perf_metrics": tensor(False, "BOOL"), "return_num_input_tokens": tensor(True, "BOOL"),
+    "return_num_output_tokens": tensor(True, "BOOL"), "stream": tensor(True, "BOOL"),
+}
+
+
+def stream(server, values: dict[str, tuple], model: str = "ensemble") -> list:
+    """Every response with outputs (tritonclient InferResult) of one streamed request; RequestError
+    with the server's message if it fails."""
+    responses: queue.Queue = queue.Queue()
+    results = []
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        try:
+            client.async_stream_infer(model, grpc_inputs(values), enable_empty_final_response=True)
+            while True:
+                result, error = responses.get(timeout=300)
+                if error is not None:
+                    raise RequestError(error.message())
+                if result.get_response().outputs:
+                    results.append(result)
+                if result.get_response().parameters["triton_final_response"].bool_param:
+                    return results
+        finally:
+            client.stop_stream()
+
+
+def output_ids(results: list) -> list[int]:
+    return [int(i) for r in results for i in r.as_numpy("output_ids")]
+
+
+def values(max_tokens: int = N, prompt: str = PROMPT, images=(), **extra) -> dict[str, tuple]:
+    return {**request_values(prompt, images, max_tokens=max_tokens, stream=True), **extra}
+
+
+@pytest.fixture(scope="module")
+def hf_text(hf):
+    return hf.inputs(PROMPT)
+
+
+@torch.no_grad()
+def hf_generate(hf, inputs, max_new_tokens: int = N, **kwargs):
+    return hf.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
+
+
+def new_tokens(inputs, out) -> list[int]:
+    ids = out.sequences if hasattr(out, "sequences") else out
+    return ids[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+@pytest.fixture(scope="module")
+def greedy(hf, hf_text) -> list[int]:
+    return new_tokens(hf_text, hf_generate(hf, hf_text))
+
+
+def test_every_tensorrtllm_input_at_once(server):
+    """One request with every input set, over gRPC streaming and HTTP generate: an answer of
+    min_tokens..max_tokens tokens, with the log-probability and token-count outputs."""
+    results = stream(server, values(**TRTLLM_INPUTS))
+    ids = output_ids(results)
+    assert 4 <= len(ids) <= N
+    final = results[-1]
+    assert final.as_numpy("finish_reason")[0] in (b"stop", b"length")
+    assert int(final.as_numpy("num_output_tokens")[0]) == len(ids) and int(final.as_numpy("num_input_tokens")[0]) > 0
+    assert sum(r.as_numpy("output_log_probs").shape[1] for r in results) == len(ids)
+    body = {name: [v.decode() for v in value.tolist()] if datatype == "BYTES" else value.tolist()[0]
+            for name, (value, datatype) in TRTLLM_INPUTS.items() if name != "stream"}
+    (answer,) = http_generate(server.http_url, generate_payload(PROMPT, max_tokens=N, **body))
+    assert answer["output_ids"] == ids and answer["num_output_tokens"] == len(ids)  # seeded: the same draws
+    assert len(answer["output_log_probs"]) == len(ids)
+
+
+def test_genai_perf_0_0_16_request(server):
+    """What `genai-perf profile -m ensemble --endpoint-type kserve --backend tensorrtllm --streaming
+    --output-tokens-mean 8 --output-tokens-mean-deterministic` sends (its TensorRTLLMConverter):
+    text_input, max_tokens, exclude_input_in_output, stream and min_length: exactly 8 tokens."""
+    inputs = {"text_input": tensor(PROMPT, "BYTES"), "max_tokens": tensor(8, "INT32"),
+              "exclude_input_in_output": tensor(True, "BOOL"), "stream": tensor(True, "BOOL"),
+              "min_length": tensor(8, "INT32")}
+    results = stream(server, inputs)
+    assert len(output_ids(results)) == 8 and results[-1].as_numpy("finish_reason")[0] == b"length"
+
+
+def test_end_id_and_min_tokens_equal_hf_generate(server, hf, hf_text, greedy):
+    """end_id: the request stops on that id (transformers' `eos_token_id`); min_tokens: not before
+    that many tokens (transformers' `min_new_tokens`, MinNewTokensLengthLogitsProcessor)."""
+    end_id = greedy[2]
+    assert end_id not in greedy[:2]
+    want = new_tokens(hf_text, hf_generate(hf, hf_text, eos_token_id=end_id))
+    results = stream(server, values(end_id=tensor(end_id, "INT32")))
+    assert output_ids(results) == want == greedy[:3]
+    assert results[-1].as_numpy("finish_reason")[0] == b"stop"
+    want = new_tokens(hf_text, hf_generate(hf, hf_text, eos_token_id=end_id, min_new_tokens=8))
+    assert len(want) >= 8 and end_id not in want[:8]
+    got = output_ids(stream(server, values(end_id=tensor(end_id, "INT32"), min_tokens=tensor(8, "INT32"))))
+    assert got == want
+
+
+@pytest.mark.parametrize("length", [1, 2])
+def test_bad_words_equal_hf_no_bad_words(server, hf, hf_text, length):
+    """A word of the greedy answer, banned: transformers' NoBadWordsLogitsProcessor on its tokens
+    (tensorrtllm_backend tokenizes each word alone). The word: the first `length` tokens of the
+    answer whose text tokenizes back to them (the tiny tokenizer's tokens are often bytes of a
+    character)."""
+    tokenizer = hf.processor.tokenizer
+    greedy = new_tokens(hf_text, hf_generate(hf, hf_text, max_new_tokens=30))
+    spans = [greedy[i:i + length] for i in range(len(greedy) - length + 1)]
+    banned = next(ids for ids in spans if tokenizer(tokenizer.decode(ids), add_special_tokens=False)["input_ids"] == ids)
+    word = tokenizer.decode(banned)
+    want = new_tokens(hf_text, hf_generate(hf, hf_text, max_new_tokens=30, bad_words_ids=[banned]))
+    assert want != greedy
+    assert output_ids(stream(server, values(30, bad_words=tensor([word], "BYTES")))) == want
+
+
+class OpenAIPenalties(LogitsProcessor):
+    """OpenAI's presence / frequency penalties over the generated ids (after the prompt)."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float) -> None:
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        counts = torch.bincount(input_ids[0, self.prompt_len:], minlength=scores.shape[-1])[None].float()
+        return scores - self.frequency * counts - self.presence * (counts > 0).float()
+
+
+@pytest.mark.parametrize("presence, frequency", [(1.5, 0.0), (0.0, 2.0), (0.5, -0.5)])
+def test_presence_and_frequency_penalties_equal_the_openai_formula(server, hf, hf_text, presence, frequency):
+    processor = OpenAIPenalties(hf_text["input_ids"].shape[1], presence, frequency)
+    want = new_tokens(hf_text, hf_generate(hf, hf_text, max_new_tokens=20,
+                                           logits_processor=LogitsProcessorList([processor])))
+    got = output_ids(stream(server, values(max_tokens=20, presence_penalty=tensor(presence, "FP32"),
+                                           frequency_penalty=tensor(frequency, "FP32"))))
+    assert got == want
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+def test_log_probs_are_the_model_log_softmax(server, hf, hf_text, greedy, streamed):
+    """Greedy: each token's log-probability is log_softmax of transformers' logits at that step;
+    streamed, each response carries its own, and cum_log_probs the sum so far."""
+    out = hf_generate(hf, hf_text, output_logits=True, return_dict_in_generate=True)
+    logits = torch.stack(out.logits)[:, 0]
+    want = torch.log_softmax(logits.float(), dim=-1).gather(1, torch.tensor(greedy)[:, None])[:, 0].numpy()
+    results = stream(server, values(return_log_probs=tensor(True, "BOOL"), stream=tensor(streamed, "BOOL")))
+    assert output_ids(results) == greedy
+    assert len(results) == (N if streamed else 1)
+    got = np.concatenate([r.as_numpy("output_log_probs").reshape(-1) for r in results])
+    np.testing.assert_allclose(got, want, atol=1e-4)
+    cums = [float(r.as_numpy("cum_log_probs")[0]) for r in results]
+    ends = np.cumsum([len(r.as_numpy("output_ids")) for r in results]) - 1
+    np.testing.assert_allclose(cums, np.cumsum(want)[ends], atol=1e-3)
+    assert results[0].as_numpy("output_log_probs").shape == (1, 1 if streamed else N)
+    plain = stream(server, values())
+    assert plain[-1].as_numpy("cum_log_probs") is None and plain[-1].as_numpy("output_log_probs") is None
+
+
+def test_num_input_tokens_is_the_expanded_prompt(server, hf):
+    """The prompt's length with the image placeholder expanded (the HF processor's input_ids), on the
+    final response only; with return_num_input_tokens false, not sent."""
+    expanded = hf.inputs(IMAGE_PROMPT, [IMAGE])["input_ids"].shape[1]
+    results = stream(server, values(4, IMAGE_PROMPT, [IMAGE]))
+    unexpanded = len(hf.processor.tokenizer(IMAGE_PROMPT)["input_ids"])
+    assert int(results[-1].as_numpy("num_input_tokens")[0]) == expanded > unexpanded
+    assert int(results[-1].as_numpy("num_output_tokens")[0]) == 4
+    assert all(r.as_numpy("num_input_tokens") is None for r in results[:-1])
+    off = stream(server, values(4, return_num_input_tokens=tensor(False, "BOOL"),
+                                return_num_output_tokens=tensor(False, "BOOL")))
+    assert off[-1].as_numpy("num_input_tokens") is None and off[-1].as_numpy("num_output_tokens") is None
+
+
+def test_random_seed_is_seed_and_accepted_values_change_nothing(server, greedy):
+    sampled = dict(temperature=tensor(1.0, "FP32"), top_k=tensor(20, "INT32"))
+    by_seed = output_ids(stream(server, values(seed=tensor(5, "UINT64"), **sampled)))
+    assert output_ids(stream(server, values(random_seed=tensor(5, "UINT64"), **sampled))) == by_seed
+    neutral = dict(exclude_input_in_output=tensor(True, "BOOL"), pad_id=tensor(0, "INT32"),
+                   length_penalty=tensor(1.0, "FP32"), beam_width=tensor(1, "INT32"),
+                   num_return_sequences=tensor(1, "INT32"), return_context_logits=tensor(False, "BOOL"))
+    assert output_ids(stream(server, values(**neutral))) == greedy
+
+
+REFUSED = {
+    "exclude_input_in_output": (tensor(False, "BOOL"), "exclude_input_in_output: false is not supported"),
+    "beam_width": (tensor(2, "INT32"), "beam_width: 2 is not supported (no beam search)"),
+    "length_penalty": (tensor(0.8, "FP32"), "length_penalty: 0.8 is not supported"),
+    "num_return_sequences": (tensor(3, "INT32"), "num_return_sequences: 3 is not supported"),
+    "return_context_logits": (tensor(True, "BOOL"), "return_context_logits: true is not supported"),
+    "return_generation_logits": (tensor(True, "BOOL"), "return_generation_logits: true is not supported"),
+    "return_perf_metrics": (tensor(True, "BOOL"), "return_perf_metrics: true is not supported"),
+    "min_tokens": (tensor(N + 1, "INT32"), f"min_tokens: must be in [0, max_tokens={N}], got {N + 1}"),
+    "min_length": (tensor(-2, "INT32"), f"min_length: must be in [0, max_tokens={N}], got -2"),
+    "presence_penalty": (tensor(3.0, "FP32"), "presence_penalty: must be in [-2, 2], got 3.0"),
+    "frequency_penalty": (tensor(-2.5, "FP32"), "frequency_penalty: must be in [-2, 2], got -2.5"),
+    "end_id": (tensor(-1, "INT32"), "end_id: must be a token id >= 0, got -1"),
+    "pad_id": (tensor(-1, "INT32"), "pad_id: must be a token id >= 0, got -1"),
+    "bad_words": (tensor([""], "BYTES"), "bad_words[0]: must be a non-empty string"),
+}
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_refusals_name_the_input(server, hf, name):
+    """Refused by the ensemble before any step (gRPC streaming carries the message only; HTTP
+    generate answers 400), and by the llm when called on its own."""
+    value, message = REFUSED[name]
+    with pytest.raises(RequestError) as error:
+        stream(server, values(**{name: value}))
+    assert message in str(error.value)
+    body = {name: [w.decode() for w in value[0].tolist()] if name == "bad_words" else value[0].tolist()[0]}
+    with pytest.raises(RequestError) as error:
+        http_generate(server.http_url, generate_payload(PROMPT, max_tokens=N, **body))
+    assert "HTTP 400" in str(error.value) and message in str(error.value)
+    ids = hf.processor.tokenizer(PROMPT)["input_ids"]
+    direct = {"input_ids": (np.array(ids, np.int32), "INT32"),
+              "embeddings": (np.zeros((0, hf.model.config.text_config.hidden_size), np.float32), "FP32"),
+              "mrope_position_ids": (np.tile(np.arange(len(ids), dtype=np.int64), (3, 1)), "INT64"),
+              "mrope_position_delta": (np.zeros(1, np.int64), "INT64"), "max_tokens": tensor(N, "INT32"), name: value}
+    with pytest.raises(RequestError) as error:
+        stream(server, direct, model="llm")
+    assert message in str(error.value)
+
+
+def test_an_end_id_outside_the_vocabulary_is_refused_by_the_llm(server, hf):
+    vocab = hf.model.config.text_config.vocab_size
+    with pytest.raises(RequestError, match=rf"end_id: must be a token id in \[0, {vocab}\), got {vocab}"):
+        stream(server, values(end_id=tensor(vocab, "INT32")))
+
+
+def test_a_tensorrtllm_input_we_do_not_take_is_refused_by_triton_naming_it(server):
+    with pytest.raises(RequestError, match="lora_task_id"):
+        stream(server, values(lora_task_id=tensor(1, "UINT64")))

@@ -1,0 +1,96 @@
+"""Typed model parameters: what `triton-vlm build` writes into a model's `config.pbtxt` and the
+model reads back in `initialize`.
+
+Each class is a frozen dataclass whose fields travel as Triton config parameters (string values):
+`to_params()` writes them (repository.py), `from_params()` reads them back (triton_backend.py),
+so a parameter's name, type and default are stated once. `Limits` (triton_vlm.limits) is one too.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+from typing import Any, Mapping, TypeVar
+
+P = TypeVar("P", bound="ModelParams")
+
+
+def _kind(hint: Any) -> type:
+    """The value type of a field's hint; `X | None` is X."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
+
+
+def _encode(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def _decode(kind: type, name: str, text: str) -> Any:
+    if kind is bool:
+        if text.lower() not in ("true", "false"):
+            raise ValueError(f"{name}: expected true or false, got {text!r}")
+        return text.lower() == "true"
+    try:
+        return kind(text)
+    except ValueError:
+        raise ValueError(f"{name}: expected {kind.__name__}, got {text!r}") from None
+
+
+class ModelParams:
+    """Base of the parameter dataclasses; a field that is None is not written."""
+
+    def to_params(self) -> dict[str, str]:
+        """The fields as model config parameters (string values)."""
+        return {f.name: _encode(getattr(self, f.name)) for f in dataclasses.fields(self)
+                if getattr(self, f.name) is not None}
+
+    @classmethod
+    def from_params(cls: type[P], params: Mapping[str, str]) -> P:
+        """From model config parameters; keys that are not fields are ignored, a missing field takes
+        its default (ValueError naming a required one, or a value of the wrong type)."""
+        hints = typing.get_type_hints(cls)
+        values = {}
+        for f in dataclasses.fields(cls):
+            if f.name in params:
+                values[f.name] = _decode(_kind(hints[f.name]), f.name, params[f.name])
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ValueError(f"{cls.__name__}: parameter {f.name} is missing")
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class LLMOptions(ModelParams):
+    """The `llm` model: the `Engine`'s keyword arguments (see its docstring)."""
+    device: str = "cpu"
+    dtype: str = "float32"
+    kv_cache_tokens: int = 0      # 0: kv_cache_bytes decides
+    kv_cache_bytes: int = 0       # 0: the Engine's default
+    block_size: int = 16
+    prefix_caching: bool = False
+    max_running: int = 64
+    max_num_tokens: int = 512
+    queue_timeout_ms: int = 0     # 0: a request waits for its place as long as it takes
+
+
+@dataclass(frozen=True)
+class EncoderOptions(ModelParams):
+    """The `vision_encoder` front: the batched model it calls, the tower's dimensions, the patch
+    rows of one batched execution."""
+    batch_model: str
+    patch_dim: int
+    hidden: int
+    spatial_merge_size: int
+    max_batch_patches: int
+
+
+@dataclass(frozen=True)
+class EncoderBatchOptions(ModelParams):
+    """`vision_encoder_batch`: a TensorRT engine (`engine_file`, GPU) or an ONNX graph run by ONNX
+    Runtime (`encoder_file`, `intra_op_threads`; 0: the cores / `instances`), and the embedding cache."""
+    instances: int = 1
+    cache_bytes: int = 0
+    engine_file: str | None = None
+    encoder_file: str | None = None
+    intra_op_threads: int | None = None
