@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # `make setup`: the project virtual environment, the Triton Python backend stub for this
-# interpreter, and the perf_analyzer runtime. Idempotent: each step is skipped when done.
+# interpreter, the perf_analyzer runtime and genai-perf. Idempotent: each step is skipped when done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3.11}
 command -v "$PYTHON" >/dev/null || PYTHON=python3
-if [ ! -x .venv/bin/triton-vlm ]; then
-  "$PYTHON" -m venv .venv
+# Installed again whenever pyproject.toml changes (its hash is kept in the venv).
+STAMP=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ ! -x .venv/bin/triton-vlm ] || [ "$(cat .venv/.pyproject.sha256 2>/dev/null)" != "$STAMP" ]; then
+  [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
   .venv/bin/pip install -q --upgrade pip
   .venv/bin/pip install -q -e .
+  echo "$STAMP" > .venv/.pyproject.sha256
 fi
 # The stub must match the running interpreter's minor version.
 .venv/bin/python - <<'PY'
@@ -24,3 +27,4 @@ if not dst.exists() or dst.read_bytes() != src.read_bytes():
 print(f"tritonserver: {root / 'bin' / 'tritonserver'} (python stub {version})")
 PY
 bash scripts/perf_analyzer_runtime.sh .pa-runtime
+bash scripts/genai_perf_env.sh .genai-perf .pa-runtime

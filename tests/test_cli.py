@@ -76,6 +76,31 @@ def test_infer_streams_the_answer_and_reports_timings(server, tmp_path):
     assert streamed.stdout == answer["text"]
 
 
+def test_infer_applies_the_chat_template(server, tiny_checkpoint, tmp_path):
+    """By default `--prompt` is one user turn through the chat template (the server's, or that of
+    `--checkpoint`): the same answer as `--raw-prompt` with the processor's rendering of that turn."""
+    import json
+
+    from transformers import AutoProcessor
+
+    from triton_vlm import samples
+
+    image = tmp_path / "picture.png"
+    image.write_bytes(samples.image_bytes(120, 90, fmt="PNG"))
+    content = [{"type": "image"}, {"type": "text", "text": "What is this?"}]
+    rendered = AutoProcessor.from_pretrained(tiny_checkpoint).apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
+    base = [sys.executable, "-m", "triton_vlm.cli", "infer", "--url", server.grpc_url, "--image", str(image),
+            "--max-tokens", "8", "--json"]
+    runs = [subprocess.run(base + flags, capture_output=True, text=True, timeout=120)
+            for flags in (["--prompt", "What is this?"],
+                          ["--prompt", "What is this?", "--checkpoint", str(tiny_checkpoint)],
+                          ["--prompt", rendered, "--raw-prompt"])]
+    assert all(run.returncode == 0 for run in runs), [run.stderr for run in runs]
+    answers = [{k: json.loads(run.stdout)[k] for k in ("text", "output_ids", "finish_reason")} for run in runs]
+    assert answers[0] == answers[1] == answers[2]
+
+
 def test_infer_reports_invalid_input(server, tmp_path):
     broken = tmp_path / "broken.jpg"
     broken.write_bytes(b"\xff\xd8 truncated")

@@ -76,14 +76,41 @@ def _serve(args) -> int:
     return code or 1
 
 
+def _chat_prompt(args) -> str:
+    """`--prompt` as one user turn (the media first) through the chat template of `--checkpoint`,
+    else of the server (its `ensemble` config's `chat_template`, the family its `preprocess`'s)."""
+    from triton_vlm.chat import load_chat_template, user_prompt
+    from triton_vlm.families import detect_family, get_family
+
+    if args.checkpoint:
+        template, family = load_chat_template(args.checkpoint), detect_family(args.checkpoint)
+    else:
+        import tritonclient.grpc as grpcclient
+
+        with grpcclient.InferenceServerClient(args.url) as client:
+            template = client.get_model_config("ensemble").config.parameters["chat_template"].string_value
+            family = get_family(client.get_model_config("preprocess").config.parameters["family"].string_value)
+    if not template:
+        raise ValueError(f"no chat template in {args.checkpoint or 'the server ensemble config'}; "
+                         "send the prompt as is with --raw-prompt")
+    return user_prompt(template, family, args.prompt, len(args.image), len(args.video))
+
+
 def _infer(args) -> int:
+    from tritonclient.utils import InferenceServerException
+
     from triton_vlm.client import RequestError, generate
 
     images = [Path(p).read_bytes() for p in args.image]
     videos = [Path(p).read_bytes() for p in args.video]
     on_text = (lambda text: print(text, end="", flush=True)) if args.stream and not args.json else None
     try:
-        result = generate(args.url, args.prompt, images, videos, on_text=on_text, max_tokens=args.max_tokens,
+        prompt = args.prompt if args.raw_prompt else _chat_prompt(args)
+    except (ValueError, InferenceServerException) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    try:
+        result = generate(args.url, prompt, images, videos, on_text=on_text, max_tokens=args.max_tokens,
                           stream=args.stream, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                           seed=args.seed, stop_words=args.stop, repetition_penalty=args.repetition_penalty,
                           mm_options=json.loads(args.mm_options) if args.mm_options else None)
@@ -103,19 +130,47 @@ def _infer(args) -> int:
     return 0
 
 
+def _openai(args) -> int:
+    from triton_vlm.openai_server import serve
+
+    serve(args.url, args.checkpoint, args.host, args.port, args.model_name, args.max_tokens)
+    return 0
+
+
 def _bench(args) -> int:
-    from triton_vlm.loadtest import bench, format_table
+    import tempfile
+
+    from triton_vlm import loadtest
     from triton_vlm.server import TritonServer
 
-    def measure(url: str):
-        return bench(url, args.family, tuple(args.kinds.split(",")), args.concurrency, args.max_tokens, args.window_requests)
+    def measure(grpc_url: str, http_url: str | None, tokenizer: str | None) -> str:
+        if args.tool == "perf_analyzer":
+            return loadtest.format_table(loadtest.bench(grpc_url, args.family, tuple(args.kinds.split(",")),
+                                                        args.concurrency, args.max_tokens, args.window_requests))
+        if not tokenizer:
+            raise SystemExit("--tool genai-perf needs --tokenizer (the checkpoint) with --url")
+        urls = {"kserve": grpc_url, "generate": http_url, "chat": args.openai_url, "multimodal": args.openai_url}
+        rows = []
+        with tempfile.TemporaryDirectory(prefix="triton-vlm-genai-perf-") as tmp:
+            for endpoint in args.endpoints.split(","):
+                if not urls.get(endpoint):
+                    raise SystemExit(f"genai-perf endpoint {endpoint!r} needs its URL (--http-url, --openai-url)")
+                for concurrency in sorted({int(c) for c in args.concurrency.split(":")[:2]}):
+                    rows.append(loadtest.genai_perf(urls[endpoint], endpoint, tokenizer, concurrency=concurrency,
+                                                    requests=args.window_requests, output_tokens=args.max_tokens,
+                                                    image_size=args.image_size if endpoint == "multimodal" else 0,
+                                                    workdir=Path(tmp)))
+        return loadtest.format_genai_perf(rows)
 
     if args.repo:
+        from triton_vlm.repository import CHECKPOINT_DIR
+
         with TritonServer(args.repo) as server:
-            rows = measure(server.grpc_url)
+            table = measure(server.grpc_url, server.http_url,
+                            args.tokenizer or str(Path(args.repo) / "preprocess" / "1" / CHECKPOINT_DIR))
     else:
-        rows = measure(args.url)
-    print(format_table(rows))
+        table = measure(args.url, args.http_url, args.tokenizer)
+    print(table)
     return 0
 
 
@@ -201,7 +256,10 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--url", default="127.0.0.1:8001")
     c.add_argument("--image", action="append", default=[])
     c.add_argument("--video", action="append", default=[])
-    c.add_argument("--prompt", required=True)
+    c.add_argument("--prompt", required=True, help="the question, put through the chat template with the media "
+                   "before it; with --raw-prompt the whole prompt, sent as is")
+    c.add_argument("--raw-prompt", action="store_true", help="send --prompt as is (no chat template)")
+    c.add_argument("--checkpoint", help="read the chat template here (default: from the server)")
     c.add_argument("--max-tokens", type=int, default=64)
     c.add_argument("--stream", action="store_true")
     c.add_argument("--temperature", type=float)
@@ -214,13 +272,33 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true", help="print one JSON object with token counts and timings")
     c.set_defaults(run=_infer)
 
-    c = sub.add_parser("bench", help="perf_analyzer load test of the ensemble; prints a table")
+    c = sub.add_parser("openai", help="OpenAI-compatible chat completions server in front of a running ensemble")
+    c.add_argument("--url", default="127.0.0.1:8001", help="gRPC address of the running server")
+    c.add_argument("--checkpoint", required=True, help="the served checkpoint (its chat template and family)")
+    c.add_argument("--host", default="127.0.0.1")
+    c.add_argument("--port", type=int, default=8080)
+    c.add_argument("--model-name", help="the model id clients ask for (default: the checkpoint folder's name)")
+    c.add_argument("--max-tokens", type=int, default=512, help="for a request that sets no max_tokens")
+    c.set_defaults(run=_openai)
+
+    c = sub.add_parser("bench", help="perf_analyzer or genai-perf load test of the ensemble; prints a table")
     where = c.add_mutually_exclusive_group(required=True)
     where.add_argument("--url", help="gRPC address of a running server")
     where.add_argument("--repo", help="start a server on this repository for the run")
+    c.add_argument("--tool", choices=("perf_analyzer", "genai-perf"), default="perf_analyzer")
+    c.add_argument("--endpoints", default="kserve,generate",
+                   help="genai-perf: kserve (gRPC, tensorrtllm inputs), generate (HTTP generate_stream), "
+                        "chat and multimodal (OpenAI, multimodal with synthetic images)")
+    c.add_argument("--http-url", help="genai-perf generate: HTTP address of the server given by --url")
+    c.add_argument("--openai-url", help="genai-perf chat / multimodal: address of an OpenAI-compatible server "
+                                        "(triton-vlm openai)")
+    c.add_argument("--tokenizer", help="genai-perf: the checkpoint whose tokenizer counts tokens (default with --repo: "
+                                       "the repository's copy)")
+    c.add_argument("--image-size", type=int, default=448, help="genai-perf multimodal: side of its synthetic images")
     c.add_argument("--family", default="qwen2_5_vl", help="whose placeholders the generated prompts use")
     c.add_argument("--kinds", default="text,image,video", help="request kinds, comma-separated")
-    c.add_argument("--concurrency", default="1:4:1", help="perf_analyzer --concurrency-range start:end:step")
+    c.add_argument("--concurrency", default="1:4:1", help="perf_analyzer --concurrency-range start:end:step "
+                                                          "(genai-perf: start and end only)")
     c.add_argument("--max-tokens", type=int, default=16)
     c.add_argument("--window-requests", type=int, default=8, help="requests per measurement window")
     c.set_defaults(run=_bench)

@@ -12,11 +12,17 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 import numpy as np
 
+if TYPE_CHECKING:
+    import grpc
+    from tritonclient.grpc import service_pb2
+
 MODEL = "ensemble"
+# The ensemble's output with the expanded prompt's length (`usage.prompt_tokens`), where it has one.
+PROMPT_TOKENS_OUTPUT = "num_input_tokens"
 
 
 class RequestError(RuntimeError):
@@ -111,6 +117,66 @@ def generate(url: str, prompt: str, images=(), videos=(), *, on_text: Callable[[
             client.stop_stream()
     result.total_time = time.perf_counter() - start
     return result
+
+
+@dataclass
+class Increment:
+    """One response of a streamed request: new text and ids; the finish reason on the last one."""
+    text: str
+    output_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int | None  # the expanded prompt's length, where the ensemble reports it
+
+
+def aio_channel(url: str) -> grpc.aio.Channel:
+    """An asyncio gRPC channel to the server, message sizes unbounded as in tritonclient."""
+    import grpc
+
+    limit = 2**31 - 1
+    return grpc.aio.insecure_channel(url, options=[("grpc.max_send_message_length", limit),
+                                                   ("grpc.max_receive_message_length", limit)])
+
+
+def _infer_request(values: dict[str, tuple], request_id: str) -> service_pb2.ModelInferRequest:
+    from tritonclient.grpc import service_pb2
+    from tritonclient.utils import serialize_byte_tensor
+
+    request = service_pb2.ModelInferRequest(model_name=MODEL, id=request_id)
+    for name, (value, dtype) in values.items():
+        request.inputs.add(name=name, datatype=dtype, shape=value.shape)
+        request.raw_input_contents.append(serialize_byte_tensor(value).item() if dtype == "BYTES" else value.tobytes())
+    request.parameters["triton_enable_empty_final_response"].bool_param = True
+    return request
+
+
+async def stream_generate(channel: grpc.aio.Channel, values: dict[str, tuple],
+                          request_id: str = "") -> AsyncIterator[Increment]:
+    """One request (`request_values`) over gRPC streaming with asyncio, yielding each response.
+
+    Closing the iterator early (its task cancelled, e.g. because the HTTP client went away)
+    cancels the gRPC call: the `ensemble` sees the cancellation and stops the `llm`, which frees
+    the request's KV blocks. A refusal raises RequestError with the server's message; a transport
+    failure raises `grpc.aio.AioRpcError`.
+    """
+    from tritonclient.grpc import InferResult, service_pb2_grpc
+
+    stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+    call = stub.ModelStreamInfer(iter([_infer_request(values, request_id)]))
+    try:
+        async for response in call:
+            if response.error_message:
+                raise RequestError(response.error_message)
+            result = InferResult(response.infer_response)
+            if response.infer_response.outputs:
+                prompt_tokens = result.as_numpy(PROMPT_TOKENS_OUTPUT)
+                yield Increment(b"".join(result.as_numpy("text_output")).decode("utf-8"),
+                                [int(i) for i in result.as_numpy("output_ids")],
+                                b"".join(result.as_numpy("finish_reason")).decode(),
+                                None if prompt_tokens is None else int(prompt_tokens.reshape(-1)[0]))
+            if response.infer_response.parameters["triton_final_response"].bool_param:
+                return
+    finally:
+        call.cancel()  # a no-op once the call has ended
 
 
 def generate_payload(prompt: str, images=(), videos=(), mm_options: dict | None = None, max_tokens: int = 64,

@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 from triton_vlm import samples
+from triton_vlm.chat import load_chat_template, user_prompt
 from triton_vlm.checkpoint import write_demo_checkpoint
 from triton_vlm.client import generate
 from triton_vlm.families import get_family
@@ -13,14 +14,6 @@ from triton_vlm.repository import build_repository
 from triton_vlm.server import TritonServer
 
 QUESTION = "Describe the picture and what moves in the video."
-
-
-def demo_prompt(chat_template: str) -> str:
-    """One user turn (an image, a video, the question) through the checkpoint's chat template."""
-    from jinja2 import Template
-
-    content = [{"type": "image"}, {"type": "video"}, {"type": "text", "text": QUESTION}]
-    return Template(chat_template).render(messages=[{"role": "user", "content": content}], add_generation_prompt=True)
 
 
 def run_demo(workdir: Path, size: str = "small", family_name: str = "qwen2_5_vl") -> int:
@@ -36,7 +29,7 @@ def run_demo(workdir: Path, size: str = "small", family_name: str = "qwen2_5_vl"
     started = time.perf_counter()
     with TritonServer(repo, log_file=workdir / "tritonserver.log") as server:
         step(f"ready in {time.perf_counter() - started:.1f} s (gRPC {server.grpc_url}, HTTP {server.http_url})")
-        prompt = demo_prompt((checkpoint / "chat_template.jinja").read_text())
+        prompt = user_prompt(load_chat_template(checkpoint), family, QUESTION, images=1, videos=1)
         step("one 640x480 JPEG + a 2 s 160x120 H.264 video + text, streamed over gRPC:")
         result = generate(server.grpc_url, prompt, [samples.image_bytes(640, 480)], [samples.video_bytes(2.0)],
                           max_tokens=32, stream=True, on_text=lambda t: print(t, end="", flush=True))

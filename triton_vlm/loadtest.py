@@ -1,4 +1,5 @@
-"""`triton-vlm bench`: perf_analyzer load tests of the ensemble, one table per run.
+"""`triton-vlm bench`: perf_analyzer load tests of the ensemble, one table per run; or NVIDIA's
+genai-perf (`--tool genai-perf`), the LLM benchmark users already run against tensorrtllm_backend.
 
 perf_analyzer 2.60 needs glibc 2.38; `scripts/perf_analyzer_runtime.sh` (run by `make setup`)
 puts it and Debian trixie's C runtime under `.pa-runtime/`, and it runs through that loader.
@@ -6,6 +7,14 @@ Latency columns are perf_analyzer's request latency. It announces "using the fir
 for a decoupled model, yet on this ensemble its figures match the whole request (measured: first
 tokens arrive after 50-100 ms). The per-model columns are the server's average request latency
 per composing model; for the decoupled `llm` that covers accepting a request, not generating.
+
+genai-perf 0.0.16 (`scripts/genai_perf_env.sh`, run by `make setup`, installs it in `.genai-perf/`:
+its dependencies, pandas and transformers among them, stay out of the project environment) drives
+perf_analyzer through the same runtime (a `perf_analyzer` wrapper first on its PATH) and counts
+tokens with the checkpoint's own tokenizer. Endpoints: `kserve` (gRPC streaming, its tensorrtllm
+inputs: `exclude_input_in_output`, `min_length`, ...), `generate` (HTTP `generate_stream`) and
+`chat` / `multimodal` (an OpenAI-compatible server such as `triton-vlm openai`; `multimodal`
+adds synthetic images as `data:` URLs).
 """
 from __future__ import annotations
 
@@ -28,6 +37,10 @@ COMPOSING = ("preprocess", "vision_encoder", "llm")
 
 def runtime_dir() -> Path:
     return Path(os.environ.get("TRITON_VLM_PA_RUNTIME", PROJECT_ROOT / ".pa-runtime"))
+
+
+def genai_perf_dir() -> Path:
+    return Path(os.environ.get("TRITON_VLM_GENAI_PERF", PROJECT_ROOT / ".genai-perf"))
 
 
 def perf_analyzer_argv() -> list[str]:
@@ -120,3 +133,65 @@ def bench(url: str, family: str = "qwen2_5_vl", kinds: tuple[str, ...] = ("text"
     with tempfile.TemporaryDirectory(prefix="triton-vlm-bench-") as tmp:
         return [row for kind in kinds
                 for row in run(url, kind, available[kind], concurrency, max_tokens, window_requests, Path(tmp))]
+
+
+# genai-perf --endpoint-type and how its URL is formed, per `genai_perf` endpoint name.
+GENAI_PERF_ENDPOINTS = {
+    "kserve": ["--endpoint-type", "kserve", "--backend", "tensorrtllm"],
+    "generate": ["--endpoint-type", "generate", "--endpoint", "v2/models/{model}/generate_stream"],
+    "chat": ["--endpoint-type", "chat"],
+    "multimodal": ["--endpoint-type", "multimodal"],  # OpenAI chat with synthetic images
+}
+
+
+@dataclass
+class GenAIPerfRow:
+    endpoint: str
+    concurrency: int
+    requests: int
+    requests_per_s: float
+    output_tokens_per_s: float
+    ttft_p50_ms: float
+    itl_p50_ms: float
+    latency_p50_ms: float
+
+
+def genai_perf(url: str, endpoint: str, tokenizer: str | Path, *, model: str = "ensemble", concurrency: int = 1,
+               requests: int = 8, input_tokens: int = 32, output_tokens: int = 16, image_size: int = 0,
+               workdir: Path) -> GenAIPerfRow:
+    """One genai-perf profile of `requests` streamed requests (after one warm-up) at `concurrency`:
+    synthetic prompts of `input_tokens`, `output_tokens` asked for, and with `image_size` > 0 one
+    synthetic image of that side per request (`multimodal` only)."""
+    root = genai_perf_dir()
+    binary, wrapper = root / "bin" / "genai-perf", root / "perf_analyzer" / "perf_analyzer"
+    if not (binary.exists() and wrapper.exists()):
+        raise FileNotFoundError(f"no genai-perf in {root}: run `make setup`")
+    argv = [str(binary), "profile", "-m", model, "-u", url, "--streaming",
+            *[a.format(model=model) for a in GENAI_PERF_ENDPOINTS[endpoint]],
+            "--tokenizer", str(tokenizer), "--synthetic-input-tokens-mean", str(input_tokens),
+            "--synthetic-input-tokens-stddev", "0", "--output-tokens-mean", str(output_tokens),
+            "--concurrency", str(concurrency), "--request-count", str(requests), "--warmup-request-count", "1",
+            "--artifact-dir", str(workdir / endpoint)]
+    if image_size:
+        argv += ["--image-width-mean", str(image_size), "--image-height-mean", str(image_size),
+                 "--image-format", "png"]
+    env = {**os.environ, "PATH": f"{wrapper.parent}{os.pathsep}{os.environ.get('PATH', '')}", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=workdir, env=env)
+    exports = list((workdir / endpoint).glob("*/profile_export_genai_perf.json"))
+    if done.returncode != 0 or not exports:
+        raise RuntimeError(f"genai-perf failed on {endpoint!r} (exit {done.returncode}):\n"
+                           f"{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    m = json.loads(exports[0].read_text())
+    return GenAIPerfRow(endpoint, concurrency, int(m["request_count"]["avg"]), m["request_throughput"]["avg"],
+                        m["output_token_throughput"]["avg"], m["time_to_first_token"]["p50"],
+                        m["inter_token_latency"]["p50"], m["request_latency"]["p50"])
+
+
+def format_genai_perf(rows: list[GenAIPerfRow]) -> str:
+    head = ["endpoint", "concurrency", "requests", "req/s", "output tok/s", "TTFT p50 ms", "ITL p50 ms",
+            "latency p50 ms"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        lines.append(f"| {r.endpoint} | {r.concurrency} | {r.requests} | {r.requests_per_s:.2f} | "
+                     f"{r.output_tokens_per_s:.1f} | {r.ttft_p50_ms:.1f} | {r.itl_p50_ms:.1f} | {r.latency_p50_ms:.1f} |")
+    return "\n".join(lines)

@@ -1,0 +1,244 @@
+"""Issue #16: `triton-vlm openai` (FastAPI on uvicorn, a real process on a free loopback port) in
+front of the session's tritonserver, driven by the official `openai` client.
+
+Each answer is compared with the `ensemble` called directly (gRPC streaming) on the prompt that
+transformers' processor renders from the same messages; errors come back in OpenAI's format; a
+client that goes away mid-stream leaves no KV block used.
+"""
+from __future__ import annotations
+
+import base64
+import subprocess
+import sys
+import time
+import urllib.request
+
+import openai
+import pytest
+import tritonclient.grpc as grpcclient
+
+from tests.metrics import wait_for
+from triton_vlm import samples
+from triton_vlm.checkpoint import GLM_TEMPLATE, MINICPMV_TEMPLATE, QWEN_TEMPLATE
+from triton_vlm.chat import load_chat_template, render_chat
+from triton_vlm.client import generate, grpc_inputs, request_values
+from triton_vlm.errors import InvalidInput
+from triton_vlm.families import FAMILIES
+from triton_vlm.server import free_port
+
+MODEL = "tiny-qwen"
+IMAGE = samples.image_bytes(96, 64)
+VIDEO = samples.video_bytes(seconds=1.0, fps=8, width=64, height=48)
+
+
+def _data_url(data: bytes, mime: str) -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+@pytest.fixture(scope="module")
+def api(server, tiny_checkpoint, tmp_path_factory):
+    """`triton-vlm openai` against the session server, on a free port; always stopped."""
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("openai") / "openai.log", "w")
+    process = subprocess.Popen([sys.executable, "-m", "triton_vlm.cli", "openai", "--url", server.grpc_url,
+                                "--checkpoint", str(tiny_checkpoint), "--port", str(port), "--model-name", MODEL],
+                               stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, "triton-vlm openai exited"
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "triton-vlm openai not up"
+                time.sleep(0.2)
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def processor(tiny_checkpoint):
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(tiny_checkpoint)
+
+
+def _direct(server, processor, content: list[dict], images=(), videos=(), max_tokens: int = 12):
+    """The ensemble's greedy answer to the prompt transformers renders (media parts as
+    `{"type": "image"}` / `{"type": "video"}`), and that prompt's expanded length (`preprocess`)."""
+    prompt = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                           tokenize=False)
+    values = {k: v for k, v in request_values(prompt, images, videos).items()
+              if k in ("text_input", "images", "videos")}
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        prompt_tokens = len(client.infer("preprocess", grpc_inputs(values)).as_numpy("input_ids"))
+    return generate(server.grpc_url, prompt, images, videos, max_tokens=max_tokens, stream=False), prompt_tokens
+
+
+def test_models_lists_the_served_model(api):
+    assert [m.id for m in api.models.list().data] == [MODEL]
+
+
+def test_image_chat_equals_the_ensemble_streamed_and_not(api, server, processor):
+    direct, prompt_tokens = _direct(server, processor, [{"type": "image"}, {"type": "text", "text": "What is this?"}],
+                                    [IMAGE])
+    image = {"type": "image_url", "image_url": {"url": _data_url(IMAGE, "image/jpeg")}}
+    messages = [{"role": "user", "content": [image, {"type": "text", "text": "What is this?"}]}]
+    answer = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    assert answer.object == "chat.completion" and answer.model == MODEL
+    assert answer.choices[0].message.role == "assistant"
+    assert answer.choices[0].message.content == direct.text
+    assert answer.choices[0].finish_reason == direct.finish_reason == "length"
+    assert answer.usage.completion_tokens == len(direct.output_ids) == 12
+    assert answer.usage.prompt_tokens == prompt_tokens
+    assert answer.usage.total_tokens == prompt_tokens + 12
+
+    chunks = list(api.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
+                                              stream=True, stream_options={"include_usage": True}))
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == direct.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == prompt_tokens
+
+
+def test_video_and_a_system_turn_equal_the_ensemble(api, server, processor):
+    direct, _ = _direct(server, processor, [{"type": "video"}, {"type": "text", "text": "What moves?"}], (), [VIDEO])
+    answer = api.chat.completions.create(model=MODEL, max_tokens=12, temperature=0, messages=[
+        {"role": "user", "content": [{"type": "video_url", "video_url": {"url": _data_url(VIDEO, "video/mp4")}},
+                                     {"type": "text", "text": "What moves?"}]}])
+    assert answer.choices[0].message.content == direct.text
+    assert answer.usage.completion_tokens == len(direct.output_ids)
+
+    # Several turns and string content: the prompt is the processor's for the same messages.
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+             {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]
+    prompt = processor.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+    direct = generate(server.grpc_url, prompt, max_tokens=8, stream=False)
+    answer = api.chat.completions.create(model=MODEL, messages=turns, max_completion_tokens=8, temperature=0)
+    assert answer.choices[0].message.content == direct.text
+
+
+def test_stop_seed_and_sampling_reach_the_ensemble(api, server, processor):
+    direct, _ = _direct(server, processor, [{"type": "text", "text": "Count"}], max_tokens=16)
+    stop = direct.text[len(direct.text) // 2:][:2]
+    sampled = [api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Count"}],
+                                           max_tokens=16, temperature=0.9, top_p=0.9, seed=7, stop=[stop])
+               for _ in range(2)]
+    assert sampled[0].choices[0].message.content == sampled[1].choices[0].message.content
+    greedy = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Count"}], max_tokens=16,
+                                         temperature=0, stop=stop)
+    assert greedy.choices[0].finish_reason == "stop"
+    assert greedy.choices[0].message.content == direct.text[:direct.text.index(stop)]
+
+
+def _idle(values: dict) -> bool:
+    return (values.get("triton_vlm_llm_requests:running") == 0 and values.get("triton_vlm_llm_requests:waiting") == 0
+            and values.get("triton_vlm_llm_kv_blocks:used") == 0)
+
+
+def test_a_client_gone_mid_stream_frees_the_llms_blocks(api, server):
+    before = wait_for(server, _idle)["triton_vlm_llm_generated_tokens"]
+    stream = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "A long story"}],
+                                         max_tokens=3000, temperature=0, stream=True)
+    received = 0
+    for chunk in stream:
+        received += 1
+        if received == 5:
+            break
+    busy = wait_for(server, lambda v: v.get("triton_vlm_llm_kv_blocks:used", 0) > 0, timeout=10)
+    assert busy["triton_vlm_llm_kv_blocks:used"] > 0
+    stream.close()  # the HTTP connection goes, no goodbye
+    after = wait_for(server, _idle, timeout=10)
+    assert _idle(after), after
+    assert after["triton_vlm_llm_generated_tokens"] - before < 300
+
+
+def _error(call) -> tuple[int, dict]:
+    with pytest.raises(openai.APIStatusError) as raised:
+        call()
+    body = raised.value.response.json()
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return raised.value.status_code, body["error"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_errors_are_openais(api, stream):
+    def chat(content, **kwargs):
+        return lambda: api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                                   max_tokens=4, stream=stream, **kwargs)
+
+    url = "http://example.com/cat.jpg"
+    status, error = _error(chat([{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "?"}]))
+    assert status == 400 and url in error["message"] and error["type"] == "invalid_request_error"
+    status, error = _error(chat([{"type": "video_url", "video_url": {"url": "/etc/passwd"}}]))
+    assert status == 400 and "'/etc/passwd' is not a data: URL" in error["message"]
+    status, error = _error(chat("hi", n=2))
+    assert status == 400 and error["param"] == "n"
+    status, error = _error(chat("hi", temperature=-1))  # the ensemble's own refusal
+    assert (status, error["message"]) == (400, "temperature: must be >= 0, got -1")
+    status, error = _error(chat([{"type": "image_url", "image_url": {"url": _data_url(b"no image", "image/png")}}]))
+    assert status == 400 and error["message"].startswith("images[0]")
+    placeholder = FAMILIES["qwen2_5_vl"].image_placeholder
+    status, error = _error(chat(f"{placeholder} spelled out"))
+    assert status == 400 and error["param"] == "messages"
+    status, error = _error(chat("hi", frequency_penalty=0.5))
+    assert status == 400 and error["param"] == "frequency_penalty"
+    status, error = _error(lambda: api.chat.completions.create(model="gpt-4o", messages=[{"role": "user",
+                                                                                          "content": "hi"}]))
+    assert status == 404 and error["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("template,families", [(QWEN_TEMPLATE, ["qwen2_5_vl"]), (MINICPMV_TEMPLATE, ["minicpmv4_6"]),
+                                               (GLM_TEMPLATE, ["glm4v", "glm46v", "glmga", "glm_ocr", "glm4v_moe"])])
+def test_render_chat_places_each_familys_placeholders_in_order(template, families):
+    for family in map(FAMILIES.get, families):
+        content = [{"type": "video"}, {"type": "text", "text": "then"}, {"type": "image"}, {"type": "image"}]
+        prompt = render_chat(template, family, [{"role": "system", "content": "sys"},
+                                                {"role": "user", "content": content}])
+        img, vid = family.image_placeholder, family.video_placeholder
+        assert prompt.count(img) == 2 and prompt.count(vid) == 1
+        assert prompt.index(vid) < prompt.index("then") < prompt.index(img)
+        with pytest.raises(InvalidInput, match="placeholders for \\[image, image\\] where the messages have media "
+                                               "\\[image\\]"):
+            render_chat(template, family, [{"role": "user", "content": [{"type": "image"},
+                                                                        {"type": "text", "text": img}]}])
+
+
+def test_render_chat_is_the_processors_apply_chat_template(tiny_checkpoint, processor):
+    messages = [{"role": "system", "content": "sys"},
+                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "a"}, {"type": "video"}]},
+                {"role": "assistant", "content": [{"type": "text", "text": "b"}]}, {"role": "user", "content": "c"}]
+    assert render_chat(load_chat_template(tiny_checkpoint), FAMILIES["qwen2_5_vl"], messages) \
+        == processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def test_load_chat_template_reads_json_and_tokenizer_config(tmp_path):
+    import json
+
+    assert load_chat_template(tmp_path) is None
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
+        {"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]}))
+    assert load_chat_template(tmp_path) == "D"
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": "J"}))
+    assert load_chat_template(tmp_path) == "J"
+    (tmp_path / "chat_template.jinja").write_text("K")
+    assert load_chat_template(tmp_path) == "K"
+
+
+def test_genai_perf_openai_vision_mode(api, tiny_checkpoint, tmp_path):
+    """genai-perf's OpenAI multimodal mode (chat with synthetic images as data URLs) against this
+    endpoint: every request answered, tokens streamed."""
+    from tests.test_genai_perf import REQUESTS, check
+    from triton_vlm.loadtest import genai_perf
+
+    url = str(api.base_url).removeprefix("http://").removesuffix("/v1/").removesuffix("/v1")
+    check(genai_perf(url, "multimodal", tiny_checkpoint, model=MODEL, requests=REQUESTS, output_tokens=8,
+                     image_size=64, workdir=tmp_path))
+    (sent,) = tmp_path.glob("multimodal/*/inputs.json")
+    assert sent.read_text().count("data:image/png;base64,") >= REQUESTS  # an image in every request

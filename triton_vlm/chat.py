@@ -1,0 +1,61 @@
+"""The checkpoint's chat template, applied as transformers' processors apply it.
+
+One function renders every chat prompt the project sends (`triton-vlm infer`, the OpenAI server,
+the demo): messages whose content is a string or parts `{"type": "text", "text": ...}`,
+`{"type": "image"}`, `{"type": "video"}` go through the template with the generation prompt, in
+transformers' own Jinja environment (`render_jinja_template`, what `apply_chat_template(tokenize=
+False)` calls). The template writes each media part's placeholder; the result is checked to hold
+the family's placeholders exactly once per media part, in order, since `preprocess` expands them
+in that order (and a text part that spells a placeholder would otherwise take a media item's place).
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from triton_vlm.errors import InvalidInput
+from triton_vlm.families.base import Family
+
+MEDIA_TYPES = ("image", "video")
+
+
+def load_chat_template(checkpoint: str | Path) -> str | None:
+    """The template a transformers processor of this checkpoint applies, or None: its
+    `chat_template.jinja`, else `chat_template.json`, else the tokenizer config's (`default` where
+    it names several)."""
+    checkpoint = Path(checkpoint)
+    if (checkpoint / "chat_template.jinja").is_file():
+        return (checkpoint / "chat_template.jinja").read_text()
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        if (checkpoint / name).is_file():
+            template = json.loads((checkpoint / name).read_text()).get("chat_template")
+            if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
+                template = {t["name"]: t["template"] for t in template}.get("default")
+            if template:
+                return template
+    return None
+
+
+def render_chat(template: str, family: Family, messages: list[dict]) -> str:
+    """The prompt of `messages` (content a string or text / image / video parts) with the
+    generation prompt; InvalidInput unless it holds one placeholder per media part, in order."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    prompts, _ = render_jinja_template(conversations=[messages], chat_template=template, add_generation_prompt=True)
+    prompt = prompts[0]
+    asked = [part["type"] for m in messages if not isinstance(m["content"], str)
+             for part in m["content"] if part["type"] in MEDIA_TYPES]
+    placeholders = {family.image_placeholder: "image", family.video_placeholder: "video"}
+    found = [placeholders[p] for p in re.findall("|".join(map(re.escape, placeholders)), prompt)]
+    if found != asked:
+        raise InvalidInput(f"messages: the chat-templated prompt holds placeholders for [{', '.join(found)}] where "
+                           f"the messages have media [{', '.join(asked)}] (a text part must not hold "
+                           f"{family.image_placeholder!r} or {family.video_placeholder!r})")
+    return prompt
+
+
+def user_prompt(template: str, family: Family, text: str, images: int = 0, videos: int = 0) -> str:
+    """One user turn: the images, then the videos, then the text."""
+    content = [{"type": "image"}] * images + [{"type": "video"}] * videos + [{"type": "text", "text": text}]
+    return render_chat(template, family, [{"role": "user", "content": content}])
