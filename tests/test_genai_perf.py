@@ -27,3 +27,18 @@ def test_genai_perf_against_the_ensemble(server, tiny_checkpoint, endpoint, tmp_
     `generate`: Triton's HTTP `generate_stream`."""
     url = server.grpc_url if endpoint == "kserve" else server.http_url
     check(genai_perf(url, endpoint, tiny_checkpoint, requests=REQUESTS, output_tokens=8, workdir=tmp_path))
+
+
+def test_bench_command_prints_genai_perfs_table(server, tiny_checkpoint):
+    """`triton-vlm bench --tool genai-perf` on both ensemble endpoints: one row each, rates filled."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "triton_vlm.cli", "bench", "--tool", "genai-perf", "--url",
+                           server.grpc_url, "--http-url", server.http_url, "--tokenizer", str(tiny_checkpoint),
+                           "--concurrency", "1", "--max-tokens", "8", "--window-requests", str(REQUESTS)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in done.stdout.splitlines() if line.startswith("| ")][1:]
+    assert [(r[0], r[1], r[2]) for r in rows] == [("kserve", "1", str(REQUESTS)), ("generate", "1", str(REQUESTS))]
+    assert all(float(r[3]) > 0 and float(r[4]) > 0 and float(r[5]) > 0 for r in rows), rows
