@@ -27,11 +27,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from triton_vlm.chat import load_chat_template, render_chat
 from triton_vlm.client import Increment, RequestError, aio_channel, request_values, stream_generate
-from triton_vlm.errors import BUSY_PREFIX, InvalidInput
+from triton_vlm.errors import InvalidInput
 from triton_vlm.families import detect_family
+from triton_vlm.pipeline import REFUSALS
 
-# Overload refusals (the pipeline's and Triton's queues'), as in triton_backend's `_REFUSALS`.
-_OVERLOAD = (BUSY_PREFIX, "Request timeout expired", "Exceeds maximum queue size")
 # Failures of the server rather than of the request: the ensemble's own, a dead model instance.
 _INTERNAL = ("internal error", "is not healthy")
 # Request fields this server cannot honour: refused unless they ask for nothing (0, false, empty).
@@ -60,7 +59,7 @@ def ensemble_error(error: RequestError | grpc.aio.AioRpcError) -> APIError:
         status = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAVAILABLE: 503}.get(error.code(), 500)
         return APIError(status, f"ensemble: {error.details()}")
     message = str(error)
-    if any(m in message for m in _OVERLOAD):
+    if any(m in message for m in REFUSALS):  # overload: the pipeline's and Triton's queues'
         return APIError(503, message, code="server_busy")
     return APIError(500 if any(m in message for m in _INTERNAL) else 400, message)
 

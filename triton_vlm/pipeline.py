@@ -38,12 +38,12 @@ class Failure:
 
 # A BLS caller in Triton 2.51 gets every error as INTERNAL, whatever its code: refusals for now
 # (Triton's queue policy, the llm's queue timeout) are told by their messages.
-_REFUSALS = ("Request timeout expired", "Exceeds maximum queue size", BUSY_PREFIX)
+REFUSALS = ("Request timeout expired", "Exceeds maximum queue size", BUSY_PREFIX)
 
 
 def step_failure(code: str, message: str) -> Failure:
     """A step's error as passed on: a refusal for now is UNAVAILABLE, so the client may retry."""
-    if code == "INTERNAL" and any(m in message for m in _REFUSALS):
+    if code == "INTERNAL" and any(m in message for m in REFUSALS):
         code = "UNAVAILABLE"
     return Failure(code, message)
 
