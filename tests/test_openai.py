@@ -24,7 +24,7 @@ from triton_vlm.chat import load_chat_template, render_chat
 from triton_vlm.client import generate, grpc_inputs, request_values
 from triton_vlm.errors import InvalidInput
 from triton_vlm.families import FAMILIES
-from triton_vlm.server import free_port
+from triton_vlm.server import _ended_with_this_process, free_port
 
 MODEL = "tiny-qwen"
 IMAGE = samples.image_bytes(96, 64)
@@ -40,9 +40,11 @@ def api(server, tiny_checkpoint, tmp_path_factory):
     """`triton-vlm openai` against the session server, on a free port; always stopped."""
     port = free_port()
     log = open(tmp_path_factory.mktemp("openai") / "openai.log", "w")
-    process = subprocess.Popen([sys.executable, "-m", "triton_vlm.cli", "openai", "--url", server.grpc_url,
-                                "--checkpoint", str(tiny_checkpoint), "--port", str(port), "--model-name", MODEL],
-                               stdout=log, stderr=subprocess.STDOUT)
+    # Ended with this process too (SIGTERM if a killed test run never reaches the `finally`).
+    command = _ended_with_this_process([sys.executable, "-m", "triton_vlm.cli", "openai", "--url", server.grpc_url,
+                                        "--checkpoint", str(tiny_checkpoint), "--port", str(port),
+                                        "--model-name", MODEL])
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
         while True:
