@@ -125,14 +125,38 @@ class Stream:
         return torch.randn(self.vocab, generator=gen) * 3
 
     def context_ids(self) -> torch.Tensor | None:
-        return torch.tensor(self.context + self.tokens) if self.params.repetition_penalty != 1.0 else None
+        return torch.tensor(self.context + self.tokens) if self.params.reads_context else None
 
 
 def run_step(streams: list[Stream]) -> None:
     tokens = sample_batch(torch.stack([s.logits() for s in streams]), [s.params for s in streams],
-                          [s.generator for s in streams], [s.context_ids() for s in streams]).tolist()
+                          [s.generator for s in streams], [s.context_ids() for s in streams],
+                          [len(s.tokens) for s in streams]).tolist()
     for s, t in zip(streams, tokens):
         s.tokens.append(t)
+
+
+def alone_and_among_others(probes: list[SamplingParams], vocab: int, steps: int, rng: random.Random,
+                           other_params, max_others: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Each probe's tokens run alone, and again among changing batches (other rows from
+    `other_params(rng, seed)`, at different positions, some steps skipped)."""
+    alone = []
+    for key, params in enumerate(probes):
+        s = Stream(key, params, vocab)
+        for _ in range(steps):
+            run_step([s])
+        alone.append(s.tokens)
+    streams = [Stream(key, params, vocab) for key, params in enumerate(probes)]
+    others = 100
+    while any(len(s.tokens) < steps for s in streams):
+        batch = [s for s in streams if len(s.tokens) < steps and rng.random() < 0.7]
+        for _ in range(rng.randint(0, max_others)):
+            batch.append(Stream(others, other_params(rng, others), vocab))
+            others += 1
+        rng.shuffle(batch)
+        if batch:
+            run_step(batch)
+    return alone, [s.tokens for s in streams]
 
 
 def test_seeded_rows_are_batch_invariant():
@@ -146,26 +170,12 @@ def test_seeded_rows_are_batch_invariant():
               SamplingParams(max_tokens=1, temperature=0.6, top_p=0.8, repetition_penalty=1.4, seed=13),
               SamplingParams(max_tokens=1, temperature=1.3, top_k=5, repetition_penalty=0.8, seed=14),
               SamplingParams(max_tokens=1)]
-    alone = []
-    for key, params in enumerate(probes):
-        s = Stream(key, params, vocab)
-        for _ in range(steps):
-            run_step([s])
-        alone.append(s.tokens)
 
-    streams = [Stream(key, params, vocab) for key, params in enumerate(probes)]
-    others = 100
-    while any(len(s.tokens) < steps for s in streams):
-        batch = [s for s in streams if len(s.tokens) < steps and rng.random() < 0.7]
-        for _ in range(rng.randint(0, 12)):
-            params = random_params(rng)
-            params.seed = rng.getrandbits(64)
-            batch.append(Stream(others, params, vocab))
-            others += 1
-        rng.shuffle(batch)
-        if batch:
-            run_step(batch)
-    assert [s.tokens for s in streams] == alone
+    def other(rng: random.Random, key: int) -> SamplingParams:
+        return dataclasses.replace(random_params(rng), seed=rng.getrandbits(64))
+
+    alone, together = alone_and_among_others(probes, vocab, steps, rng, other, 12)
+    assert together == alone
     assert len({tuple(t) for t in alone}) == len(alone)  # the streams are not trivially alike
 
 
@@ -306,32 +316,11 @@ def test_new_controls_keep_seeded_rows_batch_invariant():
     vocab, steps = 300, 30
     rng = random.Random(11)
 
-    def run(streams):
-        tokens = sample_batch(torch.stack([s.logits() for s in streams]), [s.params for s in streams],
-                              [s.generator for s in streams], [torch.tensor(s.context + s.tokens) for s in streams],
-                              [len(s.tokens) for s in streams]).tolist()
-        for s, t in zip(streams, tokens):
-            s.tokens.append(t)
-
     probes = [dataclasses.replace(random_full_params(random.Random(k), vocab, list(range(5))), temperature=1.0,
                                   seed=50 + k, min_tokens=k % 3 * 4) for k in range(5)]
-    alone = []
-    for key, params in enumerate(probes):
-        s = Stream(key, params, vocab)
-        for _ in range(steps):
-            run([s])
-        alone.append(s.tokens)
-    streams = [Stream(key, params, vocab) for key, params in enumerate(probes)]
-    others = 100
-    while any(len(s.tokens) < steps for s in streams):
-        batch = [s for s in streams if len(s.tokens) < steps and rng.random() < 0.7]
-        for _ in range(rng.randint(0, 8)):
-            batch.append(Stream(others, dataclasses.replace(random_full_params(rng, vocab, [0]), seed=others), vocab))
-            others += 1
-        rng.shuffle(batch)
-        if batch:
-            run(batch)
-    assert [s.tokens for s in streams] == alone
+    alone, together = alone_and_among_others(
+        probes, vocab, steps, rng, lambda rng, key: dataclasses.replace(random_full_params(rng, vocab, [0]), seed=key), 8)
+    assert together == alone
 
 
 def test_token_logprobs_are_the_raw_log_softmax():
