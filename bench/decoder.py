@@ -217,11 +217,12 @@ def decoder_7b_overrides(layers: int, hidden: int, dtype: torch.dtype, device: t
                 dtype=str(dtype).removeprefix("torch."), device=str(device))
 
 
-def make_engine(ckpt: Path, device: torch.device, dtype: torch.dtype, max_running: int, need_tokens: int):
+def make_engine(ckpt: Path, device: torch.device, dtype: torch.dtype, max_running: int, need_tokens: int,
+                cuda_graphs: bool = True):
     """Our engine with a KV pool of at least `need_tokens` (the default pool where that is enough)."""
     from triton_vlm.llm import Engine
 
-    kwargs = {"device": str(device), "dtype": dtype}
+    kwargs = {"device": str(device), "dtype": dtype, "cuda_graphs": cuda_graphs}
     engine = Engine(ckpt, max_running=max_running, max_num_tokens=512, **kwargs)
     if engine.pool_tokens < need_tokens:
         model = engine.model
@@ -229,6 +230,22 @@ def make_engine(ckpt: Path, device: torch.device, dtype: torch.dtype, max_runnin
         engine = Engine(ckpt, model=model, max_running=max_running, max_num_tokens=512, kv_cache_tokens=need_tokens,
                         **kwargs)
     return engine
+
+
+def graph_replay_ms(engine, device: torch.device, repeats: int = 50) -> float | None:
+    """GPU time of one batch-1 decode step: the mean of `repeats` back-to-back replays of its CUDA
+    graph (on a stopped engine: the replays rewrite a slot of the last, finished, request)."""
+    graphs = engine.runner.graphs
+    if graphs is None:
+        return None
+    graph = graphs.graphs[graphs.sizes[0]]
+    graph.replay()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        graph.replay()
+    sync(device)
+    return (time.perf_counter() - t0) / repeats * 1000
 
 
 def main() -> None:
@@ -244,6 +261,7 @@ def main() -> None:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                     help="default: float32 on cpu, bfloat16 on cuda")
+    ap.add_argument("--cuda-graphs", choices=("on", "off"), default="on", help="the engine's decode CUDA graphs (cuda)")
     ap.add_argument("--concurrency", default="1,4,16", help="comma-separated engine concurrencies")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -293,7 +311,8 @@ def main() -> None:
     longest = max(len(i) for i in inputs)
     engine = make_engine(ckpt, device, dtype, max(64, *concurrency),
                          # room for every request in flight at once: no preemption in the measurement
-                         need_tokens=max(concurrency) * (longest + args.max_tokens + 16))
+                         need_tokens=max(concurrency) * (longest + args.max_tokens + 16),
+                         cuda_graphs=args.cuda_graphs == "on")
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()})"
     n_params = facts["parameters"]
     print(f"checkpoint {ckpt.name} ({detect_family(ckpt).name}): {n_params / 1e6:.1f} M parameters "
@@ -323,10 +342,12 @@ def main() -> None:
             subset = inputs[:4] if c == 1 else inputs[:max(args.requests, c)]
             results.setdefault(f"engine, concurrency {c}", []).append(run_engine(engine, subset, args.max_tokens, c))
     engine.shutdown()
+    replay_ms = graph_replay_ms(engine, device)
     conn.send(None)
     child.join()
 
     figures: dict = {"device": device_name, "dtype": str(dtype).removeprefix("torch."), "checkpoint": str(ckpt),
+                     "cuda_graphs": device.type == "cuda" and engine.runner.graphs is not None,
                      "parameters": n_params, "layers": facts["layers"],
                      "hidden": facts["hidden"], "torch_threads": facts["torch_threads"],
                      "max_tokens": args.max_tokens, "rounds": args.rounds, "copy_bandwidth_gb_s": bandwidth / 1e9,
@@ -355,6 +376,10 @@ def main() -> None:
         figures.update(c1_decode_ms_per_token=step * 1000, c1_decode_x_floor=step / floor)
         print(f"\nconcurrency 1 decode: {step * 1000:.2f} ms per token, {step / floor:.2f}x the "
               f"weight-streaming floor ({floor * 1000:.2f} ms)")
+    if replay_ms is not None:
+        figures.update(c1_graph_replay_ms=replay_ms)
+        print(f"one batch-1 decode step on the GPU alone (graph replay): {replay_ms:.2f} ms, "
+              f"{replay_ms / (floor * 1000):.2f}x the floor; the rest of a step is the host's")
     if device.type == "cuda":
         goals = {}
         if "c1_decode_x_floor" in figures:

@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from tests.metrics import wait_for
-from tests.test_e2e import IMAGE_A, IMG, chat, infer_direct, media_values
 from tests.test_llm import hf_greedy_with_logits, llm_request, submit
 from tests.test_llm_minicpmv import PROMPTS as MINICPMV_PROMPTS
 from tests.test_llm_minicpmv import perturbed_checkpoint
@@ -211,6 +210,8 @@ def test_bfloat16_build_serves_the_engines_tokens_with_half_the_kv_bytes(bf16_se
     """An image request through the bfloat16 server's ensemble gets the greedy tokens of the
     in-process bfloat16 Engine on the same inputs (that server's own preprocess and vision_encoder
     outputs); its KV bytes-per-token gauge is half the float32 session server's."""
+    from tests.test_e2e import IMAGE_A, IMG, chat, infer_direct, media_values  # PyAV, tritonclient: not on GPU hosts
+
     prompt, images = chat(IMG + "What is in the picture?"), [IMAGE_A]
     pre = infer_direct(bf16_server, "preprocess", media_values(prompt, images, []),
                        ["input_ids", "pixel_values", "grid_thw", "mrope_position_ids", "mrope_position_delta"])

@@ -236,6 +236,8 @@ def parser() -> argparse.ArgumentParser:
     option("llm_device", "where the llm decoder runs: cpu, cuda or cuda:N")
     option("llm_dtype", "llm weights, activations and KV cache: float32, bfloat16 or float16 "
            "(default: float32 on cpu, bfloat16 on cuda)")
+    option("llm_cuda_graphs", "llm on CUDA: replay decode steps from CUDA graphs captured at start-up",
+           choices=("on", "off"))
     option("llm_queue_timeout_ms",
            "a request waiting longer for its first place in the llm batch gets UNAVAILABLE; 0: no limit")
     option("max_inflight_requests", "ensemble requests beyond this are refused at once with UNAVAILABLE")

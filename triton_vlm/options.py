@@ -72,6 +72,7 @@ class LLMOptions(ModelParams):
     max_running: int = 64
     max_num_tokens: int = 512
     queue_timeout_ms: int = 0     # 0: a request waits for its place as long as it takes
+    cuda_graphs: bool = True      # CUDA: decode steps replay graphs captured at batch-size buckets
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,7 @@ class BuildOptions:
     # float16; empty: float32 on cpu, bfloat16 on cuda). The KV cache is in that dtype.
     llm_device: str = "cpu"
     llm_dtype: str = ""
+    llm_cuda_graphs: str = "on"         # on | off: CUDA graphs of the llm's decode steps (CUDA only)
     max_inflight_requests: int = 64     # `ensemble`: requests beyond this are refused at once (UNAVAILABLE)
     # Triton's queues of preprocess, vision_encoder and vision_encoder_batch: a request finding
     # max_queue_size waiting is refused at once, one that waited queue_timeout_ms is refused
@@ -258,11 +259,14 @@ def llm_options(options: BuildOptions) -> LLMOptions:
     from triton_vlm.llm.device import default_dtype, dtype_name, parse_device, parse_dtype
 
     device = parse_device(options.llm_device)
+    if options.llm_cuda_graphs not in ("on", "off"):
+        raise ValueError(f"--llm-cuda-graphs {options.llm_cuda_graphs}: expected on or off")
     dtype = parse_dtype(options.llm_dtype) if options.llm_dtype else default_dtype(device)
     return LLMOptions(device=str(device), dtype=dtype_name(dtype), kv_cache_tokens=options.kv_cache_tokens,
                       kv_cache_bytes=options.kv_cache_bytes, block_size=options.kv_block_size,
                       prefix_caching=options.prefix_caching, max_running=options.llm_max_running,
-                      max_num_tokens=options.llm_max_num_tokens, queue_timeout_ms=options.llm_queue_timeout_ms)
+                      max_num_tokens=options.llm_max_num_tokens, queue_timeout_ms=options.llm_queue_timeout_ms,
+                      cuda_graphs=options.llm_cuda_graphs == "on")
 
 
 def write_config(config: mc.ModelConfig, path: Path) -> None:

@@ -44,12 +44,26 @@ class PrefillMeta:
 
 
 @dataclass
+class GatheredDecode:
+    """`TorchAttention`'s decode rows: their blocks gathered into one padded, masked batch."""
+    rows: torch.Tensor          # [B] batch rows of the decode tokens
+    mask: torch.Tensor          # [B, 1, 1, L] which of the L gathered tokens each sees
+    block_ids: torch.Tensor     # [B * blocks] the blocks to gather, B block tables padded to one length
+
+
+@dataclass
+class PagedDecode:
+    """The decode rows of a kernel that reads the blocks in place (`triton_vlm.llm.cuda_attention`)."""
+    rows: torch.Tensor | None   # [B] batch rows of the decode tokens; None: every row of the batch, in order
+    block_tables: torch.Tensor  # [B, max_blocks] int32, each row's block table (padded with any block id)
+    context_lens: torch.Tensor  # [B] int32, tokens each row attends to (its own included)
+
+
+@dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor          # [T] where each row's K/V go
+    slot_mapping: torch.Tensor                        # [T] where each row's K/V go
     prefills: list[PrefillMeta]
-    decode_rows: torch.Tensor           # [B] batch rows of the decode tokens
-    decode_mask: torch.Tensor | None    # [B, 1, 1, L] which of the L gathered tokens each sees
-    block_ids: torch.Tensor | None      # [B * blocks] the blocks to gather, B block tables padded to one length
+    decode: GatheredDecode | PagedDecode | None       # None: no decode rows in the step
 
 
 class AttentionBackend(Protocol):
@@ -95,10 +109,11 @@ class TorchAttention:
                 prefills.append(PrefillMeta(s.row, s.n, slots.to(device), seen.to(device)))
             else:
                 prefills.append(PrefillMeta(s.row, s.n, None, None))
-        meta = AttentionMetadata(torch.tensor(slot_mapping, dtype=torch.long).to(device), prefills,
-                                 torch.empty(0, dtype=torch.long, device=device), None, None)
-        if not decode:
-            return meta
+        return AttentionMetadata(torch.tensor(slot_mapping, dtype=torch.long).to(device), prefills,
+                                 self.decode_metadata(decode) if decode else None)
+
+    def decode_metadata(self, decode: list[SeqRows]) -> GatheredDecode:
+        device, bs = self.kv.k.device, self.kv.block_size
         # gather whole blocks (block tables), not single slots: block_size x fewer indices
         lengths = torch.tensor([s.start + 1 for s in decode])
         nb = -(-int(lengths.max()) // bs)
@@ -106,12 +121,20 @@ class TorchAttention:
         for j, s in enumerate(decode):
             used = s.blocks[:-(-(s.start + 1) // bs)]
             table[j, :len(used)] = torch.tensor(used, dtype=torch.long)
-        meta.block_ids = table.reshape(-1).to(device)
         # as long as the longest context, not its last block: one sequence alone attends over exactly
         # its tokens (SDPA's reduction, and so its rounding, is that of an unpaged cache)
-        meta.decode_mask = (torch.arange(int(lengths.max()))[None, :] < lengths[:, None])[:, None, None, :].to(device)
-        meta.decode_rows = torch.tensor([s.row for s in decode], dtype=torch.long).to(device)
-        return meta
+        mask = (torch.arange(int(lengths.max()))[None, :] < lengths[:, None])[:, None, None, :]
+        return GatheredDecode(torch.tensor([s.row for s in decode], dtype=torch.long).to(device), mask.to(device),
+                              table.reshape(-1).to(device))
+
+    def decode(self, layer: int, q: torch.Tensor, meta: GatheredDecode) -> torch.Tensor:
+        """The decode rows' attention: queries q [B, heads, d] over their blocks -> [B, heads, d]."""
+        B, H, KVH, d = q.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        L = meta.mask.shape[-1]
+        kd, vd = (t.view(B, -1, KVH, d)[:, :L].transpose(1, 2)
+                  for t in self._gather(self.kv.k[layer], self.kv.v[layer], meta.block_ids))
+        o = F.scaled_dot_product_attention(q.view(B, KVH, H // KVH, d), kd, vd, attn_mask=meta.mask, scale=self.scale)
+        return o.reshape(B, H, d)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -120,15 +143,12 @@ class TorchAttention:
         kp, vp = self.kv.k[layer], self.kv.v[layer]
         kp.index_copy_(0, meta.slot_mapping, k)
         vp.index_copy_(0, meta.slot_mapping, v)
+        if meta.decode is not None and meta.decode.rows is None:  # every row decodes
+            return self.decode(layer, q, meta.decode)
         out = q.new_empty(T, H, d)
-        B = meta.decode_rows.numel()
-        if B:
-            rows = meta.decode_rows
-            qd = q.index_select(0, rows).view(B, KVH, H // KVH, d)
-            L = meta.decode_mask.shape[-1]
-            kd, vd = (t.view(B, -1, KVH, d)[:, :L].transpose(1, 2) for t in self._gather(kp, vp, meta.block_ids))
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=self.scale)
-            out.index_copy_(0, rows, o.reshape(B, H, d))
+        if meta.decode is not None:
+            rows = meta.decode.rows
+            out.index_copy_(0, rows, self.decode(layer, q.index_select(0, rows), meta.decode))
         for p in meta.prefills:
             a, n = p.row, p.n
             if p.slots is not None:

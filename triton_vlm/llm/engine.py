@@ -59,14 +59,15 @@ class Engine:
     `prefix_caching` is ignored (off) for decoders with a recurrent state (`prefix_caching` tells).
     `device` (cpu, cuda, cuda:N) and `dtype` (float32, bfloat16, float16) place the model loaded
     here, the KV cache and every tensor of a step (a given `model` keeps its own); the KV cache is in
-    the model's dtype (`kv_bytes_per_token`)."""
+    the model's dtype (`kv_bytes_per_token`). On CUDA, `cuda_graphs` captures the decode step at
+    batch-size buckets up to `max_running` (`triton_vlm.llm.cuda_graphs`; ignored on CPU)."""
 
     def __init__(self, checkpoint_dir: str | Path, *, max_running: int = 64, tokenizer=None,
                  model: DecoderModel | None = None, kv_cache_tokens: int | None = None,
                  kv_cache_bytes: int | None = None, block_size: int = 16, prefix_caching: bool = False,
                  max_num_tokens: int = 512, return_logits: bool = False, queue_timeout_ms: float = 0.0,
                  clock: Callable[[], float] = time.monotonic,
-                 device: str = "cpu", dtype: str | torch.dtype = "float32"):
+                 device: str = "cpu", dtype: str | torch.dtype = "float32", cuda_graphs: bool = True):
         from tokenizers import Tokenizer
 
         self.checkpoint_dir = Path(checkpoint_dir)
@@ -93,7 +94,8 @@ class Engine:
                                    state_slots=max_running if c.recurrent else 0)
         self.scheduler = Scheduler(self.blocks, max_running=max_running, max_num_tokens=max_num_tokens,
                                    recurrent=c.recurrent, queue_timeout_ms=queue_timeout_ms, clock=clock)
-        self.runner = ModelRunner(self.model, num_blocks, block_size, state_slots=max_running)
+        self.runner = ModelRunner(self.model, num_blocks, block_size, max_batch=max_running, cuda_graphs=cuda_graphs,
+                                  max_context=self.context_length)
         self.output = OutputProcessor(self._release)
         log.info("llm KV cache: %d blocks x %d tokens, %d bytes per token (%s on %s), %.1f MiB", num_blocks,
                  block_size, self.kv_bytes_per_token, dtype_name(self.model.dtype), self.model.device,
@@ -238,6 +240,8 @@ class Engine:
     # ---- scheduler thread ----------------------------------------------------------------------
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
+        if self.runner.device.type == "cuda":  # Triton launches its kernels on the current device
+            torch.cuda.set_device(self.runner.device)
         while True:
             try:
                 with self._lock:
@@ -299,13 +303,14 @@ class Engine:
             for seq in sampling:
                 self.output.finish(seq, "error", error=f"internal error: {type(e).__name__}")
             return
+        host_logits = logits.cpu() if self.return_logits else None
         for i, (seq, token, logprob) in enumerate(zip(sampling, tokens, logprobs)):
             if token == NO_TOKEN:
                 log.error("request %s: its logits are not finite, no token to sample", seq.request_id)
                 self.output.finish(seq, "error", error="internal error: non-finite logits")
                 continue
             try:
-                self.output.on_token(seq, token, logits[i] if self.return_logits else None, logprob)
+                self.output.on_token(seq, token, None if host_logits is None else host_logits[i], logprob)
             except Exception as e:
                 log.exception("request %s failed", seq.request_id)
                 self.output.finish(seq, "error", error=f"internal error: {type(e).__name__}")

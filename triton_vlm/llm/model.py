@@ -47,6 +47,7 @@ import torch.nn.functional as F
 
 from triton_vlm.errors import InvalidInput
 from triton_vlm.families import detect_family, get_family
+from triton_vlm.llm import cuda_ops
 from triton_vlm.llm.device import parse_device, parse_dtype
 from triton_vlm.llm.linear_attention import GatedDeltaNet, LinearAttentionConfig, RecurrentRows
 from triton_vlm.llm.moe import MoeConfig, SparseMoe, swiglu
@@ -206,7 +207,14 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm as transformers computes it in any dtype: the variance and the normalization in
     float32. A weight in x's dtype scales after the cast back (Qwen2RMSNorm, Glm4vRMSNorm: `weight *
     x.to(dtype)`); a float32 weight before it (Qwen3_5RMSNorm: `(x * (1 + weight.float())).to(dtype)`,
-    see `SwiGLULayer.norm_weight`). In float32 both are the same."""
+    see `SwiGLULayer.norm_weight`). In float32 both are the same. On CUDA, one kernel (`cuda_ops`)."""
+    if x.is_cuda:
+        return cuda_ops.rms_norm(x, weight, eps)
+    return rms_torch(x, weight, eps)
+
+
+def rms_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`_rms` in torch ops (the CPU path, and the reference of the CUDA kernel)."""
     xf = x.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if weight.dtype == torch.float32:
@@ -217,6 +225,7 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 # ---- rotary -------------------------------------------------------------------------------------
 class HalfPairs:
     """rotate_half (Qwen2): rotary dim i pairs with dim i +- r/2; both turn by frequency i mod r/2."""
+    interleaved = False
 
     @staticmethod
     def partners(x: torch.Tensor) -> torch.Tensor:
@@ -230,6 +239,7 @@ class HalfPairs:
 
 class InterleavedPairs:
     """rotate_half_llm (GLM-4): rotary dims (0, 1), (2, 3), ... pair up; pair j turns by frequency j."""
+    interleaved = True
 
     @staticmethod
     def partners(x: torch.Tensor) -> torch.Tensor:
@@ -267,7 +277,7 @@ class Rotary:
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float) / r))
         self.axis, self.inv_freq, self.sign = (t.to(device) for t in (axis_of_freq[freq], inv_freq[freq], sign))
         self.dtype = dtype
-        self.partners = pairing.partners
+        self.partners, self.interleaved = pairing.partners, pairing.interleaved
         self.partial = r < config.head_dim
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -276,7 +286,13 @@ class Rotary:
         return angles.cos().to(self.dtype), (angles.sin() * self.sign).to(self.dtype)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, head_dim] rotated; cos, sin [T, 1, rotary_dim]."""
+        """x [T, heads, head_dim] rotated; cos, sin [T, 1, rotary_dim]. On CUDA, one kernel (`cuda_ops`)."""
+        if x.is_cuda:
+            return cuda_ops.rotary(x, cos, sin, self.interleaved)
+        return self.apply_torch(x, cos, sin)
+
+    def apply_torch(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """`apply` in torch ops (the CPU path, and the reference of the CUDA kernel)."""
         if not self.partial:
             return x * cos + self.partners(x) * sin
         rot = x[..., :self.rotary_dim]
@@ -469,6 +485,8 @@ class DecoderModel:
                  device: str | torch.device = "cpu", dtype: str | torch.dtype = torch.float32):
         self.config = c = config
         self.device, self.dtype = parse_device(device), parse_dtype(dtype)
+        if self.device.type == "cuda" and self.device.index is None:  # by its index, as tensors name it
+            self.device = torch.device("cuda", torch.cuda.current_device())
         spec = get_family(c.family).decoder_spec()
         prefix = next((p for p in _DECODER_PREFIXES if p + "embed_tokens.weight" in weights), None)
         if prefix is None:
@@ -510,6 +528,12 @@ class DecoderModel:
         if parse_dtype(dtype) != torch.float32:  # read again, unrounded
             weights.update(read_safetensors(root, lambda k: k if wanted(k) and k.endswith(_FLOAT32_WEIGHTS) else None))
         return cls(config, weights, device=device, dtype=dtype)
+
+    @property
+    def capturable(self) -> bool:
+        """Whether a decode step can be captured in a CUDA graph (`triton_vlm.llm.cuda_graphs`): no
+        mixture-of-experts layer (its loop runs over the experts a step chose) and no linear attention."""
+        return not self.config.recurrent and self.config.moe is None
 
     # ---- inputs --------------------------------------------------------------------------------
     def placeholder_mask(self, ids: torch.Tensor) -> torch.Tensor:

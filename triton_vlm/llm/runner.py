@@ -3,6 +3,8 @@ step's scheduled chunks into one `StepBatch` (input embeddings with the vision r
 positions, attention metadata built once), runs the forward pass and samples the next tokens."""
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
@@ -14,16 +16,40 @@ from triton_vlm.llm.paged import KVCache, StateCache
 from triton_vlm.llm.sampling import sample_batch, token_logprobs
 from triton_vlm.llm.scheduler import ScheduledChunk
 
+log = logging.getLogger(__name__)
+
 
 class ModelRunner:
-    def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, state_slots: int = 1):
+    """`max_batch` sequences at most in one step. On CUDA, decode attention reads the paged cache in
+    place (`TritonAttention`) and, with `cuda_graphs` and a capturable decoder, decode steps of up to
+    `max_batch` sequences of up to `max_context` tokens replay CUDA graphs (`DecodeGraphs`; the KV
+    pool then has one more block, the graphs' scratch block)."""
+
+    def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, max_batch: int = 1,
+                 cuda_graphs: bool = False, max_context: int = 0):
         self.model = model
         c = model.config
         weight = model.embed_tokens
         self.device, self.dtype = weight.device, weight.dtype
-        self.kv = KVCache.for_model(c, num_blocks, block_size, self.dtype, self.device)
-        self.states = StateCache.for_model(c, state_slots, self.dtype, self.device) if c.recurrent else None
-        self.attention: AttentionBackend = TorchAttention(c, self.kv)
+        cuda = self.device.type == "cuda"
+        graphs = cuda and cuda_graphs and model.capturable
+        self.kv = KVCache.for_model(c, num_blocks + graphs, block_size, self.dtype, self.device)
+        self.states = StateCache.for_model(c, max_batch, self.dtype, self.device) if c.recurrent else None
+        self.graphs = None
+        if cuda:
+            from triton_vlm.llm.cuda_attention import TritonAttention
+
+            torch.cuda.set_device(self.device)
+            self.attention: AttentionBackend = TritonAttention(c, self.kv)
+        else:
+            self.attention = TorchAttention(c, self.kv)
+        if graphs:
+            from triton_vlm.llm.cuda_graphs import DecodeGraphs
+
+            max_blocks = -(-min(max_context or num_blocks * block_size, num_blocks * block_size) // block_size)
+            self.graphs = DecodeGraphs(model, self.attention, max_batch, max_blocks, scratch_block=num_blocks)
+        elif cuda_graphs and cuda:
+            log.info("llm decode: no CUDA graphs for %s (mixture of experts or linear attention)", c.family)
 
     def prepare(self, chunks: list[ScheduledChunk]) -> StepBatch:
         T = sum(c.num_tokens for c in chunks)
@@ -61,7 +87,7 @@ class ModelRunner:
             row += c.num_tokens
         h = F.embedding(torch.tensor(ids, dtype=torch.long).to(self.device), self.model.embed_tokens)
         for rows, emb in vision:
-            h[rows.to(self.device)] = emb.to(h.dtype)
+            h[rows.to(self.device)] = emb.to(self.device, h.dtype)
         recurrent = None
         if self.states is not None:
             recurrent = RecurrentRows(torch.tensor(decode_rows, dtype=torch.long).to(self.device),
@@ -71,6 +97,8 @@ class ModelRunner:
 
     def forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """float32 logits [chunks that sample, vocab], on the model's device."""
+        if self.graphs is not None and self.graphs.takes(chunks):
+            return self.graphs.run(chunks)
         return self.model.forward(self.prepare(chunks), self.attention, self.states)
 
     def sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> tuple[list[int], list[float | None]]:
@@ -112,5 +140,5 @@ def prompt_logits(model: DecoderModel, input_ids: torch.Tensor, embeddings: torc
                    emit=lambda out: None, is_cancelled=lambda: False, generator=torch.Generator(),
                    detok=IncrementalDetokenizer(None, []), blocks=blocks.allocate(blocks.num_blocks),
                    state=blocks.allocate_state())
-    runner = ModelRunner(model, blocks.num_blocks, blocks.block_size, state_slots=1)
+    runner = ModelRunner(model, blocks.num_blocks, blocks.block_size)
     return runner.forward([ScheduledChunk.of(seq, n)])[0]
