@@ -38,17 +38,21 @@ def _paged(lengths: list[int], block_size: int, num_blocks: int) -> list[SeqRows
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(28, 4, 128), (8, 2, 64), (4, 4, 80), (16, 1, 128)])
-def test_paged_decode_kernel_matches_gathered_sdpa(dtype, heads, kv_heads, head_dim):
-    """Contexts of 1 token, within one block, on block edges and over many shuffled blocks. In
+@pytest.mark.parametrize("rows", [6, 300])
+def test_paged_decode_kernel_matches_gathered_sdpa(dtype, heads, kv_heads, head_dim, rows):
+    """Contexts of 1 token, within one block, on block edges and over many shuffled blocks; 6 rows
+    (the context split over programs, `num_splits` > 1) and 300 (one program per row and KV head). In
     float32 the kernel equals the reference to 1e-5 (IEEE dot products); in half precision its error
     against a float64 computation from the same inputs is at most twice SDPA's own in that dtype
     (or one ulp of the largest output)."""
-    from triton_vlm.llm.cuda_attention import TritonAttention
+    from triton_vlm.llm.cuda_attention import TritonAttention, num_splits
 
     torch.manual_seed(0)
-    block_size, num_blocks = 16, 128
+    block_size, num_blocks = 16, 4096
     config = SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim)
-    seqs = _paged([1, 15, 16, 17, 300, 1000], block_size, num_blocks)
+    lengths = [1, 15, 16, 17, 300, 1000] + torch.randint(1, 200, (rows - 6,)).tolist()
+    assert (num_splits(rows * kv_heads, torch.device("cuda")) > 1) == (rows == 6)
+    seqs = _paged(lengths, block_size, num_blocks)
     kv = KVCache(1, kv_heads, head_dim, num_blocks, block_size, dtype, "cuda")
     kv.k.normal_(), kv.v.normal_()
     q = torch.randn(len(seqs), heads, head_dim, device="cuda", dtype=dtype)
