@@ -17,6 +17,7 @@ SAMPLES = [
                    max_batch_patches=65536),
     EncoderBatchOptions(instances=3, cache_bytes=1 << 20, engine_file="encoder.plan"),
     EncoderBatchOptions(instances=2, encoder_file="../../vision_encoder/1/encoder.onnx", intra_op_threads=4),
+    EncoderBatchOptions(instances=2, backend="torch", weights_dir="checkpoint", dtype="bfloat16"),
     Limits(max_item_bytes=1234, max_aspect_ratio=50.5),
 ]
 
@@ -60,7 +61,7 @@ def test_build_writes_what_the_models_read(tiny_checkpoint, device):
     from triton_vlm.families import detect_family
     from triton_vlm.repository import ENCODER_BATCH_MODEL, BuildOptions, model_configs
 
-    options = BuildOptions(device=device, kv_cache_tokens=8192, kv_block_size=32, prefix_caching=False,
+    options = BuildOptions(device=device, encoder_backend="tensorrt" if device == "gpu" else "", kv_cache_tokens=8192, kv_block_size=32, prefix_caching=False,
                            llm_max_running=5, llm_max_num_tokens=256, llm_queue_timeout_ms=900, encoder_instances=2,
                            encoder_threads=3, encoder_cache_bytes=1 << 20, encoder_max_batch_patches=1000)
     configs = model_configs(detect_family(tiny_checkpoint), json.loads((tiny_checkpoint / "config.json").read_text()),
@@ -69,14 +70,15 @@ def test_build_writes_what_the_models_read(tiny_checkpoint, device):
     def params(name: str) -> dict[str, str]:
         return {k: v.string_value for k, v in configs[name].parameters.items()}
 
+    gpu = device == "gpu"
     assert LLMOptions.from_params(params("llm")) == LLMOptions(
-        device="cpu", dtype="float32", kv_cache_tokens=8192, block_size=32, prefix_caching=False, max_running=5,
+        device="cuda" if gpu else "cpu", dtype="bfloat16" if gpu else "float32", kv_cache_tokens=8192, block_size=32, prefix_caching=False, max_running=5,
         max_num_tokens=256, queue_timeout_ms=900)
     front = EncoderOptions.from_params(params("vision_encoder"))
     assert (front.batch_model, front.max_batch_patches, front.spatial_merge_size) == (ENCODER_BATCH_MODEL, 1000, 2)
     batch = EncoderBatchOptions.from_params(params(ENCODER_BATCH_MODEL))
     assert (batch.instances, batch.cache_bytes) == (2, 1 << 20)
-    if device == "gpu":
+    if gpu:
         assert (batch.engine_file, batch.encoder_file, batch.intra_op_threads) == ("encoder.plan", None, None)
     else:
         assert (batch.engine_file, batch.encoder_file, batch.intra_op_threads) == (

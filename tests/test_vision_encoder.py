@@ -248,7 +248,8 @@ def test_gpu_build_refuses_a_cpu_graph_dtype(checkpoint, tmp_path):
     from triton_vlm.repository import BuildOptions, build_repository
 
     with pytest.raises(ValueError, match="--trt-precision"):
-        build_repository(checkpoint, tmp_path / "repository", BuildOptions(device="gpu", encoder_dtype="float16"))
+        build_repository(checkpoint, tmp_path / "repository",
+                         BuildOptions(device="gpu", encoder_backend="tensorrt", encoder_dtype="float16"))
     assert not (tmp_path / "repository").exists()
 
 
@@ -261,14 +262,15 @@ def test_encoder_configs_cpu_and_gpu(checkpoint):
     config = json.loads((checkpoint / "config.json").read_text())
     for device in ("cpu", "gpu"):
         options = BuildOptions(device=device, encoder_max_queue_delay_us=1234, encoder_cache_bytes=1 << 20,
-                               encoder_instances=2)
+                               encoder_instances=2, encoder_backend="tensorrt" if device == "gpu" else "", gpus="0")
         configs = model_configs(detect_family(checkpoint), config, options)
         check_pipeline(configs)
         front, batch = configs["vision_encoder"], configs["vision_encoder_batch"]
         assert front.max_batch_size == 0 and [list(t.dims) for t in front.input][1] == [-1, 3]
         assert batch.max_batch_size == options.encoder_max_batch_patches
         assert batch.dynamic_batching.max_queue_delay_microseconds == 1234
-        assert [t.name for t in batch.input] == ["pixel_values", "patch_grid"] and list(batch.input[1].dims) == [3]
+        assert [t.name for t in batch.input] == ["pixel_values", "patch_grid", "odd_share"]
+        assert list(batch.input[1].dims) == [3] and batch.input[2].optional
         assert batch.parameters["cache_bytes"].string_value == str(1 << 20)
         assert batch.instance_group[0].count == 2
         gpu = device == "gpu"

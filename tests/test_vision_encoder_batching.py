@@ -128,3 +128,17 @@ def test_same_item_in_one_batch_and_later_is_computed_once_and_bit_identical(enc
     again[0, 0] += 1  # a response is the caller's own copy
     (after,), _ = batched.encode_many([image])
     assert after.tobytes() == first.tobytes()
+
+
+def test_balance_items_is_vllms_greedy_split_and_join_restores_item_order():
+    grid = np.array([[1, 2, 4], [1, 8, 8], [1, 4, 4], [1, 2, 2], [1, 4, 4]])  # 8, 64, 16, 4, 16 patches
+    shares = b.balance_items(grid, 2)
+    assert [s.tolist() for s in shares] == [[1], [0, 2, 3, 4]]  # 64 against 44
+    assert [s.tolist() for s in b.balance_items(grid, 3)] == [[1], [0, 2], [3, 4]]  # 64, 24, 20
+    assert [s.tolist() for s in b.balance_items(grid, 1)] == [[0, 1, 2, 3, 4]]
+    assert b.balance_items(grid[:1], 4) == [np.array([0])] and b.balance_items(np.zeros((0, 3)), 2) == []
+    tokens = grid.prod(axis=1) // 4
+    full = np.arange(int(tokens.sum()), dtype=np.float32)[:, None] * np.ones((1, 3), np.float32)
+    starts = np.concatenate([[0], np.cumsum(tokens)])
+    parts = [np.concatenate([full[starts[i]:starts[i + 1]] for i in s]) for s in shares]
+    np.testing.assert_array_equal(b.join_shares(shares, parts, tokens), full)

@@ -184,6 +184,7 @@ def parser() -> argparse.ArgumentParser:
     from triton_vlm.limits import Limits
     from triton_vlm.families import FAMILIES
     from triton_vlm.repository import BuildOptions
+    from triton_vlm.vision.backends import BACKENDS
     from triton_vlm.vision.tensorrt_engine import PRECISIONS
 
     p = argparse.ArgumentParser(prog="triton-vlm", description=__doc__)
@@ -208,13 +209,20 @@ def parser() -> argparse.ArgumentParser:
             kwargs.setdefault("type", type(default))
         c.add_argument("--" + name.replace("_", "-"), default=default, help=help, **kwargs)
 
-    option("device", choices=("cpu", "gpu"))
+    option("device", choices=("cpu", "gpu"), help="gpu: llm and vision_encoder_batch on GPU instances, "
+           "preprocess and ensemble on the CPU")
+    option("gpus", "--device gpu: GPUs of the llm and encoder instances, e.g. 0,1 (default: every GPU visible "
+           "at build time; 0 when none is, e.g. building on a machine without CUDA)")
     option("preprocess_instances")
     for limit in dataclasses.fields(Limits):  # preprocess request limits, defaults in triton_vlm.limits
         c.add_argument("--" + limit.name.replace("_", "-"), type=float if limit.type == "float" else int,
                        metavar="N", help=f"preprocess limit (default {limit.default})")
     option("encoder_threads", "ONNX Runtime threads; 0: cores / encoder instances")
-    option("encoder_dtype", choices=("float32", "float16"))
+    option("encoder_backend", "vision encoder: tensorrt, torch or onnxruntime (default: onnxruntime on cpu; "
+           "on gpu tensorrt if the tensorrt package imports, else torch)", choices=BACKENDS)
+    option("encoder_dtype", "onnxruntime: float32 (default) or float16; torch: float32, bfloat16 or float16 "
+           "(default: bfloat16 on gpu, float32 on cpu); tensorrt: see --trt-precision",
+           choices=("float32", "float16", "bfloat16"))
     option("encoder_instances", "instances of the batched vision encoder")
     option("encoder_frontends", "instances of the light vision_encoder front")
     option("encoder_max_queue_delay_us", "dynamic batching delay")
@@ -233,7 +241,8 @@ def parser() -> argparse.ArgumentParser:
            action=argparse.BooleanOptionalAction)
     option("llm_max_running", "requests in the llm's in-flight batch")
     option("llm_max_num_tokens", "llm rows per step (chunked prefill budget)")
-    option("llm_device", "where the llm decoder runs: cpu, cuda or cuda:N")
+    option("llm_device", "where the llm decoder runs: cpu, cuda or cuda:N (default: cpu; cuda with --device gpu, "
+           "where cuda is each llm instance's own GPU)")
     option("llm_dtype", "llm weights, activations and KV cache: float32, bfloat16 or float16 "
            "(default: float32 on cpu, bfloat16 on cuda)")
     option("llm_cuda_graphs", "llm on CUDA: replay decode steps from CUDA graphs captured at start-up",

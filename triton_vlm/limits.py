@@ -34,6 +34,9 @@ class Limits(ModelParams):
     # Prompt tokens after every placeholder is expanded to its media item's tokens (Qwen2.5-VL: 128k context;
     # the llm step checks the checkpoint's own context as well).
     max_prompt_tokens: int = 131072
+    # Patches of one image or video frame: the vision encoder's largest run (the build lowers it to
+    # the encoder's `encoder_max_batch_patches` and, for TensorRT, its profile's `trt_max_patches`).
+    max_frame_patches: int = 65536
 
     @classmethod
     def from_params(cls, params: Mapping[str, str]) -> Limits:

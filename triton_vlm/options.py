@@ -38,6 +38,15 @@ def _decode(kind: type, name: str, text: str) -> Any:
         raise ValueError(f"{name}: expected {kind.__name__}, got {text!r}") from None
 
 
+def instance_device(args: Mapping[str, str], device: str) -> str:
+    """Where a Triton model instance runs (`args`: its `initialize` arguments): a KIND_GPU instance
+    asked for `cuda` runs on its own GPU (`model_instance_device_id`: cuda:N); any other `device`
+    (cpu, cuda:N) stays as it is."""
+    if device == "cuda" and args.get("model_instance_kind") == "GPU":
+        return f"cuda:{int(args['model_instance_device_id'])}"
+    return device
+
+
 class ModelParams:
     """Base of the parameter dataclasses; a field that is None is not written."""
 
@@ -78,20 +87,27 @@ class LLMOptions(ModelParams):
 @dataclass(frozen=True)
 class EncoderOptions(ModelParams):
     """The `vision_encoder` front: the batched model it calls, the tower's dimensions, the patch
-    rows of one batched execution."""
+    rows of one batched execution, the batched model's instances (a request's items are split
+    over them)."""
     batch_model: str
     patch_dim: int
     hidden: int
     spatial_merge_size: int
     max_batch_patches: int
+    batch_instances: int = 1
 
 
 @dataclass(frozen=True)
 class EncoderBatchOptions(ModelParams):
-    """`vision_encoder_batch`: a TensorRT engine (`engine_file`, GPU) or an ONNX graph run by ONNX
-    Runtime (`encoder_file`, `intra_op_threads`; 0: the cores / `instances`), and the embedding cache."""
+    """`vision_encoder_batch`: its back end (triton_vlm.vision.backends): a TensorRT engine
+    (`engine_file`), an ONNX graph run by ONNX Runtime (`encoder_file`, `intra_op_threads`; 0: the
+    cores / `instances`) or the torch tower of the checkpoint folder `weights_dir` in `dtype`; and
+    the embedding cache."""
     instances: int = 1
     cache_bytes: int = 0
+    backend: str = "onnxruntime"
     engine_file: str | None = None
     encoder_file: str | None = None
     intra_op_threads: int | None = None
+    weights_dir: str | None = None
+    dtype: str | None = None

@@ -321,6 +321,11 @@ class Preprocessor:
             return item
 
         items = _map(plan, names)
+        for item in items:
+            frame = max((h * w for _, h, w in item.grids), default=0)
+            if frame > limits.max_frame_patches:
+                raise InvalidInput(f"{item.name}: {frame} patches per frame exceed "
+                                   f"max_frame_patches={limits.max_frame_patches}")
         grids = np.array([g for item in items for g in item.grids], dtype=np.int64).reshape(-1, 3)
         rows = np.array([sum(t * h * w for t, h, w in item.grids) for item in items], dtype=np.int64)
         # Each placeholder token becomes its item's ids (media tokens, and for some families

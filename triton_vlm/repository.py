@@ -27,6 +27,7 @@ CHECKPOINT_DIR = "checkpoint"  # inside each model's version folder
 ENCODER_FILE = "encoder.onnx"  # in vision_encoder/1/; the batched model reads it from there
 ENGINE_FILE = "encoder.plan"   # --device gpu: TensorRT engine, in vision_encoder_batch/1/
 ENCODER_BATCH_MODEL = "vision_encoder_batch"
+ODD_SHARE_INPUT = "odd_share"  # see encoder_batch_io
 # Small files every Python model may read; weights go only where they are used.
 _CHECKPOINT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                      "special_tokens_map.json", "chat_template.jinja", "chat_template.json",
@@ -43,7 +44,13 @@ class BuildOptions:
     limits: Limits = DEFAULT_LIMITS     # preprocess request limits (triton_vlm.limits)
     encoder_instances: int = 1          # instances of the batched encoder (`vision_encoder_batch`)
     encoder_threads: int = 0            # ONNX Runtime intra-op threads; 0: the cores / encoder_instances
-    encoder_dtype: str = "float32"      # ONNX graph compute dtype on CPU (float32 | float16)
+    # The encoder's back end (triton_vlm.vision.backends; empty: its default for the device) and
+    # dtype (empty: float32; torch on gpu: bfloat16; tensorrt: --trt-precision decides).
+    encoder_backend: str = ""
+    encoder_dtype: str = ""
+    # --device gpu: the GPUs of the llm and encoder instances, e.g. "0,1" (empty: all visible at
+    # build time; [0] where none is).
+    gpus: str = ""
     encoder_frontends: int = 4          # instances of the light `vision_encoder` front (concurrent requests)
     encoder_max_queue_delay_us: int = 5000   # dynamic batcher: how long to wait for more requests
     encoder_max_batch_patches: int = 65536   # patch rows in one batched execution (one request may split)
@@ -61,9 +68,10 @@ class BuildOptions:
     prefix_caching: bool = True
     llm_max_running: int = 64
     llm_max_num_tokens: int = 512
-    # llm: where the decoder runs (cpu | cuda | cuda:N) and in which dtype (float32 | bfloat16 |
-    # float16; empty: float32 on cpu, bfloat16 on cuda). The KV cache is in that dtype.
-    llm_device: str = "cpu"
+    # llm: where the decoder runs (cpu | cuda | cuda:N; empty: cpu, or cuda with --device gpu) and
+    # in which dtype (float32 | bfloat16 | float16; empty: float32 on cpu, bfloat16 on cuda). The KV
+    # cache is in that dtype. With --device gpu, `cuda` is each llm instance's own GPU.
+    llm_device: str = ""
     llm_dtype: str = ""
     llm_cuda_graphs: str = "on"         # on | off: CUDA graphs of the llm's decode steps (CUDA only)
     max_inflight_requests: int = 64     # `ensemble`: requests beyond this are refused at once (UNAVAILABLE)
@@ -154,26 +162,75 @@ def encoder_io(patch_dim: int, hidden: int) -> tuple[tuple[TensorSpec, ...], tup
 
 def encoder_batch_io(patch_dim: int, hidden: int) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
     """`vision_encoder_batch` (max_batch_size > 0): dims are per row; the batch is the patch rows
-    (`patch_grid`: the [t, h, w] of each row's item, see triton_vlm.vision.batching)."""
-    return ((TensorSpec("pixel_values", FP32, (patch_dim,)), TensorSpec("patch_grid", INT64, (3,))),
+    (`patch_grid`: the [t, h, w] of each row's item, see triton_vlm.vision.batching). `odd_share`
+    is sent with odd shares of a request split over the instances (`VisionEncoderModel`)."""
+    return ((TensorSpec("pixel_values", FP32, (patch_dim,)), TensorSpec("patch_grid", INT64, (3,)),
+             TensorSpec(ODD_SHARE_INPUT, BOOL, (1,), optional=True)),
             (TensorSpec("embeddings", FP32, (hidden,)),))
+
+
+def encoder_backend(options: BuildOptions) -> tuple[str, str]:
+    """The encoder's back end and dtype for `options` (ValueError naming the flag)."""
+    from triton_vlm.vision.backends import BACKENDS, default_backend
+    from triton_vlm.vision.torch_encoder import DTYPES
+
+    backend = options.encoder_backend or default_backend(options.device)
+    dtypes = {"onnxruntime": ("float32", "float16"), "torch": tuple(DTYPES), "tensorrt": ("",)}.get(backend)
+    if dtypes is None:
+        raise ValueError(f"--encoder-backend {backend}: expected one of {', '.join(BACKENDS)}")
+    if backend == "tensorrt" and options.device != "gpu":
+        raise ValueError("--encoder-backend tensorrt needs --device gpu")
+    gpu_torch = backend == "torch" and options.device == "gpu"
+    dtype = options.encoder_dtype or ("bfloat16" if gpu_torch else dtypes[0])
+    if dtype not in dtypes:
+        if backend == "tensorrt":
+            raise ValueError("--encoder-dtype is not for TensorRT engines: their graph's dtype follows "
+                             f"--trt-precision (fp32 | fp16 | bf16), got --encoder-dtype {dtype}")
+        raise ValueError(f"--encoder-dtype {dtype}: the {backend} back end runs {', '.join(dtypes)}")
+    return backend, dtype
+
+
+def gpu_list(options: BuildOptions) -> list[int]:
+    """--device gpu: the GPUs of `--gpus`, else every one visible here, else [0]."""
+    if options.gpus:
+        try:
+            return [int(g) for g in options.gpus.split(",")]
+        except ValueError:
+            raise ValueError(f"--gpus {options.gpus}: expected GPU numbers separated by commas, e.g. 0,1") from None
+    import torch
+
+    return list(range(torch.cuda.device_count())) or [0]
+
+
+def _on_gpus(config: mc.ModelConfig, options: BuildOptions) -> mc.ModelConfig:
+    """The model's instances (count per GPU) on the build's GPUs."""
+    group = config.instance_group[0]
+    group.kind = mc.ModelInstanceGroup.KIND_GPU
+    group.gpus.extend(gpu_list(options))
+    return config
+
+
+def encoder_instances(options: BuildOptions) -> int:
+    """Instances of `vision_encoder_batch` in all: per GPU on GPUs, else as asked."""
+    on_gpu = options.device == "gpu" and encoder_backend(options)[0] != "onnxruntime"
+    return options.encoder_instances * (len(gpu_list(options)) if on_gpu else 1)
 
 
 def _encoder_batch_model(patch_dim: int, hidden: int, options: BuildOptions, common: dict[str, str]) -> mc.ModelConfig:
     enc_in, enc_out = encoder_batch_io(patch_dim, hidden)
-    gpu = options.device == "gpu"
-    batch = EncoderBatchOptions(instances=options.encoder_instances, cache_bytes=options.encoder_cache_bytes)
-    if gpu:
-        batch = dataclasses.replace(batch, engine_file=ENGINE_FILE)
-    else:
-        batch = dataclasses.replace(batch, encoder_file=f"../../vision_encoder/1/{ENCODER_FILE}",
-                                    intra_op_threads=options.encoder_threads)
+    backend, dtype = encoder_backend(options)
+    runtime = {"tensorrt": dict(engine_file=ENGINE_FILE),
+               "torch": dict(weights_dir=CHECKPOINT_DIR, dtype=dtype),
+               "onnxruntime": dict(encoder_file=f"../../vision_encoder/1/{ENCODER_FILE}",
+                                   intra_op_threads=options.encoder_threads)}[backend]
+    batch = EncoderBatchOptions(instances=encoder_instances(options), cache_bytes=options.encoder_cache_bytes,
+                                backend=backend, **runtime)
     config = _python_model(ENCODER_BATCH_MODEL, enc_in, enc_out, options.encoder_instances,
                            {**common, **batch.to_params()})
     config.max_batch_size = options.encoder_max_batch_patches
     config.dynamic_batching.max_queue_delay_microseconds = options.encoder_max_queue_delay_us
-    if gpu:
-        config.instance_group[0].kind = mc.ModelInstanceGroup.KIND_GPU
+    if options.device == "gpu" and backend != "onnxruntime":
+        _on_gpus(config, options)
     return _bounded_queue(config, options)
 
 
@@ -232,13 +289,14 @@ def model_configs(family: Family, checkpoint_config: dict, options: BuildOptions
     patch_dim, hidden = family.encoder_dims(checkpoint_config)
     common = {"family": family.name, "checkpoint": CHECKPOINT_DIR}
     preprocess = _bounded_queue(_python_model("preprocess", MEDIA_INPUTS, preprocess_outputs(),
-                                              options.preprocess_instances, {**common, **options.limits.to_params()}),
+                                              options.preprocess_instances, {**common, **limits(options).to_params()}),
                                 options)
     enc_in, enc_out = encoder_io(patch_dim, hidden)
     # patches per token along each side, as the family's tower counts it
     merge = int(family.tower_class().checkpoint_settings(checkpoint_config)["spatial_merge_size"])
     front = EncoderOptions(batch_model=ENCODER_BATCH_MODEL, patch_dim=patch_dim, hidden=hidden,
-                           spatial_merge_size=merge, max_batch_patches=options.encoder_max_batch_patches)
+                           spatial_merge_size=merge, max_batch_patches=options.encoder_max_batch_patches,
+                           batch_instances=encoder_instances(options))
     encoder = _bounded_queue(_python_model("vision_encoder", enc_in, enc_out, options.encoder_frontends,
                                            {**common, **front.to_params()}), options)
     encoder_batch = _encoder_batch_model(patch_dim, hidden, options, common)
@@ -249,16 +307,29 @@ def model_configs(family: Family, checkpoint_config: dict, options: BuildOptions
     # generation request that lacks one of them with INVALID_ARG naming it.
     llm_inputs = tuple(dataclasses.replace(t, optional=True) for t in llm_in + SAMPLING_INPUTS)
     llm = _python_model("llm", llm_inputs + (STOP_INPUT,), GENERATION_OUTPUTS, 1, llm_params, decoupled=True)
+    if options.device == "gpu" and llm_params["device"].startswith("cuda"):
+        _on_gpus(llm, options)
     ensemble = _pipeline([preprocess, encoder, llm], options, chat_template)
     return {c.name: c for c in (preprocess, encoder, encoder_batch, llm, ensemble)}
 
 
+def limits(options: BuildOptions) -> Limits:
+    """`preprocess`'s limits: a frame is at most what one encoder run takes (`max_frame_patches`
+    lowered to the batched encoder's rows and, for TensorRT, its profile's maximum), so a larger
+    one is INVALID_ARG from `preprocess` and never reaches the encoder."""
+    runs = [options.limits.max_frame_patches, options.encoder_max_batch_patches]
+    if encoder_backend(options)[0] == "tensorrt":
+        runs.append(options.trt_max_patches)
+    return dataclasses.replace(options.limits, max_frame_patches=min(runs))
+
+
 def llm_options(options: BuildOptions) -> LLMOptions:
     """The `llm` model's parameters. Device and dtype are checked by the llm's own parser (ValueError
-    naming what is accepted); an empty `llm_dtype` is float32 on cpu, bfloat16 on cuda."""
+    naming what is accepted); an empty `llm_device` is cpu (cuda with --device gpu), an empty
+    `llm_dtype` float32 on cpu, bfloat16 on cuda."""
     from triton_vlm.llm.device import default_dtype, dtype_name, parse_device, parse_dtype
 
-    device = parse_device(options.llm_device)
+    device = parse_device(options.llm_device or ("cuda" if options.device == "gpu" else "cpu"))
     if options.llm_cuda_graphs not in ("on", "off"):
         raise ValueError(f"--llm-cuda-graphs {options.llm_cuda_graphs}: expected on or off")
     dtype = parse_dtype(options.llm_dtype) if options.llm_dtype else default_dtype(device)
@@ -323,11 +394,9 @@ def build_repository(checkpoint: str | Path, repo: str | Path, options: BuildOpt
     checkpoint_config = json.loads((checkpoint / "config.json").read_text())
     if options.device not in ("cpu", "gpu"):
         raise ValueError(f"--device {options.device}: expected cpu or gpu")
-    if options.device == "gpu" and options.encoder_dtype != "float32":
-        raise ValueError("--encoder-dtype sets the CPU graph; with --device gpu the graph's dtype follows "
-                         f"--trt-precision (fp32 | fp16 | bf16), got --encoder-dtype {options.encoder_dtype}")
     configs = model_configs(family, checkpoint_config, options, load_chat_template(checkpoint))
     check_pipeline(configs)
+    backend, dtype = encoder_backend(options)
 
     if repo.exists():
         shutil.rmtree(repo)
@@ -338,15 +407,18 @@ def build_repository(checkpoint: str | Path, repo: str | Path, options: BuildOpt
         if source.exists():
             shutil.copy2(source, version / "model.py")
         if config.backend == "python":
-            _copy_checkpoint(checkpoint, version / CHECKPOINT_DIR, weights=(name == "llm"))
+            weights = name == "llm" or (name == ENCODER_BATCH_MODEL and backend == "torch")
+            _copy_checkpoint(checkpoint, version / CHECKPOINT_DIR, weights=weights)
         write_config(config, repo / name / "config.pbtxt")
 
     from triton_vlm.vision.export import export_onnx
     from triton_vlm.vision.tensorrt_engine import GRAPH_DTYPES, EngineProfile, build_engine
 
-    graph_dtype = GRAPH_DTYPES[options.trt_precision] if options.device == "gpu" else options.encoder_dtype
+    if backend == "torch":  # the tower runs from the checkpoint's weights
+        return repo
+    graph_dtype = GRAPH_DTYPES[options.trt_precision] if backend == "tensorrt" else dtype
     onnx_path = export_onnx(checkpoint, repo / "vision_encoder" / "1" / ENCODER_FILE, dtype=graph_dtype)
-    if options.device == "gpu":
+    if backend == "tensorrt":
         # Untested until a GPU runs it (see README): needs the `tensorrt` package and a GPU here.
         build_engine(onnx_path, repo / ENCODER_BATCH_MODEL / "1" / ENGINE_FILE,
                      EngineProfile(options.trt_min_patches, options.trt_opt_patches, options.trt_max_patches),

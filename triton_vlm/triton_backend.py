@@ -18,7 +18,7 @@ import triton_python_backend_utils as pb_utils
 
 from triton_vlm import stub_watch
 from triton_vlm.errors import InvalidInput
-from triton_vlm.options import EncoderBatchOptions, EncoderOptions, LLMOptions
+from triton_vlm.options import EncoderBatchOptions, EncoderOptions, LLMOptions, instance_device
 from triton_vlm.pipeline import Failure, Pipeline, Reply, Step, StepFailed, step_failure
 from triton_vlm.sampling_params import SamplingParams
 
@@ -153,14 +153,17 @@ class VisionEncoderModel:
         _, params = _model_dir(args)
         self.options = EncoderOptions.from_params(params)
 
-    def _encode_rows(self, pixels: np.ndarray, grid: np.ndarray) -> np.ndarray:
+    def _encode_rows(self, pixels: np.ndarray, grid: np.ndarray, odd_share: bool) -> np.ndarray:
+        from triton_vlm.repository import ODD_SHARE_INPUT
         from triton_vlm.vision.batching import patch_grid
 
         batch_model = self.options.batch_model
-        request = pb_utils.InferenceRequest(
-            model_name=batch_model, requested_output_names=["embeddings"],
-            inputs=[pb_utils.Tensor("pixel_values", np.ascontiguousarray(pixels, dtype=np.float32)),
-                    pb_utils.Tensor("patch_grid", patch_grid(grid))])
+        inputs = [pb_utils.Tensor("pixel_values", np.ascontiguousarray(pixels, dtype=np.float32)),
+                  pb_utils.Tensor("patch_grid", patch_grid(grid))]
+        if odd_share:
+            inputs.append(pb_utils.Tensor(ODD_SHARE_INPUT, np.ones((len(pixels), 1), dtype=bool)))
+        request = pb_utils.InferenceRequest(model_name=batch_model, requested_output_names=["embeddings"],
+                                            inputs=inputs)
         response = request.exec()
         if response.has_error():
             error = _bls_error(response.error())
@@ -171,20 +174,49 @@ class VisionEncoderModel:
             raise RuntimeError(f"{batch_model}: {error.message}")
         return pb_utils.get_output_tensor_by_name(response, "embeddings").as_numpy()
 
-    def _handle(self, request) -> list:
+    def _encode_items(self, pixels: np.ndarray, grid: np.ndarray, odd_share: bool = False) -> np.ndarray:
+        """Embeddings of the items (frames) of `grid`, in batched requests of at most
+        `max_batch_patches` rows."""
         from triton_vlm.vision.batching import chunk_items
+
+        parts, rows = [], np.concatenate([[0], np.cumsum(grid.prod(axis=1))]).astype(np.int64)
+        for first, end in chunk_items(grid, self.options.max_batch_patches):
+            parts.append(self._encode_rows(pixels[rows[first]:rows[end]], grid[first:end], odd_share))
+        return np.concatenate(parts, axis=0) if parts else np.zeros((0, self.options.hidden), np.float32)
+
+    def _encode_shares(self, pixels: np.ndarray, grid: np.ndarray) -> np.ndarray:
+        """The items split over the batched model's instances (`balance_items`), the shares sent at
+        once and joined back in item order. Odd shares carry the optional `odd_share` input: Triton's
+        dynamic batcher never puts requests with different input counts in one execution, so two
+        neighbouring shares run as two executions, on two instances when both are free."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from triton_vlm.vision.batching import balance_items, join_shares
+
+        shares = balance_items(grid, self.options.batch_instances)
+        if len(shares) == 1:
+            return self._encode_items(pixels, grid)
+        rows = np.concatenate([[0], np.cumsum(grid.prod(axis=1))]).astype(np.int64)
+
+        def encode(k: int) -> np.ndarray:
+            items = shares[k]
+            share_pixels = np.concatenate([pixels[rows[i]:rows[i + 1]] for i in items.tolist()], axis=0)
+            return self._encode_items(share_pixels, grid[items], odd_share=k % 2 == 1)
+
+        with ThreadPoolExecutor(len(shares)) as pool:
+            embeddings = list(pool.map(encode, range(len(shares))))
+        return join_shares(shares, embeddings, grid.prod(axis=1) // self.options.spatial_merge_size ** 2)
+
+    def _handle(self, request) -> list:
         from triton_vlm.vision.encoder import validate_inputs
 
         o = self.options
         pixels, grid = validate_inputs(_required(request, "pixel_values"), _required(request, "grid_thw"),
                                        o.patch_dim, o.spatial_merge_size)
         # A video's frames go as items of their own (triton_vlm.vision: frames are independent),
-        # so a long video splits across batches and each frame is cached on its own.
+        # so a long video splits across batches and instances, and each frame is cached on its own.
         grid = np.repeat(np.concatenate([np.ones_like(grid[:, :1]), grid[:, 1:]], axis=1), grid[:, 0], axis=0)
-        parts, rows = [], np.concatenate([[0], np.cumsum(grid.prod(axis=1))]).astype(np.int64)
-        for first, end in chunk_items(grid, o.max_batch_patches):
-            parts.append(self._encode_rows(pixels[rows[first]:rows[end]], grid[first:end]))
-        embeddings = np.concatenate(parts, axis=0) if parts else np.zeros((0, o.hidden), np.float32)
+        embeddings = self._encode_shares(pixels, grid)
         return [pb_utils.Tensor("embeddings", np.ascontiguousarray(embeddings, dtype=np.float32))]
 
     def execute(self, requests):
@@ -192,28 +224,22 @@ class VisionEncoderModel:
 
 
 class VisionEncoderBatchModel:
-    """`vision_encoder_batch`: the compiled tower (ONNX Runtime on CPU, TensorRT on GPU) behind
-    Triton's dynamic batcher, with the embedding cache. One execution gets the requests Triton
-    grouped; their distinct, uncached items are encoded together and split back per request.
-    Cache hits and misses are Triton custom metrics (`triton_vlm_encoder_cache_hits` /
-    `_misses`, items), with `triton_vlm_encoder_cache_bytes` (gauge) beside them."""
+    """`vision_encoder_batch`: the tower behind Triton's dynamic batcher (a back end of
+    triton_vlm.vision.backends, on the instance's GPU or the CPU), with the embedding cache. One
+    execution gets the requests Triton grouped; their distinct, uncached items are encoded together
+    and split back per request. Cache hits and misses are Triton custom metrics
+    (`triton_vlm_encoder_cache_hits` / `_misses`, items), with `triton_vlm_encoder_cache_bytes`
+    (gauge) beside them, and `triton_vlm_encoder_patches` (patch rows received) per instance."""
 
     def initialize(self, args: dict[str, Any]) -> None:
+        from triton_vlm.vision.backends import open_encoder
         from triton_vlm.vision.batching import BatchedEncoder, EmbeddingCache
 
         stub_watch.start()
         version_dir, params = _model_dir(args)
         options = EncoderBatchOptions.from_params(params)
-        if options.engine_file:
-            from triton_vlm.vision.tensorrt_engine import TensorRTEncoder
-
-            device = int(args.get("model_instance_device_id", "0"))
-            encoder = TensorRTEncoder(version_dir / options.engine_file, device=device)
-        else:
-            from triton_vlm.vision.encoder import VisionEncoder, default_threads
-
-            threads = options.intra_op_threads or default_threads(options.instances)
-            encoder = VisionEncoder(version_dir / options.encoder_file, intra_op_threads=threads)
+        gpu = args.get("model_instance_kind") == "GPU"
+        encoder = open_encoder(options, version_dir, instance_device(args, "cuda" if gpu else "cpu"))
         encoder.warmup()
         self.cache = EmbeddingCache(options.cache_bytes)
         self.batched = BatchedEncoder(encoder, self.cache)
@@ -228,6 +254,10 @@ class VisionEncoderBatchModel:
                                   "in the vision encoder cache", kind=pb_utils.MetricFamily.GAUGE),
         ]
         self.hits, self.misses, self.cache_bytes = (family.Metric(labels=labels) for family in self._families)
+        self._families.append(pb_utils.MetricFamily(
+            name="triton_vlm_encoder_patches", description="patch rows this encoder instance received",
+            kind=pb_utils.MetricFamily.COUNTER))
+        self.patches = self._families[-1].Metric(labels={**labels, "instance": args["model_instance_name"]})
 
     def execute(self, requests):
         from triton_vlm.vision.batching import items_from_rows
@@ -240,6 +270,7 @@ class VisionEncoderBatchModel:
                 grid = items_from_rows(pixels, _required(request, "patch_grid"))
                 batch.append((np.asarray(pixels, dtype=np.float32), grid))
                 where.append(i)
+                self.patches.increment(len(pixels))
             except InvalidInput as error:
                 responses[i] = _error_response(str(error))
         if batch:
@@ -354,7 +385,9 @@ class LLMModel:
 
         stub_watch.start()
         version_dir, params = _model_dir(args)
-        self.engine = Engine(version_dir / params["checkpoint"], **dataclasses.asdict(LLMOptions.from_params(params)))
+        options = LLMOptions.from_params(params)
+        options = dataclasses.replace(options, device=instance_device(args, options.device))
+        self.engine = Engine(version_dir / params["checkpoint"], **dataclasses.asdict(options))
         self._next_id = 0
         self._lock = threading.Lock()
         labels = {"model": args["model_name"], "version": args["model_version"]}

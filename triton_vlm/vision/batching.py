@@ -108,6 +108,32 @@ def chunk_items(grid_thw: np.ndarray, max_rows: int) -> list[tuple[int, int]]:
     return runs
 
 
+def balance_items(grid_thw: np.ndarray, shares: int) -> list[np.ndarray]:
+    """The items of `grid_thw` split over `shares` encoder instances by patch count, as vLLM's
+    `get_load_balance_assignment` does (largest item first, each to the least loaded share, the
+    first of equals): item indices per non-empty share, each in item order."""
+    sizes = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3).prod(axis=1).tolist()
+    loads, assigned = [0] * max(1, shares), [[] for _ in range(max(1, shares))]
+    for i in sorted(range(len(sizes)), key=lambda i: sizes[i], reverse=True):
+        share = loads.index(min(loads))
+        assigned[share].append(i)
+        loads[share] += sizes[i]
+    return [np.array(sorted(items), dtype=np.int64) for items in assigned if items]
+
+
+def join_shares(shares: list[np.ndarray], embeddings: list[np.ndarray], tokens: np.ndarray) -> np.ndarray:
+    """The embeddings of every item in item order, from each share's (`balance_items`) embeddings of
+    its own items; `tokens`: embedding rows per item."""
+    starts = np.concatenate([[0], np.cumsum(tokens)]).astype(np.int64)
+    out = np.empty((int(starts[-1]), embeddings[0].shape[1]), dtype=np.float32)
+    for items, emb in zip(shares, embeddings):
+        row = 0
+        for i in items.tolist():
+            out[starts[i]:starts[i + 1]] = emb[row:row + tokens[i]]
+            row += tokens[i]
+    return out
+
+
 @dataclass
 class BatchStats:
     requests: int = 0

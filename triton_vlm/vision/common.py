@@ -278,12 +278,39 @@ class _FullGroupAttention(torch.autograd.Function):
 
 def attention(q, k, v, mask, lengths, num_heads: int, fused: bool):
     """Attention of q, k, v [G, L, dim] inside each group; `mask` / `lengths` None when no group is
-    padded. `fused`: float32 ONNX exports emit ONNX Runtime's MultiHeadAttention node."""
-    if fused and q.dtype == torch.float32 and torch.onnx.is_in_onnx_export():
+    padded. `fused`: float32 ONNX exports emit ONNX Runtime's MultiHeadAttention node. Eager torch
+    (the `torch` encoder back end, the tests' towers) runs `sdpa_groups`."""
+    if not torch.onnx.is_in_onnx_export():
+        return sdpa_groups(q, k, v, None if mask is None else lengths, num_heads)
+    if fused and q.dtype == torch.float32:
         if mask is None:
             return _FullGroupAttention.apply(q, k, v, num_heads)
         return _GroupAttention.apply(q, k, v, mask, lengths, num_heads)
     return group_attention(q, k, v, mask, num_heads)
+
+
+def sdpa_groups(q, k, v, lengths, num_heads: int):
+    """`scaled_dot_product_attention` per attention group, unmasked: the groups of each valid key
+    count (`lengths`, None: all full) run together cut to that count, so every call has equal,
+    unpadded groups and takes the fused kernels (flash attention on CUDA in bfloat16 / float16,
+    the CPU flash kernel in float32). No [heads, L, L] score tensor exists in any dtype: a
+    16k-patch frame needs only its q, k, v and output, [16384, dim] each. Padded query rows are
+    left at zero (the inverse gather drops them)."""
+    groups_, length, dim = q.shape
+
+    def attend(sel_q, sel_k, sel_v):
+        g, n = sel_q.shape[:2]
+        heads = [x.reshape(g, n, num_heads, dim // num_heads).transpose(1, 2) for x in (sel_q, sel_k, sel_v)]
+        return nn.functional.scaled_dot_product_attention(*heads).transpose(1, 2).reshape(g, n, dim)
+
+    counts = None if lengths is None else lengths.unique().tolist()
+    if counts is None or counts == [length]:
+        return attend(q, k, v)
+    out = q.new_zeros(groups_, length, dim)
+    for n in counts:
+        sel = (lengths == n).nonzero().squeeze(1)
+        out[sel, :n] = attend(q[sel, :n], k[sel, :n], v[sel, :n])
+    return out
 
 
 def group_attention(q, k, v, mask, num_heads: int):

@@ -2,7 +2,7 @@
 
 `TowerEncoder` holds what every runtime shares (input checks, the plan of runs, `encode`);
 `VisionEncoder` runs the ONNX export with ONNX Runtime, `tensorrt_engine.TensorRTEncoder` a
-TensorRT engine. Family specifics (metadata, sizes) come from the tower class of the family
+TensorRT engine, `torch_encoder.TorchEncoder` the torch tower itself. Family specifics (metadata, sizes) come from the tower class of the family
 named in the export's metadata.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ class TowerEncoder:
     """An exported tower behind one runtime. `max_patches_per_run` bounds one run: items and
     video frames of the same spatial size are run together up to that many patches, so groups
     are never padded to a much larger item and attention memory stays bounded. A runtime sets
-    the tower up with `_init_tower` and supplies `_run(pixels, grid)` (one run) and `warmup`."""
+    the tower up with `_init_tower` and supplies `_run(pixels, grid)` (one run)."""
 
     def _init_tower(self, family: str, settings: dict, max_patches_per_run: int) -> None:
         self.family = family
@@ -36,7 +36,9 @@ class TowerEncoder:
         raise NotImplementedError
 
     def warmup(self) -> None:
-        raise NotImplementedError
+        """One smallest item through the runtime: runtimes allocate on their first run."""
+        grid = np.array([[1, self.tower_merge, self.tower_merge]], dtype=np.int64)
+        self.encode(np.zeros((int(grid.prod()), self.patch_dim), np.float32), grid)
 
     def _validate(self, pixel_values, grid_thw) -> tuple[np.ndarray, np.ndarray]:
         return validate_inputs(pixel_values, grid_thw, self.patch_dim, self.tower_merge)
@@ -119,11 +121,6 @@ class VisionEncoder(TowerEncoder):
             if name in self._input_names:  # the exporter drops inputs a graph does not use
                 feeds[name] = value
         return self.session.run(None, feeds)[0]
-
-    def warmup(self) -> None:
-        """One smallest item through the session: ONNX Runtime allocates on its first run."""
-        grid = np.array([[1, self.tower_merge, self.tower_merge]], dtype=np.int64)
-        self.encode(np.zeros((int(grid.prod()), self.patch_dim), np.float32), grid)
 
 
 def _rows(pixels: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:

@@ -20,6 +20,21 @@ as min/opt/max patches and the tower class turns it into shapes (`Tower.profile_
 - MiniCPM-V's `patch_order`, `position_ids`: [patches]; `merged_index/mask`: [slices, len] after
   the 2x2 window merger (patches / 4 rows), `merged_inverse`: [patches / 4].
 
+Frames over the profile's max never reach the engine: the build writes `trt_max_patches` into
+`preprocess`'s `max_frame_patches` limit, so such an item is INVALID_ARG there (and `TensorRTEncoder`
+refuses it as INVALID_ARG too, before `set_input_shape`, whose result is checked).
+
+Attention memory: the exported graph's attention is MatMul(q, k^T) -> Softmax -> MatMul(p, v) per
+group (`common.group_attention`), the float16 / bfloat16 export taking the scores to float32 for the
+softmax. Run as written, a full-attention frame of L patches holds a float32 [heads, L, L] score
+tensor: 16 heads x 16384^2 x 4 bytes = 16 GiB for one 16k-patch frame (and the float16 product
+before it, 8 GiB more), which is why `trt_max_patches` defaults to 16384 and is the bound to lower
+on smaller GPUs. TensorRT 10 fuses this MatMul-Softmax-MatMul pattern into its flash-attention
+kernel when it matches, which holds no score tensor at all; whether it does for these strongly
+typed graphs (the float32 casts around the softmax) is NOT YET KNOWN, since no engine has been
+built. The `torch` back end (`torch_encoder`) avoids the tensor by construction: fused SDPA per
+attention group (`common.sdpa_groups`), 16k-patch frames needing only q, k, v and the output.
+
 Run: `TensorRTEncoder` has the interface of the ONNX Runtime `VisionEncoder` (`encode`,
 `warmup`, `merge_unit`, ...): host metadata from the tower class, runs of at most `max` patches
 (frames of one size together, each video frame on its own), buffers as torch CUDA
@@ -33,6 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
+from triton_vlm.errors import InvalidInput
 from triton_vlm.vision import get_tower
 from triton_vlm.vision.encoder import TowerEncoder
 
@@ -154,12 +170,17 @@ class TensorRTEncoder(TowerEncoder):
         n = feeds["pixel_values"].shape[0]
         if n < self.min_patches:  # the smallest item (one merge unit) is 4 patches: keep min_patches <= 4
             raise ValueError(f"{n} patches is below the engine profile's min_patches={self.min_patches}")
+        if n > self.max_patches_per_run:  # a frame alone over the profile (preprocess refuses those first)
+            raise InvalidInput(f"grid_thw: a frame of {n} patches exceeds the TensorRT profile's "
+                               f"max_patches={self.max_patches_per_run}")
         buffers = {}
         with torch.cuda.stream(self.stream):
             for name in self._inputs:
                 tensor = torch.from_numpy(np.ascontiguousarray(feeds[name])).to(self.device, non_blocking=True)
                 buffers[name] = tensor
-                self.context.set_input_shape(name, tuple(tensor.shape))
+                if not self.context.set_input_shape(name, tuple(tensor.shape)):
+                    raise RuntimeError(f"TensorRT refused {name} of shape {list(tensor.shape)} (outside the "
+                                       "engine's optimisation profile)")
                 self.context.set_tensor_address(name, tensor.data_ptr())
             shape = tuple(self.context.get_tensor_shape(self._output))
             out = torch.empty(shape, dtype=torch.float32, device=self.device)
