@@ -194,7 +194,7 @@ class VisionEncoderModel:
         from triton_vlm.vision.batching import balance_items, join_shares
 
         shares = balance_items(grid, self.options.batch_instances)
-        if len(shares) == 1:
+        if len(shares) <= 1:  # one instance, one item, or none (text only)
             return self._encode_items(pixels, grid)
         rows = np.concatenate([[0], np.cumsum(grid.prod(axis=1))]).astype(np.int64)
 
