@@ -257,8 +257,8 @@ def test_h264_fast_path_equals_full_decode(monkeypatch):
     data = _encode(_frames(150, 64, 48), 30)
     for sampler in (partial(sample_frames, fps=2.0), partial(sample_frames, num_frames=6),
                     partial(sample_frames, fps=0.5)):
-        facts, packets = media._demux(data, "v", media.DEFAULT_LIMITS)
-        assert media._h264_plan(facts, packets) is not None
+        video = media.demux_video(data, "v")
+        assert media._h264_plan(video.facts, video.packets) is not None
         fast, fast_meta = media.decode_video(data, "v", sampler)
         with monkeypatch.context() as m:
             m.setattr(media, "_h264_plan", lambda *a: None)

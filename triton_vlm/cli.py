@@ -238,6 +238,8 @@ def parser() -> argparse.ArgumentParser:
            "(default: float32 on cpu, bfloat16 on cuda)")
     option("llm_queue_timeout_ms",
            "a request waiting longer for its first place in the llm batch gets UNAVAILABLE; 0: no limit")
+    option("video_pruning_rate", "default EVS video pruning rate in [0, 1) (Qwen2.5-VL; per request: "
+           "mm_options video_pruning_rate): drops that share of each video's tokens, the least changed first")
     option("max_inflight_requests", "ensemble requests beyond this are refused at once with UNAVAILABLE")
     option("queue_timeout_ms", "Triton queue of preprocess, vision_encoder and vision_encoder_batch: a request "
            "waiting longer gets UNAVAILABLE; 0: no limit")
