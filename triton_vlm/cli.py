@@ -270,7 +270,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int)
     c.add_argument("--repetition-penalty", type=float, help="> 1 discourages repeating prompt or generated tokens")
     c.add_argument("--stop", action="append", default=None, help="stop word (repeatable)")
-    c.add_argument("--mm-options", help="JSON object: min_pixels, max_pixels, fps, num_frames, max_frames")
+    c.add_argument("--mm-options", help="JSON object: min_pixels, max_pixels, fps, num_frames, max_frames, "
+                   "video_pruning_rate (Qwen2.5-VL)")
     c.add_argument("--json", action="store_true", help="print one JSON object with token counts and timings")
     c.set_defaults(run=_infer)
 
