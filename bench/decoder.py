@@ -23,9 +23,10 @@ whole batch of requests; time to first token (TTFT) is from submit to the first 
 the requests of that run.
 
 `--evs Q`: instead, the prefill saved by EVS video pruning (triton_vlm.evs). One prompt holding a
-`--evs-seconds` 224x168 video (sampled at 2 fps; the `small` checkpoint's context is 4096 tokens), through our `Preprocessor` at q = 0 and at q = Q,
-the checkpoint's vision tower (transformers) once, the mask; then our engine's prefill (time to the
-first token, `max_tokens` 1) of each, interleaved for `--rounds` rounds; medians and their ratio.
+`--evs-seconds` 224x168 video (sampled at 2 fps; the `small` checkpoint's context is 4096 tokens),
+through our `Preprocessor` at q = 0 and at q = Q, the checkpoint's vision tower (transformers)
+once, the mask; then our engine's prefill (time to the first token, `max_tokens` 1) of each,
+interleaved for `--rounds` rounds; medians and their ratio.
 
 Also measured in the run: the device's copy bandwidth (bytes read + written by a large
 device-to-device copy, best of 5) and the weight-streaming floor of one decode step (the bytes of
@@ -294,8 +295,8 @@ def evs_prefill(args, ckpt: Path, device: torch.device, dtype: torch.dtype) -> N
     for name, (out, _, _) in cases.items():
         print(f"{name:10} {out.input_ids.size:14d} {medians[name] * 1000:20.0f}")
     base, ours = medians["q = 0"], medians[f"q = {args.evs:g}"]
-    print(f"prefill at q = {args.evs:g}: {ours / base:.2f}x the time of q = 0 ({(1 - ours / base) * 100:.0f}% saved), "
-          f"{pruned.input_ids.size / full.input_ids.size:.2f}x the tokens")
+    print(f"prefill at q = {args.evs:g}: {ours / base:.2f}x the time of q = 0 ({(1 - ours / base) * 100:.0f}% "
+          f"saved), {pruned.input_ids.size / full.input_ids.size:.2f}x the tokens")
 
 
 def main() -> None:
@@ -316,7 +317,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--requests", type=int, default=16, help="requests per measurement (at least the concurrency)")
     ap.add_argument("--json", help="also write every figure to this file")
-    ap.add_argument("--evs", type=float, help="instead: prefill of a video prompt at this EVS pruning rate against q = 0")
+    ap.add_argument("--evs", type=float,
+                    help="instead: prefill of a video prompt at this EVS pruning rate against q = 0")
     ap.add_argument("--evs-seconds", type=float, default=60.0, help="with --evs: the video's length")
     args = ap.parse_args()
     if args.evs is not None:
