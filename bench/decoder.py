@@ -3,6 +3,7 @@ transformers' `generate` run one request at a time, on the same device and dtype
 
     HF_HUB_OFFLINE=1 .venv/bin/python bench/decoder.py [--family qwen2_5_vl] [--rounds 2] [--max-tokens 64]
     HF_HUB_OFFLINE=1 .venv/bin/python bench/decoder.py --device cuda --decoder-7b --concurrency 1,16,64 --json out.json
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/decoder.py --evs 0.5 [--evs-seconds 60]
 
 Checkpoint: the family's `small` random-weight demo checkpoint (default), `--checkpoint DIR`, or
 `--decoder-7b`: a Qwen2.5-VL with the 7B's text stack (28 layers, hidden 3584, 28 query / 4 KV
@@ -20,6 +21,12 @@ words), greedy, `max_tokens` new tokens each. Concurrency 1 runs 4 requests, con
 max(--requests, c), c at a time (closed loop). Throughput is generated tokens / wall time of the
 whole batch of requests; time to first token (TTFT) is from submit to the first token, median over
 the requests of that run.
+
+`--evs Q`: instead, the prefill saved by EVS video pruning (triton_vlm.evs). One prompt holding a
+`--evs-seconds` 224x168 video (sampled at 2 fps; the `small` checkpoint's context is 4096 tokens),
+through our `Preprocessor` at q = 0 and at q = Q, the checkpoint's vision tower (transformers)
+once, the mask; then our engine's prefill (time to the first token, `max_tokens` 1) of each,
+interleaved for `--rounds` rounds; medians and their ratio.
 
 Also measured in the run: the device's copy bandwidth (bytes read + written by a large
 device-to-device copy, best of 5) and the weight-streaming floor of one decode step (the bytes of
@@ -248,6 +255,67 @@ def graph_replay_ms(engine, device: torch.device, repeats: int = 50) -> float | 
     return (time.perf_counter() - t0) / repeats * 1000
 
 
+def time_prefill(engine, out, embeddings, kept_rows) -> float:
+    """Seconds from submit to the first token of one preprocessed prompt (`max_tokens` 1)."""
+    from triton_vlm.llm import SamplingParams
+
+    done = threading.Event()
+    start = time.perf_counter()
+    engine.submit(f"evs-{time.monotonic_ns()}", out.input_ids, embeddings, out.mrope_position_ids,
+                  out.mrope_position_delta, SamplingParams(max_tokens=1), emit=lambda o: done.set(),
+                  media_position_ids=out.media_position_ids, kept_rows=kept_rows)
+    done.wait()
+    return time.perf_counter() - start
+
+
+@torch.no_grad()
+def evs_prefill(args, ckpt: Path, device: torch.device, dtype: torch.dtype) -> None:
+    """`--evs Q`: prefill of a long video prompt at q = 0 and at q = Q, in one run."""
+    from transformers import AutoModelForImageTextToText
+
+    from triton_vlm import samples
+    from triton_vlm.evs import prune
+    from triton_vlm.families.qwen2_5_vl import QWEN2_5_VL
+    from triton_vlm.preprocess import Preprocessor
+
+    prompt = QWEN2_5_VL.video_placeholder + "What happens in this video?"
+    video = samples.video_bytes(seconds=args.evs_seconds, fps=10, width=224, height=168)
+    pre = Preprocessor(ckpt)
+    t0 = time.perf_counter()
+    full = pre(prompt, [], [video])
+    t_pre = time.perf_counter() - t0
+    pruned = pre(prompt, [], [video], {"video_pruning_rate": args.evs})
+    visual = AutoModelForImageTextToText.from_pretrained(ckpt).model.visual.eval()
+    t0 = time.perf_counter()
+    embeddings = visual(torch.from_numpy(full.pixel_values), grid_thw=torch.from_numpy(full.grid_thw)).pooler_output
+    t_tower = time.perf_counter() - t0
+    del visual
+    embeddings = embeddings.numpy()
+    merge = int(json.loads((ckpt / "config.json").read_text())["vision_config"]["spatial_merge_size"])
+    t0 = time.perf_counter()
+    kept_embeddings, kept = prune(embeddings, full.grid_thw, merge, args.evs)
+    t_mask = time.perf_counter() - t0
+    engine = make_engine(ckpt, device, dtype, 4, need_tokens=full.input_ids.size + 64)
+    cases = {"q = 0": (full, embeddings, None), f"q = {args.evs:g}": (pruned, kept_embeddings, kept)}
+    for case in cases.values():  # warm-up
+        time_prefill(engine, *case)
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(args.rounds):
+        for name, case in cases.items():
+            times[name].append(time_prefill(engine, *case))
+    engine.shutdown()
+    print(f"{args.evs_seconds:g} s 224x168 video, 2 fps: grid {full.grid_thw.tolist()}; preprocess "
+          f"{t_pre * 1000:.0f} ms, vision tower (transformers) {t_tower * 1000:.0f} ms, "
+          f"EVS mask {t_mask * 1000:.1f} ms; {device}, {str(dtype).removeprefix('torch.')}, {args.rounds} rounds")
+    print(f"{'case':10} {'prompt tokens':>14} {'prefill ms (median)':>20}")
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    for name, (out, _, _) in cases.items():
+        print(f"{name:10} {out.input_ids.size:14d} {medians[name] * 1000:20.0f}")
+    base, ours = medians["q = 0"], medians[f"q = {args.evs:g}"]
+    print(f"prefill at q = {args.evs:g}: {ours / base:.2f}x the time of q = 0 ({(1 - ours / base) * 100:.0f}% "
+          f"saved), {pruned.input_ids.size / full.input_ids.size:.2f}x the tokens")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", help="a checkpoint dir (default: write the family's `small` demo checkpoint)")
@@ -267,7 +335,20 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--requests", type=int, default=16, help="requests per measurement (at least the concurrency)")
     ap.add_argument("--json", help="also write every figure to this file")
+    ap.add_argument("--evs", type=float,
+                    help="instead: prefill of a video prompt at this EVS pruning rate against q = 0")
+    ap.add_argument("--evs-seconds", type=float, default=60.0, help="with --evs: the video's length")
     args = ap.parse_args()
+    if args.evs is not None:
+        device = torch.device(args.device)
+        dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
+        with tempfile.TemporaryDirectory() as tmp:
+            from triton_vlm.checkpoint import write_demo_checkpoint
+
+            ckpt = Path(args.checkpoint) if args.checkpoint else write_demo_checkpoint(
+                "qwen2_5_vl", Path(args.save or tmp) / "small", "small")
+            evs_prefill(args, ckpt, device, dtype)
+        return
     if args.decoder_7b and (args.checkpoint or args.family != "qwen2_5_vl"):
         ap.error("--decoder-7b writes its own Qwen2.5-VL checkpoint: no --checkpoint or --family")
     if not args.decoder_7b and (args.layers or args.hidden):

@@ -257,8 +257,8 @@ def test_h264_fast_path_equals_full_decode(monkeypatch):
     data = _encode(_frames(150, 64, 48), 30)
     for sampler in (partial(sample_frames, fps=2.0), partial(sample_frames, num_frames=6),
                     partial(sample_frames, fps=0.5)):
-        facts, packets = media._demux(data, "v", media.DEFAULT_LIMITS)
-        assert media._h264_plan(facts, packets) is not None
+        video = media.demux_video(data, "v")
+        assert media._h264_plan(video.facts, video.packets) is not None
         fast, fast_meta = media.decode_video(data, "v", sampler)
         with monkeypatch.context() as m:
             m.setattr(media, "_h264_plan", lambda *a: None)
@@ -285,6 +285,8 @@ def test_mixed_order_many_items(pre, hf_processor, hf_model, ckpt_config):
     ({"min_pixels": 40 * 28 * 28}, {"size": {"shortest_edge": 40 * 28 * 28, "longest_edge": 256 * 28 * 28},
                                     "videos_kwargs": None}),
     ({"max_pixels": 6 * 28 * 28}, {"size": {"shortest_edge": 4 * 28 * 28, "longest_edge": 6 * 28 * 28}}),
+    # below the checkpoint's min_pixels: transformers takes it, and smart_resize caps at max_pixels first
+    ({"max_pixels": 2 * 28 * 28}, {"size": {"shortest_edge": 4 * 28 * 28, "longest_edge": 2 * 28 * 28}}),
 ])
 def test_mm_option_override(options, hf_kwargs, pre, hf_processor, hf_model, ckpt_config):
     hf_kwargs = {k: v for k, v in hf_kwargs.items() if k != "videos_kwargs"}
@@ -311,3 +313,28 @@ def test_planned_video_falls_back_to_full_decode(pre, monkeypatch):
     np.testing.assert_array_equal(got.pixel_values, expected.pixel_values)
     np.testing.assert_array_equal(got.input_ids, expected.input_ids)
     np.testing.assert_array_equal(got.mrope_position_ids, expected.mrope_position_ids)
+
+
+def test_a_bug_of_ours_is_not_an_undecodable_input(pre, monkeypatch):
+    """Only the decoders' own errors become InvalidInput; an error of our code around them (here a
+    TypeError in the frame conversion, on the H.264 fast path and on the full decode, and in
+    the image conversion) propagates, so the server answers INTERNAL instead of blaming the input."""
+    from triton_vlm import media, preprocess
+
+    def broken(*args, **kwargs):
+        raise TypeError("a bug of ours")
+
+    h264 = _encode(_frames(20, 96, 64), 10)
+    with monkeypatch.context() as m:
+        m.setattr(preprocess, "frame_rgb", broken)  # the fast path's frame store
+        with pytest.raises(TypeError, match="a bug of ours"):
+            pre(VID, [], [h264])
+    with monkeypatch.context() as m:
+        m.setattr(media, "_h264_plan", lambda *a: None)  # no fast path: the full decode
+        m.setattr(media, "frame_rgb", broken)
+        with pytest.raises(TypeError, match="a bug of ours"):
+            pre(VID, [], [h264])
+    with monkeypatch.context() as m:
+        m.setattr(Image.Image, "convert", broken)
+        with pytest.raises(TypeError, match="a bug of ours"):
+            pre(IMG, [_save(_rgb(40, 30).convert("L"), "PNG")])

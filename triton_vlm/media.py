@@ -9,6 +9,7 @@ import binascii
 import io
 import math
 import os
+import struct
 import urllib.parse
 import warnings
 from collections.abc import Callable, Mapping
@@ -73,6 +74,13 @@ def _b64decode(text: bytes, name: str) -> bytes:
 
 # ---------------------------------------------------------------------------------------- images
 
+def image_errors() -> tuple[type[BaseException], ...]:
+    """What Pillow raises for a file it cannot read (its plugins' own errors: OSError, of which
+    UnidentifiedImageError and truncation are, SyntaxError, ValueError, EOFError, struct.error);
+    anything else is our bug."""
+    return (OSError, SyntaxError, ValueError, EOFError, struct.error)
+
+
 def _open_image(data: bytes, name: str, limits: Limits):
     """Open an image from its header alone (nothing decoded yet) and check its size limits."""
     from PIL import Image
@@ -83,7 +91,7 @@ def _open_image(data: bytes, name: str, limits: Limits):
             image = Image.open(io.BytesIO(data))
     except Image.DecompressionBombError:
         raise InvalidInput(f"{name}: image exceeds max_image_pixels={limits.max_image_pixels}") from None
-    except Exception as error:
+    except image_errors() as error:
         raise not_decodable_image(name, data, error) from None
     _check_frame_size(*image.size, name, limits, "image")
     return image
@@ -123,7 +131,7 @@ def decode_image(data: bytes, name: str, limits: Limits = DEFAULT_LIMITS) -> np.
             elif image.mode != "RGB":
                 image = image.convert("RGB")
             array = np.asarray(image)
-    except Exception as error:
+    except image_errors() as error:
         raise not_decodable_image(name, data, error) from None
     if array.ndim != 3 or array.shape[2] != 3 or array.dtype != np.uint8:
         raise not_decodable_image(name, data, f"decoded to an array of shape {array.shape}, {array.dtype}")
@@ -139,7 +147,7 @@ def probe_image(data: bytes, name: str, limits: Limits = DEFAULT_LIMITS) -> tupl
         return None
     try:
         orientation = image.getexif().get(0x0112, 1)
-    except Exception:
+    except image_errors():
         return None
     return (width, height) if orientation in (5, 6, 7, 8) else (height, width)
 
@@ -224,16 +232,24 @@ Resizer = Callable[[VideoMetadata], tuple[tuple[int, int], Callable[[np.ndarray]
 _FALLBACK_FPS = 24.0  # transformers' VideoMetadata.sampled_fps default when the rate is unknown
 
 
+def video_errors() -> tuple[type[BaseException], ...]:
+    """What PyAV raises for a file it cannot read: FFmpeg's errors, and UnicodeDecodeError for
+    metadata strings that are not text. Anything else is our bug (INTERNAL)."""
+    import av
+
+    return (av.error.FFmpegError, UnicodeDecodeError)
+
+
 def _open_container(data: bytes, name: str):
     import av
 
     try:
         container = av.open(io.BytesIO(data), mode="r")
-    except Exception:
+    except video_errors():
         raise InvalidInput(f"{name}: not a decodable video") from None
-    if not container.streams.video:
+    if not container.streams.video or container.streams.video[0].codec_context is None:
         container.close()
-        raise InvalidInput(f"{name}: no video stream")
+        raise InvalidInput(f"{name}: no decodable video stream")
     return container
 
 
@@ -262,8 +278,90 @@ def _stream_fps(stream, container, frames: int, timestamps: list[int] | None = N
     return _FALLBACK_FPS
 
 
-def _demux(data: bytes, name: str, limits: Limits):
-    """(stream facts, packets with a payload in decode order): reads the container, decodes nothing."""
+@dataclass
+class DemuxedVideo:
+    """A video file read once (`demux_video`): its stream facts and its packets with a payload, in
+    decode order. Every decode below feeds these packets to a fresh decoder; nothing demuxes again."""
+    data: bytes
+    name: str
+    limits: Limits
+    facts: dict
+    packets: list
+
+    def frames(self):
+        """Every frame, decoded from the packets (the decoder's own threads)."""
+        container = _open_container(self.data, self.name)  # a decoder with the stream's parameters
+        try:
+            codec = container.streams.video[0].codec_context
+            codec.thread_type = "AUTO"
+            for packet in self.packets + [None]:
+                yield from codec.decode(packet)
+        finally:
+            container.close()
+
+    def plan(self, sampler: Sampler) -> PlannedVideo | None:
+        """The sampled frames, known before decoding anything, where the fast path can decode them
+        (AVCC H.264): `.meta` has `frames_indices`; `.decode(store)` then calls `store(k, frame)`
+        for each kept frame (from worker threads). None: use `decode`."""
+        plan = _h264_plan(self.facts, self.packets)
+        if plan is None:
+            return None
+        f = self.facts
+        meta, _ = _sample(len(plan), f["fps"], f["width"], f["height"], self.name, sampler, self.limits)
+        return PlannedVideo(meta, plan, self.packets, self.data)
+
+    def decode(self, sampler: Sampler, resizer: Resizer | None = None) -> tuple[np.ndarray, VideoMetadata]:
+        """Decode every frame up to the last one `sampler` keeps (see `decode_video`)."""
+        try:
+            total = self.facts["header_frames"]
+            if total <= 0:  # container without a frame count: count by decoding
+                total = self._count()
+            meta, frames, decoded = self._decode_sampled(total, sampler, resizer)
+            if decoded < total:
+                # The header promised more frames than the stream holds: sample again from the real count.
+                meta, frames, redecoded = self._decode_sampled(decoded, sampler, resizer)
+                if redecoded < decoded:
+                    raise InvalidInput(f"{self.name}: not a decodable video")
+        except video_errors():
+            raise InvalidInput(f"{self.name}: not a decodable video") from None
+        return frames, meta
+
+    def _count(self) -> int:
+        """Frames in the stream; stops one past `max_video_source_frames`, which `_sample` refuses."""
+        total = 0
+        for _ in self.frames():
+            total += 1
+            if total > self.limits.max_video_source_frames:
+                break
+        return total
+
+    def _decode_sampled(self, total: int, sampler: Sampler, resizer: Resizer | None):
+        """Decode up to the last sampled frame, converting only the sampled ones to RGB.
+
+        Returns (metadata, frames, frames decoded); frames decoded < total means the stream ended early.
+        """
+        f = self.facts
+        meta, indices = _sample(total, f["fps"], f["width"], f["height"], self.name, sampler, self.limits)
+        out, store = _output(meta, indices, f["width"], f["height"], resizer)
+        last, k, i = int(indices[-1]), 0, -1
+        wanted = int(indices[0])
+        for i, frame in enumerate(self.frames()):
+            if i == wanted:
+                store(k, frame)
+                k += 1
+                if i == last:
+                    break
+                wanted = int(indices[k])
+        decoded = i + 1
+        if k < indices.size:  # stream shorter than the header said
+            if decoded <= 0:
+                raise InvalidInput(f"{self.name}: video has no decodable frames")
+            return meta, out[:k], decoded
+        return meta, out, max(decoded, total)
+
+
+def demux_video(data: bytes, name: str, limits: Limits = DEFAULT_LIMITS) -> DemuxedVideo:
+    """Read the container once: stream facts and packets; decodes nothing."""
     container = _open_container(data, name)
     try:
         stream = container.streams.video[0]
@@ -280,13 +378,15 @@ def _demux(data: bytes, name: str, limits: Limits):
         fps = _stream_fps(stream, container, int(stream.frames or 0) or len(packets), timestamps)
         facts = dict(width=width, height=height, header_frames=int(stream.frames or 0), fps=fps,
                      codec=stream.codec_context.name, extradata=bytes(stream.codec_context.extradata or b""))
+    except video_errors():
+        raise InvalidInput(f"{name}: not a decodable video") from None
     finally:
         container.close()
-    return facts, packets
+    return DemuxedVideo(data, name, limits, facts, packets)
 
 
 def decode_video(data: bytes, name: str, sampler: Sampler, limits: Limits = DEFAULT_LIMITS,
-                 resizer: Resizer | None = None, fast_path: bool = True) -> tuple[np.ndarray, VideoMetadata]:
+                 resizer: Resizer | None = None) -> tuple[np.ndarray, VideoMetadata]:
     """Decode the frames `sampler` keeps: uint8 [T, H, W, 3] and the file's metadata with
     `frames_indices` set. With a `resizer`, each kept frame is resized as soon as it is decoded (no
     full-size copy of the video is kept) and the result is [T, h, w, 3] at the size the resizer chose.
@@ -295,39 +395,16 @@ def decode_video(data: bytes, name: str, sampler: Sampler, limits: Limits = DEFA
     frame i = the i-th decoded frame, pixels as stored: like that loader, rotation metadata is
     not applied). H.264 takes a fast path that feeds the decoder only the packets the kept frames
     need (whole GOPs without a kept frame and non-reference frames not kept are skipped); anything
-    it cannot vouch for falls back to decoding every frame up to the last kept one. `fast_path`
-    False goes straight to that (for callers whose `plan_video` already tried).
+    it cannot vouch for falls back to decoding every frame up to the last kept one.
     """
-    try:
-        facts, packets = _demux(data, name, limits)
-        width, height, fps = facts["width"], facts["height"], facts["fps"]
-        planned = _plan(facts, packets, data, name, sampler, limits) if fast_path else None
-        if planned is not None:
-            out, store = _output(planned.meta, planned.meta.frames_indices, width, height, resizer)
-            if planned.decode(store):
-                return out, planned.meta
-        def decode(total: int) -> tuple[VideoMetadata, np.ndarray, int]:
-            container = _open_container(data, name)
-            try:
-                return _decode_sampled(container, container.streams.video[0], total, fps, width, height,
-                                       name, sampler, limits, resizer)
-            finally:
-                container.close()
-
-        total = facts["header_frames"]
-        if total <= 0:  # container without a frame count: count by decoding
-            total = _count_frames(data, name, limits)
-        meta, frames, decoded = decode(total)
-        if decoded < total:
-            # The header promised more frames than the stream holds: sample again from the real count.
-            meta, frames, redecoded = decode(decoded)
-            if redecoded < decoded:
-                raise InvalidInput(f"{name}: not a decodable video")
-    except InvalidInput:
-        raise
-    except Exception:
-        raise InvalidInput(f"{name}: not a decodable video") from None
-    return frames, meta
+    video = demux_video(data, name, limits)
+    planned = video.plan(sampler)
+    if planned is not None:
+        out, store = _output(planned.meta, planned.meta.frames_indices, video.facts["width"], video.facts["height"],
+                             resizer)
+        if planned.decode(store):
+            return out, planned.meta
+    return video.decode(sampler, resizer)
 
 
 def _h264_nal_info(payload: bytes, length_size: int) -> tuple[bool, bool] | None:
@@ -396,29 +473,6 @@ def _output(meta: VideoMetadata, indices: np.ndarray, width: int, height: int, r
     return out, store
 
 
-def plan_video(data: bytes, name: str, sampler: Sampler,
-               limits: Limits = DEFAULT_LIMITS) -> PlannedVideo | None:
-    """The sampled frames of a video the fast path can decode (AVCC H.264, see `decode_video`),
-    known before decoding anything: `.meta` has `frames_indices`; `.decode(store)` then calls
-    `store(k, frame)` for each kept frame (from worker threads). None: use `decode_video`."""
-    try:
-        facts, packets = _demux(data, name, limits)
-        return _plan(facts, packets, data, name, sampler, limits)
-    except InvalidInput:
-        raise
-    except Exception:
-        raise InvalidInput(f"{name}: not a decodable video") from None
-
-
-def _plan(facts, packets, data, name, sampler, limits) -> PlannedVideo | None:
-    plan = _h264_plan(facts, packets)
-    if plan is None:
-        return None
-    width, height = facts["width"], facts["height"]
-    meta, _ = _sample(len(plan), facts["fps"], width, height, name, sampler, limits)
-    return PlannedVideo(meta, plan, packets, data)
-
-
 class PlannedVideo:
     """Decode only what the sampled frames need, GOPs in parallel."""
 
@@ -448,9 +502,7 @@ class PlannedVideo:
             else:
                 with ThreadPoolExecutor(workers) as pool:
                     results = list(pool.map(lambda task: self._run(task, "NONE", store), self.tasks))
-        except InvalidInput:
-            raise
-        except Exception:
+        except video_errors():
             return False
         return all(r is not None for r in results) and sum(results) == len(self.slot)
 
@@ -494,43 +546,3 @@ def _sample(total, fps, width, height, name, sampler, limits):
         raise InvalidInput(f"{name}: {indices.size} frames exceed max_frames={limits.max_video_frames}")
     meta.frames_indices = indices
     return meta, indices
-
-
-def _count_frames(data: bytes, name: str, limits: Limits) -> int:
-    """Frames in the stream, by decoding (for containers whose header has no count); stops one past
-    `max_video_source_frames`, which `_sample` then refuses."""
-    container = _open_container(data, name)
-    try:
-        total = 0
-        for _ in container.decode(container.streams.video[0]):
-            total += 1
-            if total > limits.max_video_source_frames:
-                break
-        return total
-    finally:
-        container.close()
-
-
-def _decode_sampled(container, stream, total, fps, width, height, name, sampler, limits, resizer=None):
-    """Decode up to the last sampled frame, converting only the sampled ones to RGB.
-
-    Returns (metadata, frames, frames decoded); frames decoded < total means the stream ended early.
-    """
-    meta, indices = _sample(total, fps, width, height, name, sampler, limits)
-    stream.thread_type = "AUTO"
-    out, store = _output(meta, indices, width, height, resizer)
-    last, k, i = int(indices[-1]), 0, -1
-    wanted = int(indices[0])
-    for i, frame in enumerate(container.decode(stream)):
-        if i == wanted:
-            store(k, frame)
-            k += 1
-            if i == last:
-                break
-            wanted = int(indices[k])
-    decoded = i + 1
-    if k < indices.size:  # stream shorter than the header said
-        if decoded <= 0:
-            raise InvalidInput(f"{name}: video has no decodable frames")
-        return meta, out[:k], decoded
-    return meta, out, max(decoded, total)

@@ -85,6 +85,13 @@ class LLMOptions(ModelParams):
 
 
 @dataclass(frozen=True)
+class PreprocessOptions(ModelParams):
+    """The `preprocess` model beyond its `Limits`: the build's default EVS video pruning rate
+    (`mm_options.video_pruning_rate` overrides it per request; triton_vlm.evs)."""
+    video_pruning_rate: float = 0.0
+
+
+@dataclass(frozen=True)
 class EncoderOptions(ModelParams):
     """The `vision_encoder` front: the batched model it calls, the tower's dimensions, the patch
     rows of one batched execution, the batched model's instances (a request's items are split

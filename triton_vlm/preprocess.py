@@ -24,15 +24,17 @@ from typing import Any
 import numpy as np
 
 from triton_vlm.errors import InvalidInput
+from triton_vlm.evs import check_pruning
 from triton_vlm.families import detect_family
 from triton_vlm.families.base import Family, MediaLayout
 from triton_vlm.imaging import FrameLayout, View, VisionSettings, target_size
 from triton_vlm.limits import DEFAULT_LIMITS, Limits
-from triton_vlm.media import (PlannedVideo, decode_image, decode_item_bytes, decode_video, frame_rgb,
-                              not_decodable_image, plan_video, probe_image)
-from triton_vlm.mrope import MediaSpan, mrope_positions
+from triton_vlm.media import (DemuxedVideo, PlannedVideo, decode_image, decode_item_bytes,
+                              demux_video, frame_rgb, not_decodable_image, probe_image)
+from triton_vlm.mrope import MediaSpan, mrope_positions, pruned_mrope_positions
+from triton_vlm.options import PreprocessOptions
 
-MM_OPTION_KEYS = ("min_pixels", "max_pixels", "fps", "num_frames", "max_frames")
+MM_OPTION_KEYS = ("min_pixels", "max_pixels", "fps", "num_frames", "max_frames", "video_pruning_rate")
 
 
 @dataclass
@@ -42,6 +44,29 @@ class PreprocessOutput:
     grid_thw: np.ndarray             # int64 [M, 3], prompt order
     mrope_position_ids: np.ndarray   # int64 [3, S]
     mrope_position_delta: int
+    # With EVS pruning on (`video_pruning_rate` > 0): the unpruned positions of every media token,
+    # prompt order, int64 [3, U]; the llm puts the kept ones' into `mrope_position_ids` (see
+    # `triton_vlm.mrope.complete_positions`). Zero columns when pruning is off.
+    media_position_ids: np.ndarray = field(default_factory=lambda: np.zeros((3, 0), np.int64))
+    video_pruning_rate: float = 0.0
+
+
+def parse_mm_options(raw: dict | str | bytes | None) -> dict:
+    """The request's `mm_options` (JSON text, or an already parsed object) as a dict; the one place
+    they are parsed. InvalidInput unless a JSON object."""
+    if raw is None or raw == b"" or raw == "":
+        return {}
+    if isinstance(raw, dict):
+        return raw
+    try:
+        options = json.loads(raw)
+    except json.JSONDecodeError as error:
+        raise InvalidInput(f"mm_options: not valid JSON ({error.msg})") from None
+    except (ValueError, TypeError):
+        raise InvalidInput("mm_options: not a JSON object") from None
+    if not isinstance(options, dict):
+        raise InvalidInput("mm_options: not a JSON object")
+    return options
 
 
 @dataclass(frozen=True)
@@ -85,16 +110,28 @@ def load_processor_sections(checkpoint: Path) -> tuple[dict, dict]:
     return image, (video if video is not None else dict(image))
 
 
+@dataclass(frozen=True)
+class RequestOptions:
+    """A request's `mm_options` over the checkpoint's and the build's defaults."""
+    image: VisionSettings
+    video: VisionSettings
+    sampling: VideoSampling
+    video_pruning_rate: float = 0.0
+
+
 class Preprocessor:
     """Turns one request (text, images, videos, mm_options) into the `preprocess` outputs."""
 
-    def __init__(self, checkpoint: str | Path, limits: Limits = DEFAULT_LIMITS):
+    def __init__(self, checkpoint: str | Path, limits: Limits = DEFAULT_LIMITS,
+                 options: PreprocessOptions = PreprocessOptions()):
         from tokenizers import Tokenizer
 
         checkpoint = Path(checkpoint)
         self.family: Family = detect_family(checkpoint)
         self.config: dict = json.loads((checkpoint / "config.json").read_text())
         self.limits = limits
+        self.options = options
+        check_pruning(self.family, options.video_pruning_rate, "video_pruning_rate")
         self.tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
 
         image_section, video_section = load_processor_sections(checkpoint)
@@ -137,23 +174,31 @@ class Preprocessor:
             raise ValueError(f"checkpoint has no id for {token}")
         return value
 
-    # ------------------------------------------------------------------------------ options
-    def _options(self, mm_options: Any) -> tuple[VisionSettings, VisionSettings, VideoSampling]:
-        if mm_options is None or mm_options == b"" or mm_options == "":
-            options = {}
-        elif isinstance(mm_options, dict):
-            options = mm_options
-        else:
-            try:
-                options = json.loads(mm_options)
-            except (ValueError, TypeError):
-                raise InvalidInput("mm_options: not a JSON object") from None
-        if not isinstance(options, dict):
-            raise InvalidInput("mm_options: not a JSON object")
-        unknown = sorted(str(k) for k in options if k not in MM_OPTION_KEYS)
+    # ------------------------------------------------------------------------------ the request, step by step
+    def __call__(self, text: str | bytes, images: list[bytes] | None = None, videos: list[bytes] | None = None,
+                 mm_options: dict | str | bytes | None = None) -> PreprocessOutput:
+        images, videos = list(images or []), list(videos or [])
+        options = self._options(parse_mm_options(mm_options))
+        ids = self._prompt_ids(_text_input(text), len(images), len(videos))
+        items = self._items(ids, self._item_bytes(images, videos))
+        items = _map(lambda item: self._plan(item, options), items)
+        self._check_frame_patches(items)
+        expansions = self._expansions(ids, items, options.video_pruning_rate)
+        pixel_values = self._pixels(items)
+        return self._assemble(ids, items, expansions, pixel_values, options.video_pruning_rate)
+
+    def _options(self, opts: dict) -> RequestOptions:
+        """The request's options (keys and values checked, InvalidInput naming them) over the defaults."""
+        unknown = sorted(str(k) for k in opts if k not in MM_OPTION_KEYS)
         if unknown:
             raise InvalidInput(f"mm_options: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(MM_OPTION_KEYS)}")
-        opts = {k: v for k, v in options.items() if v is not None}
+        opts = {k: v for k, v in opts.items() if v is not None}
+        rate = self.options.video_pruning_rate
+        if "video_pruning_rate" in opts:
+            try:
+                rate = check_pruning(self.family, opts.pop("video_pruning_rate"), "mm_options: video_pruning_rate")
+            except ValueError as error:
+                raise InvalidInput(str(error)) from None
         for key, value in opts.items():
             if key == "fps":
                 ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
@@ -176,14 +221,12 @@ class Preprocessor:
         if sizes and self.family.slice_rule is not None:
             raise InvalidInput(f"mm_options: {', '.join(sizes)} does not apply: {self.family.name} sizes images "
                                f"by the checkpoint's scale_resolution and max_slice_nums")
+        # A max_pixels below min_pixels is what transformers takes too: smart_resize caps at
+        # max_pixels first, so the smaller bound wins.
         image, video = self.image_settings, self.video_settings
         if sizes:
             image = dataclasses.replace(image, **sizes)
             video = dataclasses.replace(video, **sizes)
-        for settings in (image, video):
-            if settings.min_pixels > settings.max_pixels:
-                raise InvalidInput(f"mm_options: min_pixels={settings.min_pixels} exceeds "
-                                   f"max_pixels={settings.max_pixels}")
         sampling = self.video_sampling
         if "num_frames" in opts:
             sampling = dataclasses.replace(sampling, fps=None, num_frames=opts["num_frames"])
@@ -191,9 +234,8 @@ class Preprocessor:
             sampling = dataclasses.replace(sampling, fps=float(opts["fps"]), num_frames=None)
         if "max_frames" in opts:
             sampling = dataclasses.replace(sampling, max_frames=opts["max_frames"])
-        return image, video, sampling
+        return RequestOptions(image, video, sampling, rate)
 
-    # ------------------------------------------------------------------------------ request
     def _encode(self, text: str) -> np.ndarray:
         return np.asarray(self.tokenizer.encode(text).ids, dtype=np.int32)
 
@@ -201,60 +243,29 @@ class Preprocessor:
         """Ids of text pieces spliced between special tokens (no special tokens added)."""
         return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
 
-    def _layout(self, height: int, width: int, settings: VisionSettings, name: str, num_frames: int) -> FrameLayout:
-        """The family's views of an item's frames: its `slice_rule`, else one `resize_rule` size."""
-        if self.family.slice_rule is not None:
-            return FrameLayout(self.family.slice_rule(height, width, settings, name), per_frame=True)
-        size = target_size(height, width, settings, name, num_frames, self.family.resize_rule)
-        return FrameLayout((View(size),))
-
-    def _expand(self, item: _Item) -> tuple[np.ndarray, list[MediaSpan]]:
-        """The ids `item`'s placeholder token becomes, and the M-RoPE spans of its embedding runs
-        (offsets relative to the first id)."""
-        video = item.name.startswith("videos")
-        media = MediaLayout(video=video, index=item.index, token=self.video_token_id if video else self.image_token_id,
-                            grids=item.grids, views=item.layout.views, num_frames=item.num_frames,
-                            settings=item.settings, timestamps=item.timestamps, t_factor=item.t_factor)
-        return self.family.expand_media(media, self._vocab_id, self._encode_pieces)
-
-    def __call__(self, text: str | bytes, images: list[bytes] | None = None, videos: list[bytes] | None = None,
-                 mm_options: dict | str | bytes | None = None) -> PreprocessOutput:
-        images, videos = list(images or []), list(videos or [])
-        if isinstance(text, (bytes, bytearray)):
-            try:
-                text = bytes(text).decode("utf-8")
-            except UnicodeDecodeError:
-                raise InvalidInput("text_input: not valid UTF-8") from None
-        if not isinstance(text, str):
-            raise InvalidInput("text_input: expected a string")
-        n_media = len(images) + len(videos)
-        if n_media > self.limits.max_media_items:
-            raise InvalidInput(f"images, videos: {n_media} media items exceed "
+    def _prompt_ids(self, text: str, n_images: int, n_videos: int) -> np.ndarray:
+        """The prompt's ids, one placeholder per item (put before the text if it holds none)."""
+        if n_images + n_videos > self.limits.max_media_items:
+            raise InvalidInput(f"images, videos: {n_images + n_videos} media items exceed "
                                f"max_media_items={self.limits.max_media_items}")
-        image_settings, video_settings, sampling = self._options(mm_options)
-
         ids = self._encode(text)
-        if ids.shape[0] == 0 and not n_media:
+        if ids.shape[0] == 0 and not n_images + n_videos:
             raise InvalidInput("text_input: the prompt is empty")
-        is_image, is_video = ids == self.image_token_id, ids == self.video_token_id
-        n_image_ph, n_video_ph = int(is_image.sum()), int(is_video.sum())
-        if n_image_ph + n_video_ph == 0 and n_media:
-            text = (self.family.image_placeholder * len(images) + self.family.video_placeholder * len(videos) + text)
-            ids = self._encode(text)
-            is_image, is_video = ids == self.image_token_id, ids == self.video_token_id
-            n_image_ph, n_video_ph = int(is_image.sum()), int(is_video.sum())
-        if n_image_ph != len(images):
-            raise InvalidInput(f"text_input: {n_image_ph} image placeholders but {len(images)} images given")
-        if n_video_ph != len(videos):
-            raise InvalidInput(f"text_input: {n_video_ph} video placeholders but {len(videos)} videos given")
-
-        limits = self.limits
-        if ids.shape[0] > limits.max_prompt_tokens:
+        if not np.isin(ids, (self.image_token_id, self.video_token_id)).any() and n_images + n_videos:
+            ids = self._encode(self.family.image_placeholder * n_images + self.family.video_placeholder * n_videos
+                               + text)
+        for kind, token, given in (("image", self.image_token_id, n_images), ("video", self.video_token_id, n_videos)):
+            found = int((ids == token).sum())
+            if found != given:
+                raise InvalidInput(f"text_input: {found} {kind} placeholders but {given} {kind}s given")
+        if ids.shape[0] > self.limits.max_prompt_tokens:
             raise InvalidInput(f"text_input: prompt is {ids.shape[0]} tokens, exceeds "
-                               f"max_prompt_tokens={limits.max_prompt_tokens}")
-        pad_positions = np.flatnonzero(is_image | is_video)
-        # Every item's file bytes first (cheap), so the request's total is checked before decoding.
-        encoded, request_bytes = {}, 0
+                               f"max_prompt_tokens={self.limits.max_prompt_tokens}")
+        return ids
+
+    def _item_bytes(self, images: list, videos: list) -> dict[str, bytes]:
+        """Every item's file bytes by name (cheap), the request's total checked before decoding."""
+        encoded, request_bytes, limits = {}, 0, self.limits
         for kind, items_of_kind in (("images", images), ("videos", videos)):
             for i, raw in enumerate(items_of_kind):
                 data = decode_item_bytes(raw, f"{kind}[{i}]", limits)
@@ -263,85 +274,113 @@ class Preprocessor:
                     raise InvalidInput(f"images, videos: {request_bytes} bytes in all exceed "
                                        f"max_request_bytes={limits.max_request_bytes}")
                 encoded[f"{kind}[{i}]"] = data
-        pad_is_video = is_video[pad_positions]
+        return encoded
 
-        # The media items' names, in prompt order.
-        names, counters, index = [], {"images": 0, "videos": 0}, {}
-        for video_item in pad_is_video.tolist():
-            kind = "videos" if video_item else "images"
-            names.append(f"{kind}[{counters[kind]}]")
-            index[names[-1]] = counters[kind]
+    def _items(self, ids: np.ndarray, encoded: dict[str, bytes]) -> list[_Item]:
+        """The media items in prompt order."""
+        items, counters = [], {"images": 0, "videos": 0}
+        for token in ids[np.isin(ids, (self.image_token_id, self.video_token_id))].tolist():
+            kind = "videos" if token == self.video_token_id else "images"
+            name = f"{kind}[{counters[kind]}]"
+            items.append(_Item(name, encoded[name], index=counters[kind], video=kind == "videos"))
             counters[kind] += 1
+        return items
 
-        sampler = _bind_sampler(self.family.sample_frames, sampling, video_settings)
-        # Phase 1 (items in parallel threads: Pillow, PyAV and torch release the GIL): each item's
-        # size and grid, from headers where they tell (JPEG images, H.264 videos: nothing decoded
-        # yet), else by decoding and resizing. Phase 2, once the output buffer exists: the rest is
-        # decoded and written straight into it, video frames a temporal patch at a time as their
-        # GOPs finish decoding.
-        def plan(name: str) -> _Item:
-            data = encoded[name]
-            item = _Item(name, data, index=index[name])
-            if name.startswith("videos"):
-                item.planned = plan_video(data, name, sampler, limits)
-                if item.planned is not None:
-                    meta = item.planned.meta
-                    n_frames = len(meta.frames_indices)
-                    item.settings = _frame_settings(video_settings, sampling, n_frames)
-                    item.layout = self._layout(meta.height, meta.width, item.settings, name, n_frames)
-                else:
-                    chosen = {}
+    def _layout(self, height: int, width: int, settings: VisionSettings, name: str, num_frames: int) -> FrameLayout:
+        """The family's views of an item's frames: its `slice_rule`, else one `resize_rule` size."""
+        if self.family.slice_rule is not None:
+            return FrameLayout(self.family.slice_rule(height, width, settings, name), per_frame=True)
+        size = target_size(height, width, settings, name, num_frames, self.family.resize_rule)
+        return FrameLayout((View(size),))
 
-                    def resizer(meta):
-                        n = len(meta.frames_indices)
-                        chosen["settings"] = _frame_settings(video_settings, sampling, n)
-                        layout = chosen["layout"] = self._layout(meta.height, meta.width, chosen["settings"], name, n)
-                        return layout.stored, lambda f: layout.resize(f, chosen["settings"])
+    def _plan(self, item: _Item, options: RequestOptions) -> _Item:
+        """Phase 1 (items in parallel threads: Pillow, PyAV and torch release the GIL): the item's
+        size and grid, from headers where they tell (JPEG images, H.264 videos: nothing decoded
+        yet), else by decoding and resizing."""
+        if item.video:
+            self._plan_video(item, options)
+        else:
+            self._plan_image(item, options.image)
+        item.grids = item.layout.grids(item.num_frames, item.settings)
+        return item
 
-                    item.frames, meta = decode_video(data, name, sampler, limits, resizer, fast_path=False)
-                    item.settings, item.layout = chosen["settings"], chosen["layout"]
-                    n_frames = item.frames.shape[0]
-                second_per_grid_ts = item.settings.temporal_patch_size / meta.sampled_fps
-                item.t_factor = (self.family.video_t_factor(self.config, second_per_grid_ts)
-                                 if self.family.video_t_factor else 1.0)
-                item.timestamps = meta.timestamps
-            else:
-                item.settings = image_settings
-                probed = probe_image(data, name, limits)
-                if probed is None:
-                    item.frames = decode_image(data, name, limits)[None]
-                    probed = item.frames.shape[1:3]
-                item.layout = self._layout(probed[0], probed[1], item.settings, name, 1)
-                item.probed = tuple(probed)
-                if item.frames is not None:
-                    item.frames = item.layout.resize(item.frames, item.settings)
-                n_frames = 1
-            item.num_frames = n_frames
-            item.grids = item.layout.grids(n_frames, item.settings)
-            return item
+    def _plan_image(self, item: _Item, settings: VisionSettings) -> None:
+        item.settings = settings
+        probed = probe_image(item.data, item.name, self.limits)
+        if probed is None:
+            item.frames = decode_image(item.data, item.name, self.limits)[None]
+            probed = item.frames.shape[1:3]
+        item.layout = self._layout(probed[0], probed[1], settings, item.name, 1)
+        item.probed = tuple(probed)
+        if item.frames is not None:
+            item.frames = item.layout.resize(item.frames, settings)
 
-        items = _map(plan, names)
+    def _check_frame_patches(self, items: list[_Item]) -> None:
+        """No frame larger than one encoder run takes (`max_frame_patches`)."""
+        limit = self.limits.max_frame_patches
         for item in items:
             frame = max((h * w for _, h, w in item.grids), default=0)
-            if frame > limits.max_frame_patches:
-                raise InvalidInput(f"{item.name}: {frame} patches per frame exceed "
-                                   f"max_frame_patches={limits.max_frame_patches}")
-        grids = np.array([g for item in items for g in item.grids], dtype=np.int64).reshape(-1, 3)
-        rows = np.array([sum(t * h * w for t, h, w in item.grids) for item in items], dtype=np.int64)
-        # Each placeholder token becomes its item's ids (media tokens, and for some families
-        # per-frame markers and timestamps), known from the grids alone: the prompt's real length is
-        # checked before anything is decoded into the output.
-        expansions = [self._expand(item) for item in items]
+            if frame > limit:
+                raise InvalidInput(f"{item.name}: {frame} patches per frame exceed max_frame_patches={limit}")
+
+    def _plan_video(self, item: _Item, options: RequestOptions) -> None:
+        name, sampling = item.name, options.sampling
+        sampler = _bind_sampler(self.family.sample_frames, sampling, options.video)
+
+        def layout(meta) -> FrameLayout:
+            n = len(meta.frames_indices)
+            item.settings = _frame_settings(options.video, sampling, n)
+            item.layout = self._layout(meta.height, meta.width, item.settings, name, n)
+            return item.layout
+
+        item.video_file = demux_video(item.data, name, self.limits)
+        item.planned = item.video_file.plan(sampler)
+        if item.planned is not None:
+            meta = item.planned.meta
+            layout(meta)
+        else:
+            item.frames, meta = item.video_file.decode(
+                sampler, lambda meta: (layout(meta).stored, lambda f: item.layout.resize(f, item.settings)))
+        item.num_frames = len(meta.frames_indices)
+        second_per_grid_ts = item.settings.temporal_patch_size / meta.sampled_fps
+        item.t_factor = (self.family.video_t_factor(self.config, second_per_grid_ts)
+                         if self.family.video_t_factor else 1.0)
+        item.timestamps = meta.timestamps
+
+    def _expansions(self, ids: np.ndarray, items: list[_Item], rate: float) -> list[tuple[np.ndarray, list[MediaSpan]]]:
+        """What each placeholder token becomes (media tokens, and for some families per-frame
+        markers and timestamps), known from the grids alone: the prompt's real length is checked
+        before anything is decoded into the output."""
+        expansions = []
+        for item in items:
+            media = MediaLayout(video=item.video, index=item.index,
+                                token=self.video_token_id if item.video else self.image_token_id,
+                                grids=item.grids, views=item.layout.views, num_frames=item.num_frames,
+                                settings=item.settings, timestamps=item.timestamps, t_factor=item.t_factor,
+                                pruning_rate=rate if item.video else 0.0)
+            expansions.append(self.family.expand_media(media, self._vocab_id, self._encode_pieces))
         n_tokens = int(ids.shape[0]) - len(items) + sum(int(e.shape[0]) for e, _ in expansions)
-        if n_tokens > limits.max_prompt_tokens:
+        if n_tokens > self.limits.max_prompt_tokens:
             raise InvalidInput(f"text_input: prompt is {n_tokens} tokens after expanding media, exceeds "
-                               f"max_prompt_tokens={limits.max_prompt_tokens}")
+                               f"max_prompt_tokens={self.limits.max_prompt_tokens}")
+        return expansions
+
+    def _pixels(self, items: list[_Item]) -> np.ndarray:
+        """Phase 2, once the output buffer exists: the rest is decoded and written straight into it,
+        video frames a temporal patch at a time as their GOPs finish decoding."""
+        rows = np.array([sum(t * h * w for t, h, w in item.grids) for item in items], dtype=np.int64)
         pixel_values = np.empty((int(rows.sum()), self.image_settings.row_size), dtype=np.float32)
         starts = np.concatenate(([0], np.cumsum(rows))).astype(np.int64)
-        _map(lambda i: _fill(items[i], pixel_values[starts[i]:starts[i + 1]], limits), range(len(items)))
+        _map(lambda i: _fill(items[i], pixel_values[starts[i]:starts[i + 1]], self.limits), range(len(items)))
+        return pixel_values
 
+    def _assemble(self, ids: np.ndarray, items: list[_Item], expansions: list, pixel_values: np.ndarray,
+                  rate: float) -> PreprocessOutput:
+        """The expanded prompt, its grids and positions (the reference's pruned rule when rate > 0)."""
         pieces, spans, previous, length = [], [], 0, 0
-        for position, (expanded, item_spans) in zip(pad_positions.tolist(), expansions):
+        for position, (expanded, item_spans) in zip(np.flatnonzero(np.isin(ids, (self.image_token_id,
+                                                                                 self.video_token_id))).tolist(),
+                                                    expansions):
             pieces += [ids[previous:position], expanded]
             length += position - previous
             spans += [dataclasses.replace(span, offset=span.offset + length) for span in item_spans]
@@ -349,9 +388,27 @@ class Preprocessor:
             previous = position + 1
         pieces.append(ids[previous:])
         input_ids = np.concatenate(pieces).astype(np.int32, copy=False)
-        positions, delta = mrope_positions(input_ids.shape[0], spans)
-        return PreprocessOutput(input_ids=input_ids, pixel_values=pixel_values, grid_thw=grids,
-                                mrope_position_ids=positions, mrope_position_delta=delta)
+        grids = np.array([g for item in items for g in item.grids], dtype=np.int64).reshape(-1, 3)
+        out = PreprocessOutput(input_ids=input_ids, pixel_values=pixel_values, grid_thw=grids,
+                               mrope_position_ids=np.zeros((3, 0), np.int64), mrope_position_delta=0,
+                               video_pruning_rate=rate)
+        if rate > 0:
+            out.mrope_position_ids, out.mrope_position_delta, out.media_position_ids = pruned_mrope_positions(
+                input_ids.shape[0], spans)
+        else:
+            out.mrope_position_ids, out.mrope_position_delta = mrope_positions(input_ids.shape[0], spans)
+        return out
+
+
+def _text_input(text: str | bytes) -> str:
+    if isinstance(text, (bytes, bytearray)):
+        try:
+            text = bytes(text).decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidInput("text_input: not valid UTF-8") from None
+    if not isinstance(text, str):
+        raise InvalidInput("text_input: expected a string")
+    return text
 
 
 @dataclass
@@ -359,14 +416,16 @@ class _Item:
     """One media item of a request between the two phases of `Preprocessor.__call__`."""
     name: str
     data: bytes
-    settings: VisionSettings | None = None
     index: int = 0                      # among the request's items of its kind
+    video: bool = False
+    settings: VisionSettings | None = None
     layout: FrameLayout | None = None
     num_frames: int = 1
     grids: list[tuple[int, int, int]] = field(default_factory=list)  # its grid_thw rows
     t_factor: float = 1.0
     timestamps: np.ndarray | None = None  # a video's sampled frames, in seconds
     frames: np.ndarray | None = None    # resized uint8 frames, when phase 1 had to decode
+    video_file: DemuxedVideo | None = None  # a video, demuxed once
     planned: PlannedVideo | None = None  # an H.264 video whose frames phase 2 decodes
     probed: tuple[int, int] | None = None
 
@@ -402,10 +461,10 @@ def _fill(item: _Item, out: np.ndarray, limits: Limits) -> None:
                          out[g * rows_per_patch:(g + 1) * rows_per_patch])
 
     if not item.planned.decode(store):
-        # The fast path could not vouch for its frames: decode everything, which must agree.
-        sampler = lambda _meta: meta.frames_indices  # noqa: E731
-        frames, _ = decode_video(item.data, item.name, sampler, limits,
-                                 lambda _m: (layout.stored, lambda f: layout.resize(f, settings)), fast_path=False)
+        # The fast path could not vouch for its frames: decode everything (from the packets
+        # already demuxed), which must agree.
+        frames, _ = item.video_file.decode(lambda _meta: meta.frames_indices,
+                                           lambda _m: (layout.stored, lambda f: layout.resize(f, settings)))
         if frames.shape[0] != n:
             raise InvalidInput(f"{item.name}: not a decodable video")
         layout.write(frames, settings, out)

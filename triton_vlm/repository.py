@@ -17,10 +17,11 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from triton_vlm.chat import load_chat_template
+from triton_vlm.evs import check_pruning
 from triton_vlm.families import detect_family
 from triton_vlm.families.base import Family
 from triton_vlm.limits import DEFAULT_LIMITS, Limits
-from triton_vlm.options import EncoderBatchOptions, EncoderOptions, LLMOptions
+from triton_vlm.options import EncoderBatchOptions, EncoderOptions, LLMOptions, PreprocessOptions
 
 SOURCE_MODELS = Path(__file__).resolve().parent.parent / "model_repository"
 CHECKPOINT_DIR = "checkpoint"  # inside each model's version folder
@@ -33,8 +34,8 @@ _CHECKPOINT_FILES = ("config.json", "generation_config.json", "tokenizer.json", 
                      "special_tokens_map.json", "chat_template.jinja", "chat_template.json",
                      "processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json")
 
-BYTES, FP32, INT32, INT64, UINT64, BOOL = (mc.TYPE_STRING, mc.TYPE_FP32, mc.TYPE_INT32, mc.TYPE_INT64,
-                                           mc.TYPE_UINT64, mc.TYPE_BOOL)
+BYTES, FP32, FP64, INT32, INT64, UINT64, BOOL = (mc.TYPE_STRING, mc.TYPE_FP32, mc.TYPE_FP64, mc.TYPE_INT32,
+                                                 mc.TYPE_INT64, mc.TYPE_UINT64, mc.TYPE_BOOL)
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,9 @@ class BuildOptions:
     # llm: a request still waiting for its first place in the in-flight batch after this long
     # ends with UNAVAILABLE (0: it waits as long as it takes).
     llm_queue_timeout_ms: int = 60_000
+    # preprocess: the default EVS video pruning rate in [0, 1) (triton_vlm.evs; Qwen2.5-VL only),
+    # which a request's mm_options.video_pruning_rate overrides.
+    video_pruning_rate: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -152,12 +156,24 @@ def preprocess_outputs() -> tuple[TensorSpec, ...]:
         TensorSpec("grid_thw", INT64, (-1, 3)),
         TensorSpec("mrope_position_ids", INT64, (3, -1)),
         TensorSpec("mrope_position_delta", INT64, (1,)),
+        PRUNING_RATE,
+        MEDIA_POSITIONS,
     )
 
 
+# EVS video pruning (triton_vlm.evs): preprocess gives the request's rate to the encoder and the
+# unpruned positions of every media token to the llm; the encoder gives the llm the index of each
+# row it kept; the llm completes the positions (triton_vlm.mrope.complete_positions). The rate
+# travels as FP64: both ends compute the kept count from the very same value.
+PRUNING_RATE = TensorSpec("video_pruning_rate", FP64, (1,))
+MEDIA_POSITIONS = TensorSpec("media_position_ids", INT64, (3, -1))
+KEPT_ROWS = TensorSpec("kept_rows", INT64, (-1,))
+
+
 def encoder_io(patch_dim: int, hidden: int) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
-    return ((TensorSpec("pixel_values", FP32, (-1, patch_dim)), TensorSpec("grid_thw", INT64, (-1, 3))),
-            (TensorSpec("embeddings", FP32, (-1, hidden)),))
+    return ((TensorSpec("pixel_values", FP32, (-1, patch_dim)), TensorSpec("grid_thw", INT64, (-1, 3)),
+             dataclasses.replace(PRUNING_RATE, optional=True)),
+            (TensorSpec("embeddings", FP32, (-1, hidden)), KEPT_ROWS))
 
 
 def encoder_batch_io(patch_dim: int, hidden: int) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
@@ -288,9 +304,10 @@ def model_configs(family: Family, checkpoint_config: dict, options: BuildOptions
     """Every model's config for one checkpoint and build, keyed by model name."""
     patch_dim, hidden = family.encoder_dims(checkpoint_config)
     common = {"family": family.name, "checkpoint": CHECKPOINT_DIR}
+    preprocess_params = {**common, **limits(options).to_params(),
+                         **PreprocessOptions(video_pruning_rate=options.video_pruning_rate).to_params()}
     preprocess = _bounded_queue(_python_model("preprocess", MEDIA_INPUTS, preprocess_outputs(),
-                                              options.preprocess_instances, {**common, **limits(options).to_params()}),
-                                options)
+                                              options.preprocess_instances, preprocess_params), options)
     enc_in, enc_out = encoder_io(patch_dim, hidden)
     # patches per token along each side, as the family's tower counts it
     merge = int(family.tower_class().checkpoint_settings(checkpoint_config)["spatial_merge_size"])
@@ -301,7 +318,8 @@ def model_configs(family: Family, checkpoint_config: dict, options: BuildOptions
                                            {**common, **front.to_params()}), options)
     encoder_batch = _encoder_batch_model(patch_dim, hidden, options, common)
     llm_in = (TensorSpec("input_ids", INT32, (-1,)), TensorSpec("embeddings", FP32, (-1, hidden)),
-              TensorSpec("mrope_position_ids", INT64, (3, -1)), TensorSpec("mrope_position_delta", INT64, (1,)))
+              TensorSpec("mrope_position_ids", INT64, (3, -1)), TensorSpec("mrope_position_delta", INT64, (1,)),
+              MEDIA_POSITIONS, KEPT_ROWS)
     llm_params = {**common, **llm_options(options).to_params()}
     # Optional in the config so that a `stop` request needs nothing else; the llm itself answers a
     # generation request that lacks one of them with INVALID_ARG naming it.
@@ -394,6 +412,7 @@ def build_repository(checkpoint: str | Path, repo: str | Path, options: BuildOpt
     checkpoint_config = json.loads((checkpoint / "config.json").read_text())
     if options.device not in ("cpu", "gpu"):
         raise ValueError(f"--device {options.device}: expected cpu or gpu")
+    check_pruning(family, options.video_pruning_rate, "--video-pruning-rate")
     configs = model_configs(family, checkpoint_config, options, load_chat_template(checkpoint))
     check_pipeline(configs)
     backend, dtype = encoder_backend(options)

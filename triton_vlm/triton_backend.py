@@ -109,29 +109,28 @@ def _serve_each(requests, handle: Callable[[Any], list]) -> list:
 class PreprocessModel:
     def initialize(self, args: dict[str, Any]) -> None:
         from triton_vlm.limits import Limits
+        from triton_vlm.options import PreprocessOptions
         from triton_vlm.preprocess import Preprocessor
 
         stub_watch.start()
         version_dir, params = _model_dir(args)
-        self.preprocessor = Preprocessor(version_dir / params["checkpoint"], Limits.from_params(params))
+        self.preprocessor = Preprocessor(version_dir / params["checkpoint"], Limits.from_params(params),
+                                         PreprocessOptions.from_params(params))
         self.preprocessor.warmup()
 
     def _handle(self, request) -> list:
         text = _text(request, "text_input")
         if text is None:
             raise InvalidInput("text_input: required input is missing")
-        options = _text(request, "mm_options")
-        try:
-            mm_options = json.loads(options) if options else None
-        except json.JSONDecodeError as error:
-            raise InvalidInput(f"mm_options: not valid JSON ({error.msg})") from None
-        out = self.preprocessor(text, _items(request, "images"), _items(request, "videos"), mm_options)
+        out = self.preprocessor(text, _items(request, "images"), _items(request, "videos"), _text(request, "mm_options"))
         return [
             pb_utils.Tensor("input_ids", out.input_ids.astype(np.int32, copy=False)),
             pb_utils.Tensor("pixel_values", out.pixel_values.astype(np.float32, copy=False)),
             pb_utils.Tensor("grid_thw", out.grid_thw.astype(np.int64, copy=False)),
             pb_utils.Tensor("mrope_position_ids", out.mrope_position_ids.astype(np.int64, copy=False)),
             pb_utils.Tensor("mrope_position_delta", np.array([out.mrope_position_delta], dtype=np.int64)),
+            pb_utils.Tensor("video_pruning_rate", np.array([out.video_pruning_rate], dtype=np.float64)),
+            pb_utils.Tensor("media_position_ids", out.media_position_ids.astype(np.int64, copy=False)),
         ]
 
     def execute(self, requests):
@@ -208,16 +207,22 @@ class VisionEncoderModel:
         return join_shares(shares, embeddings, grid.prod(axis=1) // self.options.spatial_merge_size ** 2)
 
     def _handle(self, request) -> list:
+        from triton_vlm.evs import check_rate, prune
         from triton_vlm.vision.encoder import validate_inputs
 
         o = self.options
-        pixels, grid = validate_inputs(_required(request, "pixel_values"), _required(request, "grid_thw"),
-                                       o.patch_dim, o.spatial_merge_size)
+        pixels, items = validate_inputs(_required(request, "pixel_values"), _required(request, "grid_thw"),
+                                        o.patch_dim, o.spatial_merge_size)
+        try:
+            rate = check_rate(_scalar(request, "video_pruning_rate", float) or 0.0, "video_pruning_rate")
+        except ValueError as error:
+            raise InvalidInput(str(error)) from None
         # A video's frames go as items of their own (triton_vlm.vision: frames are independent),
         # so a long video splits across batches and instances, and each frame is cached on its own.
-        grid = np.repeat(np.concatenate([np.ones_like(grid[:, :1]), grid[:, 1:]], axis=1), grid[:, 0], axis=0)
-        embeddings = self._encode_shares(pixels, grid)
-        return [pb_utils.Tensor("embeddings", np.ascontiguousarray(embeddings, dtype=np.float32))]
+        grid = np.repeat(np.concatenate([np.ones_like(items[:, :1]), items[:, 1:]], axis=1), items[:, 0], axis=0)
+        embeddings, kept = prune(self._encode_shares(pixels, grid), items, o.spatial_merge_size, rate)
+        return [pb_utils.Tensor("embeddings", np.ascontiguousarray(embeddings, dtype=np.float32)),
+                pb_utils.Tensor("kept_rows", kept)]
 
     def execute(self, requests):
         return _serve_each(requests, self._handle)
@@ -449,6 +454,8 @@ class LLMModel:
             stream = bool(_scalar(request, "stream", bool) or False)
             args = (_required(request, "input_ids"), _required(request, "embeddings"),
                     _required(request, "mrope_position_ids"), int(_required(request, "mrope_position_delta").reshape(-1)[0]))
+            pruned = dict(media_position_ids=_optional(request, "media_position_ids"),
+                          kept_rows=_optional(request, "kept_rows"))
         except InvalidInput as error:
             sender.send(_error_response(str(error)), flags=self.FINAL)
             return
@@ -459,7 +466,7 @@ class LLMModel:
                 request_id = f"llm-{self._next_id}"
         emit = _Emitter(sender, ResponseBuilder(params, stream, num_input_tokens=int(args[0].size)))
         try:
-            self.engine.submit(request_id, *args, params=params, emit=emit, is_cancelled=sender.is_cancelled)
+            self.engine.submit(request_id, *args, params=params, emit=emit, is_cancelled=sender.is_cancelled, **pruned)
         except InvalidInput as error:
             sender.send(_error_response(str(error)), flags=self.FINAL)
 

@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from triton_vlm.evs import retained_tokens
 from triton_vlm.imaging import View, VisionSettings
 from triton_vlm.mrope import MediaSpan
 
@@ -23,6 +24,7 @@ class MediaLayout:
     settings: VisionSettings
     timestamps: np.ndarray | None = None  # a video's sampled frames, in seconds
     t_factor: float = 1.0               # M-RoPE temporal scale (`Family.video_t_factor`)
+    pruning_rate: float = 0.0           # EVS video pruning (`Family.video_pruning`; triton_vlm.evs)
 
     @property
     def merged_grid(self) -> tuple[int, int, int]:
@@ -33,9 +35,12 @@ class MediaLayout:
 
 def expand_plain(media: MediaLayout, token_id: Callable[[str], int],
                  encode: Callable[[list[str]], list[list[int]]]) -> tuple[np.ndarray, list[MediaSpan]]:
-    """t * h * w copies of the placeholder token (`merged_grid`), one span."""
+    """One placeholder token per merged grid token (`merged_grid`), one span; with EVS pruning, as
+    many as the encoder will keep (`evs.retained_tokens`)."""
     t, h, w = media.merged_grid
-    return np.full(t * h * w, media.token, dtype=np.int32), [MediaSpan(0, t, h, w, media.t_factor)]
+    n = retained_tokens(t, h * w, media.pruning_rate)
+    span = MediaSpan(0, t, h, w, media.t_factor, tokens=None if n == t * h * w else n)
+    return np.full(n, media.token, dtype=np.int32), [span]
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,9 @@ class Family:
     # Video processor classes (`video_processor_type`) that pick this family among several sharing a
     # `model_type`; see `detect_family`.
     video_processor_types: tuple[str, ...] = ()
+    # EVS video pruning (`video_pruning_rate`, triton_vlm.evs) as the reference implements it for
+    # this family; others refuse the option.
+    video_pruning: bool = False
 
     def tower_class(self) -> type:
         return _import(self.tower)

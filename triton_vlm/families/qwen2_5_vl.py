@@ -1,4 +1,4 @@
-"""Qwen2.5-VL: placeholders, special tokens, video sampling, M-RoPE scale."""
+"""Qwen2.5-VL: placeholders, special tokens, video sampling, M-RoPE scale, EVS video pruning."""
 from __future__ import annotations
 
 import math
@@ -59,4 +59,5 @@ QWEN2_5_VL = Family(
     default_video_fps=2.0,
     video_t_factor=video_t_factor,
     eos_tokens=("<|im_end|>", "<|endoftext|>"),
+    video_pruning=True,
 )

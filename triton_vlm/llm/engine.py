@@ -33,6 +33,7 @@ from triton_vlm.llm.runner import ModelRunner
 from triton_vlm.llm.sampling import NO_TOKEN, SamplingParams, make_generator
 from triton_vlm.llm.scheduler import Scheduler, SchedulerOutput
 from triton_vlm.llm.sequence import Sequence
+from triton_vlm.mrope import complete_positions
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,23 @@ def _as_tensor(value: Any, name: str, dtype: torch.dtype) -> torch.Tensor:
         return torch.as_tensor(np.asarray(value), dtype=dtype)
     except Exception:
         raise InvalidInput(f"{name}: not a numeric array") from None
+
+
+def _completed_positions(pos: torch.Tensor, mask: torch.Tensor, media_position_ids: Any,
+                         kept_rows: Any) -> tuple[torch.Tensor, int]:
+    """`pos` with the media columns set from the unpruned media positions of the kept rows, and
+    the delta that follows (InvalidInput when the shapes do not fit)."""
+    media = _as_tensor(media_position_ids, "media_position_ids", torch.long)
+    if kept_rows is None:
+        raise InvalidInput("kept_rows: required with media_position_ids")
+    kept = _as_tensor(kept_rows, "kept_rows", torch.long).reshape(-1)
+    if media.ndim != 2 or media.shape[0] != 3:
+        raise InvalidInput(f"media_position_ids: shape {list(media.shape)}, expected [3, media tokens]")
+    if kept.numel() != int(mask.sum()):
+        raise InvalidInput(f"kept_rows: {kept.numel()} rows for {int(mask.sum())} media placeholders")
+    if kept.numel() and (int(kept.min()) < 0 or int(kept.max()) >= media.shape[1]):
+        raise InvalidInput(f"kept_rows: indices must be in [0, {media.shape[1]})")
+    return complete_positions(pos, mask, media, kept)
 
 
 class Engine:
@@ -142,9 +160,11 @@ class Engine:
     # ---- public --------------------------------------------------------------------------------
     def submit(self, request_id: str, input_ids, embeddings, mrope_position_ids, mrope_position_delta,
                params: SamplingParams, emit: Callable[[GenerationOutput], None],
-               is_cancelled: Callable[[], bool] = lambda: False) -> None:
+               is_cancelled: Callable[[], bool] = lambda: False, media_position_ids=None, kept_rows=None) -> None:
         """Validate and queue a request; raises InvalidInput (nothing queued, no block taken) if it
-        cannot be served."""
+        cannot be served. With EVS pruning, `media_position_ids` (every unpruned media token's
+        position) and `kept_rows` (each embedding row's index among them) finish the positions of
+        the media tokens and the delta (`triton_vlm.mrope.complete_positions`)."""
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams")
         c = self.config
@@ -186,6 +206,8 @@ class Engine:
             if d.numel() != 1:
                 raise InvalidInput(f"mrope_position_delta: shape {list(d.shape)}, expected [1]")
             delta = int(d[0])
+        if media_position_ids is not None and np.asarray(media_position_ids).size:
+            pos, delta = _completed_positions(pos, mask, media_position_ids, kept_rows)
         last_position = n + params.max_tokens - 1 + delta
         if last_position >= self.context_length:
             raise InvalidInput(f"prompt reaches position {last_position} with max_tokens "
