@@ -40,6 +40,9 @@ class ModelRunner:
             from triton_vlm.llm.cuda_attention import TritonAttention
 
             torch.cuda.set_device(self.device)
+            # cuDNN's SDPA builds an execution plan for every new prefill shape (on an H100: first
+            # steps of 0.1 to 1 s), and prompt lengths are always new; flash attention needs none
+            torch.backends.cuda.enable_cudnn_sdp(False)
             self.attention: AttentionBackend = TritonAttention(c, self.kv)
         else:
             self.attention = TorchAttention(c, self.kv)
