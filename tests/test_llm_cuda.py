@@ -84,12 +84,17 @@ def engines(request, tiny_checkpoint):
     graphs.shutdown()
 
 
+def _text_request(engine: Engine, prompt: str) -> dict:
+    """A text-only llm request, as `tests.test_llm.submit` takes it."""
+    return {"llm": dict(input_ids=engine.tokenizer.encode(prompt).ids, embeddings=None, mrope_position_ids=None,
+                        mrope_position_delta=None)}
+
+
 def _generate(engine: Engine, tag: str, max_tokens: int = 24):
     from tests.test_llm import submit
 
-    cols = [submit(engine, {"llm": dict(input_ids=engine.tokenizer.encode(p).ids, embeddings=None,
-                                        mrope_position_ids=None, mrope_position_delta=None)},
-                   SamplingParams(max_tokens=max_tokens), f"{tag}-{i}") for i, p in enumerate(PROMPTS)]
+    cols = [submit(engine, _text_request(engine, p), SamplingParams(max_tokens=max_tokens), f"{tag}-{i}")
+            for i, p in enumerate(PROMPTS)]
     return [c.wait() for c in cols]
 
 
@@ -126,10 +131,8 @@ def test_cancel_during_graph_decode_frees_every_block(engines):
 
     _, graphs = engines
     started = threading.Event()
-    col = submit(graphs, {"llm": dict(input_ids=graphs.tokenizer.encode(PROMPTS[0]).ids, embeddings=None,
-                                      mrope_position_ids=None, mrope_position_delta=None)},
-                 SamplingParams(max_tokens=400, min_tokens=400), "cancel-me",
-                 on_emit=lambda c: len(c.outputs) > 8 and started.set())
+    col = submit(graphs, _text_request(graphs, PROMPTS[0]), SamplingParams(max_tokens=400, min_tokens=400),
+                 "cancel-me", on_emit=lambda c: len(c.outputs) > 8 and started.set())
     assert started.wait(60)
     graphs.cancel("cancel-me")
     assert col.wait().finish_reason == "cancelled"

@@ -187,8 +187,8 @@ def encoder_batch_io(patch_dim: int, hidden: int) -> tuple[tuple[TensorSpec, ...
 
 def encoder_backend(options: BuildOptions) -> tuple[str, str]:
     """The encoder's back end and dtype for `options` (ValueError naming the flag)."""
+    from triton_vlm.llm.device import DTYPES
     from triton_vlm.vision.backends import BACKENDS, default_backend
-    from triton_vlm.vision.torch_encoder import DTYPES
 
     backend = options.encoder_backend or default_backend(options.device)
     dtypes = {"onnxruntime": ("float32", "float16"), "torch": tuple(DTYPES), "tensorrt": ("",)}.get(backend)

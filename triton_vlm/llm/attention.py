@@ -66,6 +66,22 @@ class AttentionMetadata:
     decode: GatheredDecode | PagedDecode | None       # None: no decode rows in the step
 
 
+def block_tables(decode: list[SeqRows], block_size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host tensors of decode rows (each decoding its token `start`): their block tables
+    [rows, blocks of the longest], padded with block 0, and their context lengths [rows] (`dtype`)."""
+    lengths = [s.start + 1 for s in decode]
+    table = torch.zeros(len(decode), -(-max(lengths) // block_size), dtype=dtype)
+    for j, (s, n) in enumerate(zip(decode, lengths)):
+        used = s.blocks[:-(-n // block_size)]
+        table[j, :len(used)] = torch.tensor(used, dtype=dtype)
+    return table, torch.tensor(lengths, dtype=dtype)
+
+
+def decode_rows(decode: list[SeqRows]) -> torch.Tensor:
+    """The batch rows of decode rows (host, long)."""
+    return torch.tensor([s.row for s in decode], dtype=torch.long)
+
+
 class AttentionBackend(Protocol):
     """What the model runner and the model's attention layers need of a backend."""
 
@@ -113,19 +129,13 @@ class TorchAttention:
                                  self.decode_metadata(decode) if decode else None)
 
     def decode_metadata(self, decode: list[SeqRows]) -> GatheredDecode:
-        device, bs = self.kv.k.device, self.kv.block_size
+        device = self.kv.k.device
         # gather whole blocks (block tables), not single slots: block_size x fewer indices
-        lengths = torch.tensor([s.start + 1 for s in decode])
-        nb = -(-int(lengths.max()) // bs)
-        table = torch.zeros(len(decode), nb, dtype=torch.long)
-        for j, s in enumerate(decode):
-            used = s.blocks[:-(-(s.start + 1) // bs)]
-            table[j, :len(used)] = torch.tensor(used, dtype=torch.long)
+        table, lengths = block_tables(decode, self.kv.block_size, torch.long)
         # as long as the longest context, not its last block: one sequence alone attends over exactly
         # its tokens (SDPA's reduction, and so its rounding, is that of an unpaged cache)
         mask = (torch.arange(int(lengths.max()))[None, :] < lengths[:, None])[:, None, None, :]
-        return GatheredDecode(torch.tensor([s.row for s in decode], dtype=torch.long).to(device), mask.to(device),
-                              table.reshape(-1).to(device))
+        return GatheredDecode(decode_rows(decode).to(device), mask.to(device), table.reshape(-1).to(device))
 
     def decode(self, layer: int, q: torch.Tensor, meta: GatheredDecode) -> torch.Tensor:
         """The decode rows' attention: queries q [B, heads, d] over their blocks -> [B, heads, d]."""

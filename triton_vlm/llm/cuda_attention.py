@@ -5,11 +5,11 @@ One program per (decode row, KV head, context split): the G query heads that sha
 one [G, d] tile (GQA without repeating K/V), so a block's K and V are loaded once for all of them.
 With few rows the context is split over several programs (flash-decoding: `num_splits`) and a
 second kernel joins their partial softmaxes; one sequence would otherwise keep only as many
-multiprocessors busy as it has KV heads. A program walks its part of the context `TOKENS` tokens at a time (a token's slot is
-`block_tables[row, t // block_size] * block_size + t % block_size`), with the online softmax of
-flash attention: scores and the running max / sum / output in float32, the probabilities cast to
-the cache's dtype for the product with V (as SDPA's flash and memory-efficient kernels do). In
-float32 the dot products run in IEEE float32, not TF32.
+multiprocessors busy as it has KV heads. A program walks its part of the context `TOKENS` tokens
+at a time (a token's slot is `block_tables[row, t // block_size] * block_size + t % block_size`),
+with the online softmax of flash attention: scores and the running max / sum / output in float32,
+the probabilities cast to the cache's dtype for the product with V (as SDPA's flash and
+memory-efficient kernels do). In float32 the dot products run in IEEE float32, not TF32.
 
 Prefill chunks keep `TorchAttention`'s path (SDPA on the contiguous chunk; flash attention on CUDA).
 The kernel needs no host sync and fixed-shape inputs only, so decode steps can be captured in CUDA
@@ -22,7 +22,8 @@ import functools
 
 import torch
 
-from triton_vlm.llm.attention import PagedDecode, SeqRows, TorchAttention
+from triton_vlm.llm.attention import PagedDecode, SeqRows, TorchAttention, block_tables, decode_rows
+from triton_vlm.llm.cuda_ops import pow2
 
 TOKENS = 64  # context tokens per iteration of the kernel's loop
 
@@ -106,10 +107,6 @@ def _kernels():
     return paged_decode, combine
 
 
-def _pow2(n: int, least: int) -> int:
-    return max(least, 1 << (n - 1).bit_length())
-
-
 @functools.cache
 def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -120,7 +117,7 @@ def num_splits(programs: int, device: torch.device) -> int:
     (flash-decoding: a few sequences with long contexts would otherwise leave most of the GPU idle);
     a power of two, at most 16. Fixed by the batch shape alone, so a CUDA graph captures it."""
     want = -(-2 * _multiprocessors(device) // programs)
-    return min(16, _pow2(want, 1)) if want > 1 else 1
+    return min(16, pow2(want)) if want > 1 else 1
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -141,31 +138,21 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q, k_cache, v_cache, out, parts, block_tables, context_lens, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0),
-        G=H // KVH, G_PAD=_pow2(H // KVH, 16), D=D, D_PAD=_pow2(D, 16), BLOCK_SIZE=block_size, TOKENS=TOKENS,
+        G=H // KVH, G_PAD=pow2(H // KVH, 16), D=D, D_PAD=pow2(D, 16), BLOCK_SIZE=block_size, TOKENS=TOKENS,
         SPLITS=splits, IEEE=q.dtype == torch.float32, num_warps=4)
     if splits > 1:
-        combine[(B, H)](parts, out, out.stride(0), out.stride(1), H, D=D, D_PAD=_pow2(D, 16), SPLITS=splits,
+        combine[(B, H)](parts, out, out.stride(0), out.stride(1), H, D=D, D_PAD=pow2(D, 16), SPLITS=splits,
                         num_warps=1)
     return out
-
-
-def paged_decode_metadata(decode: list[SeqRows], block_size: int, device: torch.device) -> PagedDecode:
-    """The block tables and context lengths of `decode`'s rows (each decoding token `start`)."""
-    width = max(-(-(s.start + 1) // block_size) for s in decode)
-    tables = torch.zeros(len(decode), width, dtype=torch.int32)
-    for j, s in enumerate(decode):
-        used = s.blocks[:-(-(s.start + 1) // block_size)]
-        tables[j, :len(used)] = torch.tensor(used, dtype=torch.int32)
-    lens = torch.tensor([s.start + 1 for s in decode], dtype=torch.int32)
-    rows = torch.tensor([s.row for s in decode], dtype=torch.long)
-    return PagedDecode(rows.to(device), tables.to(device), lens.to(device))
 
 
 class TritonAttention(TorchAttention):
     """`TorchAttention` with decode rows through `paged_decode_attention` (CUDA)."""
 
     def decode_metadata(self, decode: list[SeqRows]) -> PagedDecode:
-        return paged_decode_metadata(decode, self.kv.block_size, self.kv.k.device)
+        device = self.kv.k.device
+        tables, lengths = block_tables(decode, self.kv.block_size, torch.int32)
+        return PagedDecode(decode_rows(decode).to(device), tables.to(device), lengths.to(device))
 
     def decode(self, layer: int, q: torch.Tensor, meta: PagedDecode) -> torch.Tensor:
         return paged_decode_attention(q, self.kv.k[layer], self.kv.v[layer], meta.block_tables, meta.context_lens,

@@ -16,8 +16,9 @@ import functools
 import torch
 
 
-def _pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
+def pow2(n: int, least: int = 1) -> int:
+    """The smallest power of two >= n (and >= `least`): Triton's block shapes."""
+    return max(least, 1 << (n - 1).bit_length())
 
 
 @functools.cache
@@ -76,8 +77,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty_like(x)
     rows = x.numel() // n
     if rows:
-        _kernels()[0][(rows,)](x, weight, out, n, eps, W_F32=weight.dtype == torch.float32, BLOCK=_pow2(n),
-                               num_warps=min(16, max(1, _pow2(n) // 256)))
+        _kernels()[0][(rows,)](x, weight, out, n, eps, W_F32=weight.dtype == torch.float32, BLOCK=pow2(n),
+                               num_warps=min(16, max(1, pow2(n) // 256)))
     return out
 
 
@@ -88,5 +89,5 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: b
     out = torch.empty(T, heads, D, dtype=x.dtype, device=x.device)
     if T:
         _kernels()[1][(T * heads,)](x, cos.contiguous(), sin.contiguous(), out, heads, x.stride(0), x.stride(1),
-                                    D=D, R=R, INTERLEAVED=interleaved, BLOCK=_pow2(D), num_warps=1)
+                                    D=D, R=R, INTERLEAVED=interleaved, BLOCK=pow2(D), num_warps=1)
     return out

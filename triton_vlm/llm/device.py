@@ -16,13 +16,13 @@ def parse_device(device: str | torch.device) -> torch.device:
     return torch.device(device)
 
 
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """float32, bfloat16 or float16, by name or as the torch dtype, or ValueError."""
+def parse_dtype(dtype: str | torch.dtype, what: str = "llm dtype") -> torch.dtype:
+    """float32, bfloat16 or float16, by name or as the torch dtype, or ValueError naming `what`."""
     if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
         return dtype
     if isinstance(dtype, str) and dtype in DTYPES:
         return DTYPES[dtype]
-    raise ValueError(f"llm dtype {dtype!r}: expected {', '.join(DTYPES)}")
+    raise ValueError(f"{what} {dtype!r}: expected {', '.join(DTYPES)}")
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -13,25 +13,22 @@ import numpy as np
 import torch
 
 from triton_vlm.families import detect_family
+from triton_vlm.llm.device import parse_dtype
 from triton_vlm.vision import get_tower
 from triton_vlm.vision.encoder import TowerEncoder
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 class TorchEncoder(TowerEncoder):
-    """`checkpoint_dir`'s tower on `device` (cpu, cuda, cuda:N) in `dtype` (a `DTYPES` name)."""
+    """`checkpoint_dir`'s tower on `device` (cpu, cuda, cuda:N) in `dtype` (float32, bfloat16, float16)."""
 
     def __init__(self, checkpoint_dir: str | Path, device: str = "cpu", dtype: str = "float32",
                  max_patches_per_run: int = 16384) -> None:
-        if dtype not in DTYPES:
-            raise ValueError(f"encoder dtype {dtype!r}: expected {', '.join(DTYPES)}")
+        torch_dtype = parse_dtype(dtype, "encoder dtype")
         family = detect_family(checkpoint_dir).name
         tower = get_tower(family)
         self._init_tower(family, tower.read_vision_config(checkpoint_dir), max_patches_per_run)
         self.dtype = dtype
         self.device = torch.device(device)
-        self.module = tower.load_tower(checkpoint_dir, DTYPES[dtype]).to(self.device)
+        self.module = tower.load_tower(checkpoint_dir, torch_dtype).to(self.device)
 
     def _run(self, pixels: np.ndarray, grid: np.ndarray) -> np.ndarray:
         metadata = self.tower.encoder_metadata(grid, self.settings)
