@@ -517,9 +517,12 @@ def test_batched_step_mixes_prefill_chunks_and_decodes(ckpt, engine, requests):
     eng = Engine(ckpt, model=engine.model, kv_cache_tokens=4096, max_num_tokens=16)
     seen = []
     real = eng.runner.forward
+    second_in = threading.Event()
 
     def spy(chunks):  # the engine's forward passes watched
         seen.append([(c.start, c.num_tokens) for c in chunks])
+        if any(c.num_tokens == 1 for c in chunks):  # `first` decodes: hold it until `second` is queued
+            assert second_in.wait(60)
         return real(chunks)
 
     eng.runner.forward = spy
@@ -528,6 +531,7 @@ def test_batched_step_mixes_prefill_chunks_and_decodes(ckpt, engine, requests):
         while not first.outputs:
             first.done.wait(0.01)
         second = submit(eng, requests["video"], SamplingParams(max_tokens=4), "second")
+        second_in.set()
         first.wait(), second.wait()
     finally:
         eng.shutdown()
