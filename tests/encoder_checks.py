@@ -72,8 +72,9 @@ def check_engine_graphs(checkpoint: Path, float32_onnx: Path, tmp_path: Path) ->
 
     - The bfloat16 export (bf16 engines; ONNX Runtime's CPU provider cannot run it) is the float16
       export, whose accuracy the tests check, with float16 read as bfloat16: the same nodes in the
-      same order, the same initializers, every float16 type (casts, weights) now bfloat16, so norms,
-      rotary and softmax still run in float32; and it passes ONNX's full type check.
+      same order, the same initializers, every float16 type (casts, weights) now bfloat16, so the
+      residual stream, norms and rotary still run in float32; and it passes ONNX's full type check.
+    - Every attention of both is TensorRT's fusable chain in their half type (`check_attention_fusable`).
     - `build_engine` takes only the export of its precision's dtype (GRAPH_DTYPES) and says so
       before it needs TensorRT."""
     import onnx
@@ -99,11 +100,40 @@ def check_engine_graphs(checkpoint: Path, float32_onnx: Path, tmp_path: Path) ->
         (i.name, list(i.dims), i.data_type) for i in bf16.graph.initializer]
     assert TensorProto.FLOAT16 not in {i.data_type for i in bf16.graph.initializer}
 
+    check_attention_fusable(half, TensorProto.FLOAT16)
+    check_attention_fusable(bf16, TensorProto.BFLOAT16)
+
     exports = {"float32": float32_onnx, **paths}
     for precision, dtype in (("fp16", "float32"), ("bf16", "float32"), ("fp32", "float16"), ("bf16", "float16")):
         with pytest.raises(ValueError, match=f"is a {dtype} export"):
             build_engine(exports[dtype], tmp_path / "engine.plan", precision=precision)
     assert not (tmp_path / "engine.plan").exists()
+
+
+def check_attention_fusable(proto, half: int) -> None:
+    """Every attention of a half-precision export is TensorRT's fusable chain, all in `half`, no Cast
+    inside: q scaled (Mul) before MatMul(q, k^T), the mask Add, Softmax, MatMul(p, v). So no
+    float32 [heads, L, L] score tensor is written into the graph."""
+    import onnx
+
+    typed = onnx.shape_inference.infer_shapes(proto)
+    types = {v.name: v.type.tensor_type.elem_type for v in (*typed.graph.value_info, *typed.graph.input)}
+    producer = {out: node for node in typed.graph.node for out in node.output}
+    consumers: dict[str, list] = {}
+    for node in typed.graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    softmaxes = [n for n in typed.graph.node if n.op_type == "Softmax"]
+    assert softmaxes
+    for softmax in softmaxes:
+        scores = producer[softmax.input[0]]
+        if scores.op_type == "Add":  # the key mask
+            scores = next(producer[i] for i in scores.input if producer.get(i) and producer[i].op_type == "MatMul")
+        assert scores.op_type == "MatMul" and types[scores.output[0]] == half
+        assert types[softmax.input[0]] == half and types[softmax.output[0]] == half
+        assert [n.op_type for n in consumers[softmax.output[0]]] == ["MatMul"]
+        scaled_q = producer[scores.input[0]]
+        assert scaled_q.op_type == "Cast" and producer[scaled_q.input[0]].op_type == "Mul"
 
 
 def check_profile_covers(family: str, tower: type["Tower"], settings: dict, profile, grids) -> None:

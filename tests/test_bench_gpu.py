@@ -2,6 +2,7 @@
 tritonclient or fastapi importable, and writes the figures it promises."""
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -23,8 +24,9 @@ def test_bench_gpu_quick_on_cpu(tmp_path):
     figures = json.loads((tmp_path / "gpu.json").read_text())
     assert figures["device"].startswith("cpu")
     assert figures["copy_bandwidth_GBps"] > 0 and figures["matmul_bf16_TFLOPs"] > 0
-    for case in ("448x448", "1280x720"):
-        got = figures["encoder"]["cases"][case]
+    assert set(figures["encoder"]["weights"]) == {"bfloat16", "float32"}  # the checkpoints' stored dtypes
+    for stored, case in itertools.product(("bfloat16", "float32"), ("448x448", "1280x720")):
+        got = figures["encoder"]["weights"][stored]["cases"][case]
         assert got["transformers_eager_bf16_images_per_s"] > 0
         for dtype in ("torch_bfloat16", "torch_float16"):
             assert set(got[dtype]) == {"max_abs_err", "rel_err", "rel_err_vs_transformers_bf16", "images_per_s",

@@ -220,16 +220,30 @@ def per_patch(patches: tuple[int, int, int], *width: int) -> tuple[tuple[int, ..
 # --------------------------------------------------------------------------------------------
 
 class RMSNorm(nn.Module):
+    """Normalised in float32, returned in the weight's dtype (the next matrix product's): from the
+    float32 residual stream too. With input and weight of one dtype, transformers' RMSNorm."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.weight * x.to(self.weight.dtype)
+
+
+class LayerNorm(nn.LayerNorm):
+    """`nn.LayerNorm` that also reads the float32 residual stream of a bfloat16 / float16 tower:
+    normalised in float32 with the weights upcast, returned in the weights' dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = self.weight.dtype
+        if x.dtype == dtype:
+            return super().forward(x)
+        return nn.functional.layer_norm(x.float(), self.normalized_shape, self.weight.float(),
+                                        self.bias.float(), self.eps).to(dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -314,16 +328,21 @@ def sdpa_groups(q, k, v, lengths, num_heads: int):
 
 
 def group_attention(q, k, v, mask, num_heads: int):
+    """Attention inside each group as the float16 / bfloat16 ONNX exports write it, in TensorRT's
+    attention-fusion form: q scaled before the first MatMul, MatMul(q, k^T), the additive key mask,
+    Softmax, MatMul(p, v), all in q's dtype (no Cast in the chain). TensorRT fuses that chain into
+    its flash-attention kernel, which holds no [heads, L, L] tensor; run unfused, a 16k-patch frame
+    at 16 heads would hold 16 x 16384^2 x 2 bytes = 8 GiB of scores (float32 scores: 16 GiB)."""
     groups_, length, dim = q.shape
     head_dim = dim // num_heads
-    dtype = q.dtype
-    q = q.reshape(groups_, length, num_heads, head_dim).transpose(1, 2)
-    k = k.reshape(groups_, length, num_heads, head_dim).transpose(1, 2)
-    v = v.reshape(groups_, length, num_heads, head_dim).transpose(1, 2)
-    scores = torch.matmul(q, k.transpose(2, 3)).float() * head_dim ** -0.5
-    if mask is not None:
-        scores = scores + mask[:, None, None, :]
-    probs = torch.softmax(scores, dim=-1).to(dtype)
+    q, k, v = (x.reshape(groups_, length, num_heads, head_dim).transpose(1, 2) for x in (q, k, v))
+    # q scaled in float32: in bfloat16 the TorchScript exporter casts the (traced) scale to ONNX
+    # type 15, complex128, torch's own number for bfloat16
+    q = (q.float() * head_dim ** -0.5).to(k.dtype)
+    scores = torch.matmul(q, k.transpose(2, 3))
+    if mask is not None:  # MASK_VALUE is below float16's range: its most negative value instead
+        scores = scores + mask.clamp(min=torch.finfo(q.dtype).min).to(q.dtype)[:, None, None, :]
+    probs = torch.softmax(scores, dim=-1)
     return torch.matmul(probs, v).transpose(1, 2).reshape(groups_, length, dim)
 
 
@@ -334,7 +353,8 @@ def key_lengths(mask: torch.Tensor) -> torch.Tensor:
 
 class VisionAttention(nn.Module):
     # The fused ONNX Runtime attention node is used for float32 exports (ORT's CPU kernel is
-    # float32); float16 graphs and eager torch use the plain MatMul / Softmax form.
+    # float32); float16 / bfloat16 graphs use the plain MatMul / Softmax chain (`group_attention`),
+    # eager torch fused SDPA (`sdpa_groups`).
     fused = True
 
     def __init__(self, dim: int, num_heads: int, qkv_bias: bool, proj_bias: bool, qk_norm_eps: float | None = None):
@@ -389,7 +409,8 @@ class VisionMLP(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    """Pre-norm block: x + attn(norm1(x)), then x + mlp(norm2(x))."""
+    """Pre-norm block: x + attn(norm1(x)), then x + mlp(norm2(x)). x is the float32 residual stream
+    in every dtype (`residual_stream`)."""
 
     def __init__(self, dim: int, num_heads: int, mlp_hidden: int, act: str, eps: float, *,
                  qkv_bias: bool, proj_bias: bool, mlp_bias: bool, qk_norm: bool = False):
@@ -402,6 +423,15 @@ class VisionBlock(nn.Module):
     def forward(self, x, cos, sin, index, mask, inverse, lengths):
         x = x + self.attn(self.norm1(x), cos, sin, index, mask, inverse, lengths)
         return x + self.mlp(self.norm2(x))
+
+
+def residual_stream(x: torch.Tensor) -> torch.Tensor:
+    """The embedded patches as the towers' residual stream: float32 whatever the weights' dtype.
+    The blocks' attention and MLP outputs (bfloat16 / float16 matrix products) are added in
+    float32 and the norms read float32, so rounding does not build up over the depth: with a
+    bfloat16 checkpoint, the 7B Qwen2.5-VL tower in bfloat16 is 0.6e-2 off its float32 output
+    instead of transformers' 1.4e-2 (bench/gpu.py). A float32 tower is unchanged."""
+    return x.float()
 
 
 class PatchEmbed(nn.Module):

@@ -115,7 +115,7 @@ class PositionEmbedding(nn.Module):
         table = weight.float().reshape(self.side, self.side, -1).permute(2, 0, 1).unsqueeze(0)
         sampled = nn.functional.grid_sample(table, pos_grid.float()[None, :, None, :], mode="bicubic",
                                             padding_mode="border", align_corners=False)  # [1, C, N, 1]
-        return x + sampled[0, :, :, 0].t().to(x.dtype)
+        return common.residual_stream(x) + sampled[0, :, :, 0].t()
 
 
 class PatchMerger(common.VisionMLP):
@@ -124,7 +124,7 @@ class PatchMerger(common.VisionMLP):
     def __init__(self, dim: int, context: int, act: str):
         super().__init__(dim, context, act, bias=False)
         self.proj = nn.Linear(dim, dim, bias=False)
-        self.post_projection_norm = nn.LayerNorm(dim)
+        self.post_projection_norm = common.LayerNorm(dim)
         self.act1 = nn.GELU()
 
     def forward(self, x):
@@ -190,7 +190,7 @@ class GlmOcrVisionTower(_GlmVisionTower):
                          merger_context=cfg["out_hidden_size"] * cfg["in_channels"])
 
     def forward(self, pixel_values, rotary_cos, rotary_sin, full_index, full_mask, full_inverse):
-        return self.encode(self.patch_embed(pixel_values), rotary_cos, rotary_sin, full_index, full_mask,
+        return self.encode(common.residual_stream(self.patch_embed(pixel_values)), rotary_cos, rotary_sin, full_index, full_mask,
                            full_inverse)
 
 

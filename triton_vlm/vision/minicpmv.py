@@ -202,7 +202,7 @@ class EncoderLayer(nn.Module):
     def __init__(self, cfg: dict[str, Any]):
         super().__init__()
         dim, eps = cfg["hidden_size"], cfg["layer_norm_eps"]
-        self.layer_norm1, self.layer_norm2 = nn.LayerNorm(dim, eps=eps), nn.LayerNorm(dim, eps=eps)
+        self.layer_norm1, self.layer_norm2 = common.LayerNorm(dim, eps=eps), common.LayerNorm(dim, eps=eps)
         self.self_attn = SiglipAttention(dim, cfg["num_heads"])
         self.mlp = SiglipMLP(dim, cfg["intermediate_size"], cfg["hidden_act"])
 
@@ -219,7 +219,8 @@ class Embeddings(nn.Module):
         self.position_embedding = nn.Embedding(cfg["pos_embed_size"] ** 2, cfg["hidden_size"])
 
     def forward(self, pixel_values, position_ids):
-        return common.patch_linear(pixel_values, self.patch_embedding) + self.position_embedding(position_ids)
+        return (common.residual_stream(common.patch_linear(pixel_values, self.patch_embedding))
+                + self.position_embedding(position_ids))
 
 
 class WindowMerger(nn.Module):
@@ -230,8 +231,8 @@ class WindowMerger(nn.Module):
         dim, eps = cfg["hidden_size"], cfg["layer_norm_eps"]
         self.size = cfg["window_kernel_size"] ** 2
         self.self_attn = SiglipAttention(dim, cfg["num_heads"])
-        self.layer_norm1 = nn.LayerNorm(dim, eps=eps)
-        self.pre_norm = nn.LayerNorm(dim * self.size, eps=eps)
+        self.layer_norm1 = common.LayerNorm(dim, eps=eps)
+        self.pre_norm = common.LayerNorm(dim * self.size, eps=eps)
         self.linear_1 = nn.Linear(dim * self.size, cfg["intermediate_size"] * self.size)
         self.act = common.activation("gelu_pytorch_tanh")
         self.linear_2 = nn.Linear(cfg["intermediate_size"] * self.size, dim)
@@ -249,7 +250,7 @@ class DownsampleMLP(nn.Module):
 
     def __init__(self, dim: int, out: int):
         super().__init__()
-        self.pre_norm = nn.LayerNorm(dim, eps=MERGER_EPS)
+        self.pre_norm = common.LayerNorm(dim, eps=MERGER_EPS)
         self.linear_1 = nn.Linear(dim, dim)
         self.act = nn.GELU()
         self.linear_2 = nn.Linear(dim, out)
@@ -268,7 +269,7 @@ class MiniCPMV4_6VisionTower(nn.Module):
         self.vision_tower.embeddings = Embeddings(cfg)
         self.vision_tower.encoder = nn.Module()
         self.vision_tower.encoder.layers = nn.ModuleList([EncoderLayer(cfg) for _ in range(cfg["depth"])])
-        self.vision_tower.post_layernorm = nn.LayerNorm(cfg["hidden_size"], eps=cfg["layer_norm_eps"])
+        self.vision_tower.post_layernorm = common.LayerNorm(cfg["hidden_size"], eps=cfg["layer_norm_eps"])
         self.vision_tower.vit_merger = WindowMerger(cfg)
         self.merger = nn.Module()
         joined = cfg["hidden_size"] * cfg["merge_kernel_size"] ** 2

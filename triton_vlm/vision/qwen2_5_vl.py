@@ -136,7 +136,7 @@ class Qwen2_5_VLVisionTower(nn.Module):
 
     def forward(self, pixel_values, rotary_cos, rotary_sin, window_index, window_mask, window_inverse,
                 full_index, full_mask, full_inverse):
-        x = self.patch_embed(pixel_values)
+        x = common.residual_stream(self.patch_embed(pixel_values))
         cos, sin = rotary_cos.float()[:, None, None, :], rotary_sin.float()[:, None, None, :]
         window_mask, full_mask = window_mask.float(), full_mask.float()
         window_len, full_len = common.key_lengths(window_mask), common.key_lengths(full_mask)

@@ -5,7 +5,8 @@ NOT YET RUN ON A GPU: this module is complete code written against the TensorRT 
 It is importable without `tensorrt` or CUDA (every import is inside a function).
 
 Build: an ONNX export of the tower in the engine's precision (`GRAPH_DTYPES`: float32, float16 or
-bfloat16 weights and matrix products; norms, rotary and softmax in float32 in every export),
+bfloat16 weights and matrix products; the residual stream, norms and rotary in float32 in every
+export, attention in the graph's precision),
 parsed into a *strongly typed* network, so TensorRT runs each tensor in the type the graph gives
 it. A float32 graph under the FP16 builder flag (weak typing) would let TensorRT pick float16 for
 an RMSNorm's x^2 and mean, which overflow once |x| > 256 (real vision towers have such
@@ -24,16 +25,17 @@ Frames over the profile's max never reach the engine: the build writes `trt_max_
 `preprocess`'s `max_frame_patches` limit, so such an item is INVALID_ARG there (and `TensorRTEncoder`
 refuses it as INVALID_ARG too, before `set_input_shape`, whose result is checked).
 
-Attention memory: the exported graph's attention is MatMul(q, k^T) -> Softmax -> MatMul(p, v) per
-group (`common.group_attention`), the float16 / bfloat16 export taking the scores to float32 for the
-softmax. Run as written, a full-attention frame of L patches holds a float32 [heads, L, L] score
-tensor: 16 heads x 16384^2 x 4 bytes = 16 GiB for one 16k-patch frame (and the float16 product
-before it, 8 GiB more), which is why `trt_max_patches` defaults to 16384 and is the bound to lower
-on smaller GPUs. TensorRT 10 fuses this MatMul-Softmax-MatMul pattern into its flash-attention
-kernel when it matches, which holds no score tensor at all; whether it does for these strongly
-typed graphs (the float32 casts around the softmax) is NOT YET KNOWN, since no engine has been
-built. The `torch` back end (`torch_encoder`) avoids the tensor by construction: fused SDPA per
-attention group (`common.sdpa_groups`), 16k-patch frames needing only q, k, v and the output.
+Attention memory: a float16 / bfloat16 export writes each group's attention in TensorRT's
+attention-fusion form (`common.group_attention`): q scaled before MatMul(q, k^T), the additive key
+mask, Softmax, MatMul(p, v), all in the graph's precision with no Cast inside the chain, which is
+the pattern TensorRT 10 fuses into its flash-attention kernel (no [heads, L, L] tensor: a 16k-patch
+frame needs its q, k, v and output, 16384 x 1280 x 2 bytes = 40 MiB each at the 7B's width); the
+tests check every attention of those graphs has that form. Whether TensorRT does fuse it is NOT YET
+KNOWN, since no engine has been built; unfused, the scores of a 16k-patch full-attention frame at 16
+heads would take 16 x 16384^2 x 2 bytes = 8 GiB (and the float32 graph's 16 GiB), which is why
+`trt_max_patches` defaults to 16384 and is the bound to lower on smaller GPUs. The `torch` back end
+(`torch_encoder`) avoids the tensor by construction: fused SDPA per attention group
+(`common.sdpa_groups`).
 
 Run: `TensorRTEncoder` has the interface of the ONNX Runtime `VisionEncoder` (`encode`,
 `warmup`, `merge_unit`, ...): host metadata from the tower class, runs of at most `max` patches
