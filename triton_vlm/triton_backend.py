@@ -264,6 +264,11 @@ class VisionEncoderBatchModel:
             kind=pb_utils.MetricFamily.COUNTER))
         self.patches = self._families[-1].Metric(labels={**labels, "instance": args["model_instance_name"]})
 
+    def finalize(self) -> None:
+        metrics = [self.hits, self.misses, self.cache_bytes, self.patches]
+        del self.hits, self.misses, self.cache_bytes, self.patches
+        _release_metrics(metrics, self._families)
+
     def execute(self, requests):
         from triton_vlm.vision.batching import items_from_rows
 
@@ -477,7 +482,18 @@ class LLMModel:
 
     def finalize(self) -> None:
         self._metrics_stop.set()
+        self._metrics_thread.join()
         self.engine.shutdown()
+        _release_metrics(self._metrics, self._families)
+
+
+def _release_metrics(*holders: dict | list) -> None:
+    """Drop a model's metrics and metric families in `finalize`, while the stub can still tell the
+    server: left to the stub's own teardown, each family's destructor clears its metrics through
+    shared memory that is already gone (a segfault of the stub at every server stop, python_backend
+    24.10)."""
+    for holder in holders:
+        holder.clear()
 
 
 def _send_final_error(sender, out) -> None:
