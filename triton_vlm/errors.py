@@ -13,7 +13,7 @@ class InvalidInput(ValueError):
 
 
 # Every overload refusal of ours starts with this, so that a caller that only sees the message (a BLS
-# caller in Triton 2.51, a gRPC streaming client) can tell it: `busy("...")`.
+# caller in Triton 2.51, a gRPC stream) can tell it: `busy("...")`.
 BUSY_PREFIX = "server busy: "
 
 

@@ -36,8 +36,9 @@ class Failure:
     message: str
 
 
-# A BLS caller in Triton 2.51 gets every error as INTERNAL, whatever its code: refusals for now
-# (Triton's queue policy, the llm's queue timeout) are told by their messages.
+# A caller that gets an error without its code (a gRPC stream; a BLS caller in Triton 2.51 gets
+# INTERNAL, whatever the code) tells refusals for now (Triton's queue policy, the llm's queue
+# timeout) by their messages.
 REFUSALS = ("Request timeout expired", "Exceeds maximum queue size", BUSY_PREFIX)
 
 

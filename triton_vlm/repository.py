@@ -281,7 +281,7 @@ def _python_model(name: str, inputs, outputs, instances: int, parameters: dict[s
 
 
 def _pipeline(steps: list[mc.ModelConfig], options: BuildOptions, chat_template: str | None = None) -> mc.ModelConfig:
-    """`ensemble`: a decoupled Python model that runs the steps in order through BLS.
+    """`ensemble`: a decoupled Python model that runs the steps in order (`triton_vlm.loopback`).
 
     Not a Triton ensemble: in Triton 2.51 an ensemble does not pass a client's cancellation on
     to a decoupled step that is already running (server issue 6739), so a cancelled or

@@ -24,6 +24,8 @@ import urllib.request
 from pathlib import Path
 from typing import Callable
 
+from triton_vlm.loopback import URL_ENV
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # Triton's error lines look like `E1122 10:30:00.123 123 file.cc:42] "message"`.
 _ERROR_LINE = re.compile(r"^E\d{4} ")
@@ -156,7 +158,9 @@ class TritonServer:
                                                           ("metrics", self.metrics_port)) if port_in_use(port)]
         if busy:
             raise ServerError(f"{', '.join(busy)} already in use (another server?)")
-        self.process = subprocess.Popen(_ended_with_this_process(self.command()), env=server_env(),
+        # the ensemble calls its steps over this server's gRPC endpoint (triton_vlm.loopback)
+        env = {**server_env(), URL_ENV: self.grpc_url}
+        self.process = subprocess.Popen(_ended_with_this_process(self.command()), env=env,
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         start_new_session=True)
         self._reader = threading.Thread(target=self._read_output, daemon=True)

@@ -18,8 +18,9 @@ import triton_python_backend_utils as pb_utils
 
 from triton_vlm import stub_watch
 from triton_vlm.errors import InvalidInput
+from triton_vlm.loopback import ERROR_CODES, GrpcSteps, server_url, with_code
 from triton_vlm.options import EncoderBatchOptions, EncoderOptions, LLMOptions, instance_device
-from triton_vlm.pipeline import Failure, Pipeline, Reply, Step, StepFailed, step_failure
+from triton_vlm.pipeline import Failure, Pipeline, Reply, Step, StepFailed
 from triton_vlm.sampling_params import SamplingParams
 
 log = logging.getLogger("triton_vlm")
@@ -72,16 +73,6 @@ def _scalar(request, name: str, kind: Callable[[Any], Any]) -> Any:
     if value.size != 1:
         raise InvalidInput(f"{name}: expected one value, got {value.size}")
     return kind(value.reshape(-1)[0])
-
-
-_CODES = ("UNKNOWN", "INTERNAL", "NOT_FOUND", "INVALID_ARG", "UNAVAILABLE", "UNSUPPORTED", "ALREADY_EXISTS",
-          "CANCELLED")
-
-
-def _bls_error(error) -> Failure:
-    """The error of a BLS response, with the code to pass on (`pipeline.step_failure`)."""
-    names = {getattr(pb_utils.TritonError, name): name for name in _CODES}
-    return step_failure(names.get(error.code(), "INTERNAL"), error.message())
 
 
 def _failure_response(failure: Failure) -> pb_utils.InferenceResponse:
@@ -141,7 +132,7 @@ class VisionEncoderModel:
     """The contract's `vision_encoder` (max_batch_size 0; any number of items, zero included).
 
     A light front: it validates the request, answers zero items itself, and hands the patch rows
-    to the internal `vision_encoder_batch` model through BLS, where Triton's dynamic batcher puts
+    to the internal `vision_encoder_batch` model (`triton_vlm.loopback`), where Triton's dynamic batcher puts
     the rows of several requests into one execution (see `triton_vlm.vision.batching` for the
     row convention). Several front instances run so that concurrent requests reach the batcher
     together; they hold no weights.
@@ -151,27 +142,25 @@ class VisionEncoderModel:
         stub_watch.start()
         _, params = _model_dir(args)
         self.options = EncoderOptions.from_params(params)
+        self.steps = GrpcSteps(server_url())  # not BLS: see triton_vlm.loopback
 
     def _encode_rows(self, pixels: np.ndarray, grid: np.ndarray, odd_share: bool) -> np.ndarray:
         from triton_vlm.repository import ODD_SHARE_INPUT
         from triton_vlm.vision.batching import patch_grid
 
         batch_model = self.options.batch_model
-        inputs = [pb_utils.Tensor("pixel_values", np.ascontiguousarray(pixels, dtype=np.float32)),
-                  pb_utils.Tensor("patch_grid", patch_grid(grid))]
+        inputs = {"pixel_values": np.ascontiguousarray(pixels, dtype=np.float32), "patch_grid": patch_grid(grid)}
         if odd_share:
-            inputs.append(pb_utils.Tensor(ODD_SHARE_INPUT, np.ones((len(pixels), 1), dtype=bool)))
-        request = pb_utils.InferenceRequest(model_name=batch_model, requested_output_names=["embeddings"],
-                                            inputs=inputs)
-        response = request.exec()
-        if response.has_error():
-            error = _bls_error(response.error())
+            inputs[ODD_SHARE_INPUT] = np.ones((len(pixels), 1), dtype=bool)
+        try:
+            return self.steps.call(batch_model, inputs, ["embeddings"], "")["embeddings"]
+        except StepFailed as failed:
+            error = failed.error
             if error.code == "INVALID_ARG":
-                raise InvalidInput(error.message)
+                raise InvalidInput(error.message) from None
             if error.code == "UNAVAILABLE":
-                raise _Unavailable(f"{batch_model}: {error.message}")
-            raise RuntimeError(f"{batch_model}: {error.message}")
-        return pb_utils.get_output_tensor_by_name(response, "embeddings").as_numpy()
+                raise _Unavailable(f"{batch_model}: {error.message}") from None
+            raise RuntimeError(f"{batch_model}: {error.message}") from None
 
     def _encode_items(self, pixels: np.ndarray, grid: np.ndarray, odd_share: bool = False) -> np.ndarray:
         """Embeddings of the items (frames) of `grid`, in batched requests of at most
@@ -299,7 +288,9 @@ class VisionEncoderBatchModel:
 
 
 class PipelineModel:
-    """`ensemble`: `triton_vlm.pipeline.Pipeline` over BLS calls to preprocess -> vision_encoder -> llm.
+    """`ensemble`: `triton_vlm.pipeline.Pipeline` over preprocess -> vision_encoder -> llm, called
+    over the server's own gRPC endpoint (`triton_vlm.loopback`: BLS output tensors are built
+    without the GIL in this Triton, which crashed the stub under load).
 
     A Triton ensemble would not tell a running decoupled step that its client cancelled or went
     away (Triton 2.51); the pipeline sees it and this model sends the last step a `stop` request
@@ -314,44 +305,33 @@ class PipelineModel:
         _, params = _model_dir(args)
         steps = [Step(s["model"], tuple(s["inputs"]), tuple(s["outputs"])) for s in json.loads(params["steps"])]
         self.final_output = params["final_output"]
+        self.steps = GrpcSteps(server_url())
         self.pipeline = Pipeline(steps, call=self._call, stream=self._stream, stop=self._stop, check=_check_sampling,
                                  max_inflight=int(params["max_inflight_requests"]))
 
     def execute(self, requests):
         for request in requests:
             # Copies: the request's own memory is not ours once execute returns.
-            inputs = {t.name(): pb_utils.Tensor(t.name(), t.as_numpy().copy()) for t in request.inputs()}
+            inputs = {t.name(): t.as_numpy().copy() for t in request.inputs()}
             self.pipeline.submit(inputs, _Client(request.get_response_sender()), request.request_id() or "ensemble")
         return None
 
-    @staticmethod
-    def _request(step: Step, tensors: dict, request_id: str) -> pb_utils.InferenceRequest:
-        return pb_utils.InferenceRequest(model_name=step.model, request_id=request_id, inputs=list(tensors.values()),
-                                         requested_output_names=list(step.outputs))
-
     def _call(self, step: Step, tensors: dict, request_id: str) -> dict:
-        response = self._request(step, tensors, request_id).exec()
-        if response.has_error():
-            raise StepFailed(_bls_error(response.error()))
-        return {name: pb_utils.get_output_tensor_by_name(response, name) for name in step.outputs}
+        return self.steps.call(step.model, tensors, step.outputs, request_id)
 
     def _stream(self, step: Step, tensors: dict, request_id: str) -> Iterator[Reply]:
-        """The last step's responses. Their tensors are copied into the client's response: handing
-        on the BLS response's own tensors let the stub free that memory twice when the next
-        response came fast enough ("double free or corruption", the ensemble stub gone; seen under
-        perf_analyzer once the llm's decode step got twice as fast)."""
-        for response in self._request(step, tensors, request_id).exec(decoupled=True):
-            if response.has_error():
-                yield Reply(error=_bls_error(response.error()))
-            elif response.output_tensors():
-                reason = pb_utils.get_output_tensor_by_name(response, self.final_output)
-                final = reason is not None and any(bytes(r) for r in reason.as_numpy().reshape(-1))
-                yield Reply(outputs=[pb_utils.Tensor(t.name(), t.as_numpy().copy()) for t in response.output_tensors()],
-                            final=final)
+        """The last step's responses, as the client's."""
+        for reply in self.steps.stream(step.model, tensors, step.outputs, request_id):
+            if isinstance(reply, Failure):
+                yield Reply(error=reply)
+                continue
+            reason = reply.get(self.final_output)
+            final = reason is not None and any(bytes(r) for r in reason.reshape(-1))
+            yield Reply(outputs=[pb_utils.Tensor(name, array) for name, array in reply.items()], final=final)
 
     def _stop(self, request_id: str) -> None:
-        """tensorrtllm_backend's `stop` request to the last step (fresh tensors only: the request's
-        own may be freed once its last step ends)."""
+        """tensorrtllm_backend's `stop` request to the last step, over BLS (its one response has
+        no tensors)."""
         stop = pb_utils.Tensor("stop", np.array([True]))
         request = pb_utils.InferenceRequest(model_name=self.pipeline.steps[-1].model, request_id=request_id,
                                             inputs=[stop], requested_output_names=[])
@@ -363,7 +343,7 @@ class PipelineModel:
 
 
 def _check_sampling(tensors: dict) -> None:
-    SamplingParams.from_inputs({name: tensor.as_numpy() for name, tensor in tensors.items()})
+    SamplingParams.from_inputs(tensors)
 
 
 class _Client:
@@ -449,6 +429,8 @@ class LLMModel:
         from triton_vlm.llm.responses import ResponseBuilder
 
         sender = request.get_response_sender()
+        # the ensemble asks for the code in the message: its gRPC stream carries only the message
+        tagged = bool(json.loads(request.parameters() or "{}").get(ERROR_CODES, False))
         if _scalar(request, "stop", bool):
             # tensorrtllm_backend's `stop`: end the in-flight request with this request id.
             self.engine.cancel(request.request_id())
@@ -462,18 +444,18 @@ class LLMModel:
             pruned = dict(media_position_ids=_optional(request, "media_position_ids"),
                           kept_rows=_optional(request, "kept_rows"))
         except InvalidInput as error:
-            sender.send(_error_response(str(error)), flags=self.FINAL)
+            _send_error(sender, "INVALID_ARG", str(error), tagged)
             return
         request_id = request.request_id()
         if not request_id:
             with self._lock:
                 self._next_id += 1
                 request_id = f"llm-{self._next_id}"
-        emit = _Emitter(sender, ResponseBuilder(params, stream, num_input_tokens=int(args[0].size)))
+        emit = _Emitter(sender, ResponseBuilder(params, stream, num_input_tokens=int(args[0].size)), tagged)
         try:
             self.engine.submit(request_id, *args, params=params, emit=emit, is_cancelled=sender.is_cancelled, **pruned)
         except InvalidInput as error:
-            sender.send(_error_response(str(error)), flags=self.FINAL)
+            _send_error(sender, "INVALID_ARG", str(error), tagged)
 
     def execute(self, requests):
         for request in requests:
@@ -496,23 +478,25 @@ def _release_metrics(*holders: dict | list) -> None:
         holder.clear()
 
 
-def _send_final_error(sender, out) -> None:
-    """A request the engine refused for now ("rejected": its queue timeout) is UNAVAILABLE, the
-    client may retry; any other error is INTERNAL."""
-    code = pb_utils.TritonError.UNAVAILABLE if out.finish_reason == "rejected" else pb_utils.TritonError.INTERNAL
-    sender.send(_error_response(out.error, code), flags=LLMModel.FINAL)
+def _send_error(sender, code: str, message: str, tagged: bool) -> None:
+    """The final, failing response of an llm request (`tagged`: the code also leads the message,
+    `loopback.with_code`)."""
+    sender.send(_error_response(with_code(code, message) if tagged else message, getattr(pb_utils.TritonError, code)),
+                flags=LLMModel.FINAL)
 
 
 class _Emitter:
     """Sends a request's responses as its engine outputs come (`ResponseBuilder`); the last one
     carries the FINAL flag."""
 
-    def __init__(self, sender, builder) -> None:
-        self.sender, self.builder = sender, builder
+    def __init__(self, sender, builder, tagged: bool) -> None:
+        self.sender, self.builder, self.tagged = sender, builder, tagged
 
     def __call__(self, out) -> None:
         if out.error:
-            _send_final_error(self.sender, out)
+            # a request the engine refused for now ("rejected": its queue timeout) may be retried
+            code = "UNAVAILABLE" if out.finish_reason == "rejected" else "INTERNAL"
+            _send_error(self.sender, code, out.error, self.tagged)
             return
         tensors = self.builder.add(out)
         if tensors is not None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from functools import partial
 import time
 from collections import deque
 from pathlib import Path
@@ -86,9 +87,45 @@ class Engine:
                  max_num_tokens: int = 512, return_logits: bool = False, queue_timeout_ms: float = 0.0,
                  clock: Callable[[], float] = time.monotonic,
                  device: str = "cpu", dtype: str | torch.dtype = "float32", cuda_graphs: bool = True):
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.clock = clock
+        self.num_running = 0
+        self.num_waiting = 0
+        self.num_finished = 0
+        self.num_steps = 0
+
+        self._lock = threading.Condition()
+        self._incoming: deque[Sequence] = deque()   # submitted, not yet seen by the scheduler
+        self._arrivals = 0
+        self._ids_in_flight: set[str] = set()
+        self._cancel_ids: set[str] = set()
+        self._stop = False
+        # The model, the caches and every step's tensors are made on the scheduler thread: with
+        # libgomp, a second thread that runs parallel regions (the caller's, loading weights) keeps
+        # a pool of OpenMP workers of its own, and once a process manages more OpenMP threads than
+        # cores every region's wake-up slows several-fold (bench/RESULTS.md, "OpenMP").
+        build = partial(self._build, model=model, tokenizer=tokenizer, max_running=max_running,
+                        kv_cache_tokens=kv_cache_tokens, kv_cache_bytes=kv_cache_bytes, block_size=block_size,
+                        prefix_caching=prefix_caching, max_num_tokens=max_num_tokens, return_logits=return_logits,
+                        queue_timeout_ms=queue_timeout_ms, device=device, dtype=dtype, cuda_graphs=cuda_graphs)
+        built: list[BaseException | None] = []
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._loop, args=(build, built, ready), name="llm-scheduler",
+                                        daemon=True)
+        self._thread.start()
+        ready.wait()
+        if built[0] is not None:
+            self._thread.join()
+            raise built[0]
+
+    def _build(self, *, model: DecoderModel | None, tokenizer, max_running: int, kv_cache_tokens: int | None,
+               kv_cache_bytes: int | None, block_size: int, prefix_caching: bool, max_num_tokens: int,
+               return_logits: bool, queue_timeout_ms: float, device: str, dtype: str | torch.dtype,
+               cuda_graphs: bool) -> None:
+        """Everything that holds tensors: the model (loaded here unless given), the KV cache, the
+        scheduler, the runner and the output processor. Runs on the scheduler thread."""
         from tokenizers import Tokenizer
 
-        self.checkpoint_dir = Path(checkpoint_dir)
         self.model = model or DecoderModel.from_checkpoint(self.checkpoint_dir, device=device, dtype=dtype)
         self.config = c = self.model.config
         self.kv_bytes_per_token = c.kv_bytes_per_token(self.model.dtype)
@@ -111,29 +148,14 @@ class Engine:
         self.blocks = BlockManager(num_blocks, block_size, self.prefix_caching,
                                    state_slots=max_running if c.recurrent else 0)
         self.scheduler = Scheduler(self.blocks, max_running=max_running, max_num_tokens=max_num_tokens,
-                                   recurrent=c.recurrent, queue_timeout_ms=queue_timeout_ms, clock=clock)
+                                   recurrent=c.recurrent, queue_timeout_ms=queue_timeout_ms, clock=self.clock)
         self.runner = ModelRunner(self.model, num_blocks, block_size, max_batch=max_running, cuda_graphs=cuda_graphs,
                                   max_context=self.context_length)
         self.output = OutputProcessor(self._release)
         log.info("llm KV cache: %d blocks x %d tokens, %d bytes per token (%s on %s), %.1f MiB", num_blocks,
                  block_size, self.kv_bytes_per_token, dtype_name(self.model.dtype), self.model.device,
                  self.runner.kv.nbytes / (1 << 20))
-        self.clock = clock
         self.pool_tokens = num_blocks * int(block_size)
-
-        self.num_running = 0
-        self.num_waiting = 0
-        self.num_finished = 0
-        self.num_steps = 0
-
-        self._lock = threading.Condition()
-        self._incoming: deque[Sequence] = deque()   # submitted, not yet seen by the scheduler
-        self._arrivals = 0
-        self._ids_in_flight: set[str] = set()
-        self._cancel_ids: set[str] = set()
-        self._stop = False
-        self._thread = threading.Thread(target=self._loop, name="llm-scheduler", daemon=True)
-        self._thread.start()
 
     # ---- counters ------------------------------------------------------------------------------
     @property
@@ -260,7 +282,15 @@ class Engine:
         self.shutdown()
 
     # ---- scheduler thread ----------------------------------------------------------------------
-    def _loop(self) -> None:
+    def _loop(self, build: Callable[[], None], built: list, ready: threading.Event) -> None:
+        try:
+            build()
+            built.append(None)
+        except BaseException as error:  # raised again by __init__
+            built.append(error)
+            return
+        finally:
+            ready.set()
         torch.set_grad_enabled(False)
         if self.runner.device.type == "cuda":  # Triton launches its kernels on the current device
             torch.cuda.set_device(self.runner.device)

@@ -1,0 +1,132 @@
+"""`GrpcSteps`: the ensemble's calls to the models it joins, over the server's own gRPC endpoint.
+
+Why not BLS: the Python backend stub of Triton 2.51 (python_backend r24.10) turns every CPU output
+tensor of a BLS response into a numpy array with the GIL released: `InferRequest::Exec` drops it
+for the whole call, and a decoupled model's responses are loaded on the stub's message-queue
+thread, which never holds it. Any thread of the ensemble holding the GIL meanwhile (the pipeline's
+threads, the stub's main thread loading the next request) races it in Python's and numpy's
+allocators: under load the ensemble stub died (SIGSEGV in pymalloc, "double free or corruption";
+bench/RESULTS.md), taking every request in flight with it. tritonclient builds its arrays in
+Python, under the GIL.
+
+A unary call (`call`) and a stream (`stream`) each take a client from a pool for their duration;
+a stream is the client's own gRPC stream, so its responses and its error are its own. Errors keep
+their Triton code: a unary error's gRPC status, and for a streamed error (a gRPC stream carries a
+message only) the `[CODE] ` prefix that the llm writes when the request has the `ERROR_CODES`
+parameter.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import re
+from typing import Iterator, Mapping, Sequence
+
+import numpy as np
+
+from triton_vlm.pipeline import Failure, StepFailed, step_failure
+
+# Set by `triton_vlm.server.TritonServer` for the server it starts; tritonserver's default otherwise.
+URL_ENV = "TRITON_VLM_GRPC_URL"
+DEFAULT_URL = "127.0.0.1:8001"
+# Request parameter asking the llm to prefix its error messages with their code.
+ERROR_CODES = "vlm_error_codes"  # (tritonclient reserves names starting "triton_")
+
+_GRPC_CODES = {"INVALID_ARGUMENT": "INVALID_ARG", "UNAVAILABLE": "UNAVAILABLE", "NOT_FOUND": "NOT_FOUND",
+               "UNIMPLEMENTED": "UNSUPPORTED", "ALREADY_EXISTS": "ALREADY_EXISTS", "CANCELLED": "CANCELLED",
+               "UNKNOWN": "UNKNOWN"}
+_PREFIX = re.compile(r"\[(INVALID_ARG|UNAVAILABLE|INTERNAL|CANCELLED)\] ")
+
+
+def server_url() -> str:
+    return os.environ.get(URL_ENV) or DEFAULT_URL
+
+
+def with_code(code: str, message: str) -> str:
+    """A streamed error message that keeps its code (read back by `failure_of`)."""
+    return f"[{code}] {message}"
+
+
+def failure_of(error) -> Failure:
+    """A tritonclient `InferenceServerException` as the Failure to answer with."""
+    message = error.message() or str(error)
+    status = (error.status() or "").removeprefix("StatusCode.")
+    code = _GRPC_CODES.get(status, "INTERNAL")
+    tagged = _PREFIX.search(message)
+    if tagged:
+        code, message = tagged.group(1), message[:tagged.start()] + message[tagged.end():]
+    return step_failure(code, message)
+
+
+class GrpcSteps:
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._idle: queue.SimpleQueue = queue.SimpleQueue()
+
+    def _client(self):
+        import tritonclient.grpc as grpcclient
+
+        try:
+            return self._idle.get_nowait()
+        except queue.Empty:
+            return grpcclient.InferenceServerClient(self.url)
+
+    def call(self, model: str, tensors: Mapping[str, np.ndarray], outputs: Sequence[str],
+             request_id: str) -> dict[str, np.ndarray]:
+        """One response of `model`: its `outputs` present in it; raises StepFailed on its error."""
+        import tritonclient.grpc as grpcclient
+        from tritonclient.utils import InferenceServerException
+
+        client = self._client()
+        try:
+            result = client.infer(model, _inputs(tensors), request_id=request_id,
+                                  outputs=[grpcclient.InferRequestedOutput(name) for name in outputs])
+        except InferenceServerException as error:
+            raise StepFailed(failure_of(error)) from None
+        finally:
+            self._idle.put(client)
+        return {name: array for name in outputs if (array := result.as_numpy(name)) is not None}
+
+    def stream(self, model: str, tensors: Mapping[str, np.ndarray], outputs: Sequence[str],
+               request_id: str) -> Iterator[dict[str, np.ndarray] | Failure]:
+        """A decoupled model's responses, each its `outputs` present in it (responses without
+        any, such as the empty final one, are not given); an error is the last item."""
+        import tritonclient.grpc as grpcclient
+        from tritonclient.utils import InferenceServerException
+
+        client, replies = self._client(), queue.SimpleQueue()
+        try:
+            client.start_stream(callback=lambda result, error: replies.put((result, error)))
+            try:
+                client.async_stream_infer(model, _inputs(tensors), request_id=request_id,
+                                          outputs=[grpcclient.InferRequestedOutput(name) for name in outputs],
+                                          parameters={ERROR_CODES: True}, enable_empty_final_response=True)
+                while True:
+                    result, error = replies.get()
+                    if error is not None:
+                        yield failure_of(error)
+                        return
+                    got = {name: array for name in outputs if (array := result.as_numpy(name)) is not None}
+                    if got:
+                        yield got
+                    if result.get_response().parameters["triton_final_response"].bool_param:
+                        return
+            finally:
+                client.stop_stream()
+        except InferenceServerException as error:
+            yield failure_of(error)
+        finally:
+            self._idle.put(client)
+
+
+def _inputs(tensors: Mapping[str, np.ndarray]) -> list:
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
+
+    inputs = []
+    for name, array in tensors.items():
+        array = np.ascontiguousarray(array)
+        tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
