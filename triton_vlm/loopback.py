@@ -1,19 +1,20 @@
-"""`GrpcSteps`: the ensemble's calls to the models it joins, over the server's own gRPC endpoint.
+"""`GrpcSteps`: the ensemble's streamed call to the llm, over the server's own gRPC endpoint.
 
 Why not BLS: the Python backend stub of Triton 2.51 (python_backend r24.10) turns every CPU output
-tensor of a BLS response into a numpy array with the GIL released: `InferRequest::Exec` drops it
-for the whole call, and a decoupled model's responses are loaded on the stub's message-queue
-thread, which never holds it. Any thread of the ensemble holding the GIL meanwhile (the pipeline's
-threads, the stub's main thread loading the next request) races it in Python's and numpy's
-allocators: under load the ensemble stub died (SIGSEGV in pymalloc, "double free or corruption";
+tensor of a BLS response into a numpy array with the GIL released, and a decoupled model's
+responses are loaded on the stub's message-queue thread, which never holds it. Any thread of the
+ensemble holding the GIL meanwhile (the pipeline's threads, the stub's main thread loading the next
+request) races it in Python's and numpy's allocators: with the llm streaming a response per token,
+the ensemble stub died under load (SIGSEGV in pymalloc, "double free or corruption";
 bench/RESULTS.md), taking every request in flight with it. tritonclient builds its arrays in
-Python, under the GIL.
+Python, under the GIL. (Unary BLS calls build theirs the same way, in `InferRequest::Exec`, but
+once per step instead of once per token; going over gRPC for those too halved the image requests'
+throughput on 2 cores, serialising the pixel rows twice, so they stay on BLS: bench/RESULTS.md.)
 
-A unary call (`call`) and a stream (`stream`) each take a client from a pool for their duration;
-a stream is the client's own gRPC stream, so its responses and its error are its own. Errors keep
-their Triton code: a unary error's gRPC status, and for a streamed error (a gRPC stream carries a
-message only) the `[CODE] ` prefix that the llm writes when the request has the `ERROR_CODES`
-parameter.
+A stream takes a client from a pool for its duration and opens the client's own gRPC stream, so
+its responses and its error are its own. A gRPC stream carries an error's message only: the llm
+writes the code in front of it (`with_code`) when the request has the `ERROR_CODES` parameter,
+and `failure_of` reads it back.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 
-from triton_vlm.pipeline import Failure, StepFailed, step_failure
+from triton_vlm.pipeline import Failure, step_failure
 
 # Set by `triton_vlm.server.TritonServer` for the server it starts; tritonserver's default otherwise.
 URL_ENV = "TRITON_VLM_GRPC_URL"
@@ -70,22 +71,6 @@ class GrpcSteps:
             return self._idle.get_nowait()
         except queue.Empty:
             return grpcclient.InferenceServerClient(self.url)
-
-    def call(self, model: str, tensors: Mapping[str, np.ndarray], outputs: Sequence[str],
-             request_id: str) -> dict[str, np.ndarray]:
-        """One response of `model`: its `outputs` present in it; raises StepFailed on its error."""
-        import tritonclient.grpc as grpcclient
-        from tritonclient.utils import InferenceServerException
-
-        client = self._client()
-        try:
-            result = client.infer(model, _inputs(tensors), request_id=request_id,
-                                  outputs=[grpcclient.InferRequestedOutput(name) for name in outputs])
-        except InferenceServerException as error:
-            raise StepFailed(failure_of(error)) from None
-        finally:
-            self._idle.put(client)
-        return {name: array for name in outputs if (array := result.as_numpy(name)) is not None}
 
     def stream(self, model: str, tensors: Mapping[str, np.ndarray], outputs: Sequence[str],
                request_id: str) -> Iterator[dict[str, np.ndarray] | Failure]:

@@ -45,6 +45,10 @@ def server_env() -> dict[str, str]:
     paths = [str(PROJECT_ROOT), *site.getsitepackages()]
     env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [env.get("PYTHONPATH", "")] if p])
     env.setdefault("HF_HUB_OFFLINE", "1")
+    # Every stub's OpenMP workers (torch's) spin 1000 rounds, not libgomp's 300000, before they
+    # sleep: the models share the cores, and a spinning llm worker took them from preprocess and
+    # the encoder (2 cores: image requests at concurrency 4, 26 -> 43 req/s; bench/RESULTS.md).
+    env.setdefault("GOMP_SPINCOUNT", "1000")
     return env
 
 

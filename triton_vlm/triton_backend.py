@@ -20,7 +20,7 @@ from triton_vlm import stub_watch
 from triton_vlm.errors import InvalidInput
 from triton_vlm.loopback import ERROR_CODES, GrpcSteps, server_url, with_code
 from triton_vlm.options import EncoderBatchOptions, EncoderOptions, LLMOptions, instance_device
-from triton_vlm.pipeline import Failure, Pipeline, Reply, Step, StepFailed
+from triton_vlm.pipeline import Failure, Pipeline, Reply, Step, StepFailed, step_failure
 from triton_vlm.sampling_params import SamplingParams
 
 log = logging.getLogger("triton_vlm")
@@ -73,6 +73,27 @@ def _scalar(request, name: str, kind: Callable[[Any], Any]) -> Any:
     if value.size != 1:
         raise InvalidInput(f"{name}: expected one value, got {value.size}")
     return kind(value.reshape(-1)[0])
+
+
+_CODES = ("UNKNOWN", "INTERNAL", "NOT_FOUND", "INVALID_ARG", "UNAVAILABLE", "UNSUPPORTED", "ALREADY_EXISTS",
+          "CANCELLED")
+
+
+def _bls_error(error) -> Failure:
+    """The error of a BLS response, with the code to pass on (`pipeline.step_failure`)."""
+    names = {getattr(pb_utils.TritonError, name): name for name in _CODES}
+    return step_failure(names.get(error.code(), "INTERNAL"), error.message())
+
+
+def _bls_call(model: str, tensors: dict[str, np.ndarray], outputs, request_id: str = "") -> dict[str, np.ndarray]:
+    """One BLS call: `model`'s `outputs` present in its response; raises StepFailed on its error."""
+    request = pb_utils.InferenceRequest(model_name=model, request_id=request_id, requested_output_names=list(outputs),
+                                        inputs=[pb_utils.Tensor(name, array) for name, array in tensors.items()])
+    response = request.exec()
+    if response.has_error():
+        raise StepFailed(_bls_error(response.error()))
+    return {name: tensor.as_numpy() for name in outputs
+            if (tensor := pb_utils.get_output_tensor_by_name(response, name)) is not None}
 
 
 def _failure_response(failure: Failure) -> pb_utils.InferenceResponse:
@@ -132,7 +153,7 @@ class VisionEncoderModel:
     """The contract's `vision_encoder` (max_batch_size 0; any number of items, zero included).
 
     A light front: it validates the request, answers zero items itself, and hands the patch rows
-    to the internal `vision_encoder_batch` model (`triton_vlm.loopback`), where Triton's dynamic batcher puts
+    to the internal `vision_encoder_batch` model through BLS, where Triton's dynamic batcher puts
     the rows of several requests into one execution (see `triton_vlm.vision.batching` for the
     row convention). Several front instances run so that concurrent requests reach the batcher
     together; they hold no weights.
@@ -142,7 +163,6 @@ class VisionEncoderModel:
         stub_watch.start()
         _, params = _model_dir(args)
         self.options = EncoderOptions.from_params(params)
-        self.steps = GrpcSteps(server_url())  # not BLS: see triton_vlm.loopback
 
     def _encode_rows(self, pixels: np.ndarray, grid: np.ndarray, odd_share: bool) -> np.ndarray:
         from triton_vlm.repository import ODD_SHARE_INPUT
@@ -153,7 +173,7 @@ class VisionEncoderModel:
         if odd_share:
             inputs[ODD_SHARE_INPUT] = np.ones((len(pixels), 1), dtype=bool)
         try:
-            return self.steps.call(batch_model, inputs, ["embeddings"], "")["embeddings"]
+            return _bls_call(batch_model, inputs, ["embeddings"])["embeddings"]
         except StepFailed as failed:
             error = failed.error
             if error.code == "INVALID_ARG":
@@ -288,9 +308,9 @@ class VisionEncoderBatchModel:
 
 
 class PipelineModel:
-    """`ensemble`: `triton_vlm.pipeline.Pipeline` over preprocess -> vision_encoder -> llm, called
-    over the server's own gRPC endpoint (`triton_vlm.loopback`: BLS output tensors are built
-    without the GIL in this Triton, which crashed the stub under load).
+    """`ensemble`: `triton_vlm.pipeline.Pipeline` over preprocess -> vision_encoder (BLS calls) ->
+    llm, streamed over the server's own gRPC endpoint (`triton_vlm.loopback`: a decoupled BLS
+    step's responses are built without the GIL in this Triton, which crashed the stub under load).
 
     A Triton ensemble would not tell a running decoupled step that its client cancelled or went
     away (Triton 2.51); the pipeline sees it and this model sends the last step a `stop` request
@@ -317,7 +337,7 @@ class PipelineModel:
         return None
 
     def _call(self, step: Step, tensors: dict, request_id: str) -> dict:
-        return self.steps.call(step.model, tensors, step.outputs, request_id)
+        return _bls_call(step.model, tensors, step.outputs, request_id)
 
     def _stream(self, step: Step, tensors: dict, request_id: str) -> Iterator[Reply]:
         """The last step's responses, as the client's."""
