@@ -3,6 +3,7 @@ error's `[CODE] ` prefix (the llm's, when the ensemble asks), refusals for now a
 The calls themselves run in every test that goes through the ensemble."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
 
@@ -29,3 +30,13 @@ def test_streamed_error_reads_the_code_the_llm_wrote():
 def test_untagged_refusal_for_now_is_unavailable():
     assert failure_of(InferenceServerException("Exceeds maximum queue size")).code == "UNAVAILABLE"
     assert failure_of(InferenceServerException("something broke")).code == "INTERNAL"
+
+
+def test_unreachable_endpoint_is_named_in_the_error():
+    from triton_vlm.loopback import URL_ENV, GrpcSteps
+    from triton_vlm.server import free_port
+
+    url = f"127.0.0.1:{free_port()}"  # nothing listens there
+    replies = list(GrpcSteps(url).stream("llm", {"input_ids": np.array([[1, 2]], dtype=np.int32)}, ["output_ids"], "r"))
+    assert len(replies) == 1 and isinstance(replies[0], Failure)
+    assert replies[0].code == "UNAVAILABLE" and url in replies[0].message and URL_ENV in replies[0].message

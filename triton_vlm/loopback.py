@@ -60,6 +60,8 @@ def failure_of(error) -> Failure:
 
 
 class GrpcSteps:
+    """Streams to the models of the server at `url` (host:port of its gRPC endpoint)."""
+
     def __init__(self, url: str) -> None:
         self.url = url
         self._idle: queue.SimpleQueue = queue.SimpleQueue()
@@ -83,13 +85,22 @@ class GrpcSteps:
         try:
             client.start_stream(callback=lambda result, error: replies.put((result, error)))
             try:
-                client.async_stream_infer(model, _inputs(tensors), request_id=request_id,
-                                          outputs=[grpcclient.InferRequestedOutput(name) for name in outputs],
-                                          parameters={ERROR_CODES: True}, enable_empty_final_response=True)
+                try:
+                    client.async_stream_infer(model, _inputs(tensors), request_id=request_id,
+                                              outputs=[grpcclient.InferRequestedOutput(name) for name in outputs],
+                                              parameters={ERROR_CODES: True}, enable_empty_final_response=True)
+                except InferenceServerException as refused:
+                    # a stream that failed at once (no server there) told its callback why
+                    try:
+                        refused = replies.get(timeout=5.0)[1] or refused
+                    except queue.Empty:
+                        pass
+                    yield self._failure(refused)
+                    return
                 while True:
                     result, error = replies.get()
                     if error is not None:
-                        yield failure_of(error)
+                        yield self._failure(error)
                         return
                     got = {name: array for name in outputs if (array := result.as_numpy(name)) is not None}
                     if got:
@@ -99,9 +110,18 @@ class GrpcSteps:
             finally:
                 client.stop_stream()
         except InferenceServerException as error:
-            yield failure_of(error)
+            yield self._failure(error)
         finally:
             self._idle.put(client)
+
+    def _failure(self, error) -> Failure:
+        """`failure_of(error)`; an error of the gRPC call itself (it has a status: the server did
+        not answer) names the endpoint, which a server started by hand may need to be told."""
+        failure = failure_of(error)
+        if error.status():
+            return Failure(failure.code, f"the ensemble's gRPC stream to {self.url} (set {URL_ENV} to the "
+                                         f"server's gRPC address): {failure.message}")
+        return failure
 
 
 def _inputs(tensors: Mapping[str, np.ndarray]) -> list:
