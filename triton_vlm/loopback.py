@@ -11,8 +11,8 @@ Python, under the GIL. (Unary BLS calls build theirs the same way, in `InferRequ
 once per step instead of once per token; going over gRPC for those too halved the image requests'
 throughput on 2 cores, serialising the pixel rows twice, so they stay on BLS: bench/RESULTS.md.)
 
-A stream takes a client from a pool for its duration and opens the client's own gRPC stream, so
-its responses and its error are its own. A gRPC stream carries an error's message only: the llm
+Each request takes a client and its open gRPC stream from a pool for its duration, so the
+responses and the error it reads are its own; a stream whose request ended cleanly serves the next. A gRPC stream carries an error's message only: the llm
 writes the code in front of it (`with_code`) when the request has the `ERROR_CODES` parameter,
 and `failure_of` reads it back.
 """
@@ -59,60 +59,84 @@ def failure_of(error) -> Failure:
     return step_failure(code, message)
 
 
+class _Stream:
+    """A client and its open gRPC stream, one request at a time: opening a stream costs about
+    1 ms, so a stream that ended its request cleanly serves the next one."""
+
+    def __init__(self, url: str) -> None:
+        import tritonclient.grpc as grpcclient
+
+        self.client = grpcclient.InferenceServerClient(url)
+        self.replies: queue.SimpleQueue = queue.SimpleQueue()
+        self.open = False
+
+    def start(self) -> None:
+        if not self.open:
+            self.replies = queue.SimpleQueue()  # nothing of an earlier stream is read
+            self.client.start_stream(callback=lambda result, error: self.replies.put((result, error)))
+            self.open = True
+
+    def close(self) -> None:
+        if self.open:
+            self.open = False
+            self.client.stop_stream()
+
+
 class GrpcSteps:
     """Streams to the models of the server at `url` (host:port of its gRPC endpoint)."""
 
     def __init__(self, url: str) -> None:
         self.url = url
-        self._idle: queue.SimpleQueue = queue.SimpleQueue()
-
-    def _client(self):
-        import tritonclient.grpc as grpcclient
-
-        try:
-            return self._idle.get_nowait()
-        except queue.Empty:
-            return grpcclient.InferenceServerClient(self.url)
+        self._idle: queue.SimpleQueue[_Stream] = queue.SimpleQueue()
 
     def stream(self, model: str, tensors: Mapping[str, np.ndarray], outputs: Sequence[str],
                request_id: str) -> Iterator[dict[str, np.ndarray] | Failure]:
         """A decoupled model's responses, each its `outputs` present in it (responses without
-        any, such as the empty final one, are not given); an error is the last item."""
+        any, such as the empty final one, are not given); an error is the last item. Responses of
+        another request id (an earlier request's, on a reused stream) are skipped."""
         import tritonclient.grpc as grpcclient
         from tritonclient.utils import InferenceServerException
 
-        client, replies = self._client(), queue.SimpleQueue()
         try:
-            client.start_stream(callback=lambda result, error: replies.put((result, error)))
+            stream = self._idle.get_nowait()
+        except queue.Empty:
+            stream = _Stream(self.url)
+        finished = False  # the request's final response came: the stream may serve another
+        try:
+            stream.start()
             try:
+                stream.client.async_stream_infer(model, _inputs(tensors), request_id=request_id,
+                                                 outputs=[grpcclient.InferRequestedOutput(name) for name in outputs],
+                                                 parameters={ERROR_CODES: True}, enable_empty_final_response=True)
+            except InferenceServerException as refused:
+                # a stream that failed at once (no server there) told its callback why
                 try:
-                    client.async_stream_infer(model, _inputs(tensors), request_id=request_id,
-                                              outputs=[grpcclient.InferRequestedOutput(name) for name in outputs],
-                                              parameters={ERROR_CODES: True}, enable_empty_final_response=True)
-                except InferenceServerException as refused:
-                    # a stream that failed at once (no server there) told its callback why
-                    try:
-                        refused = replies.get(timeout=5.0)[1] or refused
-                    except queue.Empty:
-                        pass
-                    yield self._failure(refused)
+                    refused = stream.replies.get(timeout=5.0)[1] or refused
+                except queue.Empty:
+                    pass
+                yield self._failure(refused)
+                return
+            while True:
+                result, error = stream.replies.get()
+                if error is not None:
+                    finished = not error.status()  # the model's error ends its request; a transport error the stream
+                    yield self._failure(error)
                     return
-                while True:
-                    result, error = replies.get()
-                    if error is not None:
-                        yield self._failure(error)
-                        return
-                    got = {name: array for name in outputs if (array := result.as_numpy(name)) is not None}
-                    if got:
-                        yield got
-                    if result.get_response().parameters["triton_final_response"].bool_param:
-                        return
-            finally:
-                client.stop_stream()
+                response = result.get_response()
+                if response.id != request_id:
+                    continue
+                got = {name: array for name in outputs if (array := result.as_numpy(name)) is not None}
+                if got:
+                    yield got
+                if response.parameters["triton_final_response"].bool_param:
+                    finished = True
+                    return
         except InferenceServerException as error:
             yield self._failure(error)
         finally:
-            self._idle.put(client)
+            if not finished:
+                stream.close()
+            self._idle.put(stream)
 
     def _failure(self, error) -> Failure:
         """`failure_of(error)`; an error of the gRPC call itself (it has a status: the server did
