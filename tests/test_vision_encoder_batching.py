@@ -142,3 +142,26 @@ def test_balance_items_is_vllms_greedy_split_and_join_restores_item_order():
     starts = np.concatenate([[0], np.cumsum(tokens)])
     parts = [np.concatenate([full[starts[i]:starts[i + 1]] for i in s]) for s in shares]
     np.testing.assert_array_equal(b.join_shares(shares, parts, tokens), full)
+
+
+def test_encode_in_shares_splits_chunks_and_joins_in_item_order():
+    """`encode_in_shares` (the `vision_encoder` front's orchestration) with a fake encoder that
+    embeds each row as its patch index: every split gives the one-instance result, each request
+    holds at most `max_rows` rows, odd shares are flagged."""
+    grid = np.array([[1, 4, 4], [1, 8, 8], [1, 2, 4], [1, 4, 6], [1, 2, 2]])
+    pixels = np.arange(int(grid.prod(axis=1).sum()), dtype=np.float32)[:, None].repeat(3, axis=1)
+    sent = []
+
+    def send(rows: np.ndarray, items: np.ndarray, odd_share: bool) -> np.ndarray:
+        sent.append((len(rows), odd_share))
+        assert len(rows) == int(items.prod(axis=1).sum())
+        return rows[::4, :2]  # one "token" per 2x2 merge unit: its first row
+
+    one = b.encode_in_shares(pixels, grid, send, shares=1, max_rows=1000, hidden=2, merge=2)
+    assert sent == [(len(pixels), False)]
+    for shares, max_rows in ((2, 1000), (3, 64), (2, 80)):
+        sent.clear()
+        out = b.encode_in_shares(pixels, grid, send, shares=shares, max_rows=max_rows, hidden=2, merge=2)
+        np.testing.assert_array_equal(out, one)
+        assert all(n <= max_rows for n, _ in sent) and {odd for _, odd in sent} == {False, True}
+    assert b.encode_in_shares(pixels[:0], grid[:0], send, shares=2, max_rows=64, hidden=2, merge=2).shape == (0, 2)

@@ -33,6 +33,7 @@ from triton_vlm.media import (DemuxedVideo, PlannedVideo, decode_image, decode_i
                               demux_video, frame_rgb, not_decodable_image, probe_image)
 from triton_vlm.mrope import MediaSpan, mrope_positions, pruned_mrope_positions
 from triton_vlm.options import PreprocessOptions
+from triton_vlm.vision.batching import offsets
 
 MM_OPTION_KEYS = ("min_pixels", "max_pixels", "fps", "num_frames", "max_frames", "video_pruning_rate")
 
@@ -251,7 +252,7 @@ class Preprocessor:
         ids = self._encode(text)
         if ids.shape[0] == 0 and not n_images + n_videos:
             raise InvalidInput("text_input: the prompt is empty")
-        if not np.isin(ids, (self.image_token_id, self.video_token_id)).any() and n_images + n_videos:
+        if not self._placeholders(ids).any() and n_images + n_videos:
             ids = self._encode(self.family.image_placeholder * n_images + self.family.video_placeholder * n_videos
                                + text)
         for kind, token, given in (("image", self.image_token_id, n_images), ("video", self.video_token_id, n_videos)):
@@ -262,6 +263,10 @@ class Preprocessor:
             raise InvalidInput(f"text_input: prompt is {ids.shape[0]} tokens, exceeds "
                                f"max_prompt_tokens={self.limits.max_prompt_tokens}")
         return ids
+
+    def _placeholders(self, ids: np.ndarray) -> np.ndarray:
+        """bool mask of the image and video placeholder tokens of `ids`."""
+        return np.isin(ids, (self.image_token_id, self.video_token_id))
 
     def _item_bytes(self, images: list, videos: list) -> dict[str, bytes]:
         """Every item's file bytes by name (cheap), the request's total checked before decoding."""
@@ -279,7 +284,7 @@ class Preprocessor:
     def _items(self, ids: np.ndarray, encoded: dict[str, bytes]) -> list[_Item]:
         """The media items in prompt order."""
         items, counters = [], {"images": 0, "videos": 0}
-        for token in ids[np.isin(ids, (self.image_token_id, self.video_token_id))].tolist():
+        for token in ids[self._placeholders(ids)].tolist():
             kind = "videos" if token == self.video_token_id else "images"
             name = f"{kind}[{counters[kind]}]"
             items.append(_Item(name, encoded[name], index=counters[kind], video=kind == "videos"))
@@ -370,7 +375,7 @@ class Preprocessor:
         video frames a temporal patch at a time as their GOPs finish decoding."""
         rows = np.array([sum(t * h * w for t, h, w in item.grids) for item in items], dtype=np.int64)
         pixel_values = np.empty((int(rows.sum()), self.image_settings.row_size), dtype=np.float32)
-        starts = np.concatenate(([0], np.cumsum(rows))).astype(np.int64)
+        starts = offsets(rows)
         _map(lambda i: _fill(items[i], pixel_values[starts[i]:starts[i + 1]], self.limits), range(len(items)))
         return pixel_values
 
@@ -378,9 +383,7 @@ class Preprocessor:
                   rate: float) -> PreprocessOutput:
         """The expanded prompt, its grids and positions (the reference's pruned rule when rate > 0)."""
         pieces, spans, previous, length = [], [], 0, 0
-        for position, (expanded, item_spans) in zip(np.flatnonzero(np.isin(ids, (self.image_token_id,
-                                                                                 self.video_token_id))).tolist(),
-                                                    expansions):
+        for position, (expanded, item_spans) in zip(np.flatnonzero(self._placeholders(ids)).tolist(), expansions):
             pieces += [ids[previous:position], expanded]
             length += position - previous
             spans += [dataclasses.replace(span, offset=span.offset + length) for span in item_spans]
@@ -389,15 +392,13 @@ class Preprocessor:
         pieces.append(ids[previous:])
         input_ids = np.concatenate(pieces).astype(np.int32, copy=False)
         grids = np.array([g for item in items for g in item.grids], dtype=np.int64).reshape(-1, 3)
-        out = PreprocessOutput(input_ids=input_ids, pixel_values=pixel_values, grid_thw=grids,
-                               mrope_position_ids=np.zeros((3, 0), np.int64), mrope_position_delta=0,
-                               video_pruning_rate=rate)
         if rate > 0:
-            out.mrope_position_ids, out.mrope_position_delta, out.media_position_ids = pruned_mrope_positions(
-                input_ids.shape[0], spans)
+            positions, delta, media = pruned_mrope_positions(input_ids.shape[0], spans)
         else:
-            out.mrope_position_ids, out.mrope_position_delta = mrope_positions(input_ids.shape[0], spans)
-        return out
+            (positions, delta), media = mrope_positions(input_ids.shape[0], spans), np.zeros((3, 0), np.int64)
+        return PreprocessOutput(input_ids=input_ids, pixel_values=pixel_values, grid_thw=grids,
+                                mrope_position_ids=positions, mrope_position_delta=delta,
+                                media_position_ids=media, video_pruning_rate=rate)
 
 
 def _text_input(text: str | bytes) -> str:

@@ -85,15 +85,15 @@ def _bls_error(error) -> Failure:
     return step_failure(names.get(error.code(), "INTERNAL"), error.message())
 
 
-def _bls_call(model: str, tensors: dict[str, np.ndarray], outputs, request_id: str = "") -> dict[str, np.ndarray]:
-    """One BLS call: `model`'s `outputs` present in its response; raises StepFailed on its error."""
+def _bls_call(model: str, tensors: dict, outputs, request_id: str = "") -> dict:
+    """One BLS call with `tensors` (pb_utils.Tensor: a step's output goes on as it is, in its shared
+    memory, not copied): `model`'s `outputs` present in its response; StepFailed on its error."""
     request = pb_utils.InferenceRequest(model_name=model, request_id=request_id, requested_output_names=list(outputs),
-                                        inputs=[pb_utils.Tensor(name, array) for name, array in tensors.items()])
+                                        inputs=list(tensors.values()))
     response = request.exec()
     if response.has_error():
         raise StepFailed(_bls_error(response.error()))
-    return {name: tensor.as_numpy() for name in outputs
-            if (tensor := pb_utils.get_output_tensor_by_name(response, name)) is not None}
+    return {name: tensor for name in outputs if (tensor := pb_utils.get_output_tensor_by_name(response, name)) is not None}
 
 
 def _failure_response(failure: Failure) -> pb_utils.InferenceResponse:
@@ -173,7 +173,8 @@ class VisionEncoderModel:
         if odd_share:
             inputs[ODD_SHARE_INPUT] = np.ones((len(pixels), 1), dtype=bool)
         try:
-            return _bls_call(batch_model, inputs, ["embeddings"])["embeddings"]
+            tensors = {name: pb_utils.Tensor(name, array) for name, array in inputs.items()}
+            return _bls_call(batch_model, tensors, ["embeddings"])["embeddings"].as_numpy()
         except StepFailed as failed:
             error = failed.error
             if error.code == "INVALID_ARG":
@@ -182,41 +183,9 @@ class VisionEncoderModel:
                 raise _Unavailable(f"{batch_model}: {error.message}") from None
             raise RuntimeError(f"{batch_model}: {error.message}") from None
 
-    def _encode_items(self, pixels: np.ndarray, grid: np.ndarray, odd_share: bool = False) -> np.ndarray:
-        """Embeddings of the items (frames) of `grid`, in batched requests of at most
-        `max_batch_patches` rows."""
-        from triton_vlm.vision.batching import chunk_items
-
-        parts, rows = [], np.concatenate([[0], np.cumsum(grid.prod(axis=1))]).astype(np.int64)
-        for first, end in chunk_items(grid, self.options.max_batch_patches):
-            parts.append(self._encode_rows(pixels[rows[first]:rows[end]], grid[first:end], odd_share))
-        return np.concatenate(parts, axis=0) if parts else np.zeros((0, self.options.hidden), np.float32)
-
-    def _encode_shares(self, pixels: np.ndarray, grid: np.ndarray) -> np.ndarray:
-        """The items split over the batched model's instances (`balance_items`), the shares sent at
-        once and joined back in item order. Odd shares carry the optional `odd_share` input: Triton's
-        dynamic batcher never puts requests with different input counts in one execution, so two
-        neighbouring shares run as two executions, on two instances when both are free."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        from triton_vlm.vision.batching import balance_items, join_shares
-
-        shares = balance_items(grid, self.options.batch_instances)
-        if len(shares) <= 1:  # one instance, one item, or none (text only)
-            return self._encode_items(pixels, grid)
-        rows = np.concatenate([[0], np.cumsum(grid.prod(axis=1))]).astype(np.int64)
-
-        def encode(k: int) -> np.ndarray:
-            items = shares[k]
-            share_pixels = np.concatenate([pixels[rows[i]:rows[i + 1]] for i in items.tolist()], axis=0)
-            return self._encode_items(share_pixels, grid[items], odd_share=k % 2 == 1)
-
-        with ThreadPoolExecutor(len(shares)) as pool:
-            embeddings = list(pool.map(encode, range(len(shares))))
-        return join_shares(shares, embeddings, grid.prod(axis=1) // self.options.spatial_merge_size ** 2)
-
     def _handle(self, request) -> list:
         from triton_vlm.evs import check_rate, prune
+        from triton_vlm.vision.batching import encode_in_shares
         from triton_vlm.vision.encoder import validate_inputs
 
         o = self.options
@@ -229,7 +198,9 @@ class VisionEncoderModel:
         # A video's frames go as items of their own (triton_vlm.vision: frames are independent),
         # so a long video splits across batches and instances, and each frame is cached on its own.
         grid = np.repeat(np.concatenate([np.ones_like(items[:, :1]), items[:, 1:]], axis=1), items[:, 0], axis=0)
-        embeddings, kept = prune(self._encode_shares(pixels, grid), items, o.spatial_merge_size, rate)
+        embeddings = encode_in_shares(pixels, grid, self._encode_rows, shares=o.batch_instances,
+                                      max_rows=o.max_batch_patches, hidden=o.hidden, merge=o.spatial_merge_size)
+        embeddings, kept = prune(embeddings, items, o.spatial_merge_size, rate)
         return [pb_utils.Tensor("embeddings", np.ascontiguousarray(embeddings, dtype=np.float32)),
                 pb_utils.Tensor("kept_rows", kept)]
 
@@ -332,7 +303,7 @@ class PipelineModel:
     def execute(self, requests):
         for request in requests:
             # Copies: the request's own memory is not ours once execute returns.
-            inputs = {t.name(): t.as_numpy().copy() for t in request.inputs()}
+            inputs = {t.name(): pb_utils.Tensor(t.name(), t.as_numpy().copy()) for t in request.inputs()}
             self.pipeline.submit(inputs, _Client(request.get_response_sender()), request.request_id() or "ensemble")
         return None
 
@@ -341,7 +312,8 @@ class PipelineModel:
 
     def _stream(self, step: Step, tensors: dict, request_id: str) -> Iterator[Reply]:
         """The last step's responses, as the client's."""
-        for reply in self.steps.stream(step.model, tensors, step.outputs, request_id):
+        arrays = {name: tensor.as_numpy() for name, tensor in tensors.items()}
+        for reply in self.steps.stream(step.model, arrays, step.outputs, request_id):
             if isinstance(reply, Failure):
                 yield Reply(error=reply)
                 continue
@@ -363,7 +335,7 @@ class PipelineModel:
 
 
 def _check_sampling(tensors: dict) -> None:
-    SamplingParams.from_inputs(tensors)
+    SamplingParams.from_inputs({name: tensor.as_numpy() for name, tensor in tensors.items()})
 
 
 class _Client:

@@ -21,6 +21,7 @@ import hashlib
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -108,6 +109,39 @@ def chunk_items(grid_thw: np.ndarray, max_rows: int) -> list[tuple[int, int]]:
     return runs
 
 
+def offsets(counts) -> np.ndarray:
+    """int64 [len(counts) + 1]: where each of consecutive runs of `counts` rows starts, and the end."""
+    return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+
+
+def encode_in_shares(pixels: np.ndarray, grid_thw: np.ndarray, send: Callable[[np.ndarray, np.ndarray, bool], np.ndarray],
+                     *, shares: int, max_rows: int, hidden: int, merge: int) -> np.ndarray:
+    """Embeddings of the items of `grid_thw` (their patch rows `pixels`), in item order: the items
+    split over `shares` encoder instances (`balance_items`), the shares sent at once, each in
+    requests of at most `max_rows` rows (`chunk_items`); `send(pixels, grid, odd_share)` is one
+    request. Odd shares are sent with `odd_share` true: Triton's dynamic batcher never puts
+    requests with different inputs in one execution, so two neighbouring shares run as two
+    executions, on two instances when both are free."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rows = offsets(grid_thw.prod(axis=1))
+
+    def encode(items: np.ndarray, odd_share: bool) -> np.ndarray:
+        share_pixels = (pixels if len(items) == len(grid_thw)
+                        else np.concatenate([pixels[rows[i]:rows[i + 1]] for i in items.tolist()], axis=0))
+        share_grid, share_rows = grid_thw[items], offsets(grid_thw[items].prod(axis=1))
+        parts = [send(share_pixels[share_rows[first]:share_rows[end]], share_grid[first:end], odd_share)
+                 for first, end in chunk_items(share_grid, max_rows)]
+        return np.concatenate(parts, axis=0) if parts else np.zeros((0, hidden), np.float32)
+
+    split = balance_items(grid_thw, shares)
+    if len(split) <= 1:  # one instance, one item, or none (text only)
+        return encode(np.arange(len(grid_thw)), False)
+    with ThreadPoolExecutor(len(split)) as pool:
+        embeddings = list(pool.map(encode, split, [k % 2 == 1 for k in range(len(split))]))
+    return join_shares(split, embeddings, grid_thw.prod(axis=1) // merge ** 2)
+
+
 def balance_items(grid_thw: np.ndarray, shares: int) -> list[np.ndarray]:
     """The items of `grid_thw` split over `shares` encoder instances by patch count, as vLLM's
     `get_load_balance_assignment` does (largest item first, each to the least loaded share, the
@@ -124,7 +158,7 @@ def balance_items(grid_thw: np.ndarray, shares: int) -> list[np.ndarray]:
 def join_shares(shares: list[np.ndarray], embeddings: list[np.ndarray], tokens: np.ndarray) -> np.ndarray:
     """The embeddings of every item in item order, from each share's (`balance_items`) embeddings of
     its own items; `tokens`: embedding rows per item."""
-    starts = np.concatenate([[0], np.cumsum(tokens)]).astype(np.int64)
+    starts = offsets(tokens)
     out = np.empty((int(starts[-1]), embeddings[0].shape[1]), dtype=np.float32)
     for items, emb in zip(shares, embeddings):
         row = 0
