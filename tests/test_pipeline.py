@@ -317,3 +317,36 @@ def test_a_failing_stop_is_logged_and_the_watcher_goes_on(caplog):
         assert client.wait().finals == 1
     assert "stopping request" in caplog.text and "llm is gone" in caplog.text
     pipeline.close()
+
+
+def test_no_client_is_held_once_its_request_is_done():
+    """In Triton a client holds the request's response sender; one still referenced when the
+    stub tears down is freed after its shared memory is gone (the ensemble stub's SIGSEGV at
+    server stop). The watcher polls the running request here, then nothing may keep it."""
+    import gc
+    import weakref
+
+    release = threading.Event()
+
+    def replies(request_id):
+        release.wait(TIMEOUT)
+        yield Reply(outputs=["done"], final=True)
+
+    fake = FakeSteps(replies=replies)
+    pipeline = fake.pipeline()
+    client = FakeClient()
+    polled = threading.Event()
+    # the watcher's poll, not the request thread's checks between steps
+    client.is_cancelled = lambda: threading.current_thread() is pipeline._watcher and polled.set() or False
+    pipeline.submit({"text_input": "x"}, client)
+    assert polled.wait(TIMEOUT)
+    release.set()
+    client.wait()
+    wait_until(lambda: pipeline.in_flight == 0)
+    gone = weakref.ref(client)
+    del client
+    time.sleep(0.05)  # several empty polls of the watcher
+    gc.collect()
+    assert gone() is None
+    pipeline.close()
+    assert not pipeline._watcher.is_alive()

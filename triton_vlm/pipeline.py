@@ -168,19 +168,26 @@ class Pipeline:
 
     def _watch(self, poll_s: float) -> None:
         while not self._closing.wait(poll_s):
-            with self._lock:
-                flights = [(rid, f) for rid, f in self._flights.items() if f.last_started and not f.stop_sent]
-            for request_id, flight in flights:
-                try:
-                    if flight.is_cancelled():
-                        flight.stop_sent = True
-                        self._stop(request_id)
-                except Exception:
-                    log.exception("stopping request %s failed", request_id)
+            self._poll()
 
-    def close(self) -> None:
-        """Stop the watcher (requests in flight go on)."""
+    def _poll(self) -> None:
+        """One look at the running requests. Its own call, so that no reference to a client
+        outlives it: a loop variable left bound in `_watch` kept the last polled client (in Triton,
+        its response sender) alive until the stub's teardown, where freeing it crashed the stub."""
+        with self._lock:
+            flights = [(rid, f) for rid, f in self._flights.items() if f.last_started and not f.stop_sent]
+        for request_id, flight in flights:
+            try:
+                if flight.is_cancelled():
+                    flight.stop_sent = True
+                    self._stop(request_id)
+            except Exception:
+                log.exception("stopping request %s failed", request_id)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the watcher and wait for it (requests in flight go on)."""
         self._closing.set()
+        self._watcher.join(timeout)
 
 
 class _Flight:
