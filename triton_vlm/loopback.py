@@ -1,31 +1,40 @@
-"""`GrpcSteps`: the ensemble's streamed call to the llm, over the server's own gRPC endpoint.
+"""`GrpcSteps`: the ensemble's calls to its steps, over the server's own gRPC endpoint.
 
 Why not BLS: the Python backend stub of Triton 2.51 (python_backend r24.10) turns every CPU output
-tensor of a BLS response into a numpy array with the GIL released, and a decoupled model's
-responses are loaded on the stub's message-queue thread, which never holds it. Any thread of the
-ensemble holding the GIL meanwhile (the pipeline's threads, the stub's main thread loading the next
-request) races it in Python's and numpy's allocators: with the llm streaming a response per token,
-the ensemble stub died under load (SIGSEGV in pymalloc, "double free or corruption";
-bench/RESULTS.md), taking every request in flight with it. tritonclient builds its arrays in
-Python, under the GIL. (Unary BLS calls build theirs the same way, in `InferRequest::Exec`, but
-once per step instead of once per token; going over gRPC for those too halved the image requests'
-throughput on 2 cores, serialising the pixel rows twice, so they stay on BLS: bench/RESULTS.md.)
+tensor of a BLS response into a numpy array with the GIL released (`InferRequest::Exec` for a
+unary call), and a decoupled model's responses are loaded on the stub's message-queue thread,
+which never holds it. Any thread of the caller holding the GIL meanwhile (the pipeline's threads,
+the stub's main thread loading the next request) races it in Python's and numpy's allocators:
+with the llm streaming a response per token, the ensemble stub died under load (SIGSEGV in
+pymalloc, "double free or corruption"; bench/RESULTS.md), taking every request in flight with it.
+tritonclient builds its arrays in Python, under the GIL.
 
-Each request takes a client and its open gRPC stream from a pool for its duration, so the
-responses and the error it reads are its own; a stream whose request ended cleanly serves the next. A gRPC stream carries an error's message only: the llm
-writes the code in front of it (`with_code`) when the request has the `ERROR_CODES` parameter,
-and `failure_of` reads it back.
+`stream` (the llm): each request takes a client and its open gRPC stream from a pool for its
+duration, so the responses and the error it reads are its own; a stream whose request ended
+cleanly serves the next. A gRPC stream carries an error's message only: the llm writes the code in
+front of it (`with_code`) when the request has the `ERROR_CODES` parameter, and `failure_of`
+reads it back.
+
+`call` (preprocess, vision_encoder; the encoder front's call to vision_encoder_batch): the tensors
+do not travel in gRPC messages (the pixel rows serialised twice halved image throughput on 2
+cores). Each request id leases an `Arena` of system shared memory (`triton_vlm.shm_arena`) until
+`release`: inputs are written there, or are there already (an earlier step's output), and Triton
+writes the outputs there; `stream` takes its inputs from there too. An output's slot starts at
+the largest size seen for that output; one too small for a request makes the call run again with
+the size Triton names.
 """
 from __future__ import annotations
 
 import os
 import queue
 import re
+import threading
 from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 
-from triton_vlm.pipeline import Failure, step_failure
+from triton_vlm.pipeline import Failure, StepFailed, step_failure
+from triton_vlm.shm_arena import Arena, Slot
 
 # Set by `triton_vlm.server.TritonServer` for the server it starts; tritonserver's default otherwise.
 URL_ENV = "TRITON_VLM_GRPC_URL"
@@ -37,6 +46,12 @@ _GRPC_CODES = {"INVALID_ARGUMENT": "INVALID_ARG", "UNAVAILABLE": "UNAVAILABLE", 
                "UNIMPLEMENTED": "UNSUPPORTED", "ALREADY_EXISTS": "ALREADY_EXISTS", "CANCELLED": "CANCELLED",
                "UNKNOWN": "UNKNOWN"}
 _PREFIX = re.compile(r"\[(INVALID_ARG|UNAVAILABLE|INTERNAL|CANCELLED)\] ")
+# Triton's answer when an output's shared-memory slot is too small for it.
+_TOO_SMALL = re.compile(r"output '([^']+)' \((\d+) bytes\) should be at least (\d+) bytes")
+# Inputs from this size on go through shared memory (smaller ones in the message).
+SHM_MIN_BYTES = 64 << 10
+FIRST_SLOT_BYTES = 64 << 10
+_ADMIN_S = 10.0  # time limit of a shared-memory (un)registration
 
 
 def server_url() -> str:
@@ -88,6 +103,84 @@ class GrpcSteps:
     def __init__(self, url: str) -> None:
         self.url = url
         self._idle: queue.SimpleQueue[_Stream] = queue.SimpleQueue()
+        self._idle_arenas: queue.SimpleQueue[Arena] = queue.SimpleQueue()
+        self._leased: dict[str, Arena] = {}
+        self._slot_bytes: dict[tuple[str, str], int] = {}  # (model, output): the largest seen
+        self._lock = threading.Lock()
+        self._unary = None  # one client serves every unary call (gRPC channels are thread-safe)
+
+    def _client(self):
+        with self._lock:
+            if self._unary is None:
+                import tritonclient.grpc as grpcclient
+
+                self._unary = grpcclient.InferenceServerClient(self.url)
+            return self._unary
+
+    def _arena(self, request_id: str) -> Arena:
+        """The arena of `request_id`, leased at its first call (until `release`)."""
+        with self._lock:
+            arena = self._leased.get(request_id)
+        if arena is not None:
+            return arena
+        try:
+            arena = self._idle_arenas.get_nowait()
+        except queue.Empty:
+            client = self._client()
+            arena = Arena(lambda name, key, size: client.register_system_shared_memory(name, key, size,
+                                                                                     client_timeout=_ADMIN_S),
+                          lambda name: client.unregister_system_shared_memory(name, client_timeout=_ADMIN_S))
+        with self._lock:
+            self._leased[request_id] = arena
+        return arena
+
+    def release(self, request_id: str) -> None:
+        """`request_id` is over: its arena serves the next request."""
+        with self._lock:
+            arena = self._leased.pop(request_id, None)
+        if arena is not None:
+            arena.reset()
+            self._idle_arenas.put(arena)
+
+    def close(self) -> None:
+        """Unregister every idle arena's memory (leased ones go with the process)."""
+        while True:
+            try:
+                self._idle_arenas.get_nowait().close()
+            except queue.Empty:
+                return
+            except Exception:  # the server is going away too
+                continue
+
+    def call(self, model: str, tensors: Mapping[str, np.ndarray], outputs: Sequence[str], request_id: str,
+             sizes: Mapping[str, int] | None = None) -> dict[str, np.ndarray]:
+        """One unary call of `model` through the arena of `request_id`: its (numeric) `outputs`
+        present in the response, as arrays over the arena, valid until `release(request_id)`;
+        StepFailed on its error. `sizes`: the bytes of outputs the caller knows (a batched model
+        would otherwise run again when one outgrows its slot)."""
+        from tritonclient.utils import InferenceServerException
+
+        arena = self._arena(request_id)
+        client = self._client()
+        for _ in range(len(outputs) + 1):  # each retry grows one output's slot to its size
+            mark = arena.mark()
+            slots = {name: arena.alloc(max((sizes or {}).get(name, 0),
+                                           self._slot_bytes.get((model, name), FIRST_SLOT_BYTES))) for name in outputs}
+            try:
+                result = client.infer(model, _inputs(tensors, arena), request_id=request_id,
+                                      outputs=[_shm_output(name, slot) for name, slot in slots.items()])
+            except InferenceServerException as error:
+                too_small = _TOO_SMALL.search(error.message() or "")
+                arena.rollback(mark)
+                if too_small is None:
+                    raise StepFailed(self._failure(error)) from None
+                name, needed = too_small.group(1), int(too_small.group(3))
+                key = (model, name)
+                self._slot_bytes[key] = max(self._slot_bytes.get(key, 0), needed + needed // 4)
+                continue
+            return {name: _read(result.get_output(name), slots[name]) for name in outputs
+                    if result.get_output(name) is not None}
+        raise StepFailed(Failure("INTERNAL", f"{model}: outputs kept outgrowing their shared memory"))
 
     def stream(self, model: str, tensors: Mapping[str, np.ndarray], outputs: Sequence[str],
                request_id: str) -> Iterator[dict[str, np.ndarray] | Failure]:
@@ -105,7 +198,7 @@ class GrpcSteps:
         try:
             stream.start()
             try:
-                stream.client.async_stream_infer(model, _inputs(tensors), request_id=request_id,
+                stream.client.async_stream_infer(model, _inputs(tensors, self._arena(request_id)), request_id=request_id,
                                                  outputs=[grpcclient.InferRequestedOutput(name) for name in outputs],
                                                  parameters={ERROR_CODES: True}, enable_empty_final_response=True)
             except InferenceServerException as refused:
@@ -142,13 +235,29 @@ class GrpcSteps:
         """`failure_of(error)`; an error of the gRPC call itself (it has a status: the server did
         not answer) names the endpoint, which a server started by hand may need to be told."""
         failure = failure_of(error)
-        if error.status():
-            return Failure(failure.code, f"the ensemble's gRPC stream to {self.url} (set {URL_ENV} to the "
+        if _unreached(error):
+            return Failure(failure.code, f"the ensemble's gRPC connection to {self.url} (set {URL_ENV} to the "
                                          f"server's gRPC address): {failure.message}")
         return failure
 
 
-def _inputs(tensors: Mapping[str, np.ndarray]) -> list:
+def _unreached(error) -> bool:
+    """An error of the gRPC call itself: no server answered (a model's own errors on a stream have no
+    status; a unary call's have theirs, UNAVAILABLE included)."""
+    status = error.status() or ""
+    if not status:
+        return False
+    if status.endswith("UNAVAILABLE"):
+        message = (error.message() or "").lower()
+        return any(m in message for m in ("failed to connect", "connection refused", "socket closed",
+                                          "connections to all backends failing"))
+    return not any(status.endswith(code) for code in ("INVALID_ARGUMENT", "INTERNAL", "CANCELLED", "NOT_FOUND",
+                                                        "UNKNOWN", "UNIMPLEMENTED", "ALREADY_EXISTS"))
+
+
+def _inputs(tensors: Mapping[str, np.ndarray], arena: Arena | None = None) -> list:
+    """InferInputs: with an arena, a numeric array that lies in it, or is large, goes by shared
+    memory; the rest (and empty arrays: Triton refuses a slot of 0 bytes) in the message."""
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import np_to_triton_dtype
 
@@ -156,6 +265,26 @@ def _inputs(tensors: Mapping[str, np.ndarray]) -> list:
     for name, array in tensors.items():
         array = np.ascontiguousarray(array)
         tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
-        tensor.set_data_from_numpy(array)
+        if arena is not None and array.dtype != np.object_ and array.nbytes and (
+                array.nbytes >= SHM_MIN_BYTES or arena.locate(array) is not None):
+            slot = arena.put(array)
+            tensor.set_shared_memory(slot.region.name, array.nbytes, slot.offset)
+        else:
+            tensor.set_data_from_numpy(array)
         inputs.append(tensor)
     return inputs
+
+
+def _shm_output(name: str, slot: Slot):
+    import tritonclient.grpc as grpcclient
+
+    output = grpcclient.InferRequestedOutput(name)
+    output.set_shared_memory(slot.region.name, slot.size, slot.offset)
+    return output
+
+
+def _read(output, slot: Slot) -> np.ndarray:
+    """A numeric output that Triton wrote into `slot`, in place."""
+    from tritonclient.utils import triton_to_np_dtype
+
+    return slot.view(np.dtype(triton_to_np_dtype(output.datatype)), tuple(output.shape))

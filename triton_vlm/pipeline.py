@@ -4,7 +4,7 @@ client's cancellation passed on as a `stop` for the request, an in-flight cap.
 As tensorrtllm_backend's BLS model splits `Decoder` (the logic) from `TritonDecoder` (the calls),
 `Pipeline` takes the calls as functions: `call` runs a step and returns its outputs (or raises
 `StepFailed`), `stream` runs the last step and yields its `Reply`s, `stop` asks the last step to end
-a request id. Each request's responses go to a `Client` (`send`, `close`, `is_cancelled`).
+a request id, `release` says that a request id is over (what its calls hold may be reused). Each request's responses go to a `Client` (`send`, `close`, `is_cancelled`).
 `triton_vlm.triton_backend.PipelineModel` supplies the Triton versions of these; tests supply fakes.
 Tensors and errors are opaque here, but for the `Failure`s this module makes itself.
 """
@@ -95,12 +95,12 @@ class Pipeline:
     def __init__(self, steps: Sequence[Step], *, call: Callable[[Step, dict[str, Any], str], Mapping[str, Any]],
                  stream: Callable[[Step, dict[str, Any], str], Iterable[Reply]], stop: Callable[[str], None],
                  max_inflight: int, check: Callable[[Mapping[str, Any]], None] = lambda inputs: None,
-                 poll_s: float = 0.02) -> None:
+                 release: Callable[[str], None] = lambda request_id: None, poll_s: float = 0.02) -> None:
         if not steps:
             raise ValueError("a pipeline needs at least one step")
         self.steps = list(steps)
         self.max_inflight = max_inflight
-        self._call, self._stream, self._stop, self._check = call, stream, stop, check
+        self._call, self._stream, self._stop, self._check, self._release = call, stream, stop, check, release
         self._flights: dict[str, _Flight] = {}
         self._lock = threading.Lock()
         self._next_id = 0
@@ -163,6 +163,11 @@ class Pipeline:
             log.exception("pipeline request %s failed", request_id)
             flight.finish(Failure("INTERNAL", "internal error in the ensemble; see the server log"))
         finally:
+            tensors.clear()
+            try:
+                self._release(request_id)
+            except Exception:
+                log.exception("releasing request %s failed", request_id)
             with self._lock:
                 self._flights.pop(request_id, None)
 

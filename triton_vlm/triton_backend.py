@@ -7,6 +7,7 @@ INVALID_ARG with the message as is, so a bad request fails alone.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import threading
@@ -20,7 +21,7 @@ from triton_vlm import stub_watch
 from triton_vlm.errors import InvalidInput
 from triton_vlm.loopback import ERROR_CODES, GrpcSteps, server_url, with_code
 from triton_vlm.options import EncoderBatchOptions, EncoderOptions, LLMOptions, instance_device
-from triton_vlm.pipeline import Failure, Pipeline, Reply, Step, StepFailed, step_failure
+from triton_vlm.pipeline import Failure, Pipeline, Reply, Step, StepFailed
 from triton_vlm.sampling_params import SamplingParams
 
 log = logging.getLogger("triton_vlm")
@@ -73,27 +74,6 @@ def _scalar(request, name: str, kind: Callable[[Any], Any]) -> Any:
     if value.size != 1:
         raise InvalidInput(f"{name}: expected one value, got {value.size}")
     return kind(value.reshape(-1)[0])
-
-
-_CODES = ("UNKNOWN", "INTERNAL", "NOT_FOUND", "INVALID_ARG", "UNAVAILABLE", "UNSUPPORTED", "ALREADY_EXISTS",
-          "CANCELLED")
-
-
-def _bls_error(error) -> Failure:
-    """The error of a BLS response, with the code to pass on (`pipeline.step_failure`)."""
-    names = {getattr(pb_utils.TritonError, name): name for name in _CODES}
-    return step_failure(names.get(error.code(), "INTERNAL"), error.message())
-
-
-def _bls_call(model: str, tensors: dict, outputs, request_id: str = "") -> dict:
-    """One BLS call with `tensors` (pb_utils.Tensor: a step's output goes on as it is, in its shared
-    memory, not copied): `model`'s `outputs` present in its response; StepFailed on its error."""
-    request = pb_utils.InferenceRequest(model_name=model, request_id=request_id, requested_output_names=list(outputs),
-                                        inputs=list(tensors.values()))
-    response = request.exec()
-    if response.has_error():
-        raise StepFailed(_bls_error(response.error()))
-    return {name: tensor for name in outputs if (tensor := pb_utils.get_output_tensor_by_name(response, name)) is not None}
 
 
 def _failure_response(failure: Failure) -> pb_utils.InferenceResponse:
@@ -153,7 +133,8 @@ class VisionEncoderModel:
     """The contract's `vision_encoder` (max_batch_size 0; any number of items, zero included).
 
     A light front: it validates the request, answers zero items itself, and hands the patch rows
-    to the internal `vision_encoder_batch` model through BLS, where Triton's dynamic batcher puts
+    to the internal `vision_encoder_batch` model (over the server's gRPC endpoint, in shared
+    memory: `triton_vlm.loopback`), where Triton's dynamic batcher puts
     the rows of several requests into one execution (see `triton_vlm.vision.batching` for the
     row convention). Several front instances run so that concurrent requests reach the batcher
     together; they hold no weights.
@@ -163,6 +144,8 @@ class VisionEncoderModel:
         stub_watch.start()
         _, params = _model_dir(args)
         self.options = EncoderOptions.from_params(params)
+        self.steps = GrpcSteps(server_url())
+        self._calls = itertools.count()
 
     def _encode_rows(self, pixels: np.ndarray, grid: np.ndarray, odd_share: bool) -> np.ndarray:
         from triton_vlm.repository import ODD_SHARE_INPUT
@@ -172,9 +155,11 @@ class VisionEncoderModel:
         inputs = {"pixel_values": np.ascontiguousarray(pixels, dtype=np.float32), "patch_grid": patch_grid(grid)}
         if odd_share:
             inputs[ODD_SHARE_INPUT] = np.ones((len(pixels), 1), dtype=bool)
+        call_id = f"{batch_model}-{next(self._calls)}"
         try:
-            tensors = {name: pb_utils.Tensor(name, array) for name, array in inputs.items()}
-            return _bls_call(batch_model, tensors, ["embeddings"])["embeddings"].as_numpy()
+            size = len(pixels) // self.options.spatial_merge_size**2 * self.options.hidden * 4
+            return self.steps.call(batch_model, inputs, ["embeddings"], call_id,
+                                   sizes={"embeddings": size})["embeddings"].copy()
         except StepFailed as failed:
             error = failed.error
             if error.code == "INVALID_ARG":
@@ -182,6 +167,8 @@ class VisionEncoderModel:
             if error.code == "UNAVAILABLE":
                 raise _Unavailable(f"{batch_model}: {error.message}") from None
             raise RuntimeError(f"{batch_model}: {error.message}") from None
+        finally:
+            self.steps.release(call_id)
 
     def _handle(self, request) -> list:
         from triton_vlm.evs import check_rate, prune
@@ -206,6 +193,9 @@ class VisionEncoderModel:
 
     def execute(self, requests):
         return _serve_each(requests, self._handle)
+
+    def finalize(self) -> None:
+        self.steps.close()
 
 
 class VisionEncoderBatchModel:
@@ -279,9 +269,10 @@ class VisionEncoderBatchModel:
 
 
 class PipelineModel:
-    """`ensemble`: `triton_vlm.pipeline.Pipeline` over preprocess -> vision_encoder (BLS calls) ->
-    llm, streamed over the server's own gRPC endpoint (`triton_vlm.loopback`: a decoupled BLS
-    step's responses are built without the GIL in this Triton, which crashed the stub under load).
+    """`ensemble`: `triton_vlm.pipeline.Pipeline` over preprocess -> vision_encoder -> llm (streamed),
+    called over the server's own gRPC endpoint with the tensors in shared memory
+    (`triton_vlm.loopback`: a BLS response's tensors are built without the GIL in this Triton,
+    which crashed the stub under load).
 
     A Triton ensemble would not tell a running decoupled step that its client cancelled or went
     away (Triton 2.51); the pipeline sees it and this model sends the last step a `stop` request
@@ -297,23 +288,23 @@ class PipelineModel:
         steps = [Step(s["model"], tuple(s["inputs"]), tuple(s["outputs"])) for s in json.loads(params["steps"])]
         self.final_output = params["final_output"]
         self.steps = GrpcSteps(server_url())
-        self.pipeline = Pipeline(steps, call=self._call, stream=self._stream, stop=self._stop, check=_check_sampling,
+        self.pipeline = Pipeline(steps, call=self._call, stream=self._stream, stop=self._stop,
+                                 check=SamplingParams.from_inputs, release=self.steps.release,
                                  max_inflight=int(params["max_inflight_requests"]))
 
     def execute(self, requests):
         for request in requests:
             # Copies: the request's own memory is not ours once execute returns.
-            inputs = {t.name(): pb_utils.Tensor(t.name(), t.as_numpy().copy()) for t in request.inputs()}
+            inputs = {t.name(): t.as_numpy().copy() for t in request.inputs()}
             self.pipeline.submit(inputs, _Client(request.get_response_sender()), request.request_id() or "ensemble")
         return None
 
     def _call(self, step: Step, tensors: dict, request_id: str) -> dict:
-        return _bls_call(step.model, tensors, step.outputs, request_id)
+        return self.steps.call(step.model, tensors, step.outputs, request_id)
 
     def _stream(self, step: Step, tensors: dict, request_id: str) -> Iterator[Reply]:
         """The last step's responses, as the client's."""
-        arrays = {name: tensor.as_numpy() for name, tensor in tensors.items()}
-        for reply in self.steps.stream(step.model, arrays, step.outputs, request_id):
+        for reply in self.steps.stream(step.model, tensors, step.outputs, request_id):
             if isinstance(reply, Failure):
                 yield Reply(error=reply)
                 continue
@@ -332,10 +323,7 @@ class PipelineModel:
 
     def finalize(self) -> None:
         self.pipeline.close()
-
-
-def _check_sampling(tensors: dict) -> None:
-    SamplingParams.from_inputs({name: tensor.as_numpy() for name, tensor in tensors.items()})
+        self.steps.close()
 
 
 class _Client:

@@ -1,0 +1,128 @@
+"""`triton_vlm.shm_arena` without a server (registration recorded), then `GrpcSteps.call` through
+it against the session's real server: outputs in place, a slot too small grown and the call run
+again, an output going on as the next call's input without a copy."""
+from __future__ import annotations
+
+import mmap
+import os
+
+import numpy as np
+import pytest
+
+from triton_vlm.shm_arena import ALIGN, MIN_REGION, Arena
+
+
+class Registry:
+    def __init__(self) -> None:
+        self.live: dict[str, int] = {}
+
+    def register(self, name: str, key: str, size: int) -> None:
+        assert key == "/" + name and name not in self.live
+        self.live[name] = size
+
+    def unregister(self, name: str) -> None:
+        del self.live[name]
+
+
+def test_slots_are_aligned_and_a_full_region_gets_a_larger_one():
+    registry = Registry()
+    arena = Arena(registry.register, registry.unregister)
+    a, b = arena.alloc(10), arena.alloc(100)
+    assert (a.offset, a.size, b.offset, b.size) == (0, ALIGN, ALIGN, 2 * ALIGN)
+    assert a.region is b.region and a.region.size == MIN_REGION
+    big = arena.alloc(MIN_REGION + 1)
+    assert big.region is not a.region and big.region.size == 2 * MIN_REGION and big.offset == 0
+    assert sorted(registry.live.values()) == [MIN_REGION, 2 * MIN_REGION]
+    # the /dev/shm names are gone at once: nothing is left behind by a process that dies
+    assert not any(os.path.exists(f"/dev/shm/{name}") for name in registry.live)
+    arena.close()
+    assert not registry.live
+
+
+def test_put_copies_once_and_an_array_in_the_arena_is_found_in_place():
+    registry = Registry()
+    arena = Arena(registry.register, registry.unregister)
+    array = np.arange(1000, dtype=np.float32).reshape(10, 100)
+    slot = arena.put(array)
+    view = slot.view(array.dtype, array.shape)
+    np.testing.assert_array_equal(view, array)
+    used = arena.mark()
+    again = arena.put(view[2:5])  # a contiguous part of an output: no new slot, no copy
+    assert arena.mark() == used and again.region is slot.region and again.offset == slot.offset + 2 * 100 * 4
+    assert arena.locate(view[:, :3]) is None  # not contiguous
+    assert arena.locate(array) is None
+
+
+def test_rollback_frees_what_a_failed_call_took():
+    registry = Registry()
+    arena = Arena(registry.register, registry.unregister)
+    arena.alloc(100)
+    mark = arena.mark()
+    arena.alloc(1000)
+    arena.alloc(2 * MIN_REGION)
+    arena.rollback(mark)
+    assert arena.alloc(100).offset == 2 * ALIGN
+    assert arena.alloc(2 * MIN_REGION).offset == 0
+
+
+def test_reset_makes_one_region_of_the_total_and_returns_pages_beyond_keep_bytes():
+    registry = Registry()
+    arena = Arena(registry.register, registry.unregister, keep_bytes=mmap.PAGESIZE)
+    arena.alloc(MIN_REGION)
+    arena.alloc(MIN_REGION)  # a second region
+    arena.reset()
+    assert len(arena.regions) == 1 and arena.regions[0].size == 3 * MIN_REGION
+    assert list(registry.live.values()) == [3 * MIN_REGION]
+    slot = arena.alloc(4 * mmap.PAGESIZE)
+    slot.view(np.dtype(np.uint8), (slot.size,))[...] = 7
+    arena.reset()
+    after = arena.alloc(4 * mmap.PAGESIZE).view(np.dtype(np.uint8), (4 * mmap.PAGESIZE,))
+    assert (after[:mmap.PAGESIZE] == 7).all() and (after[mmap.PAGESIZE:] == 0).all()
+
+
+@pytest.fixture(scope="module")
+def steps(server):
+    from triton_vlm.loopback import GrpcSteps
+
+    steps = GrpcSteps(server.grpc_url)
+    yield steps
+    steps.close()
+
+
+def test_call_reads_outputs_in_place_and_grows_a_slot_that_was_too_small(steps, pre, ckpt_config):
+    from triton_vlm import loopback
+    from triton_vlm.samples import image_bytes
+
+    text = np.array([b"<|vision_start|><|image_pad|><|vision_end|>What is it?"], dtype=object)
+    tensors = {"text_input": text, "images": np.array([image_bytes(320, 240)], dtype=object)}
+    outputs = ["input_ids", "pixel_values", "grid_thw"]
+    steps._slot_bytes.clear()
+    got = steps.call("preprocess", tensors, outputs, "shm-1")
+    want = pre(text[0].decode(), [image_bytes(320, 240)], [])
+    np.testing.assert_array_equal(got["input_ids"], want.input_ids)
+    np.testing.assert_array_equal(got["pixel_values"], want.pixel_values)
+    np.testing.assert_array_equal(got["grid_thw"], want.grid_thw)
+    assert got["pixel_values"].nbytes > loopback.FIRST_SLOT_BYTES  # it did not fit the first slot
+    assert steps._slot_bytes[("preprocess", "pixel_values")] >= got["pixel_values"].nbytes
+    arena = steps._leased["shm-1"]
+    assert arena.locate(got["pixel_values"]) is not None
+
+    # the rows go on to the encoder from where they are: nothing new is allocated for them
+    used = sum(arena.used)
+    encoded = steps.call("vision_encoder", {"pixel_values": got["pixel_values"], "grid_thw": got["grid_thw"]},
+                         ["embeddings"], "shm-1")
+    assert sum(arena.used) - used < got["pixel_values"].nbytes
+    merge = ckpt_config["vision_config"]["spatial_merge_size"]
+    assert encoded["embeddings"].shape[0] == got["pixel_values"].shape[0] // merge**2
+    steps.release("shm-1")
+    assert "shm-1" not in steps._leased
+
+
+def test_a_step_error_keeps_its_code(steps):
+    from triton_vlm.pipeline import StepFailed
+
+    with pytest.raises(StepFailed) as failed:
+        steps.call("vision_encoder", {"pixel_values": np.zeros((4, 5), dtype=np.float32),
+                                      "grid_thw": np.array([[1, 2, 2]], dtype=np.int64)}, ["embeddings"], "shm-2")
+    steps.release("shm-2")
+    assert failed.value.error.code == "INVALID_ARG" and "pixel_values" in failed.value.error.message
