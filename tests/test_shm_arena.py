@@ -1,6 +1,6 @@
 """`triton_vlm.shm_arena` without a server (registration recorded), then `GrpcSteps.call` through
-it against the session's real server: outputs in place, a slot too small grown and the call run
-again, an output going on as the next call's input without a copy."""
+it against the session's real server: large outputs in place, a slot too small grown and the call
+run again, an output going on as the next call's input without a copy."""
 from __future__ import annotations
 
 import mmap
@@ -89,33 +89,50 @@ def steps(server):
     steps.close()
 
 
-def test_call_reads_outputs_in_place_and_grows_a_slot_that_was_too_small(steps, pre, ckpt_config):
-    from triton_vlm import loopback
+def test_call_moves_large_outputs_to_shared_memory_and_grows_a_slot_that_was_too_small(steps, server, pre,
+                                                                                        ckpt_config):
+    import tritonclient.grpc as grpcclient
+
     from triton_vlm.samples import image_bytes
 
-    text = np.array([b"<|vision_start|><|image_pad|><|vision_end|>What is it?"], dtype=object)
-    tensors = {"text_input": text, "images": np.array([image_bytes(320, 240)], dtype=object)}
+    stats = grpcclient.InferenceServerClient(server.grpc_url)
+    text = "<|vision_start|><|image_pad|><|vision_end|>What is it?"
     outputs = ["input_ids", "pixel_values", "grid_thw"]
-    steps._slot_bytes.clear()
-    got = steps.call("preprocess", tensors, outputs, "shm-1")
-    want = pre(text[0].decode(), [image_bytes(320, 240)], [])
-    np.testing.assert_array_equal(got["input_ids"], want.input_ids)
-    np.testing.assert_array_equal(got["pixel_values"], want.pixel_values)
-    np.testing.assert_array_equal(got["grid_thw"], want.grid_thw)
-    assert got["pixel_values"].nbytes > loopback.FIRST_SLOT_BYTES  # it did not fit the first slot
-    assert steps._slot_bytes[("preprocess", "pixel_values")] >= got["pixel_values"].nbytes
-    arena = steps._leased["shm-1"]
-    assert arena.locate(got["pixel_values"]) is not None
+
+    def executions() -> int:
+        return stats.get_inference_statistics("preprocess").model_stats[0].inference_stats.success.count
+
+    def call(size: tuple[int, int], request_id: str) -> tuple[dict, int]:
+        images = [image_bytes(*size)]
+        before = executions()
+        got = steps.call("preprocess", {"text_input": np.array([text.encode()], dtype=object),
+                                        "images": np.array(images, dtype=object)}, outputs, request_id)
+        want = pre(text, images, [])
+        for name in outputs:
+            np.testing.assert_array_equal(got[name], getattr(want, name))
+        return got, executions() - before
+
+    steps._seen.clear()
+    got, runs = call((160, 120), "a")  # nothing seen yet: every output in the message
+    assert runs == 1 and steps._leased["a"].locate(got["pixel_values"]) is None
+    steps.release("a")
+    got, runs = call((320, 240), "b")  # a slot for the largest seen, too small: Triton ran again
+    assert runs == 2 and steps._leased["b"].locate(got["pixel_values"]) is not None
+    assert steps._leased["b"].locate(got["input_ids"]) is None  # small: in the message
+    steps.release("b")
+    got, runs = call((320, 240), "c")
+    arena = steps._leased["c"]
+    assert runs == 1 and arena.locate(got["pixel_values"]) is not None
 
     # the rows go on to the encoder from where they are: nothing new is allocated for them
     used = sum(arena.used)
     encoded = steps.call("vision_encoder", {"pixel_values": got["pixel_values"], "grid_thw": got["grid_thw"]},
-                         ["embeddings"], "shm-1")
+                         ["embeddings"], "c")
     assert sum(arena.used) - used < got["pixel_values"].nbytes
     merge = ckpt_config["vision_config"]["spatial_merge_size"]
     assert encoded["embeddings"].shape[0] == got["pixel_values"].shape[0] // merge**2
-    steps.release("shm-1")
-    assert "shm-1" not in steps._leased
+    steps.release("c")
+    assert not steps._leased
 
 
 def test_a_step_error_keeps_its_code(steps):

@@ -18,9 +18,10 @@ reads it back.
 `call` (preprocess, vision_encoder; the encoder front's call to vision_encoder_batch): the tensors
 do not travel in gRPC messages (the pixel rows serialised twice halved image throughput on 2
 cores). Each request id leases an `Arena` of system shared memory (`triton_vlm.shm_arena`) until
-`release`: inputs are written there, or are there already (an earlier step's output), and Triton
-writes the outputs there; `stream` takes its inputs from there too. An output's slot starts at
-the largest size seen for that output; one too small for a request makes the call run again with
+`release`: large inputs are written there, or are there already (an earlier step's output), and
+Triton writes large outputs there; `stream` takes its inputs from there too. Small tensors (under
+SHM_MIN_BYTES) cost less in the message. An output goes to the arena once one of its size was
+seen, into a slot for the largest seen; one too small for a request makes the call run again with
 the size Triton names.
 """
 from __future__ import annotations
@@ -48,9 +49,8 @@ _GRPC_CODES = {"INVALID_ARGUMENT": "INVALID_ARG", "UNAVAILABLE": "UNAVAILABLE", 
 _PREFIX = re.compile(r"\[(INVALID_ARG|UNAVAILABLE|INTERNAL|CANCELLED)\] ")
 # Triton's answer when an output's shared-memory slot is too small for it.
 _TOO_SMALL = re.compile(r"output '([^']+)' \((\d+) bytes\) should be at least (\d+) bytes")
-# Inputs from this size on go through shared memory (smaller ones in the message).
+# Tensors from this size on go through shared memory (smaller ones in the message).
 SHM_MIN_BYTES = 64 << 10
-FIRST_SLOT_BYTES = 64 << 10
 _ADMIN_S = 10.0  # time limit of a shared-memory (un)registration
 
 
@@ -105,7 +105,7 @@ class GrpcSteps:
         self._idle: queue.SimpleQueue[_Stream] = queue.SimpleQueue()
         self._idle_arenas: queue.SimpleQueue[Arena] = queue.SimpleQueue()
         self._leased: dict[str, Arena] = {}
-        self._slot_bytes: dict[tuple[str, str], int] = {}  # (model, output): the largest seen
+        self._seen: dict[tuple[str, str], int] = {}  # (model, output): its largest size in bytes
         self._lock = threading.Lock()
         self._unary = None  # one client serves every unary call (gRPC channels are thread-safe)
 
@@ -142,6 +142,11 @@ class GrpcSteps:
             arena.reset()
             self._idle_arenas.put(arena)
 
+    def _saw(self, model: str, output: str, nbytes: int) -> None:
+        key = (model, output)
+        if nbytes > self._seen.get(key, 0):
+            self._seen[key] = nbytes
+
     def close(self) -> None:
         """Unregister every idle arena's memory (leased ones go with the process)."""
         while True:
@@ -155,31 +160,42 @@ class GrpcSteps:
     def call(self, model: str, tensors: Mapping[str, np.ndarray], outputs: Sequence[str], request_id: str,
              sizes: Mapping[str, int] | None = None) -> dict[str, np.ndarray]:
         """One unary call of `model` through the arena of `request_id`: its (numeric) `outputs`
-        present in the response, as arrays over the arena, valid until `release(request_id)`;
-        StepFailed on its error. `sizes`: the bytes of outputs the caller knows (a batched model
-        would otherwise run again when one outgrows its slot)."""
+        present in the response, valid until `release(request_id)`; StepFailed on its error.
+
+        An output comes in the message until one of SHM_MIN_BYTES or more was seen (small ones
+        cost less so), then in a slot of the arena sized for the largest seen. `sizes`: the bytes
+        of outputs the caller knows (a batched model would otherwise run again when one outgrows
+        its slot)."""
         from tritonclient.utils import InferenceServerException
 
         arena = self._arena(request_id)
         client = self._client()
         for _ in range(len(outputs) + 1):  # each retry grows one output's slot to its size
             mark = arena.mark()
-            slots = {name: arena.alloc(max((sizes or {}).get(name, 0),
-                                           self._slot_bytes.get((model, name), FIRST_SLOT_BYTES))) for name in outputs}
             try:
-                result = client.infer(model, _inputs(tensors, arena), request_id=request_id,
-                                      outputs=[_shm_output(name, slot) for name, slot in slots.items()])
+                slots = {}
+                for name in outputs:
+                    size = max((sizes or {}).get(name, 0), self._seen.get((model, name), 0))
+                    if size >= SHM_MIN_BYTES:
+                        slots[name] = arena.alloc(size + size // 4)
+                requested = [_requested(name, slots.get(name)) for name in outputs]
+                result = client.infer(model, _inputs(tensors, arena), request_id=request_id, outputs=requested)
             except InferenceServerException as error:
                 too_small = _TOO_SMALL.search(error.message() or "")
                 arena.rollback(mark)
                 if too_small is None:
                     raise StepFailed(self._failure(error)) from None
-                name, needed = too_small.group(1), int(too_small.group(3))
-                key = (model, name)
-                self._slot_bytes[key] = max(self._slot_bytes.get(key, 0), needed + needed // 4)
+                self._saw(model, too_small.group(1), int(too_small.group(3)))
                 continue
-            return {name: _read(result.get_output(name), slots[name]) for name in outputs
-                    if result.get_output(name) is not None}
+            got = {}
+            for name in outputs:
+                output = result.get_output(name)
+                if output is None:
+                    continue
+                slot = slots.get(name)
+                got[name] = _read(output, slot) if slot else result.as_numpy(name)
+                self._saw(model, name, got[name].nbytes)
+            return got
         raise StepFailed(Failure("INTERNAL", f"{model}: outputs kept outgrowing their shared memory"))
 
     def stream(self, model: str, tensors: Mapping[str, np.ndarray], outputs: Sequence[str],
@@ -275,11 +291,13 @@ def _inputs(tensors: Mapping[str, np.ndarray], arena: Arena | None = None) -> li
     return inputs
 
 
-def _shm_output(name: str, slot: Slot):
+def _requested(name: str, slot: Slot | None):
+    """An InferRequestedOutput: into `slot`, or in the message."""
     import tritonclient.grpc as grpcclient
 
     output = grpcclient.InferRequestedOutput(name)
-    output.set_shared_memory(slot.region.name, slot.size, slot.offset)
+    if slot is not None:
+        output.set_shared_memory(slot.region.name, slot.size, slot.offset)
     return output
 
 
