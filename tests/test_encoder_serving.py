@@ -49,6 +49,15 @@ def test_two_concurrent_requests_with_the_same_image_encode_it_once(server, hf):
     assert answers[0] == answers[1] == hf.generate(inputs, 4)
 
 
+def test_a_request_without_media_does_not_call_the_encoder(server, hf):
+    prompt = chat("Say something.")
+    before = [metric(server, "nv_inference_request_success", m) for m in ("preprocess", "vision_encoder", "llm")]
+    answer = generate(server.grpc_url, prompt, [], [], max_tokens=4).output_ids
+    after = [metric(server, "nv_inference_request_success", m) for m in ("preprocess", "vision_encoder", "llm")]
+    assert [b - a for a, b in zip(before, after)] == [1, 0, 1]
+    assert answer == hf.generate(hf.inputs(prompt, []), 4)
+
+
 def test_cache_hit_is_bit_identical_and_equals_hf(server, hf):
     inputs = hf.inputs(chat(QWEN2_5_VL.image_placeholder), [samples.image_bytes(250, 330, seed=42.0)])
     pixels, grid = inputs["pixel_values"].numpy(), inputs["image_grid_thw"].numpy()

@@ -96,3 +96,30 @@ def test_defaults_and_choices(tiny_checkpoint):
 def test_bad_choices_are_named(tiny_checkpoint, flags, message):
     with pytest.raises(ValueError, match=message):
         configs(tiny_checkpoint, *flags)
+
+
+def test_the_pipeline_check_names_what_a_step_would_lack(tiny_checkpoint):
+    from triton_vlm.repository import check_pipeline
+
+    good = configs(tiny_checkpoint)
+    steps = json.loads(good["ensemble"].parameters["steps"].string_value)
+    assert [s.get("skip_when_empty", "") for s in steps] == ["", "pixel_values", ""]
+
+    def broken(change) -> str:
+        out = {name: mc.ModelConfig.FromString(c.SerializeToString()) for name, c in good.items()}
+        change(out)
+        with pytest.raises(RuntimeError) as error:
+            check_pipeline(out)
+        return str(error.value)
+
+    def embeddings_required(out):
+        next(t for t in out["llm"].input if t.name == "embeddings").optional = False
+
+    assert "llm.embeddings is required but vision_encoder may be skipped" in broken(embeddings_required)
+
+    def grid_not_passed(out):
+        listed = json.loads(out["ensemble"].parameters["steps"].string_value)
+        listed[1]["inputs"].remove("grid_thw")
+        out["ensemble"].parameters["steps"].string_value = json.dumps(listed)
+
+    assert "vision_encoder.grid_thw is required but not passed" in broken(grid_not_passed)

@@ -350,3 +350,31 @@ def test_no_client_is_held_once_its_request_is_done():
     assert gone() is None
     pipeline.close()
     assert not pipeline._watcher.is_alive()
+
+
+def test_a_step_with_its_skip_input_empty_is_not_called_and_gives_nothing():
+    import numpy as np
+
+    steps = [Step("preprocess", ("text_input",), ("pixel_values",)),
+             Step("encoder", ("pixel_values",), ("embeddings",), skip_when_empty="pixel_values"),
+             Step("llm", ("pixel_values", "embeddings"), ("output_ids",))]
+    calls, streamed = [], []
+
+    def call(step, tensors, request_id):
+        calls.append(step.model)
+        if step.model == "encoder":
+            return {"embeddings": "rows"}
+        return {"pixel_values": np.zeros((0 if tensors["text_input"] == "text only" else 4, 3))}
+
+    def stream(step, tensors, request_id):
+        streamed.append(sorted(tensors))
+        yield Reply(outputs=["t"], final=True)
+
+    pipeline = Pipeline(steps, call=call, stream=stream, stop=lambda rid: None, max_inflight=2, poll_s=0.005)
+    for text in ("text only", "with media"):
+        client = FakeClient()
+        pipeline.submit({"text_input": text}, client)
+        assert client.wait().responses == [("send", ["t"], True)]
+    assert calls == ["preprocess", "preprocess", "encoder"]
+    assert streamed == [["pixel_values"], ["embeddings", "pixel_values"]]
+    pipeline.close()

@@ -22,10 +22,13 @@ log = logging.getLogger("triton_vlm")
 
 @dataclass(frozen=True)
 class Step:
-    """One model the pipeline calls: the tensors it takes (those available are passed) and gives."""
+    """One model the pipeline calls: the tensors it takes (those available are passed) and gives.
+    `skip_when_empty`: an input that, given and empty, means the step has nothing to do (the
+    vision encoder for a request without media); it is not called and gives nothing."""
     model: str
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
+    skip_when_empty: str = ""
 
 
 @dataclass(frozen=True)
@@ -143,6 +146,9 @@ class Pipeline:
                     flight.finish(Failure("CANCELLED", "cancelled"))
                     return
                 given = {n: tensors[n] for n in step.inputs if n in tensors}
+                skipped = given.get(step.skip_when_empty)
+                if skipped is not None and skipped.size == 0:
+                    continue
                 if i < len(self.steps) - 1:
                     try:
                         tensors.update(self._call(step, given, request_id))

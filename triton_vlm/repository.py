@@ -292,6 +292,9 @@ def _pipeline(steps: list[mc.ModelConfig], options: BuildOptions, chat_template:
     """
     description = [{"model": m.name, "inputs": [t.name for t in m.input if t.name != STOP_INPUT.name],
                     "outputs": [t.name for t in m.output]} for m in steps]
+    for step in description:  # a request without media does not call the encoder
+        if step["model"] == "vision_encoder":
+            step["skip_when_empty"] = "pixel_values"
     params = {"steps": json.dumps(description), "max_inflight_requests": str(options.max_inflight_requests),
               "final_output": "finish_reason"}
     if chat_template:
@@ -368,10 +371,21 @@ def write_config(config: mc.ModelConfig, path: Path) -> None:
 
 
 def check_pipeline(configs: dict[str, mc.ModelConfig]) -> None:
-    """Every tensor a step needs is an `ensemble` input or an earlier step's output, of the same type."""
+    """Every tensor a step needs is an `ensemble` input or an earlier step's output, of the same
+    type; what a step that may be skipped gives is optional wherever it is taken."""
     ensemble = configs["ensemble"]
     available = {t.name: t.data_type for t in ensemble.input}
-    for step in json.loads(ensemble.parameters["steps"].string_value):
+    steps = json.loads(ensemble.parameters["steps"].string_value)
+    for i, step in enumerate(steps):
+        if step.get("skip_when_empty"):
+            if step["skip_when_empty"] not in step["inputs"]:
+                raise RuntimeError(f"ensemble: {step['model']} is skipped on an input it does not take")
+            for later in steps[i + 1:]:
+                for tensor in configs[later["model"]].input:
+                    if tensor.name in step["outputs"] and tensor.name in later["inputs"] and not tensor.optional:
+                        raise RuntimeError(f"ensemble: {later['model']}.{tensor.name} is required but "
+                                           f"{step['model']} may be skipped")
+    for step in steps:
         model = configs[step["model"]]
         for tensor in model.input:
             if tensor.name not in step["inputs"]:

@@ -285,7 +285,8 @@ class PipelineModel:
     def initialize(self, args: dict[str, Any]) -> None:
         stub_watch.start()
         _, params = _model_dir(args)
-        steps = [Step(s["model"], tuple(s["inputs"]), tuple(s["outputs"])) for s in json.loads(params["steps"])]
+        steps = [Step(s["model"], tuple(s["inputs"]), tuple(s["outputs"]), s.get("skip_when_empty", ""))
+                 for s in json.loads(params["steps"])]
         self.final_output = params["final_output"]
         self.steps = GrpcSteps(server_url())
         self.pipeline = Pipeline(steps, call=self._call, stream=self._stream, stop=self._stop,
@@ -419,7 +420,7 @@ class LLMModel:
         try:
             params = SamplingParams.from_inputs({t.name(): t.as_numpy() for t in request.inputs()})
             stream = bool(_scalar(request, "stream", bool) or False)
-            args = (_required(request, "input_ids"), _required(request, "embeddings"),
+            args = (_required(request, "input_ids"), _optional(request, "embeddings"),
                     _required(request, "mrope_position_ids"), int(_required(request, "mrope_position_delta").reshape(-1)[0]))
             pruned = dict(media_position_ids=_optional(request, "media_position_ids"),
                           kept_rows=_optional(request, "kept_rows"))
