@@ -26,6 +26,7 @@ the size Triton names.
 """
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import re
@@ -36,6 +37,8 @@ import numpy as np
 
 from triton_vlm.pipeline import Failure, StepFailed, step_failure
 from triton_vlm.shm_arena import Arena, Slot
+
+log = logging.getLogger("triton_vlm")
 
 # Set by `triton_vlm.server.TritonServer` for the server it starts; tritonserver's default otherwise.
 URL_ENV = "TRITON_VLM_GRPC_URL"
@@ -138,9 +141,14 @@ class GrpcSteps:
         """`request_id` is over: its arena serves the next request."""
         with self._lock:
             arena = self._leased.pop(request_id, None)
-        if arena is not None:
+        if arena is None:
+            return
+        try:
             arena.reset()
-            self._idle_arenas.put(arena)
+        except Exception:  # a new region could not be registered (the server is going away)
+            log.exception("shared memory of request %s not reused", request_id)
+            return
+        self._idle_arenas.put(arena)
 
     def _saw(self, model: str, output: str, nbytes: int) -> None:
         key = (model, output)
