@@ -101,7 +101,8 @@ class _Stream:
 
 
 class GrpcSteps:
-    """Streams to the models of the server at `url` (host:port of its gRPC endpoint)."""
+    """Calls of the models of the server at `url` (host:port of its gRPC endpoint), made by a model
+    of that server: unary ones through shared memory (`call`), streamed ones (`stream`)."""
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -256,11 +257,11 @@ class GrpcSteps:
             self._idle.put(stream)
 
     def _failure(self, error) -> Failure:
-        """`failure_of(error)`; an error of the gRPC call itself (it has a status: the server did
-        not answer) names the endpoint, which a server started by hand may need to be told."""
+        """`failure_of(error)`; when no server answered (`_unreached`), it names the endpoint,
+        which a server started by hand may need to be told."""
         failure = failure_of(error)
         if _unreached(error):
-            return Failure(failure.code, f"the ensemble's gRPC connection to {self.url} (set {URL_ENV} to the "
+            return Failure(failure.code, f"this model's gRPC connection to {self.url} (set {URL_ENV} to the "
                                          f"server's gRPC address): {failure.message}")
         return failure
 
