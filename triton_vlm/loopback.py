@@ -281,8 +281,8 @@ def _unreached(error) -> bool:
 
 
 def _inputs(tensors: Mapping[str, np.ndarray], arena: Arena | None = None) -> list:
-    """InferInputs: with an arena, a numeric array that lies in it, or is large, goes by shared
-    memory; the rest (and empty arrays: Triton refuses a slot of 0 bytes) in the message."""
+    """InferInputs: with an arena, a large numeric array goes by shared memory (from where it lies
+    in the arena, an earlier step's output, or copied in); the rest in the message."""
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import np_to_triton_dtype
 
@@ -290,8 +290,7 @@ def _inputs(tensors: Mapping[str, np.ndarray], arena: Arena | None = None) -> li
     for name, array in tensors.items():
         array = np.ascontiguousarray(array)
         tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
-        if arena is not None and array.dtype != np.object_ and array.nbytes and (
-                array.nbytes >= SHM_MIN_BYTES or arena.locate(array) is not None):
+        if arena is not None and array.dtype != np.object_ and array.nbytes >= SHM_MIN_BYTES:
             slot = arena.put(array)
             tensor.set_shared_memory(slot.region.name, array.nbytes, slot.offset)
         else:

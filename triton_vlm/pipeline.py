@@ -4,7 +4,8 @@ client's cancellation passed on as a `stop` for the request, an in-flight cap.
 As tensorrtllm_backend's BLS model splits `Decoder` (the logic) from `TritonDecoder` (the calls),
 `Pipeline` takes the calls as functions: `call` runs a step and returns its outputs (or raises
 `StepFailed`), `stream` runs the last step and yields its `Reply`s, `stop` asks the last step to end
-a request id, `release` says that a request id is over (what its calls hold may be reused). Each request's responses go to a `Client` (`send`, `close`, `is_cancelled`).
+a request id, `release` says that a request id is over (what its calls hold may be reused). Each
+request's responses go to a `Client` (`send`, `close`, `is_cancelled`).
 `triton_vlm.triton_backend.PipelineModel` supplies the Triton versions of these; tests supply fakes.
 Tensors and errors are opaque here, but for the `Failure`s this module makes itself.
 """
@@ -169,7 +170,7 @@ class Pipeline:
             log.exception("pipeline request %s failed", request_id)
             flight.finish(Failure("INTERNAL", "internal error in the ensemble; see the server log"))
         finally:
-            tensors.clear()
+            tensors.clear()  # the steps' outputs may lie in memory that `release` hands to another request
             try:
                 self._release(request_id)
             except Exception:

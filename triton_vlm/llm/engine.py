@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from functools import partial
 import time
 from collections import deque
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 

@@ -132,6 +132,8 @@ def encode_in_shares(pixels: np.ndarray, grid_thw: np.ndarray, send: Callable[[n
         share_grid, share_rows = grid_thw[items], offsets(grid_thw[items].prod(axis=1))
         parts = [send(share_pixels[share_rows[first]:share_rows[end]], share_grid[first:end], odd_share)
                  for first, end in chunk_items(share_grid, max_rows)]
+        if len(parts) == 1:  # the common case: no copy
+            return parts[0]
         return np.concatenate(parts, axis=0) if parts else np.zeros((0, hidden), np.float32)
 
     split = balance_items(grid_thw, shares)
