@@ -272,6 +272,25 @@ def test_cancel_frees_cache(engine, requests):
     assert engine.kv_blocks_used == 0
 
 
+def test_stops_for_ids_not_in_flight_are_bounded(engine, requests):
+    """A stop that overtakes its request still ends it; stops for ids that never come (anyone may
+    send them to the llm) are kept up to a bound, not forever."""
+    from triton_vlm.llm import engine as engine_module
+
+    engine.cancel("early")
+    col = submit(engine, requests["text"], SamplingParams(max_tokens=8), "early").wait()
+    assert col.finish_reason == "cancelled" and col.ids == []
+    for i in range(3 * engine_module._EARLY_STOPS):
+        engine.cancel(f"never-{i}")
+    assert len(engine._early_stops) == engine_module._EARLY_STOPS and not engine._cancel_ids
+    engine.cancel("dropped")
+    for i in range(engine_module._EARLY_STOPS):
+        engine.cancel(f"later-{i}")
+    # the oldest stops went: a request of that id runs
+    assert submit(engine, requests["text"], SamplingParams(max_tokens=4), "dropped").wait().finish_reason == "length"
+    assert submit(engine, requests["text"], SamplingParams(max_tokens=4), "early").wait().finish_reason == "length"
+
+
 def test_error_inside_loop_ends_request_and_engine_survives(ckpt, requests):
     eng = Engine(ckpt)
     real = eng.model.forward

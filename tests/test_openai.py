@@ -196,6 +196,54 @@ def test_errors_are_openais(api, stream):
     assert status == 404 and error["code"] == "model_not_found"
 
 
+def test_media_parts_beyond_the_ensembles_limit_are_refused(api):
+    """The served preprocess takes max_media_items=16 (the default): a 17th part is refused by the
+    front, naming the part and the limit."""
+    image = {"type": "image_url", "image_url": {"url": _data_url(IMAGE, "image/png")}}
+    status, error = _error(lambda: api.chat.completions.create(
+        model=MODEL, max_tokens=2, messages=[{"role": "user", "content": [image] * 17 + [{"type": "text", "text": "?"}]}]))
+    assert status == 400 and error["param"] == "messages[0].content[16]" and "max_media_items=16" in error["message"]
+
+
+def test_a_body_beyond_the_media_limits_is_413_before_it_is_read(api):
+    """The session repository takes 2 MiB of media per request: 4/3 of it as base64 and 1 MiB of
+    text is the largest body read, whether its length is announced or it comes in chunks."""
+    import http.client
+    import json
+
+    from triton_vlm.body_limit import TEXT_BYTES
+
+    limit = -(-(2 << 20) // 3) * 4 + TEXT_BYTES
+    host, port = api.base_url.host, api.base_url.port
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * limit}]}).encode()
+    for chunked in (False, True):
+        connection = http.client.HTTPConnection(host, port, timeout=60)
+        try:
+            if chunked:
+                pieces = (body[i:i + (64 << 10)] for i in range(0, len(body), 64 << 10))
+                connection.request("POST", "/v1/chat/completions", body=pieces, encode_chunked=True,
+                                   headers={"Content-Type": "application/json", "Transfer-Encoding": "chunked"})
+            else:
+                connection.request("POST", "/v1/chat/completions", body=body,
+                                   headers={"Content-Type": "application/json"})
+            response = connection.getresponse()
+            error = json.loads(response.read())["error"]
+        finally:
+            connection.close()
+        assert response.status == 413 and str(limit) in error["message"], chunked
+    # announced too large: refused before a byte of the body is sent
+    import socket
+
+    with socket.create_connection((host, port), timeout=60) as raw:
+        raw.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                    f"Content-Length: {limit + 1}\r\n\r\n".encode())
+        assert raw.recv(64).startswith(b"HTTP/1.1 413 ")
+    # a body just under the limit is read and answered (an unknown field is ignored)
+    answer = api.chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}],
+                                         extra_body={"padding": "x" * (limit - (64 << 10))})
+    assert answer.choices[0].finish_reason == "length"
+
+
 @pytest.mark.parametrize("template,families", [(QWEN_TEMPLATE, ["qwen2_5_vl"]), (MINICPMV_TEMPLATE, ["minicpmv4_6"]),
                                                (GLM_TEMPLATE, ["glm4v", "glm46v", "glmga", "glm_ocr", "glm4v_moe"])])
 def test_render_chat_places_each_familys_placeholders_in_order(template, families):

@@ -112,7 +112,9 @@ def test_steps_run_in_order_with_the_tensors_they_take_and_replies_reach_the_cli
     pipeline.close()
 
 
-def test_request_ids_are_unique():
+def test_request_ids_are_unique_and_unguessable():
+    """The llm takes a `stop` from anyone who names a request id: the ids the steps see carry 128
+    random bits, so no client can name another's."""
     fake = FakeSteps()
     pipeline = fake.pipeline()
     clients = [FakeClient() for _ in range(3)]
@@ -120,7 +122,11 @@ def test_request_ids_are_unique():
         pipeline.submit({"text_input": "x"}, client, "same")
     for client in clients:
         client.wait()
-    assert len({rid for rid, _ in fake.streams}) == 3
+    ids = {rid for rid, _ in fake.streams}
+    assert len(ids) == 3
+    for rid in ids:
+        prefix, secret = rid.rsplit("-", 1)
+        assert prefix == "same" and len(secret) == 32 and int(secret, 16) >= 0
     pipeline.close()
 
 

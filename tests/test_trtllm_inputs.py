@@ -264,3 +264,64 @@ def test_an_end_id_outside_the_vocabulary_is_refused_by_the_llm(server, hf):
 def test_a_tensorrtllm_input_we_do_not_take_is_refused_by_triton_naming_it(server):
     with pytest.raises(RequestError, match="lora_task_id"):
         stream(server, values(lora_task_id=tensor(1, "UINT64")))
+
+
+def test_a_response_holds_only_the_requested_outputs():
+    """python_backend r24.10 drops outputs a client did not ask for without the GIL (a race that
+    frees numpy arrays under other threads): the llm builds only what was asked for."""
+    from triton_vlm.llm.output import GenerationOutput
+    from triton_vlm.llm.responses import ResponseBuilder
+    from triton_vlm.sampling_params import SamplingParams
+
+    params = SamplingParams.from_inputs({"max_tokens": np.array([4], np.int32),
+                                         "return_log_probs": np.array([True]),
+                                         "return_num_input_tokens": np.array([True])})
+    every = ResponseBuilder(params, stream=True, num_input_tokens=7)
+    only = ResponseBuilder(params, stream=True, num_input_tokens=7, requested=frozenset({"text_output", "finish_reason"}))
+    for out in (GenerationOutput([5], "a", logprobs=[-0.5]), GenerationOutput([6], "b", "length", logprobs=[-1.0])):
+        full, part = every.add(out), only.add(out)
+        assert {"output_ids", "text_output", "cum_log_probs"} <= set(full)
+        assert set(part) == {"text_output", "finish_reason"}
+        for name in part:
+            assert part[name].tolist() == full[name].tolist()
+    assert "num_input_tokens" in full
+    assert set(ResponseBuilder(params, stream=True, num_input_tokens=7, requested=frozenset()).add(out)) == set(full)
+
+
+@pytest.mark.parametrize("model", ["ensemble", "llm"])
+def test_clients_asking_for_text_output_alone_get_it(server, model):
+    """Streamed requests that ask for one output, several at once, get that output alone and the
+    same text as a request asking for all (the model sends nothing for the stub to drop)."""
+    from triton_vlm.client import generate
+
+    from tritonclient.utils import np_to_triton_dtype
+
+    text = {"text_input": tensor(PROMPT, "BYTES")}
+    if model == "llm":
+        with grpcclient.InferenceServerClient(server.grpc_url) as client:
+            pre = client.infer("preprocess", grpc_inputs(text))
+        arrays = {name: pre.as_numpy(name) for name in ("input_ids", "mrope_position_ids", "mrope_position_delta")}
+        values = {name: (array, np_to_triton_dtype(array.dtype)) for name, array in arrays.items()}
+    else:
+        values = text
+    values = {**values, "max_tokens": tensor(N, "INT32"), "stream": tensor(True, "BOOL")}
+    expected = generate(server.grpc_url, PROMPT, [], [], max_tokens=N, stream=True).text
+    replies: queue.SimpleQueue = queue.SimpleQueue()
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        client.start_stream(callback=lambda result, error: replies.put((result, error)))
+        for i in range(4):
+            client.async_stream_infer(model, grpc_inputs(values), request_id=f"subset-{i}",
+                                      outputs=[grpcclient.InferRequestedOutput("text_output")],
+                                      enable_empty_final_response=True)
+        texts: dict[str, str] = {f"subset-{i}": "" for i in range(4)}
+        done = 0
+        while done < 4:
+            result, error = replies.get(timeout=120)
+            assert error is None, error
+            response = result.get_response()
+            assert {o.name for o in response.outputs} <= {"text_output"}
+            if result.as_numpy("text_output") is not None:
+                texts[response.id] += b"".join(result.as_numpy("text_output").reshape(-1)).decode()
+            done += response.parameters["triton_final_response"].bool_param
+        client.stop_stream()
+    assert set(texts.values()) == {expected}

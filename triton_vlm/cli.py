@@ -4,10 +4,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from triton_vlm.admin import ADMIN_HEADER, ADMIN_KEY_ENV
 
 if TYPE_CHECKING:
     from triton_vlm.repository import BuildOptions
@@ -49,7 +52,12 @@ def _build(args) -> int:
 def _serve(args) -> int:
     from triton_vlm.server import ServerError, TritonServer
 
-    server = TritonServer(args.repo, args.http_port, args.grpc_port, args.metrics_port, echo=True, supervise=True)
+    try:
+        server = TritonServer(args.repo, args.http_port, args.grpc_port, args.metrics_port, echo=True, supervise=True,
+                              admin_key=args.admin_key or None)
+    except ValueError as error:  # the key's rule, never the key
+        print(f"triton-vlm serve: --admin-key: {error}", file=sys.stderr)
+        return 2
     stopping = []
 
     def forward(signum, _frame) -> None:
@@ -68,7 +76,10 @@ def _serve(args) -> int:
     if stopping:  # a signal came while the server was starting
         server.forward_signal(stopping[0])
     else:
-        print(f"ready: gRPC {server.grpc_url}, HTTP {server.http_url}, metrics {server.metrics_url}", file=sys.stderr)
+        print(f"ready: gRPC {server.grpc_url}, HTTP {server.http_url}, metrics {server.metrics_url}; shared-memory, "
+              f"model-repository, trace and logging APIs " + (f"need the header {ADMIN_HEADER}: <--admin-key>"
+                                                               if args.admin_key else "closed (no --admin-key)"),
+              file=sys.stderr)
     code = server.wait()
     if stopping:
         return 0
@@ -263,6 +274,9 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--grpc-port", type=int, default=8001)
     c.add_argument("--metrics-port", type=int, default=8002)
     c.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for every model to be ready")
+    c.add_argument("--admin-key", default=os.environ.get(ADMIN_KEY_ENV, ""),
+                   help=f"the key (header {ADMIN_HEADER}) that opens Triton's shared-memory, model-repository, "
+                        f"trace and logging APIs; default ${ADMIN_KEY_ENV}; without one they stay closed")
     c.set_defaults(run=_serve)
 
     c = sub.add_parser("infer", help="send one request over gRPC")

@@ -5,6 +5,9 @@ Messages (string content, or `text`, `image_url` and `video_url` parts) go throu
 chat template (`triton_vlm.chat.render_chat`); media travel to the ensemble as the `data:` URLs
 they came in, and any other URL is refused: this server fetches nothing. A client that goes away
 (mid-stream or while waiting) cancels its gRPC stream, so the `llm` stops and frees its KV blocks.
+The served ensemble's own media limits (its `preprocess` config, read at start-up) bound what is
+read: a body larger than they allow is refused with 413 before it is parsed (`BodyLimit`), and a
+request with more media parts than `max_media_items` with 400.
 gRPC streaming carries an error's message but not its code, so errors are told apart by message:
 overload refusals (UNAVAILABLE) -> 503, the pipeline's internal failures -> 500, the rest (what the
 ensemble refuses as INVALID_ARG) -> 400, each in OpenAI's error format.
@@ -14,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 from pathlib import Path
@@ -25,11 +29,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from triton_vlm.body_limit import BodyLimit, body_limit_bytes
 from triton_vlm.chat import load_chat_template, render_chat
 from triton_vlm.client import Increment, RequestError, aio_channel, request_values, stream_generate
 from triton_vlm.errors import InvalidInput
 from triton_vlm.families import detect_family
+from triton_vlm.limits import DEFAULT_LIMITS, Limits
 from triton_vlm.pipeline import REFUSALS
+
+log = logging.getLogger("triton_vlm")
 
 # Failures of the server rather than of the request: the ensemble's own, a dead model instance.
 _INTERNAL = ("internal error", "is not healthy")
@@ -114,9 +122,11 @@ class ChatRequest(BaseModel):
     stream_options: StreamOptions | None = None
 
 
-def template_messages(messages: list[Message]) -> tuple[list[dict], list[bytes], list[bytes]]:
+def template_messages(messages: list[Message],
+                      max_media_items: int) -> tuple[list[dict], list[bytes], list[bytes]]:
     """The messages as the chat template takes them (media parts as `{"type": "image"}` /
-    `{"type": "video"}`), and the image and video `data:` URLs in order."""
+    `{"type": "video"}`), and the image and video `data:` URLs in order; at most
+    `max_media_items` of them (the ensemble's limit)."""
     out, media = [], {"image": [], "video": []}
     for i, message in enumerate(messages):
         if isinstance(message.content, str):
@@ -128,6 +138,10 @@ def template_messages(messages: list[Message]) -> tuple[list[dict], list[bytes],
                 content.append({"type": "text", "text": part.text})
                 continue
             kind = "image" if isinstance(part, _Image) else "video"
+            if len(media["image"]) + len(media["video"]) == max_media_items:
+                raise APIError(400, f"messages[{i}].content[{j}]: more than {max_media_items} media parts in one "
+                                    f"request (the served ensemble's max_media_items={max_media_items})",
+                               param=f"messages[{i}].content[{j}]", code="too_many_media")
             url = (part.image_url if kind == "image" else part.video_url).url
             if not url.startswith("data:"):
                 shown = url if len(url) <= 100 else url[:100] + "..."
@@ -160,6 +174,21 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
+def served_limits(url: str) -> Limits:
+    """The media limits of the `preprocess` model served at gRPC `url` (its config's parameters);
+    the defaults, with a warning, when it cannot be asked."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    try:
+        with grpcclient.InferenceServerClient(url) as client:
+            config = client.get_model_config("preprocess", as_json=True, client_timeout=10)["config"]
+    except InferenceServerException as error:
+        log.warning("the media limits of %s could not be read (%s); using the defaults", url, error)
+        return DEFAULT_LIMITS
+    return Limits.from_params({k: v["string_value"] for k, v in config.get("parameters", {}).items()})
+
+
 def create_app(url: str, checkpoint: str | Path, model_name: str | None = None,
                default_max_tokens: int = 512) -> FastAPI:
     """The ASGI app in front of the ensemble at gRPC `url`, for the model of `checkpoint`."""
@@ -174,11 +203,14 @@ def create_app(url: str, checkpoint: str | Path, model_name: str | None = None,
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.limits = await asyncio.to_thread(served_limits, url)
         async with aio_channel(url) as channel:
             app.state.channel = channel
             yield
 
     app = FastAPI(title="triton-vlm", lifespan=lifespan)
+    app.state.limits = DEFAULT_LIMITS
+    app.add_middleware(BodyLimit, max_bytes=lambda: body_limit_bytes(app.state.limits))
 
     @app.exception_handler(APIError)
     async def api_error(_request: Request, error: APIError) -> JSONResponse:
@@ -205,7 +237,7 @@ def create_app(url: str, checkpoint: str | Path, model_name: str | None = None,
         for name in _UNSUPPORTED:
             if body.model_extra.get(name):
                 raise APIError(400, f"{name}: not supported, got {body.model_extra[name]!r}", param=name)
-        messages, images, videos = template_messages(body.messages)
+        messages, images, videos = template_messages(body.messages, request.app.state.limits.max_media_items)
         try:
             prompt = render_chat(template, family, messages)
         except InvalidInput as error:

@@ -4,14 +4,14 @@ client's cancellation passed on as a `stop` for the request, an in-flight cap.
 As tensorrtllm_backend's BLS model splits `Decoder` (the logic) from `TritonDecoder` (the calls),
 `Pipeline` takes the calls as functions: `call` runs a step and returns its outputs (or raises
 `StepFailed`), `stream` runs the last step and yields its `Reply`s, `stop` asks the last step to end
-a request id, `release` says that a request id is over (what its calls hold may be reused). Each
-request's responses go to a `Client` (`send`, `close`, `is_cancelled`).
+a request id. Each request's responses go to a `Client` (`send`, `close`, `is_cancelled`).
 `triton_vlm.triton_backend.PipelineModel` supplies the Triton versions of these; tests supply fakes.
 Tensors and errors are opaque here, but for the `Failure`s this module makes itself.
 """
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
@@ -99,15 +99,14 @@ class Pipeline:
     def __init__(self, steps: Sequence[Step], *, call: Callable[[Step, dict[str, Any], str], Mapping[str, Any]],
                  stream: Callable[[Step, dict[str, Any], str], Iterable[Reply]], stop: Callable[[str], None],
                  max_inflight: int, check: Callable[[Mapping[str, Any]], None] = lambda inputs: None,
-                 release: Callable[[str], None] = lambda request_id: None, poll_s: float = 0.02) -> None:
+                 is_empty: Callable[[Any], bool] = lambda tensor: tensor.size == 0, poll_s: float = 0.02) -> None:
         if not steps:
             raise ValueError("a pipeline needs at least one step")
         self.steps = list(steps)
         self.max_inflight = max_inflight
-        self._call, self._stream, self._stop, self._check, self._release = call, stream, stop, check, release
+        self._call, self._stream, self._stop, self._check, self._is_empty = call, stream, stop, check, is_empty
         self._flights: dict[str, _Flight] = {}
         self._lock = threading.Lock()
-        self._next_id = 0
         self._closing = threading.Event()
         self._watcher = threading.Thread(target=self._watch, args=(poll_s,), name="pipeline-cancel", daemon=True)
         self._watcher.start()
@@ -118,15 +117,15 @@ class Pipeline:
             return len(self._flights)
 
     def submit(self, inputs: dict[str, Any], client: Client, request_id: str = "") -> None:
-        """Start a request (its id: `request_id` or "request", made unique), or refuse it at once."""
+        """Start a request, or refuse it at once. Its id for the steps is `request_id` (or "request")
+        and 128 random bits: a `stop` names a request by its id, so no client may guess another's."""
         with self._lock:
             if len(self._flights) >= self.max_inflight:
                 refused = Failure("UNAVAILABLE", busy(f"{len(self._flights)} requests in flight, "
                                                       f"max_inflight_requests={self.max_inflight}"))
             else:
                 refused = None
-                self._next_id += 1
-                request_id = f"{request_id or 'request'}-{self._next_id}"
+                request_id = f"{request_id or 'request'}-{secrets.token_hex(16)}"
                 self._flights[request_id] = flight = _Flight(client)
         if refused is not None:
             client.close(refused)
@@ -148,7 +147,7 @@ class Pipeline:
                     return
                 given = {n: tensors[n] for n in step.inputs if n in tensors}
                 skipped = given.get(step.skip_when_empty)
-                if skipped is not None and skipped.size == 0:
+                if skipped is not None and self._is_empty(skipped):
                     continue
                 if i < len(self.steps) - 1:
                     try:
@@ -170,11 +169,6 @@ class Pipeline:
             log.exception("pipeline request %s failed", request_id)
             flight.finish(Failure("INTERNAL", "internal error in the ensemble; see the server log"))
         finally:
-            tensors.clear()  # the steps' outputs may lie in memory that `release` hands to another request
-            try:
-                self._release(request_id)
-            except Exception:
-                log.exception("releasing request %s failed", request_id)
             with self._lock:
                 self._flights.pop(request_id, None)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import json
 import os
 import re
 import shutil
@@ -24,6 +25,7 @@ import urllib.request
 from pathlib import Path
 from typing import Callable
 
+from triton_vlm import admin
 from triton_vlm.loopback import URL_ENV
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -96,12 +98,15 @@ class TritonServer:
 
     Started from the main thread, the server also goes when this process dies without stopping it
     (SIGKILL, a killed test run): it gets SIGTERM then and shuts down as on `stop`. Linux sends that
-    signal when the *thread* that started it ends, so from any other thread it is started without."""
+    signal when the *thread* that started it ends, so from any other thread it is started without.
+
+    Its admin APIs answer only requests with `admin_key` (`triton_vlm.admin`; default: a random
+    key of this start, held by this object alone)."""
 
     def __init__(self, repo: str | Path, http_port: int | None = None, grpc_port: int | None = None,
                  metrics_port: int | None = None, log_file: str | Path | None = None, echo: bool = False,
                  extra_args: tuple[str, ...] = (), supervise: bool = False,
-                 report: Callable[[str], None] | None = None) -> None:
+                 report: Callable[[str], None] | None = None, admin_key: str | None = None) -> None:
         self.repo = Path(repo).resolve()
         self.http_port = http_port or free_port()
         self.grpc_port = grpc_port or free_port()
@@ -115,6 +120,7 @@ class TritonServer:
         self.events: list[str] = []
         self._stopping = threading.Event()
         self._shm_regions: set[str] = set()
+        self.admin_key = admin.new_key() if admin_key is None else admin.check_key(admin_key)
 
     @property
     def grpc_url(self) -> str:
@@ -134,6 +140,7 @@ class TritonServer:
                 f"--backend-directory={root / 'backends'}", f"--http-port={self.http_port}",
                 f"--grpc-port={self.grpc_port}", f"--metrics-port={self.metrics_port}",
                 "--allow-cpu-metrics=true", "--exit-timeout-secs=10", "--log-verbose=0",
+                *admin.restricted_args(self.admin_key),
                 *(("--model-control-mode=explicit", "--load-model=*") if self.supervise else ()), *self.extra_args]
 
     def _read_output(self) -> None:
@@ -228,6 +235,8 @@ class TritonServer:
                 return
             model = instance.rsplit("_", 2)[0]
             retiring.update(p for p, name in known.items() if name.rsplit("_", 2)[0] == model)
+            if self._model_state(model) not in ("READY", None):  # an operator unloads or reloads it
+                continue
             self._event(f"model instance {instance} died (stub pid {pid}); requests routed to it fail "
                         f"until the model is reloaded: reloading {model!r}")
             try:
@@ -236,13 +245,25 @@ class TritonServer:
                 # Requests to it fail for the few seconds in between.
                 for action in ("unload", "load"):
                     request = urllib.request.Request(f"http://{self.http_url}/v2/repository/models/{model}/{action}",
-                                                     data=b"{}", method="POST")
+                                                     data=b"{}", method="POST", headers=admin.headers(self.admin_key))
                     urllib.request.urlopen(request, timeout=600).close()
                 self._note_shm_regions()
                 self._event(f"model {model!r} reloaded")
             except OSError as error:
                 self._event(f"reloading model {model!r} failed: {error}")
         known.update({pid: name for pid, name in alive.items() if pid not in known and pid not in retiring})
+
+    def _model_state(self, model: str) -> str | None:
+        """`model`'s state in the repository index (None if it cannot be read). A stub that died
+        leaves its model READY; an unload through the admin API does not."""
+        request = urllib.request.Request(f"http://{self.http_url}/v2/repository/index", data=b"{}", method="POST",
+                                         headers=admin.headers(self.admin_key))
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                index = json.loads(response.read())
+        except (OSError, ValueError):
+            return None
+        return next((entry.get("state") for entry in index if entry.get("name") == model), None)
 
     def _note_shm_regions(self) -> None:
         """Remember the Python backend's shared-memory regions the server has mapped. A server that

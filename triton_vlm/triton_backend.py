@@ -7,7 +7,6 @@ INVALID_ARG with the message as is, so a bad request fails alone.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import logging
 import threading
@@ -21,7 +20,7 @@ from triton_vlm import stub_watch
 from triton_vlm.errors import InvalidInput
 from triton_vlm.loopback import ERROR_CODES, GrpcSteps, server_url, with_code
 from triton_vlm.options import EncoderBatchOptions, EncoderOptions, LLMOptions, instance_device
-from triton_vlm.pipeline import Failure, Pipeline, Reply, Step, StepFailed
+from triton_vlm.pipeline import Failure, Pipeline, Reply, Step, StepFailed, step_failure
 from triton_vlm.sampling_params import SamplingParams
 
 log = logging.getLogger("triton_vlm")
@@ -74,6 +73,35 @@ def _scalar(request, name: str, kind: Callable[[Any], Any]) -> Any:
     if value.size != 1:
         raise InvalidInput(f"{name}: expected one value, got {value.size}")
     return kind(value.reshape(-1)[0])
+
+
+_CODES = ("UNKNOWN", "INTERNAL", "NOT_FOUND", "INVALID_ARG", "UNAVAILABLE", "UNSUPPORTED", "ALREADY_EXISTS",
+          "CANCELLED")
+
+
+def _bls_error(error) -> Failure:
+    """The error of a BLS response, with the code to pass on (`pipeline.step_failure`)."""
+    names = {getattr(pb_utils.TritonError, name): name for name in _CODES}
+    return step_failure(names.get(error.code(), "INTERNAL"), error.message())
+
+
+def _bls_call(model: str, tensors: dict, outputs, request_id: str = "") -> dict:
+    """One unary BLS call with `tensors` (pb_utils.Tensor, or arrays: an earlier step's output goes
+    on as it is, in its shared memory, not copied): `model`'s `outputs` present in its response, as
+    pb_utils.Tensor; StepFailed on its error. python_backend r24.10 builds and frees a unary
+    response's arrays under the GIL (README, "Why BLS")."""
+    inputs = [t if isinstance(t, pb_utils.Tensor) else pb_utils.Tensor(name, t) for name, t in tensors.items()]
+    request = pb_utils.InferenceRequest(model_name=model, request_id=request_id, requested_output_names=list(outputs),
+                                        inputs=inputs)
+    response = request.exec()
+    if response.has_error():
+        raise StepFailed(_bls_error(response.error()))
+    return {name: tensor for name in outputs if (tensor := pb_utils.get_output_tensor_by_name(response, name)) is not None}
+
+
+def _array(tensor) -> np.ndarray:
+    """A pb_utils.Tensor's array (a view of its memory), or the array itself."""
+    return tensor.as_numpy() if isinstance(tensor, pb_utils.Tensor) else tensor
 
 
 def _failure_response(failure: Failure) -> pb_utils.InferenceResponse:
@@ -133,8 +161,7 @@ class VisionEncoderModel:
     """The contract's `vision_encoder` (max_batch_size 0; any number of items, zero included).
 
     A light front: it validates the request, answers zero items itself, and hands the patch rows
-    to the internal `vision_encoder_batch` model (over the server's gRPC endpoint, in shared
-    memory: `triton_vlm.loopback`), where Triton's dynamic batcher puts
+    to the internal `vision_encoder_batch` model through BLS, where Triton's dynamic batcher puts
     the rows of several requests into one execution (see `triton_vlm.vision.batching` for the
     row convention). Several front instances run so that concurrent requests reach the batcher
     together; they hold no weights.
@@ -144,8 +171,6 @@ class VisionEncoderModel:
         stub_watch.start()
         _, params = _model_dir(args)
         self.options = EncoderOptions.from_params(params)
-        self.steps = GrpcSteps(server_url())
-        self._calls = itertools.count()
 
     def _encode_rows(self, pixels: np.ndarray, grid: np.ndarray, odd_share: bool) -> np.ndarray:
         from triton_vlm.repository import ODD_SHARE_INPUT
@@ -155,11 +180,8 @@ class VisionEncoderModel:
         inputs = {"pixel_values": np.ascontiguousarray(pixels, dtype=np.float32), "patch_grid": patch_grid(grid)}
         if odd_share:
             inputs[ODD_SHARE_INPUT] = np.ones((len(pixels), 1), dtype=bool)
-        call_id = f"{batch_model}-{next(self._calls)}"
         try:
-            size = len(pixels) // self.options.spatial_merge_size**2 * self.options.hidden * 4
-            return self.steps.call(batch_model, inputs, ["embeddings"], call_id,
-                                   sizes={"embeddings": size})["embeddings"].copy()
+            return _bls_call(batch_model, inputs, ["embeddings"])["embeddings"].as_numpy()
         except StepFailed as failed:
             error = failed.error
             if error.code == "INVALID_ARG":
@@ -167,8 +189,6 @@ class VisionEncoderModel:
             if error.code == "UNAVAILABLE":
                 raise _Unavailable(f"{batch_model}: {error.message}") from None
             raise RuntimeError(f"{batch_model}: {error.message}") from None
-        finally:
-            self.steps.release(call_id)
 
     def _handle(self, request) -> list:
         from triton_vlm.evs import check_rate, prune
@@ -193,9 +213,6 @@ class VisionEncoderModel:
 
     def execute(self, requests):
         return _serve_each(requests, self._handle)
-
-    def finalize(self) -> None:
-        self.steps.close()
 
 
 class VisionEncoderBatchModel:
@@ -269,10 +286,10 @@ class VisionEncoderBatchModel:
 
 
 class PipelineModel:
-    """`ensemble`: `triton_vlm.pipeline.Pipeline` over preprocess -> vision_encoder -> llm (streamed),
-    called over the server's own gRPC endpoint with the tensors in shared memory
-    (`triton_vlm.loopback`: a BLS response's tensors are built without the GIL in this Triton,
-    which crashed the stub under load).
+    """`ensemble`: `triton_vlm.pipeline.Pipeline` over preprocess -> vision_encoder (unary BLS calls,
+    each output passed on as it is) -> llm, streamed over the server's own gRPC endpoint
+    (`triton_vlm.loopback`: a streamed BLS call's responses are freed without the GIL in this
+    Triton, which crashed the stub under load).
 
     A Triton ensemble would not tell a running decoupled step that its client cancelled or went
     away (Triton 2.51); the pipeline sees it and this model sends the last step a `stop` request
@@ -290,22 +307,24 @@ class PipelineModel:
         self.final_output = params["final_output"]
         self.steps = GrpcSteps(server_url())
         self.pipeline = Pipeline(steps, call=self._call, stream=self._stream, stop=self._stop,
-                                 check=SamplingParams.from_inputs, release=self.steps.release,
+                                 check=SamplingParams.from_inputs, is_empty=lambda tensor: _array(tensor).size == 0,
                                  max_inflight=int(params["max_inflight_requests"]))
 
     def execute(self, requests):
         for request in requests:
             # Copies: the request's own memory is not ours once execute returns.
             inputs = {t.name(): t.as_numpy().copy() for t in request.inputs()}
-            self.pipeline.submit(inputs, _Client(request.get_response_sender()), request.request_id() or "ensemble")
+            client = _Client(request.get_response_sender(), frozenset(request.requested_output_names()))
+            self.pipeline.submit(inputs, client, request.request_id() or "ensemble")
         return None
 
     def _call(self, step: Step, tensors: dict, request_id: str) -> dict:
-        return self.steps.call(step.model, tensors, step.outputs, request_id)
+        return _bls_call(step.model, tensors, step.outputs, request_id)
 
     def _stream(self, step: Step, tensors: dict, request_id: str) -> Iterator[Reply]:
         """The last step's responses, as the client's."""
-        for reply in self.steps.stream(step.model, tensors, step.outputs, request_id):
+        arrays = {name: _array(tensor) for name, tensor in tensors.items()}
+        for reply in self.steps.stream(step.model, arrays, step.outputs, request_id):
             if isinstance(reply, Failure):
                 yield Reply(error=reply)
                 continue
@@ -324,16 +343,19 @@ class PipelineModel:
 
     def finalize(self) -> None:
         self.pipeline.close()
-        self.steps.close()
 
 
 class _Client:
-    """`pipeline.Client` over a decoupled model's response sender."""
+    """`pipeline.Client` over a decoupled model's response sender. A response holds only the
+    outputs the client asked for (`requested`; empty: all), so that the stub never drops one
+    without the GIL (`ResponseBuilder`'s note)."""
 
-    def __init__(self, sender) -> None:
-        self.sender = sender
+    def __init__(self, sender, requested: frozenset[str]) -> None:
+        self.sender, self.requested = sender, requested
 
     def send(self, outputs: list, final: bool) -> None:
+        if self.requested:
+            outputs = [tensor for tensor in outputs if tensor.name() in self.requested]
         self.sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=PipelineModel.FINAL if final else 0)
 
     def close(self, error: Failure | None = None) -> None:
@@ -432,7 +454,9 @@ class LLMModel:
             with self._lock:
                 self._next_id += 1
                 request_id = f"llm-{self._next_id}"
-        emit = _Emitter(sender, ResponseBuilder(params, stream, num_input_tokens=int(args[0].size)), tagged)
+        builder = ResponseBuilder(params, stream, num_input_tokens=int(args[0].size),
+                                  requested=frozenset(request.requested_output_names()))
+        emit = _Emitter(sender, builder, tagged)
         try:
             self.engine.submit(request_id, *args, params=params, emit=emit, is_cancelled=sender.is_cancelled, **pruned)
         except InvalidInput as error:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable
@@ -39,6 +39,7 @@ from triton_vlm.mrope import complete_positions
 log = logging.getLogger(__name__)
 
 _PROMPT_CONTEXT_TOKENS = 5  # prompt tail used as detokenization context
+_EARLY_STOPS = 256  # stops kept for request ids not (yet) in flight
 DEFAULT_KV_CACHE_BYTES = 256 << 20
 
 
@@ -99,6 +100,7 @@ class Engine:
         self._arrivals = 0
         self._ids_in_flight: set[str] = set()
         self._cancel_ids: set[str] = set()
+        self._early_stops: OrderedDict[str, None] = OrderedDict()
         self._stop = False
         # The model, the caches and every step's tensors are made on the scheduler thread: with
         # libgomp, a second thread that runs parallel regions (the caller's, loading weights) keeps
@@ -255,6 +257,9 @@ class Engine:
             if request_id in self._ids_in_flight:
                 raise InvalidInput(f"request id {request_id!r} is already in flight")
             self._ids_in_flight.add(request_id)
+            if request_id in self._early_stops:
+                del self._early_stops[request_id]
+                self._cancel_ids.add(request_id)
             self._arrivals += 1
             seq.arrival = self._arrivals
             self._incoming.append(seq)
@@ -262,9 +267,19 @@ class Engine:
             self._lock.notify_all()
 
     def cancel(self, request_id: str) -> None:
-        """Ask the scheduler to end a request with finish_reason "cancelled" at its next step."""
+        """Ask the scheduler to end a request with finish_reason "cancelled" at its next step. A stop
+        may overtake its request (they come on different calls): one for an id not in flight is
+        kept for the next request of that id, the latest `_EARLY_STOPS` of them, so that stops for
+        ids that never come cannot grow without bound."""
+        request_id = str(request_id)
         with self._lock:
-            self._cancel_ids.add(str(request_id))
+            if request_id in self._ids_in_flight:
+                self._cancel_ids.add(request_id)
+            else:
+                self._early_stops[request_id] = None
+                self._early_stops.move_to_end(request_id)
+                while len(self._early_stops) > _EARLY_STOPS:
+                    self._early_stops.popitem(last=False)
             self._lock.notify_all()
 
     def shutdown(self, timeout: float | None = 10.0) -> None:

@@ -18,10 +18,17 @@ class ResponseBuilder:
     over every token generated so far. The final response (its `finish_reason` set) also carries
     `num_input_tokens` (the prompt's length with every media placeholder expanded, what the model
     read) and `num_output_tokens` (the tokens generated).
+
+    `requested`: the outputs the client asked for (None or empty: all). A response holds only
+    those: python_backend r24.10 drops the others from a sent response without the GIL, freeing
+    their arrays in a race with every thread of the stub (fixed in r25.01, its PR 390), so a
+    client asking for `text_output` alone must not make the llm build the rest.
     """
 
-    def __init__(self, params: SamplingParams, stream: bool, num_input_tokens: int) -> None:
+    def __init__(self, params: SamplingParams, stream: bool, num_input_tokens: int,
+                 requested: frozenset[str] | None = None) -> None:
         self.params, self.stream, self.num_input_tokens = params, stream, num_input_tokens
+        self.requested = requested or None
         self.token_ids: list[int] = []
         self.text: list[str] = []
         self.logprobs: list[float] = []
@@ -50,4 +57,6 @@ class ResponseBuilder:
             tensors["num_input_tokens"] = np.array([self.num_input_tokens], dtype=np.int32)
         if out.finished and self.params.return_num_output_tokens:
             tensors["num_output_tokens"] = np.array([self.num_output_tokens], dtype=np.int32)
+        if self.requested is not None:
+            tensors = {name: array for name, array in tensors.items() if name in self.requested}
         return tensors
