@@ -8,13 +8,21 @@ free ports, and for `--duration` seconds keeps `--concurrency` clients busy with
 tokens, and bad inputs (each must fail with a message naming the input). Reports good requests
 that failed (must be 0), tritonserver + stub RSS at start and end, and KV blocks in use at the
 end (must be 0). Exits 1 if either must-be-0 is not.
+
+With `--faults SECONDS` the server is supervised (as `triton-vlm serve` runs it) and every SECONDS
+one stub is killed with SIGKILL, rotating over the steps (`FAULT_STEPS`). A request that then
+fails with UNAVAILABLE ("the <step> step restarted; retry") counts as such, one with no answer
+within `--request-timeout` as hung (must be 0); each kill's time to recovery is the time from the
+kill to the supervisor's reload.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import queue
 import random
 import re
+import signal
 import threading
 import time
 import urllib.request
@@ -27,10 +35,13 @@ from triton_vlm import samples
 from triton_vlm.checkpoint import write_demo_checkpoint
 from triton_vlm.client import RequestError, generate, grpc_inputs, request_values
 from triton_vlm.families import get_family
+from triton_vlm.pipeline import RESTARTED
 from triton_vlm.repository import build_repository
 from triton_vlm.server import TritonServer
 
 FAMILY = "qwen2_5_vl"
+# The steps whose stub `--faults` kills, in turn.
+FAULT_STEPS = ("llm", "preprocess", "vision_encoder", "vision_encoder_batch")
 
 
 def rss_mb(pid: int) -> float:
@@ -59,18 +70,34 @@ def kv_blocks_used(server: TritonServer) -> float:
     return float(re.search(r'triton_vlm_llm_kv_blocks\{[^}]*state="used"[^}]*\} (\S+)', text).group(1))
 
 
-def cancelled_stream(url: str, prompt: str, images: list[bytes]) -> None:
+def cancelled_stream(url: str, prompt: str, images: list[bytes], timeout: float) -> None:
     """Start a long stream and cancel it after two responses."""
     inputs = grpc_inputs(request_values(prompt, images, max_tokens=1000, stream=True))
     responses: queue.Queue = queue.Queue()
     with grpcclient.InferenceServerClient(url) as client:
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
-        client.async_stream_infer("ensemble", inputs)
-        for _ in range(2):
-            _, error = responses.get(timeout=120)
-            if error is not None:
-                raise RuntimeError(f"cancelled stream failed before cancelling: {error}")
-        client.stop_stream(cancel_requests=True)
+        try:
+            client.async_stream_infer("ensemble", inputs)
+            for _ in range(2):
+                _, error = responses.get(timeout=timeout)  # queue.Empty: hung
+                if error is not None:
+                    raise RequestError(f"cancelled stream failed before cancelling: {error}")
+        finally:
+            client.stop_stream(cancel_requests=True)
+
+
+def inject_faults(server: TritonServer, every: float, until: float, kills: list[tuple[str, float]]) -> None:
+    """Every `every` seconds until `until`, SIGKILL the first stub of the next of FAULT_STEPS;
+    append (model, time of the kill) to `kills`."""
+    turn = 0
+    while time.monotonic() + every < until:
+        time.sleep(every)
+        model = FAULT_STEPS[turn % len(FAULT_STEPS)]
+        turn += 1
+        victims = sorted(pid for pid, name in server.stub_processes().items() if name.startswith(f"{model}_"))
+        if victims:
+            os.kill(victims[0], signal.SIGKILL)
+            kills.append((model, time.monotonic()))
 
 
 def main() -> int:
@@ -80,6 +107,10 @@ def main() -> int:
     parser.add_argument("--size", default="small", choices=("tiny", "small"))
     parser.add_argument("--workdir", default="build/soak")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--faults", type=float, default=0.0,
+                        help="kill one step's stub every this many seconds (0: none)")
+    parser.add_argument("--request-timeout", type=float, default=120.0,
+                        help="seconds without an answer after which a request counts as hung")
     args = parser.parse_args()
 
     workdir = Path(args.workdir)
@@ -100,7 +131,15 @@ def main() -> int:
         "placeholders": (chat(family.image_placeholder * 2 + "?"), [good["image"][1][0]], [], "text_input"),
     }
 
-    with TritonServer(repo, log_file=workdir / "tritonserver.log") as server:
+    reloads: list[tuple[str, float]] = []
+
+    def report(message: str) -> None:
+        print(f"  server: {message}", flush=True)
+        found = re.match(r"model '(\w+)' reloaded", message)
+        if found:
+            reloads.append((found.group(1), time.monotonic()))
+
+    with TritonServer(repo, log_file=workdir / "tritonserver.log", supervise=args.faults > 0, report=report) as server:
         expected = {k: generate(server.grpc_url, p, i, v, max_tokens=32).output_ids for k, (p, i, v) in good.items()}
         rss_start = rss_mb(server.process.pid)
         counts: Counter = Counter()
@@ -116,27 +155,39 @@ def main() -> int:
                     if roll < 0.6:
                         kind = rng.choice(list(good))
                         prompt, images, videos = good[kind]
-                        ids = generate(server.grpc_url, prompt, images, videos, max_tokens=32).output_ids
+                        ids = generate(server.grpc_url, prompt, images, videos, max_tokens=32,
+                                       timeout=args.request_timeout).output_ids
                         outcome = f"good {kind}" if ids == expected[kind] else f"WRONG {kind}"
                     elif roll < 0.8:
-                        cancelled_stream(server.grpc_url, *good["image"][:2])
+                        cancelled_stream(server.grpc_url, *good["image"][:2], args.request_timeout)
                         outcome = "cancelled stream"
                     else:
                         case = rng.choice(list(bad))
                         prompt, images, videos, named = bad[case]
                         try:
-                            generate(server.grpc_url, prompt, images, videos, max_tokens=8)
+                            generate(server.grpc_url, prompt, images, videos, max_tokens=8,
+                                     timeout=args.request_timeout)
                             outcome = f"WRONG accepted {case}"
                         except RequestError as error:
+                            if RESTARTED in str(error):
+                                raise
                             outcome = f"bad {case}" if named in str(error) else f"WRONG message {case}: {error}"
+                except RequestError as error:
+                    outcome = "unavailable (step restarted)" if RESTARTED in str(error) else f"FAILED: {error}"
+                    time.sleep(0.1)  # a client's back-off before it retries
+                except queue.Empty:
+                    outcome = "HUNG"
                 except Exception as error:  # a good request that failed
                     outcome = f"FAILED: {type(error).__name__}: {error}"
                 with lock:
                     counts[outcome.split(":")[0]] += 1
-                    if outcome.startswith(("WRONG", "FAILED")):
+                    if outcome.startswith(("WRONG", "FAILED", "HUNG")):
                         failures.append(outcome)
 
         threads = [threading.Thread(target=worker, args=(i,)) for i in range(args.concurrency)]
+        kills: list[tuple[str, float]] = []
+        if args.faults > 0:
+            threads.append(threading.Thread(target=inject_faults, args=(server, args.faults, deadline, kills)))
         started = time.monotonic()
         for t in threads:
             t.start()
@@ -152,6 +203,12 @@ def main() -> int:
     for outcome, n in sorted(counts.items()):
         print(f"  {outcome:32s} {n}")
     print(f"  good requests failed or wrong      {len(failures)} (must be 0)")
+    if args.faults > 0:
+        print(f"  hung                               {counts['HUNG']} (must be 0)")
+        for model, at in kills:
+            back = next((t for m, t in reloads if m == model and t > at), None)
+            print(f"  killed {model:22s} at {at - started:6.1f} s, reloaded after "
+                  + (f"{back - at:.1f} s" if back else "never"))
     for failure in failures[:10]:
         print(f"    {failure}")
     print(f"  server RSS (tritonserver + stubs)  {rss_start:.0f} MB at start, {rss_end:.0f} MB at end")

@@ -92,10 +92,11 @@ def generate(url: str, prompt: str, images=(), videos=(), *, on_text: Callable[[
     with grpcclient.InferenceServerClient(url) as client:
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
         start = time.perf_counter()
+        finished = False
         try:
             client.async_stream_infer(MODEL, inputs, enable_empty_final_response=True)
             while True:
-                res, err = responses.get(timeout=timeout)
+                res, err = responses.get(timeout=timeout)  # queue.Empty: no response within `timeout`
                 if err is not None:
                     raise RequestError(err.message() if hasattr(err, "message") else str(err))
                 response = res.get_response()
@@ -112,9 +113,11 @@ def generate(url: str, prompt: str, images=(), videos=(), *, on_text: Callable[[
                     if on_text and text:
                         on_text(text)
                 if response.parameters["triton_final_response"].bool_param:
+                    finished = True
                     break
         finally:
-            client.stop_stream()
+            # a request that did not finish is cancelled: stop_stream alone would wait for it
+            client.stop_stream(cancel_requests=not finished)
     result.total_time = time.perf_counter() - start
     return result
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import queue
 import re
+import threading
 from typing import Iterator, Mapping, Sequence
 
 import numpy as np
@@ -76,9 +77,10 @@ class _Stream:
             self.open = True
 
     def close(self) -> None:
+        """Cancel what the stream still has in flight (a dead step never answers it) and close it."""
         if self.open:
             self.open = False
-            self.client.stop_stream()
+            self.client.stop_stream(cancel_requests=True)
 
 
 class GrpcSteps:
@@ -88,6 +90,16 @@ class GrpcSteps:
     def __init__(self, url: str) -> None:
         self.url = url
         self._idle: queue.SimpleQueue[_Stream] = queue.SimpleQueue()
+        self._busy: dict[_Stream, str] = {}  # streams with a request in flight -> the model called
+        self._lock = threading.Lock()
+
+    def abort(self, model: str, failure: Failure) -> None:
+        """End every request in flight to `model` with `failure` (its stub died: no response will
+        come); their streams are closed, not reused."""
+        with self._lock:
+            streams = [stream for stream, called in self._busy.items() if called == model]
+        for stream in streams:
+            stream.replies.put((None, failure))
 
     def stream(self, model: str, tensors: Mapping[str, np.ndarray], outputs: Sequence[str],
                request_id: str) -> Iterator[dict[str, np.ndarray] | Failure]:
@@ -102,6 +114,8 @@ class GrpcSteps:
         except queue.Empty:
             stream = _Stream(self.url)
         finished = False  # the request's final response came: the stream may serve another
+        with self._lock:
+            self._busy[stream] = model
         try:
             stream.start()
             try:
@@ -118,6 +132,9 @@ class GrpcSteps:
                 return
             while True:
                 result, error = stream.replies.get()
+                if isinstance(error, Failure):  # `abort`
+                    yield error
+                    return
                 if error is not None:
                     finished = not error.status()  # the model's error ends its request; a transport error the stream
                     yield self._failure(error)
@@ -134,6 +151,8 @@ class GrpcSteps:
         except InferenceServerException as error:
             yield self._failure(error)
         finally:
+            with self._lock:
+                del self._busy[stream]
             if not finished:
                 stream.close()
             self._idle.put(stream)

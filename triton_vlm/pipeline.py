@@ -42,15 +42,34 @@ class Failure:
 
 # A caller that gets an error without its code (a gRPC stream; a BLS caller in Triton 2.51 gets
 # INTERNAL, whatever the code) tells refusals for now (Triton's queue policy, the llm's queue
-# timeout) by their messages.
-REFUSALS = ("Request timeout expired", "Exceeds maximum queue size", BUSY_PREFIX)
+# timeout, a step that died or is being reloaded: `restarted`) by their messages.
+RESTARTED = "step restarted; retry"
+REFUSALS = ("Request timeout expired", "Exceeds maximum queue size", BUSY_PREFIX, RESTARTED)
+# Triton's words for a model whose stub died ("Stub process 'llm_0_0' is not healthy") or that is
+# being reloaded after it ("Request for unknown model: 'llm' has no available versions", "Model
+# 'llm' is not ready").
+STEP_GONE = ("is not healthy", "has no available versions", "Request for unknown model", "' is not ready")
 
 
 def step_failure(code: str, message: str) -> Failure:
-    """A step's error as passed on: a refusal for now is UNAVAILABLE, so the client may retry."""
-    if code == "INTERNAL" and any(m in message for m in REFUSALS):
+    """A step's error as passed on: a refusal for now, or a step that died and is being reloaded,
+    is UNAVAILABLE, so the client may retry."""
+    if (code == "INTERNAL" and any(m in message for m in REFUSALS)) or any(m in message for m in STEP_GONE):
         code = "UNAVAILABLE"
     return Failure(code, message)
+
+
+def restarted(model: str) -> Failure:
+    """What a request gets when a step it needs died under it or is being reloaded."""
+    return Failure("UNAVAILABLE", f"the {model} {RESTARTED}")
+
+
+def gone(model: str, error: Any) -> Any:
+    """`error`, or `restarted(model)` where it says that the step is gone (Triton's words are
+    internals to a client)."""
+    if isinstance(error, Failure) and any(m in error.message for m in STEP_GONE):
+        return restarted(model)
+    return error
 
 
 class StepFailed(Exception):
@@ -153,7 +172,7 @@ class Pipeline:
                     try:
                         tensors.update(self._call(step, given, request_id))
                     except StepFailed as failed:
-                        flight.finish(failed.error)
+                        flight.finish(gone(step.model, failed.error))
                         return
                     continue
                 flight.last_started = True
@@ -161,7 +180,7 @@ class Pipeline:
                     if flight.done:
                         continue  # drain to the last step's own final response
                     if reply.error is not None:
-                        flight.finish(reply.error)
+                        flight.finish(gone(step.model, reply.error))
                     elif reply.outputs is not None:
                         flight.send(reply.outputs, reply.final)
             flight.finish()

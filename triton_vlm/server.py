@@ -8,6 +8,7 @@ names this environment's site-packages and the project, so `triton_vlm` imports 
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import json
 import os
@@ -27,8 +28,14 @@ from typing import Callable
 
 from triton_vlm import admin
 from triton_vlm.loopback import URL_ENV
+from triton_vlm.stubs import model_of, stub_processes
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+# Seconds tritonserver waits for requests in flight at stop (`--exit-timeout-secs`); past them and
+# STOP_GRACE_S more, the server and its stubs are killed: Triton 2.51 never releases the requests a
+# dead stub held, so after a stub died it always waits the whole exit timeout, and then may hang.
+EXIT_TIMEOUT_S = 10
+STOP_GRACE_S = 3
 # Triton's error lines look like `E1122 10:30:00.123 123 file.cc:42] "message"`.
 _ERROR_LINE = re.compile(r"^E\d{4} ")
 
@@ -119,6 +126,7 @@ class TritonServer:
         self.report = report or (lambda message: print(f"triton-vlm serve: {message}", file=sys.stderr, flush=True))
         self.events: list[str] = []
         self._stopping = threading.Event()
+        self._stop_deadline = float("inf")
         self._shm_regions: set[str] = set()
         self.admin_key = admin.new_key() if admin_key is None else admin.check_key(admin_key)
 
@@ -139,7 +147,7 @@ class TritonServer:
         return [str(root / "bin" / "tritonserver"), f"--model-repository={self.repo}",
                 f"--backend-directory={root / 'backends'}", f"--http-port={self.http_port}",
                 f"--grpc-port={self.grpc_port}", f"--metrics-port={self.metrics_port}",
-                "--allow-cpu-metrics=true", "--exit-timeout-secs=10", "--log-verbose=0",
+                "--allow-cpu-metrics=true", f"--exit-timeout-secs={EXIT_TIMEOUT_S}", "--log-verbose=0",
                 *admin.restricted_args(self.admin_key),
                 *(("--model-control-mode=explicit", "--load-model=*") if self.supervise else ()), *self.extra_args]
 
@@ -200,16 +208,7 @@ class TritonServer:
 
     def stub_processes(self) -> dict[int, str]:
         """pid -> model instance name of the server's Python backend stubs."""
-        stubs = {}
-        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-            try:
-                argv = cmdline.read_bytes().split(b"\0")
-                stat = (cmdline.parent / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(stat[1]) == self.process.pid and argv[0].endswith(b"triton_python_backend_stub"):
-                stubs[int(cmdline.parent.name)] = argv[-3].decode()  # ... INSTANCE_NAME DEFAULT ''
-        return stubs
+        return stub_processes(self.process.pid)
 
     def _supervise(self, known: dict[int, str], period: float = 0.5) -> None:
         """A stub that dies leaves Triton 2.51 ready, with every request routed to that instance
@@ -233,8 +232,8 @@ class TritonServer:
                 continue
             if self.process.poll() is not None:  # the server itself went, and its stubs with it
                 return
-            model = instance.rsplit("_", 2)[0]
-            retiring.update(p for p, name in known.items() if name.rsplit("_", 2)[0] == model)
+            model = model_of(instance)
+            retiring.update(p for p, name in known.items() if model_of(name) == model)
             if self._model_state(model) not in ("READY", None):  # an operator unloads or reloads it
                 continue
             self._event(f"model instance {instance} died (stub pid {pid}); requests routed to it fail "
@@ -290,14 +289,27 @@ class TritonServer:
         self.report(message)
 
     def forward_signal(self, signum: int) -> None:
-        """Pass a signal on to the server (safe inside a signal handler: it does not wait)."""
+        """Pass a signal on to the server (safe inside a signal handler: it does not wait); `wait`
+        kills it if it has not exited EXIT_TIMEOUT_S + STOP_GRACE_S seconds after."""
+        if not self._stopping.is_set():
+            self._stop_deadline = time.monotonic() + EXIT_TIMEOUT_S + STOP_GRACE_S
         self._stopping.set()
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signum)
 
     def wait(self) -> int:
-        """Wait for the server to exit by itself; its exit code."""
-        code = self.process.wait()
+        """Wait for the server to exit; its exit code. Once a stop signal was forwarded, a server
+        still there after its exit timeout and grace is killed with its stubs."""
+        while True:
+            try:
+                code = self.process.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                if self._stopping.is_set() and time.monotonic() > self._stop_deadline:
+                    self._event(f"tritonserver still running {EXIT_TIMEOUT_S + STOP_GRACE_S} s after the stop "
+                                f"signal: killed")
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(self.process.pid, signal.SIGKILL)
         self._remove_shm_regions()
         if self._reader:
             self._reader.join(timeout=5)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -20,8 +21,9 @@ from triton_vlm import stub_watch
 from triton_vlm.errors import InvalidInput
 from triton_vlm.loopback import ERROR_CODES, GrpcSteps, server_url, with_code
 from triton_vlm.options import EncoderBatchOptions, EncoderOptions, LLMOptions, instance_device
-from triton_vlm.pipeline import Failure, Pipeline, Reply, Step, StepFailed, step_failure
+from triton_vlm.pipeline import Failure, Pipeline, Reply, Step, StepFailed, gone, restarted, step_failure
 from triton_vlm.sampling_params import SamplingParams
+from triton_vlm.stubs import StepWatch
 
 log = logging.getLogger("triton_vlm")
 
@@ -183,11 +185,12 @@ class VisionEncoderModel:
         try:
             return _bls_call(batch_model, inputs, ["embeddings"])["embeddings"].as_numpy()
         except StepFailed as failed:
-            error = failed.error
+            error = gone(batch_model, failed.error)
             if error.code == "INVALID_ARG":
                 raise InvalidInput(error.message) from None
             if error.code == "UNAVAILABLE":
-                raise _Unavailable(f"{batch_model}: {error.message}") from None
+                raise _Unavailable(error.message if error == restarted(batch_model)
+                                   else f"{batch_model}: {error.message}") from None
             raise RuntimeError(f"{batch_model}: {error.message}") from None
 
     def _handle(self, request) -> list:
@@ -295,6 +298,11 @@ class PipelineModel:
     away (Triton 2.51); the pipeline sees it and this model sends the last step a `stop` request
     with the same request id, so the llm ends the request within a step and frees its KV blocks.
     Its sampling inputs are checked (`SamplingParams.from_inputs`) before any step runs.
+
+    Nor does Triton 2.51 end what a decoupled step held when its stub dies: this model watches the
+    server's stubs (`triton_vlm.stubs.StepWatch`) and ends its requests streaming from a step that
+    died with UNAVAILABLE (`pipeline.restarted`); a unary step's death comes back as the call's
+    error. Each death is counted in `triton_vlm_step_restarts_total{model=...}`.
     """
 
     FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -309,6 +317,31 @@ class PipelineModel:
         self.pipeline = Pipeline(steps, call=self._call, stream=self._stream, stop=self._stop,
                                  check=SamplingParams.from_inputs, is_empty=lambda tensor: _array(tensor).size == 0,
                                  max_inflight=int(params["max_inflight_requests"]))
+        self._labels = {"version": args["model_version"]}
+        self._families = [pb_utils.MetricFamily(
+            name="triton_vlm_step_restarts_total", description="stub deaths of each model the ensemble calls "
+            "(directly or not), as the ensemble saw them; triton-vlm serve reloads the model",
+            kind=pb_utils.MetricFamily.COUNTER)]
+        self._restarts: dict[str, Any] = {}
+        self.watch = StepWatch(os.getppid(), {args["model_name"]}, self._step_died, self._ready)
+
+    def _ready(self, model: str) -> bool:
+        """Whether the server says `model` is ready (its health API)."""
+        import tritonclient.grpc as grpcclient
+        from tritonclient.utils import InferenceServerException
+
+        try:
+            with grpcclient.InferenceServerClient(self.steps.url) as client:
+                return client.is_model_ready(model, client_timeout=2.0)
+        except InferenceServerException:
+            return False
+
+    def _step_died(self, model: str) -> None:
+        """A stub of `model` died: count it; requests streaming from it end now."""
+        if model not in self._restarts:
+            self._restarts[model] = self._families[0].Metric(labels={**self._labels, "model": model})
+        self._restarts[model].increment(1)
+        self.steps.abort(model, restarted(model))
 
     def execute(self, requests):
         for request in requests:
@@ -319,10 +352,15 @@ class PipelineModel:
         return None
 
     def _call(self, step: Step, tensors: dict, request_id: str) -> dict:
+        if self.watch.down(step.model):
+            raise StepFailed(restarted(step.model))
         return _bls_call(step.model, tensors, step.outputs, request_id)
 
     def _stream(self, step: Step, tensors: dict, request_id: str) -> Iterator[Reply]:
         """The last step's responses, as the client's."""
+        if self.watch.down(step.model):
+            yield Reply(error=restarted(step.model))
+            return
         arrays = {name: _array(tensor) for name, tensor in tensors.items()}
         for reply in self.steps.stream(step.model, arrays, step.outputs, request_id):
             if isinstance(reply, Failure):
@@ -342,7 +380,9 @@ class PipelineModel:
             pass
 
     def finalize(self) -> None:
+        self.watch.close()
         self.pipeline.close()
+        _release_metrics(self._restarts, self._families)
 
 
 class _Client:
