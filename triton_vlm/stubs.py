@@ -39,15 +39,16 @@ class StepWatch:
     """Calls `on_death(model)` from its own thread, within `period` seconds, when a stub on
     `server_pid` of a model not in `ignore` dies; the model's other stubs, which its reload
     retires, are not counted again. Stubs that start later are watched from then on.
-    `down(model)`: a stub of it died and, since, no new one started that `ready(model)` says is
-    ready (a request sent to it meanwhile would wait for a dead stub, or for its reload)."""
+    `down(model)`: a stub of it died and, since, no new stub of it started that `ready(model)`
+    says is ready (a request sent to it meanwhile would wait for a dead stub, or for its reload)."""
 
     def __init__(self, server_pid: int, ignore: set[str], on_death: Callable[[str], None],
                  ready: Callable[[str], bool], period: float = 0.2) -> None:
         self.server_pid, self.ignore, self.on_death, self.period = server_pid, ignore, on_death, period
         self.ready = ready
         self._stop = threading.Event()
-        self._down: dict[str, bool] = {}  # model -> whether a new stub of it has started since
+        self._lock = threading.Lock()
+        self._down: dict[str, set[int]] = {}  # model -> its stubs when it died (none of them serves again)
         self._retiring: set[int] = set()  # the other stubs of a model that died: its reload ends them
         self._known = self._stubs()
         self._thread = threading.Thread(target=self._run, name="step-watch", daemon=True)
@@ -60,27 +61,47 @@ class StepWatch:
     def _run(self) -> None:
         while not self._stop.wait(self.period):
             try:
-                alive = self._stubs()
-                for pid, model in self._known.items():
-                    if pid in alive:
-                        continue
-                    if pid in self._retiring:  # the reload of an earlier death retires it
-                        self._retiring.discard(pid)
-                        continue
-                    self._down[model] = False
-                    self._retiring.update(p for p, m in alive.items() if m == model and p in self._known)
-                    self.on_death(model)
-                for pid, model in alive.items():
-                    if pid not in self._known and model in self._down:
-                        self._down[model] = True
-                self._known = alive
-                for model in [m for m, started in self._down.items() if started and self.ready(m)]:
-                    del self._down[model]
+                self._scan()
             except Exception:  # the watcher must outlive surprises in /proc and in callbacks
                 log.exception("step watch failed")
 
+    def _scan(self) -> None:
+        alive = self._stubs()
+        for pid, model in self._known.items():
+            if pid in alive:
+                continue
+            if pid in self._retiring:  # the reload of an earlier death retires it
+                self._retiring.discard(pid)
+                continue
+            others = {p for p, m in alive.items() if m == model and p in self._known}
+            with self._lock:
+                self._down[model] = {pid} | others | self._down.get(model, set())
+            self._retiring |= others
+            self.on_death(model)
+        self._known = alive
+        for model in list(self._down):
+            self._back(model, alive)
+
+    def _back(self, model: str, alive: dict[int, str]) -> bool:
+        """Whether `model` serves again (a stub of it newer than its death is ready); if so, it is
+        no longer down."""
+        with self._lock:
+            old = self._down.get(model)
+        if old is None:
+            return True
+        if not any(m == model and pid not in old for pid, m in alive.items()) or not self.ready(model):
+            return False
+        with self._lock:
+            self._down.pop(model, None)
+        return True
+
     def down(self, model: str) -> bool:
-        return model in self._down
+        """Asked per request: while `model` is down, it is looked at again now (a reload may have
+        ended since the last scan)."""
+        with self._lock:
+            if model not in self._down:
+                return False
+        return not self._back(model, self._stubs())
 
     def close(self) -> None:
         self._stop.set()
