@@ -265,22 +265,33 @@ def _kill_and_close(pidfds: dict[int, int]) -> None:
         os.close(fd)
 
 
-@pytest.mark.parametrize("goes_first", ["server", "stub"])
-def test_a_stub_watcher_kills_its_stub_when_the_server_goes_and_ends_with_the_stub(goes_first):
-    """triton_vlm.stub_watch with stand-in processes: a "server" whose child "stub" starts a watcher."""
+@pytest.mark.parametrize("goes_first", ["server", "stub", "no tritonserver"])
+def test_a_stub_watcher_kills_its_stub_when_the_server_goes_and_ends_with_the_stub(goes_first, tmp_path):
+    """triton_vlm.stub_watch with stand-in processes: a "server" (Python run as `tritonserver`)
+    whose child "stub" starts a watcher. A stub whose parent is no tritonserver (a server killed
+    while it loaded the model leaves its stub to init) is killed at once."""
     stub_code = "from triton_vlm import stub_watch; import time; stub_watch.start(); time.sleep(600)"
     server_code = ("import subprocess, sys, time; stub = subprocess.Popen([sys.executable, '-c', sys.argv[1]]); "
                    "print(stub.pid, flush=True); time.sleep(600)")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    server = subprocess.Popen([sys.executable, "-c", server_code, stub_code], stdout=subprocess.PIPE, text=True, env=env)
+    program = tmp_path / "tritonserver"  # the name the process runs under is what the watcher checks
+    program.symlink_to(sys.executable)
+    if goes_first == "no tritonserver":
+        program = Path(sys.executable)
+    server = subprocess.Popen([str(program), "-c", server_code, stub_code], stdout=subprocess.PIPE, text=True, env=env)
     pidfds = {server.pid: os.pidfd_open(server.pid)}
     try:
         stub = int(server.stdout.readline())
         pidfds[stub] = os.pidfd_open(stub)
+        if goes_first == "no tritonserver":
+            assert not _exited({stub: pidfds[stub]})
+            assert server.poll() is None
+            return
         deadline = time.monotonic() + 60
         while not (watcher := _children(stub)) and time.monotonic() < deadline:
             time.sleep(0.05)
         pidfds[watcher[0]] = os.pidfd_open(watcher[0])
+        assert _exited({stub: pidfds[stub]}, timeout=1.0) == {stub}  # the watcher leaves a served stub be
         signal.pidfd_send_signal(pidfds[server.pid if goes_first == "server" else stub], signal.SIGKILL)
         if goes_first == "server":
             assert not _exited({pid: pidfds[pid] for pid in (stub, watcher[0])})  # killed, then done
@@ -370,3 +381,4 @@ def test_a_server_on_busy_ports_is_refused_before_it_starts(server, tiny_repo):
     with pytest.raises(ServerError, match=f"^HTTP port {server.http_port} already in use"):
         second.start()
     assert second.process is None and server.is_ready()
+

@@ -104,6 +104,7 @@ def test_the_pipeline_check_names_what_a_step_would_lack(tiny_checkpoint):
     good = configs(tiny_checkpoint)
     steps = json.loads(good["ensemble"].parameters["steps"].string_value)
     assert [s.get("skip_when_empty", "") for s in steps] == ["", "pixel_values", ""]
+    assert [s.get("calls", []) for s in steps] == [[], ["vision_encoder_batch"], []]
 
     def broken(change) -> str:
         out = {name: mc.ModelConfig.FromString(c.SerializeToString()) for name, c in good.items()}
@@ -123,3 +124,10 @@ def test_the_pipeline_check_names_what_a_step_would_lack(tiny_checkpoint):
         out["ensemble"].parameters["steps"].string_value = json.dumps(listed)
 
     assert "vision_encoder.grid_thw is required but not passed" in broken(grid_not_passed)
+
+    def calls_unknown(out):
+        listed = json.loads(out["ensemble"].parameters["steps"].string_value)
+        listed[1]["calls"] = ["vision_encoder_batches"]
+        out["ensemble"].parameters["steps"].string_value = json.dumps(listed)
+
+    assert "vision_encoder calls ['vision_encoder_batches'], not in the repository" in broken(calls_unknown)

@@ -143,6 +143,62 @@ def test_a_failed_middle_step_ends_the_request_with_its_error_and_the_last_step_
     pipeline.close()
 
 
+def test_abort_ends_at_once_the_requests_waiting_on_a_dead_model_and_drops_what_comes_later():
+    """A death of the llm ends the two requests streaming from it at once; the one in preprocess
+    goes on; what the blocked streams give later reaches no client."""
+    steps = [STEPS[0], Step("encoder", ("input_ids",), ("embeddings",), calls=("encoder_batch",)), STEPS[2]]
+    release = {"preprocess": threading.Event(), "llm": threading.Event()}
+
+    def late_replies(request_id: str):
+        assert release["llm"].wait(TIMEOUT)
+        yield Reply(outputs=["late"], final=True)
+
+    fake = FakeSteps(replies=late_replies)
+    fake.on_call = lambda step: step.model != "preprocess" or release["preprocess"].wait(TIMEOUT)
+    pipeline = Pipeline(steps, call=fake.call, stream=fake.stream, stop=fake.stop, max_inflight=4, poll_s=0.005)
+    streaming = [FakeClient(), FakeClient()]
+    release["preprocess"].set()
+    for client in streaming:
+        pipeline.submit({"text_input": "a"}, client)
+    wait_until(lambda: len(fake.streams) == 2)
+    release["preprocess"].clear()
+    in_preprocess = FakeClient()
+    pipeline.submit({"text_input": "b"}, in_preprocess)
+    wait_until(lambda: len(fake.calls) == 5)
+
+    dead = Failure("UNAVAILABLE", "the llm step restarted; retry")
+    assert pipeline.abort("encoder_batch", dead) == 0  # no request is in the encoder
+    assert pipeline.abort("llm", dead) == 2
+    assert all(client.wait().responses == [("close", dead)] for client in streaming)
+    assert not in_preprocess.closed.is_set()
+    release["llm"].set()
+    release["preprocess"].set()
+    assert in_preprocess.wait().outputs == [["late"]]
+    wait_until(lambda: pipeline.in_flight == 0)
+    assert all(client.responses == [("close", dead)] for client in streaming)
+    assert not any(client.after_final for client in [*streaming, in_preprocess])
+    pipeline.close()
+
+
+def test_abort_of_a_model_a_step_calls_ends_the_requests_in_that_step_and_stops_them_there():
+    steps = [STEPS[0], Step("encoder", ("input_ids",), ("embeddings",), calls=("encoder_batch",)), STEPS[2]]
+    fake = FakeSteps()
+    release = threading.Event()
+    fake.on_call = lambda step: step.model == "encoder" and release.wait(TIMEOUT)
+    pipeline = Pipeline(steps, call=fake.call, stream=fake.stream, stop=fake.stop, max_inflight=4, poll_s=0.005)
+    client = FakeClient()
+    pipeline.submit({"text_input": "a"}, client)
+    wait_until(lambda: [m for m, _ in fake.calls] == ["preprocess", "encoder"])
+    dead = Failure("UNAVAILABLE", "the encoder_batch step restarted; retry")
+    assert pipeline.abort("preprocess", dead) == 0
+    assert pipeline.abort("encoder_batch", dead) == 1
+    assert client.wait().responses == [("close", dead)]
+    release.set()  # the encoder's late answer: the request goes no further
+    wait_until(lambda: pipeline.in_flight == 0)
+    assert not fake.streams and not client.after_final
+    pipeline.close()
+
+
 @pytest.mark.parametrize("message, code", [("Request timeout expired", "UNAVAILABLE"),
                                            ("Exceeds maximum queue size", "UNAVAILABLE"),
                                            ("server busy: 3 requests; retry later", "UNAVAILABLE"),

@@ -71,9 +71,9 @@ def test_a_dead_step_ends_its_requests_with_unavailable_and_the_server_recovers(
     events: list[str] = []
     server = TritonServer(tiny_repo, supervise=True, report=events.append, log_file=tmp_path / "server.log")
     server.start()
+    done, streaming = threading.Event(), threading.Event()
     try:
         outcomes: list[Outcome] = []
-        done, streaming = threading.Event(), threading.Event()
 
         def loop(transport: str) -> None:
             while not done.is_set():
@@ -81,7 +81,8 @@ def test_a_dead_step_ends_its_requests_with_unavailable_and_the_server_recovers(
                 if outcomes[-1].error is not None:
                     time.sleep(0.1)  # a client's back-off before it retries
 
-        clients = [threading.Thread(target=loop, args=(t,)) for t in ("grpc", "grpc", "http")]
+        # daemons, and `done` set on the way out: a failed check must not leave them looping
+        clients = [threading.Thread(target=loop, args=(t,), daemon=True) for t in ("grpc", "grpc", "http")]
         for client in clients:
             client.start()
         while len(outcomes) < 3:
@@ -117,6 +118,7 @@ def test_a_dead_step_ends_its_requests_with_unavailable_and_the_server_recovers(
         restarts = wait_for(server, lambda m: True)
         assert restarts.get("triton_vlm_step_restarts_total", 0) >= 1, restarts
     finally:
+        done.set()
         server.forward_signal(signal.SIGTERM)
         asked = time.monotonic()
         server.wait()

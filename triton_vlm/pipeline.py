@@ -25,11 +25,14 @@ log = logging.getLogger("triton_vlm")
 class Step:
     """One model the pipeline calls: the tensors it takes (those available are passed) and gives.
     `skip_when_empty`: an input that, given and empty, means the step has nothing to do (the
-    vision encoder for a request without media); it is not called and gives nothing."""
+    vision encoder for a request without media); it is not called and gives nothing.
+    `calls`: the models it calls itself (the encoder front's batch model): a death of one of them
+    ends its requests as the step's own does (`Pipeline.abort`)."""
     model: str
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     skip_when_empty: str = ""
+    calls: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -168,11 +171,14 @@ class Pipeline:
                 skipped = given.get(step.skip_when_empty)
                 if skipped is not None and self._is_empty(skipped):
                     continue
+                flight.step = step
                 if i < len(self.steps) - 1:
                     try:
                         tensors.update(self._call(step, given, request_id))
                     except StepFailed as failed:
                         flight.finish(gone(step.model, failed.error))
+                        return
+                    if flight.done:  # ended by `abort` while the step ran
                         return
                     continue
                 flight.last_started = True
@@ -190,6 +196,18 @@ class Pipeline:
         finally:
             with self._lock:
                 self._flights.pop(request_id, None)
+
+    def abort(self, model: str, error: Any) -> int:
+        """End now, with `error`, every request whose running step is `model` or calls it (its
+        stub died: the call would wait for the model's reload); returns how many. Their threads
+        drop what the step gives later. A step is marked running before it is called, so a
+        request reaching it after this is one that `call` or `stream` can refuse by itself."""
+        with self._lock:
+            flights = [f for f in self._flights.values() if f.step is not None
+                       and model in (f.step.model, *f.step.calls)]
+        for flight in flights:
+            flight.finish(error)
+        return len(flights)
 
     def _watch(self, poll_s: float) -> None:
         while not self._closing.wait(poll_s):
@@ -224,6 +242,7 @@ class _Flight:
         self._client = client
         self._lock = threading.Lock()
         self.done = False
+        self.step: Step | None = None  # the step running (or about to)
         self.last_started = False
         self.stop_sent = False
 

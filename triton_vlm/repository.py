@@ -297,6 +297,7 @@ def _pipeline(steps: list[mc.ModelConfig], options: BuildOptions, chat_template:
     for step in description:  # a request without media does not call the encoder
         if step["model"] == "vision_encoder":
             step["skip_when_empty"] = "pixel_values"
+            step["calls"] = [ENCODER_BATCH_MODEL]
     params = {"steps": json.dumps(description), "max_inflight_requests": str(options.max_inflight_requests),
               "final_output": "finish_reason"}
     if chat_template:
@@ -389,6 +390,8 @@ def check_pipeline(configs: dict[str, mc.ModelConfig]) -> None:
                                            f"{step['model']} may be skipped")
     for step in steps:
         model = configs[step["model"]]
+        if unknown := [m for m in step.get("calls", ()) if m not in configs]:
+            raise RuntimeError(f"ensemble: {model.name} calls {unknown}, not in the repository")
         for tensor in model.input:
             if tensor.name not in step["inputs"]:
                 if not tensor.optional:

@@ -10,7 +10,8 @@ So a separate process acts: `start()`, called by each model's `initialize`, runs
 triton_vlm.stub_watch STUB_PID SERVER_PID`. The watcher holds pidfds of the stub (its parent)
 and of the server and sleeps in `poll` on both: the server's exit gets the stub SIGKILL, the
 stub's own exit ends the watcher. A pidfd names one process for good, so a pid reused later is
-never signalled.
+never signalled. A stub whose parent is no tritonserver when it starts (the server was killed while
+it loaded the model: the stub's parent is init then) is killed at once.
 """
 from __future__ import annotations
 
@@ -43,6 +44,15 @@ def _parent_of(pid: int) -> int:
         return int(stat.read().rsplit(")", 1)[1].split()[1])
 
 
+def _is_tritonserver(pid: int) -> bool:
+    """Whether `pid` runs a program named tritonserver (its name as executed, as `ps` shows it)."""
+    try:
+        with open(f"/proc/{pid}/comm") as comm:
+            return comm.read().strip() == "tritonserver"
+    except OSError:
+        return False
+
+
 def watch(stub_pid: int, server_pid: int) -> None:
     """Wait until the stub or the server exits; kill the stub if the server went first."""
     stub = os.pidfd_open(stub_pid)
@@ -50,7 +60,8 @@ def watch(stub_pid: int, server_pid: int) -> None:
         return  # the stub is gone already (taken before this check, the pidfd named it if it was not)
     try:
         server = os.pidfd_open(server_pid)
-        server_alive = _parent_of(stub_pid) == server_pid  # so `server` names the stub's parent
+        # so that `server` names the stub's parent, and a tritonserver
+        server_alive = _parent_of(stub_pid) == server_pid and _is_tritonserver(server_pid)
     except OSError:
         server_alive = False
     if server_alive:

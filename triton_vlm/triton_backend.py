@@ -300,9 +300,10 @@ class PipelineModel:
     Its sampling inputs are checked (`SamplingParams.from_inputs`) before any step runs.
 
     Nor does Triton 2.51 end what a decoupled step held when its stub dies: this model watches the
-    server's stubs (`triton_vlm.stubs.StepWatch`) and ends its requests streaming from a step that
-    died with UNAVAILABLE (`pipeline.restarted`); a unary step's death comes back as the call's
-    error. Each death is counted in `triton_vlm_step_restarts_total{model=...}`.
+    server's stubs (`triton_vlm.stubs.StepWatch`) and ends the requests waiting on a step that
+    died, or on a model it calls, with UNAVAILABLE (`pipeline.restarted`) at once: a unary BLS call
+    to it would return only when the supervisor has reloaded it. Each death is counted in
+    `triton_vlm_step_restarts_total{model=...}`.
     """
 
     FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -310,8 +311,8 @@ class PipelineModel:
     def initialize(self, args: dict[str, Any]) -> None:
         stub_watch.start()
         _, params = _model_dir(args)
-        steps = [Step(s["model"], tuple(s["inputs"]), tuple(s["outputs"]), s.get("skip_when_empty", ""))
-                 for s in json.loads(params["steps"])]
+        steps = [Step(s["model"], tuple(s["inputs"]), tuple(s["outputs"]), s.get("skip_when_empty", ""),
+                      tuple(s.get("calls", ()))) for s in json.loads(params["steps"])]
         self.final_output = params["final_output"]
         self.steps = GrpcSteps(server_url())
         self.pipeline = Pipeline(steps, call=self._call, stream=self._stream, stop=self._stop,
@@ -337,10 +338,12 @@ class PipelineModel:
             return False
 
     def _step_died(self, model: str) -> None:
-        """A stub of `model` died: count it; requests streaming from it end now."""
+        """A stub of `model` died: count it; requests waiting on it end now (a unary call would
+        return only once the model is reloaded), and its streams are closed."""
         if model not in self._restarts:
             self._restarts[model] = self._families[0].Metric(labels={**self._labels, "model": model})
         self._restarts[model].increment(1)
+        self.pipeline.abort(model, restarted(model))
         self.steps.abort(model, restarted(model))
 
     def execute(self, requests):
