@@ -11,9 +11,10 @@ end (must be 0). Exits 1 if either must-be-0 is not.
 
 With `--faults SECONDS` the server is supervised (as `triton-vlm serve` runs it) and every SECONDS
 one stub is killed with SIGKILL, rotating over the steps (`FAULT_STEPS`). A request that then
-fails with UNAVAILABLE ("the <step> step restarted; retry") counts as such, one with no answer
-within `--request-timeout` as hung (must be 0); each kill's time to recovery is the time from the
-kill to the supervisor's reload.
+fails with UNAVAILABLE ("the <step> step restarted; retry"; or gRPC's own, while the supervisor
+restarts the server: after the ensemble's death, or tritonserver's) counts as such, one with no
+answer within `--request-timeout` as hung (must be 0); each kill's time to recovery is the time
+from the kill to the supervisor's reload or restart.
 """
 from __future__ import annotations
 
@@ -30,18 +31,21 @@ from collections import Counter
 from pathlib import Path
 
 import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
 
 from triton_vlm import samples
 from triton_vlm.checkpoint import write_demo_checkpoint
-from triton_vlm.client import RequestError, generate, grpc_inputs, request_values
+from triton_vlm.client import RequestError, generate, grpc_inputs, request_values, stream_error
 from triton_vlm.families import get_family
 from triton_vlm.pipeline import RESTARTED
 from triton_vlm.repository import build_repository
 from triton_vlm.server import TritonServer
 
 FAMILY = "qwen2_5_vl"
+# gRPC's status of a stream whose server went (the supervisor restarts it)
+SERVER_GONE = "StatusCode.UNAVAILABLE"
 # The steps whose stub `--faults` kills, in turn.
-FAULT_STEPS = ("llm", "preprocess", "vision_encoder", "vision_encoder_batch")
+FAULT_STEPS = ("llm", "preprocess", "vision_encoder", "vision_encoder_batch", "ensemble")
 
 
 def rss_mb(pid: int) -> float:
@@ -77,11 +81,14 @@ def cancelled_stream(url: str, prompt: str, images: list[bytes], timeout: float)
     with grpcclient.InferenceServerClient(url) as client:
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
         try:
-            client.async_stream_infer("ensemble", inputs)
+            try:
+                client.async_stream_infer("ensemble", inputs)
+            except InferenceServerException:
+                pass  # the stream broke before the request went (no server): the error is in `responses`
             for _ in range(2):
                 _, error = responses.get(timeout=timeout)  # queue.Empty: hung
                 if error is not None:
-                    raise RequestError(f"cancelled stream failed before cancelling: {error}")
+                    raise RequestError(f"cancelled stream failed before cancelling: {stream_error(error)}")
         finally:
             client.stop_stream(cancel_requests=True)
 
@@ -138,6 +145,8 @@ def main() -> int:
         found = re.match(r"model '(\w+)' reloaded", message)
         if found:
             reloads.append((found.group(1), time.monotonic()))
+        elif message == "tritonserver restarted":  # every model is back
+            reloads.append(("*", time.monotonic()))
 
     with TritonServer(repo, log_file=workdir / "tritonserver.log", supervise=args.faults > 0, report=report) as server:
         expected = {k: generate(server.grpc_url, p, i, v, max_tokens=32).output_ids for k, (p, i, v) in good.items()}
@@ -169,11 +178,12 @@ def main() -> int:
                                      timeout=args.request_timeout)
                             outcome = f"WRONG accepted {case}"
                         except RequestError as error:
-                            if RESTARTED in str(error):
+                            if RESTARTED in str(error) or SERVER_GONE in str(error):
                                 raise
                             outcome = f"bad {case}" if named in str(error) else f"WRONG message {case}: {error}"
                 except RequestError as error:
-                    outcome = "unavailable (step restarted)" if RESTARTED in str(error) else f"FAILED: {error}"
+                    outcome = ("unavailable (step restarted)" if RESTARTED in str(error) else
+                               "unavailable (server restarting)" if SERVER_GONE in str(error) else f"FAILED: {error}")
                     time.sleep(0.1)  # a client's back-off before it retries
                 except queue.Empty:
                     outcome = "HUNG"
@@ -206,8 +216,8 @@ def main() -> int:
     if args.faults > 0:
         print(f"  hung                               {counts['HUNG']} (must be 0)")
         for model, at in kills:
-            back = next((t for m, t in reloads if m == model and t > at), None)
-            print(f"  killed {model:22s} at {at - started:6.1f} s, reloaded after "
+            back = next((t for m, t in reloads if m in (model, "*") and t > at), None)
+            print(f"  killed {model:22s} at {at - started:6.1f} s, serving again after "
                   + (f"{back - at:.1f} s" if back else "never"))
     for failure in failures[:10]:
         print(f"    {failure}")

@@ -382,3 +382,17 @@ def test_a_server_on_busy_ports_is_refused_before_it_starts(server, tiny_repo):
         second.start()
     assert second.process is None and server.is_ready()
 
+
+def test_a_server_not_ready_in_time_is_stopped_and_the_error_says_where_it_stood(tiny_repo):
+    """A start that times out (a model that never finishes loading, as once in CI) names each
+    model's state, the stubs running and the server's last lines, and leaves nothing behind."""
+    from triton_vlm.server import ServerError, TritonServer
+
+    server = TritonServer(tiny_repo)
+    with pytest.raises(ServerError) as error:
+        server.start(timeout=3.0)
+    message = str(error.value)
+    assert message.startswith("tritonserver not ready after 3 s; models: ")
+    assert "; stubs: [" in message and "its last lines:\n" in message
+    assert "Started" in message or "loading" in message.lower(), message
+    assert server.process.poll() is not None

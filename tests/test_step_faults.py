@@ -8,6 +8,7 @@ and over HTTP generate_stream in loops while the step's first stub is killed wit
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import signal
@@ -64,44 +65,84 @@ def one_request(server, transport: str, streaming: threading.Event) -> Outcome:
         return Outcome(transport, start, time.monotonic(), error="no answer within 60 s")
 
 
-@pytest.mark.parametrize("model", ["llm", "preprocess", "vision_encoder", "vision_encoder_batch"])
-def test_a_dead_step_ends_its_requests_with_unavailable_and_the_server_recovers(tiny_repo, tmp_path, expected, model):
+class Load:
+    """Two gRPC streaming clients and one HTTP generate_stream client sending the image request in
+    loops, from `__enter__` (which returns once a request is in the llm, so that a kill finds
+    requests in flight) to `stop`. Daemons, stopped on the way out of the `with` too: a failed
+    check must not leave them looping."""
+
+    def __init__(self, server) -> None:
+        self.server, self.outcomes, self.crashed = server, [], []
+        self.done, self.streaming = threading.Event(), threading.Event()
+        self.clients = [threading.Thread(target=self._loop, args=(t,), daemon=True) for t in ("grpc", "grpc", "http")]
+
+    def _loop(self, transport: str) -> None:
+        try:
+            while not self.done.is_set():
+                self.outcomes.append(one_request(self.server, transport, self.streaming))
+                if self.outcomes[-1].error is not None:
+                    time.sleep(0.1)  # a client's back-off before it retries
+        except BaseException as error:  # a client that raised where it should have reported
+            self.crashed.append(error)
+            raise
+
+    def __enter__(self) -> Load:
+        for client in self.clients:
+            client.start()
+        while len(self.outcomes) < 3:
+            time.sleep(0.05)
+        self.streaming.clear()
+        assert self.streaming.wait(60)
+        return self
+
+    def stop(self) -> list[Outcome]:
+        self.done.set()
+        for client in self.clients:
+            client.join(timeout=60 + HANG_S)
+        assert not any(client.is_alive() for client in self.clients), "a request hung"
+        assert not self.crashed, self.crashed
+        return self.outcomes
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+
+
+@contextlib.contextmanager
+def supervised(tiny_repo, tmp_path):
+    """A server as `triton-vlm serve` runs it, with its supervisor's events; on the way out it is
+    stopped as serve stops it (SIGTERM), which must take no longer than its exit timeout and grace."""
     from triton_vlm.server import EXIT_TIMEOUT_S, STOP_GRACE_S, TritonServer
 
     events: list[str] = []
     server = TritonServer(tiny_repo, supervise=True, report=events.append, log_file=tmp_path / "server.log")
     server.start()
-    done, streaming = threading.Event(), threading.Event()
     try:
-        outcomes: list[Outcome] = []
+        yield server, events
+    finally:
+        server.forward_signal(signal.SIGTERM)
+        asked = time.monotonic()
+        server.wait()
+        took = time.monotonic() - asked
+    assert took <= EXIT_TIMEOUT_S + STOP_GRACE_S + 2, took  # (the kill, then the exit seen)
 
-        def loop(transport: str) -> None:
-            while not done.is_set():
-                outcomes.append(one_request(server, transport, streaming))
-                if outcomes[-1].error is not None:
-                    time.sleep(0.1)  # a client's back-off before it retries
 
-        # daemons, and `done` set on the way out: a failed check must not leave them looping
-        clients = [threading.Thread(target=loop, args=(t,), daemon=True) for t in ("grpc", "grpc", "http")]
-        for client in clients:
-            client.start()
-        while len(outcomes) < 3:
-            time.sleep(0.05)
-        streaming.clear()
-        assert streaming.wait(60)  # a request is in the llm: the kill finds requests in flight
+def wait_for_event(events: list[str], event: str, timeout: float = 120.0) -> float:
+    deadline = time.monotonic() + timeout
+    while event not in events and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert event in events, events
+    return time.monotonic()
+
+
+@pytest.mark.parametrize("model", ["llm", "preprocess", "vision_encoder", "vision_encoder_batch"])
+def test_a_dead_step_ends_its_requests_with_unavailable_and_the_server_recovers(tiny_repo, tmp_path, expected, model):
+    with supervised(tiny_repo, tmp_path) as (server, events), Load(server) as load:
         victim = next(pid for pid, name in server.stub_processes().items() if name == f"{model}_0_0")
         os.kill(victim, signal.SIGKILL)
         killed = time.monotonic()
-        deadline = killed + 120
-        while f"model {model!r} reloaded" not in events and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert f"model {model!r} reloaded" in events, events
-        reloaded = time.monotonic()
+        reloaded = wait_for_event(events, f"model {model!r} reloaded")
         time.sleep(4.0)
-        done.set()
-        for client in clients:
-            client.join(timeout=60 + HANG_S)
-        assert not any(client.is_alive() for client in clients), "a request hung"
+        outcomes = load.stop()
 
         failed = [o for o in outcomes if o.error is not None]
         for o in failed:  # in flight at the kill, or sent while the step was being reloaded
@@ -117,10 +158,36 @@ def test_a_dead_step_ends_its_requests_with_unavailable_and_the_server_recovers(
         assert used["triton_vlm_llm_kv_blocks:used"] == 0
         restarts = wait_for(server, lambda m: True)
         assert restarts.get("triton_vlm_step_restarts_total", 0) >= 1, restarts
-    finally:
-        done.set()
-        server.forward_signal(signal.SIGTERM)
-        asked = time.monotonic()
-        server.wait()
-        took = time.monotonic() - asked
-    assert took <= EXIT_TIMEOUT_S + STOP_GRACE_S + 2, took  # (the kill, then the exit seen)
+
+
+@pytest.mark.parametrize("victim", ["ensemble", "tritonserver"])
+def test_a_dead_ensemble_or_server_is_restarted_and_its_requests_end_at_once(tiny_repo, tmp_path, expected, victim):
+    """No reload ends what Triton holds for a dead `ensemble` stub, and a tritonserver that
+    aborts ends everything: the supervisor kills the server (when it is the ensemble) and starts
+    it again on the same ports. Requests in flight end at once (gRPC: UNAVAILABLE), so do those
+    sent while it restarts, later ones are answered as transformers answers them."""
+    with supervised(tiny_repo, tmp_path) as (server, events), Load(server) as load:
+        first, ports = server.process, (server.http_port, server.grpc_port, server.metrics_port)
+        stubs = server.stub_processes()
+        pid = first.pid if victim == "tritonserver" else next(p for p, i in stubs.items() if i == "ensemble_0_0")
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        back = wait_for_event(events, "tritonserver restarted")
+        time.sleep(4.0)
+        outcomes = load.stop()
+
+        reason = ("tritonserver exited by itself with code -9" if victim == "tritonserver"
+                  else f"model instance ensemble_0_0 died (stub pid {pid})")
+        assert events[0].startswith(reason) and events[0].endswith(": restarting it"), events
+        assert server.process is not first and (server.http_port, server.grpc_port, server.metrics_port) == ports
+        assert not set(stubs) & set(server.stub_processes())  # the old stubs went with the old server
+        failed = [o for o in outcomes if o.error is not None]
+        assert any(o.start < killed < o.end for o in failed), outcomes
+        for o in failed:  # in flight at the kill, or sent while the server restarted
+            assert o.end - max(o.start, killed) <= HANG_S, o
+            assert o.start < back + 1.0, o
+            if o.transport == "grpc" and o.start < killed:
+                assert "StatusCode.UNAVAILABLE" in o.error, o
+        later = [o for o in outcomes if o.start > back + 1.0]
+        assert later and all(o.tokens == expected for o in later), [o for o in later if o.tokens != expected]
+        assert all(o.tokens == expected for o in outcomes if o.error is None)

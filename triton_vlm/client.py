@@ -6,6 +6,7 @@ request is the same stream with `stream=false`: one response with the whole answ
 from __future__ import annotations
 
 import base64
+import http.client
 import json
 import queue
 import time
@@ -85,6 +86,7 @@ def generate(url: str, prompt: str, images=(), videos=(), *, on_text: Callable[[
              timeout: float = 600.0, **kwargs) -> GenerationResult:
     """One request over gRPC streaming; `on_text` sees each text increment as it arrives."""
     import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
 
     inputs = grpc_inputs(request_values(prompt, images, videos, **kwargs))
     responses: queue.Queue = queue.Queue()
@@ -94,11 +96,14 @@ def generate(url: str, prompt: str, images=(), videos=(), *, on_text: Callable[[
         start = time.perf_counter()
         finished = False
         try:
-            client.async_stream_infer(MODEL, inputs, enable_empty_final_response=True)
+            try:
+                client.async_stream_infer(MODEL, inputs, enable_empty_final_response=True)
+            except InferenceServerException:
+                pass  # the stream broke before the request went (no server): the error is in `responses`
             while True:
                 res, err = responses.get(timeout=timeout)  # queue.Empty: no response within `timeout`
                 if err is not None:
-                    raise RequestError(err.message() if hasattr(err, "message") else str(err))
+                    raise RequestError(stream_error(err))
                 response = res.get_response()
                 if response.outputs:
                     ids = res.as_numpy("output_ids")
@@ -120,6 +125,14 @@ def generate(url: str, prompt: str, images=(), videos=(), *, on_text: Callable[[
             client.stop_stream(cancel_requests=not finished)
     result.total_time = time.perf_counter() - start
     return result
+
+
+def stream_error(error: Exception) -> str:
+    """A stream's error as its message; a broken stream's with its gRPC status first
+    ("StatusCode.UNAVAILABLE: Socket closed": the server went)."""
+    message = error.message() if hasattr(error, "message") else str(error)
+    status = error.status() if hasattr(error, "status") else None
+    return f"{status}: {message}" if status and status.startswith("StatusCode.") else message
 
 
 @dataclass
@@ -207,6 +220,8 @@ def http_generate(url: str, body: dict, stream: bool = False, timeout: float = 6
             payload = response.read().decode()
     except urllib.error.HTTPError as error:
         raise RequestError(f"HTTP {error.code}: {error.read().decode()}") from None
+    except http.client.HTTPException as error:  # the server went mid-answer (IncompleteRead, ...)
+        raise RequestError(f"HTTP answer cut off: {error!r}") from None
     if not stream:
         return [json.loads(payload)]
     return [json.loads(line[5:]) for line in payload.splitlines() if line.startswith("data:")]

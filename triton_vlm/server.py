@@ -28,7 +28,8 @@ from typing import Callable
 
 from triton_vlm import admin
 from triton_vlm.loopback import URL_ENV
-from triton_vlm.stubs import model_of, stub_processes
+from triton_vlm.stubs import stub_processes
+from triton_vlm.supervisor import Supervisor
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # Seconds tritonserver waits for requests in flight at stop (`--exit-timeout-secs`); past them and
@@ -77,12 +78,14 @@ def port_in_use(port: int) -> bool:
         return False
 
 
-def _ended_with_this_process(command: list[str]) -> list[str]:
+def _ended_with_this_process(command: list[str], thread_outlives: bool = False) -> list[str]:
     """`command` run through util-linux `setpriv --pdeathsig TERM` (prctl PR_SET_PDEATHSIG, kept
-    across its exec) when called from the main thread: SIGTERM reaches it when this process ends.
-    As it is from other threads or without a setpriv that knows `--pdeathsig` (util-linux >= 2.33)."""
+    across its exec) when called from the main thread, or from a thread that outlives the process
+    (`thread_outlives`: it waits for its exit): SIGTERM reaches it when this process ends. Linux
+    sends it when the starting *thread* ends, so from other threads, or without a setpriv that knows
+    `--pdeathsig` (util-linux >= 2.33), the command is as it is."""
     setpriv = _setpriv_with_pdeathsig()
-    if setpriv is None or threading.current_thread() is not threading.main_thread():
+    if setpriv is None or not (thread_outlives or threading.current_thread() is threading.main_thread()):
         return command
     return [setpriv, "--pdeathsig", "TERM", "--", *command]
 
@@ -107,6 +110,9 @@ class TritonServer:
     (SIGKILL, a killed test run): it gets SIGTERM then and shuts down as on `stop`. Linux sends that
     signal when the *thread* that started it ends, so from any other thread it is started without.
 
+    `supervise` (as `triton-vlm serve` runs it): a `Supervisor` reloads a model whose stub died
+    and starts the server again when it exits by itself (`triton_vlm.supervisor`).
+
     Its admin APIs answer only requests with `admin_key` (`triton_vlm.admin`; default: a random
     key of this start, held by this object alone)."""
 
@@ -128,6 +134,8 @@ class TritonServer:
         self._stopping = threading.Event()
         self._stop_deadline = float("inf")
         self._shm_regions: set[str] = set()
+        self._supervisor: Supervisor | None = None
+        self._start_timeout = 300.0
         self.admin_key = admin.new_key() if admin_key is None else admin.check_key(admin_key)
 
     @property
@@ -177,27 +185,45 @@ class TritonServer:
                                                           ("metrics", self.metrics_port)) if port_in_use(port)]
         if busy:
             raise ServerError(f"{', '.join(busy)} already in use (another server?)")
+        self._start_timeout = timeout
+        self._launch(thread_outlives=False)
+        if self.supervise:  # started before returning: a stub may die right after
+            self._supervisor = Supervisor(self)
+        return self
+
+    def relaunch(self) -> None:
+        """Start the server again on the same ports, once it exited (`Supervisor`, from the thread
+        that then waits for it)."""
+        self._remove_shm_regions()
+        if self._reader:
+            self._reader.join(timeout=5)
+        self._launch(thread_outlives=True)
+
+    def _launch(self, thread_outlives: bool) -> None:
         # the ensemble calls its steps over this server's gRPC endpoint (triton_vlm.loopback)
         env = {**server_env(), URL_ENV: self.grpc_url}
-        self.process = subprocess.Popen(_ended_with_this_process(self.command()), env=env,
+        self.process = subprocess.Popen(_ended_with_this_process(self.command(), thread_outlives), env=env,
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         start_new_session=True)
+        if self._stopping.is_set():  # a stop that came while no process was there to take it
+            self.process.send_signal(signal.SIGTERM)
         self._reader = threading.Thread(target=self._read_output, daemon=True)
         self._reader.start()
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + self._start_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 self._reader.join(timeout=5)
                 raise ServerError(f"tritonserver exited with code {self.process.returncode}:\n{self.errors()}")
             if self.is_ready():
-                self._note_shm_regions()
-                if self.supervise:  # the first snapshot before returning: a stub may die right after
-                    threading.Thread(target=self._supervise, args=(self.stub_processes(),),
-                                     name="stub-supervisor", daemon=True).start()
-                return self
+                self.note_shm_regions()
+                return
             time.sleep(0.5)
-        self.stop()
-        raise ServerError(f"tritonserver not ready after {timeout:.0f} s:\n{self.errors()}")
+        # which model holds it up, and what the server said last
+        states, stubs = self.model_states() or "index unreadable", sorted(self.stub_processes().values())
+        tail = "\n".join(line.rstrip() for line in list(self._tail)[-30:])
+        self._kill(self.process)
+        raise ServerError(f"tritonserver not ready after {self._start_timeout:.0f} s; models: {states}; "
+                          f"stubs: {stubs}; its last lines:\n{tail}")
 
     def is_ready(self) -> bool:
         try:
@@ -210,61 +236,17 @@ class TritonServer:
         """pid -> model instance name of the server's Python backend stubs."""
         return stub_processes(self.process.pid)
 
-    def _supervise(self, known: dict[int, str], period: float = 0.5) -> None:
-        """A stub that dies leaves Triton 2.51 ready, with every request routed to that instance
-        failing ("Stub process ... is not healthy") and no restart. Report it and reload the model."""
-        retiring: set[int] = set()
-        while not self._stopping.wait(period) and self.process.poll() is None:
-            try:
-                self._check_stubs(known, retiring)
-            except Exception as error:  # the supervisor must outlive surprises in /proc
-                self._event(f"stub supervision error: {error!r}")
-
-    def _check_stubs(self, known: dict[int, str], retiring: set[int]) -> None:
-        """Report and reload once per vanished stub; the old stubs a reload retires are expected to go."""
-        alive = self.stub_processes()
-        for pid, instance in list(known.items()):
-            if pid in alive:
-                continue
-            del known[pid]
-            if pid in retiring:
-                retiring.discard(pid)
-                continue
-            if self.process.poll() is not None:  # the server itself went, and its stubs with it
-                return
-            model = model_of(instance)
-            retiring.update(p for p, name in known.items() if model_of(name) == model)
-            if self._model_state(model) not in ("READY", None):  # an operator unloads or reloads it
-                continue
-            self._event(f"model instance {instance} died (stub pid {pid}); requests routed to it fail "
-                        f"until the model is reloaded: reloading {model!r}")
-            try:
-                # Triton treats a load of an unchanged model as a no-op that keeps the dead
-                # instance (touching its files is not enough): unload it, then load it again.
-                # Requests to it fail for the few seconds in between.
-                for action in ("unload", "load"):
-                    request = urllib.request.Request(f"http://{self.http_url}/v2/repository/models/{model}/{action}",
-                                                     data=b"{}", method="POST", headers=admin.headers(self.admin_key))
-                    urllib.request.urlopen(request, timeout=600).close()
-                self._note_shm_regions()
-                self._event(f"model {model!r} reloaded")
-            except OSError as error:
-                self._event(f"reloading model {model!r} failed: {error}")
-        known.update({pid: name for pid, name in alive.items() if pid not in known and pid not in retiring})
-
-    def _model_state(self, model: str) -> str | None:
-        """`model`'s state in the repository index (None if it cannot be read). A stub that died
-        leaves its model READY; an unload through the admin API does not."""
+    def model_states(self) -> dict[str, str]:
+        """Each model's state in the repository index (none if it cannot be read)."""
         request = urllib.request.Request(f"http://{self.http_url}/v2/repository/index", data=b"{}", method="POST",
                                          headers=admin.headers(self.admin_key))
         try:
             with urllib.request.urlopen(request, timeout=10) as response:
-                index = json.loads(response.read())
-        except (OSError, ValueError):
-            return None
-        return next((entry.get("state") for entry in index if entry.get("name") == model), None)
+                return {entry.get("name"): entry.get("state") for entry in json.loads(response.read())}
+        except (OSError, ValueError, AttributeError):
+            return {}
 
-    def _note_shm_regions(self) -> None:
+    def note_shm_regions(self) -> None:
         """Remember the Python backend's shared-memory regions the server has mapped. A server that
         exits cleanly removes them; one that is killed leaves them in /dev/shm (about 1 MB each,
         in memory) for `stop` / `wait` to remove."""
@@ -284,7 +266,7 @@ class TritonServer:
                 pass
         self._shm_regions.clear()
 
-    def _event(self, message: str) -> None:
+    def event(self, message: str) -> None:
         self.events.append(message)
         self.report(message)
 
@@ -297,38 +279,58 @@ class TritonServer:
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signum)
 
+    @property
+    def stopping(self) -> bool:
+        """Whether a stop was asked (`stop`, `forward_signal`): the supervisor restarts nothing then."""
+        return self._stopping.is_set()
+
     def wait(self) -> int:
-        """Wait for the server to exit; its exit code. Once a stop signal was forwarded, a server
-        still there after its exit timeout and grace is killed with its stubs."""
+        """Wait for the server to exit, through the supervisor's restarts; its exit code. Once a
+        stop signal was forwarded, a server still there after its exit timeout and grace is killed
+        with its stubs."""
         while True:
-            try:
-                code = self.process.wait(timeout=0.5)
+            process = self.process
+            while True:
+                try:
+                    code = process.wait(timeout=0.5)
+                    break
+                except subprocess.TimeoutExpired:
+                    if self._stopping.is_set() and time.monotonic() > self._stop_deadline:
+                        self.event(f"tritonserver still running {EXIT_TIMEOUT_S + STOP_GRACE_S} s after the "
+                                   f"stop signal: killed")
+                        self._kill(process)
+            if self._supervisor is None or not self._supervisor.replaced(process):
                 break
-            except subprocess.TimeoutExpired:
-                if self._stopping.is_set() and time.monotonic() > self._stop_deadline:
-                    self._event(f"tritonserver still running {EXIT_TIMEOUT_S + STOP_GRACE_S} s after the stop "
-                                f"signal: killed")
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(self.process.pid, signal.SIGKILL)
-        self._remove_shm_regions()
-        if self._reader:
-            self._reader.join(timeout=5)
+        self._after_exit()
         return code
 
     def stop(self, timeout: float = 30.0) -> None:
         self._stopping.set()
         if self.process is None:
             return
-        if self.process.poll() is not None:  # it exited, or was killed, by itself
-            self._remove_shm_regions()
-            return
-        self._note_shm_regions()
-        self.process.send_signal(signal.SIGINT)
-        try:
-            self.process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        while True:
+            process = self.process
+            if process.poll() is None:
+                self.note_shm_regions()
+                process.send_signal(signal.SIGINT)
+                try:
+                    process.wait(timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    self._kill(process)
+            if self._supervisor is not None:  # a restart under way sees the stop and ends
+                self._supervisor.done.wait(self._start_timeout)
+            if self.process is process:
+                break
+        self._after_exit()
+
+    @staticmethod
+    def _kill(process: subprocess.Popen) -> None:
+        """SIGKILL to a server and its stubs (its process group), and wait for it."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+    def _after_exit(self) -> None:
         self._remove_shm_regions()
         if self._reader:
             self._reader.join(timeout=5)

@@ -1,10 +1,10 @@
 """The Python-backend stub processes of a tritonserver, and a watcher of their deaths.
 
 Triton 2.51 neither restarts a stub that dies nor ends the requests a decoupled one held: they
-wait for responses that never come (server issue 7862). Two parties watch the stubs: the server's
-supervisor (`triton_vlm.server.TritonServer`, which reloads the model) and the `ensemble`, whose
-`StepWatch` ends the requests it has in flight through a step that died, so that its clients get
-UNAVAILABLE at once instead of hanging.
+wait for responses that never come (server issue 7862). Two parties watch the stubs with a
+`StepWatch`: the server's supervisor (`triton_vlm.supervisor`, which reloads the model, or
+restarts the server) and the `ensemble`, which ends the requests it has in flight through a step
+that died, so that its clients get UNAVAILABLE at once instead of hanging.
 """
 from __future__ import annotations
 
@@ -36,13 +36,13 @@ def model_of(instance: str) -> str:
 
 
 class StepWatch:
-    """Calls `on_death(model)` from its own thread, within `period` seconds, when a stub on
+    """Calls `on_death(instance, pid)` from its own thread, within `period` seconds, when a stub on
     `server_pid` of a model not in `ignore` dies; the model's other stubs, which its reload
     retires, are not counted again. Stubs that start later are watched from then on.
     `down(model)`: a stub of it died and, since, no new stub of it started that `ready(model)`
     says is ready (a request sent to it meanwhile would wait for a dead stub, or for its reload)."""
 
-    def __init__(self, server_pid: int, ignore: set[str], on_death: Callable[[str], None],
+    def __init__(self, server_pid: int, ignore: set[str], on_death: Callable[[str, int], None],
                  ready: Callable[[str], bool], period: float = 0.2) -> None:
         self.server_pid, self.ignore, self.on_death, self.period = server_pid, ignore, on_death, period
         self.ready = ready
@@ -55,8 +55,9 @@ class StepWatch:
         self._thread.start()
 
     def _stubs(self) -> dict[int, str]:
-        return {pid: model for pid, instance in stub_processes(self.server_pid).items()
-                if (model := model_of(instance)) not in self.ignore}
+        """pid -> instance name of the watched stubs."""
+        return {pid: instance for pid, instance in stub_processes(self.server_pid).items()
+                if model_of(instance) not in self.ignore}
 
     def _run(self) -> None:
         while not self._stop.wait(self.period):
@@ -67,17 +68,18 @@ class StepWatch:
 
     def _scan(self) -> None:
         alive = self._stubs()
-        for pid, model in self._known.items():
+        for pid, instance in self._known.items():
             if pid in alive:
                 continue
             if pid in self._retiring:  # the reload of an earlier death retires it
                 self._retiring.discard(pid)
                 continue
-            others = {p for p, m in alive.items() if m == model and p in self._known}
+            model = model_of(instance)
+            others = {p for p, i in alive.items() if model_of(i) == model and p in self._known}
             with self._lock:
                 self._down[model] = {pid} | others | self._down.get(model, set())
             self._retiring |= others
-            self.on_death(model)
+            self.on_death(instance, pid)
         self._known = alive
         for model in list(self._down):
             self._back(model, alive)
@@ -89,7 +91,7 @@ class StepWatch:
             old = self._down.get(model)
         if old is None:
             return True
-        if not any(m == model and pid not in old for pid, m in alive.items()) or not self.ready(model):
+        if not any(model_of(i) == model and pid not in old for pid, i in alive.items()) or not self.ready(model):
             return False
         with self._lock:
             self._down.pop(model, None)

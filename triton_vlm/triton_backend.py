@@ -23,7 +23,7 @@ from triton_vlm.loopback import ERROR_CODES, GrpcSteps, server_url, with_code
 from triton_vlm.options import EncoderBatchOptions, EncoderOptions, LLMOptions, instance_device
 from triton_vlm.pipeline import Failure, Pipeline, Reply, Step, StepFailed, gone, restarted, step_failure
 from triton_vlm.sampling_params import SamplingParams
-from triton_vlm.stubs import StepWatch
+from triton_vlm.stubs import StepWatch, model_of
 
 log = logging.getLogger("triton_vlm")
 
@@ -337,9 +337,10 @@ class PipelineModel:
         except InferenceServerException:
             return False
 
-    def _step_died(self, model: str) -> None:
-        """A stub of `model` died: count it; requests waiting on it end now (a unary call would
+    def _step_died(self, instance: str, pid: int) -> None:
+        """A stub of a model died: count it; requests waiting on it end now (a unary call would
         return only once the model is reloaded), and its streams are closed."""
+        model = model_of(instance)
         if model not in self._restarts:
             self._restarts[model] = self._families[0].Metric(labels={**self._labels, "model": model})
         self._restarts[model].increment(1)

@@ -1,0 +1,123 @@
+"""What `triton-vlm serve` does for a running tritonserver that Triton 2.51 does not: it keeps the
+models, and the server itself, serving after a crash.
+
+- A Python stub that dies leaves Triton ready, with every request routed to that instance failing
+  ("Stub process ... is not healthy") and no restart: its model is reloaded (unload, then load).
+- The `ensemble`'s stub is the exception. Triton holds forever the requests a decoupled model had
+  when its stub died (server issue 7862), and no reload ends them; the server is killed, which
+  ends every connection at once (a gRPC client gets UNAVAILABLE), and started again.
+- A tritonserver that exits by itself is started again on the same ports (python_backend r24.10
+  once aborted, `boost::interprocess::lock_exception`, after a stub was killed holding a mutex of
+  the shared memory).
+At most MAX_RESTARTS restarts within RESTART_WINDOW_S: past them the server stays down and `wait`
+returns its exit code, for what runs `triton-vlm serve` (Kubernetes, systemd) to act on.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import signal
+import subprocess
+import threading
+import time
+import urllib.request
+from typing import TYPE_CHECKING
+
+from triton_vlm import admin
+from triton_vlm.stubs import StepWatch, model_of
+
+if TYPE_CHECKING:
+    from triton_vlm.server import TritonServer
+
+# Models whose stub's death restarts the server: the clients' entry point.
+RESTART_ON_DEATH = frozenset({"ensemble"})
+MAX_RESTARTS, RESTART_WINDOW_S = 5, 300.0
+
+
+class Supervisor:
+    """Watches `server`'s process and stubs from its own thread, from `start` until the server
+    is stopped or given up (`done`)."""
+
+    def __init__(self, server: TritonServer, period: float = 0.5) -> None:
+        self.server, self.period = server, period
+        self.done = threading.Event()
+        self._changed = threading.Condition()
+        self._restarts: collections.deque[float] = collections.deque()
+        self._kill_reason: str | None = None
+        self._thread = threading.Thread(target=self._run, name="triton-supervisor", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                process = self.server.process
+                watch = StepWatch(process.pid, set(), lambda instance, pid: self._stub_died(process, instance, pid),
+                                  ready=lambda model: True, period=self.period)
+                try:
+                    code = process.wait()
+                finally:
+                    watch.close()
+                if self.server.stopping or not self._restart(code):
+                    return
+        finally:
+            with self._changed:
+                self.done.set()
+                self._changed.notify_all()
+
+    def _restart(self, code: int) -> bool:
+        """Start the server again after it exited with `code`, unless it was restarted too often."""
+        reason, self._kill_reason = self._kill_reason or f"tritonserver exited by itself with code {code}", None
+        now = time.monotonic()
+        while self._restarts and now - self._restarts[0] > RESTART_WINDOW_S:
+            self._restarts.popleft()
+        if len(self._restarts) >= MAX_RESTARTS:
+            self.server.event(f"{reason}; {MAX_RESTARTS} restarts within {RESTART_WINDOW_S:.0f} s already: "
+                              f"giving up")
+            return False
+        self._restarts.append(now)
+        self.server.event(f"{reason}: restarting it")
+        from triton_vlm.server import ServerError
+
+        try:
+            self.server.relaunch()
+        except ServerError as error:
+            self.server.event(f"restarting tritonserver failed: {error}")
+            return False
+        with self._changed:
+            self._changed.notify_all()
+        self.server.event("tritonserver restarted")
+        return True
+
+    def replaced(self, process: subprocess.Popen) -> bool:
+        """After `process` exited: wait until a restart has replaced it (True) or none will (False)."""
+        with self._changed:
+            self._changed.wait_for(lambda: self.server.process is not process or self.done.is_set())
+            return self.server.process is not process and not self.done.is_set()
+
+    def _stub_died(self, process: subprocess.Popen, instance: str, pid: int) -> None:
+        if process.poll() is not None or self.server.stopping:  # the server went, and its stubs with it
+            return
+        model = model_of(instance)
+        if model in RESTART_ON_DEATH:
+            self._kill_reason = (f"model instance {instance} died (stub pid {pid}); Triton holds its requests "
+                                 f"for good, so tritonserver was killed")
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            return
+        if self.server.model_states().get(model) not in ("READY", None):  # an operator unloads or reloads it
+            return
+        self.server.event(f"model instance {instance} died (stub pid {pid}); requests routed to it fail "
+                          f"until the model is reloaded: reloading {model!r}")
+        try:
+            # Triton treats a load of an unchanged model as a no-op that keeps the dead instance
+            # (touching its files is not enough): unload it, then load it again. Requests to it
+            # fail for the few seconds in between.
+            for action in ("unload", "load"):
+                request = urllib.request.Request(f"http://{self.server.http_url}/v2/repository/models/{model}/{action}",
+                                                 data=b"{}", method="POST", headers=admin.headers(self.server.admin_key))
+                urllib.request.urlopen(request, timeout=600).close()
+            self.server.note_shm_regions()
+            self.server.event(f"model {model!r} reloaded")
+        except OSError as error:
+            self.server.event(f"reloading model {model!r} failed: {error}")
