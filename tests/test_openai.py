@@ -292,3 +292,25 @@ def test_genai_perf_openai_vision_mode(api, tiny_checkpoint, tmp_path):
                      image_size=64, workdir=tmp_path))
     (sent,) = tmp_path.glob("multimodal/*/inputs.json")
     assert sent.read_text().count("data:image/png;base64,") >= REQUESTS  # an image in every request
+
+
+def test_ensemble_errors_map_to_openai_statuses():
+    """A step that died (`restarted`) and a server gone (gRPC UNAVAILABLE, while `triton-vlm serve`
+    restarts it) are 503s a client may retry; overload is 503 too, a bad request 400."""
+    import grpc
+
+    from triton_vlm.client import RequestError
+    from triton_vlm.errors import busy
+    from triton_vlm.openai_server import ensemble_error
+    from triton_vlm.pipeline import restarted
+
+    def answer(error) -> tuple[int, str]:
+        body = ensemble_error(error).body()["error"]
+        return ensemble_error(error).status, body.get("code") or ""
+
+    empty = grpc.aio.Metadata()
+    assert answer(RequestError(restarted("llm").message)) == (503, "step_restarted")
+    assert answer(RequestError(busy("4 requests in flight"))) == (503, "server_busy")
+    assert answer(RequestError("images[0]: not a decodable image")) == (400, "")
+    assert answer(grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, empty, empty, "Socket closed"))[0] == 503
+    assert answer(grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, empty, empty, "boom"))[0] == 500

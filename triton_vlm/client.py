@@ -145,12 +145,15 @@ class Increment:
 
 
 def aio_channel(url: str) -> grpc.aio.Channel:
-    """An asyncio gRPC channel to the server, message sizes unbounded as in tritonclient."""
+    """An asyncio gRPC channel to the server, message sizes unbounded as in tritonclient. It tries
+    to reconnect at least every second (gRPC's backoff grows to 120 s): a server that `triton-vlm
+    serve` restarted is back within seconds, and so should its clients be."""
     import grpc
 
     limit = 2**31 - 1
     return grpc.aio.insecure_channel(url, options=[("grpc.max_send_message_length", limit),
-                                                   ("grpc.max_receive_message_length", limit)])
+                                                   ("grpc.max_receive_message_length", limit),
+                                                   ("grpc.max_reconnect_backoff_ms", 1000)])
 
 
 def _infer_request(values: dict[str, tuple], request_id: str) -> service_pb2.ModelInferRequest:

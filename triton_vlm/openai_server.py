@@ -35,7 +35,7 @@ from triton_vlm.client import Increment, RequestError, aio_channel, request_valu
 from triton_vlm.errors import InvalidInput
 from triton_vlm.families import detect_family
 from triton_vlm.limits import DEFAULT_LIMITS, Limits
-from triton_vlm.pipeline import REFUSALS
+from triton_vlm.pipeline import REFUSALS, RESTARTED
 
 log = logging.getLogger("triton_vlm")
 
@@ -67,6 +67,8 @@ def ensemble_error(error: RequestError | grpc.aio.AioRpcError) -> APIError:
         status = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAVAILABLE: 503}.get(error.code(), 500)
         return APIError(status, f"ensemble: {error.details()}")
     message = str(error)
+    if RESTARTED in message:  # a step died under the request, or is being reloaded
+        return APIError(503, message, code="step_restarted")
     if any(m in message for m in REFUSALS):  # overload: the pipeline's and Triton's queues'
         return APIError(503, message, code="server_busy")
     return APIError(500 if any(m in message for m in _INTERNAL) else 400, message)

@@ -32,9 +32,10 @@ from triton_vlm.stubs import stub_processes
 from triton_vlm.supervisor import Supervisor
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-# Seconds tritonserver waits for requests in flight at stop (`--exit-timeout-secs`); past them and
-# STOP_GRACE_S more, the server and its stubs are killed: Triton 2.51 never releases the requests a
-# dead stub held, so after a stub died it always waits the whole exit timeout, and then may hang.
+# Seconds from a stop signal to a server gone: tritonserver waits for requests in flight for the
+# first EXIT_TIMEOUT_S - STOP_GRACE_S (`--exit-timeout-secs`), and a server still there at
+# EXIT_TIMEOUT_S is killed with its stubs: Triton 2.51 never releases the requests a dead stub
+# held, so after a stub died it always waits its whole drain, and then may hang.
 EXIT_TIMEOUT_S = 10
 STOP_GRACE_S = 3
 # Triton's error lines look like `E1122 10:30:00.123 123 file.cc:42] "message"`.
@@ -155,7 +156,7 @@ class TritonServer:
         return [str(root / "bin" / "tritonserver"), f"--model-repository={self.repo}",
                 f"--backend-directory={root / 'backends'}", f"--http-port={self.http_port}",
                 f"--grpc-port={self.grpc_port}", f"--metrics-port={self.metrics_port}",
-                "--allow-cpu-metrics=true", f"--exit-timeout-secs={EXIT_TIMEOUT_S}", "--log-verbose=0",
+                "--allow-cpu-metrics=true", f"--exit-timeout-secs={EXIT_TIMEOUT_S - STOP_GRACE_S}", "--log-verbose=0",
                 *admin.restricted_args(self.admin_key),
                 *(("--model-control-mode=explicit", "--load-model=*") if self.supervise else ()), *self.extra_args]
 
@@ -272,9 +273,9 @@ class TritonServer:
 
     def forward_signal(self, signum: int) -> None:
         """Pass a signal on to the server (safe inside a signal handler: it does not wait); `wait`
-        kills it if it has not exited EXIT_TIMEOUT_S + STOP_GRACE_S seconds after."""
+        kills it if it has not exited EXIT_TIMEOUT_S seconds after."""
         if not self._stopping.is_set():
-            self._stop_deadline = time.monotonic() + EXIT_TIMEOUT_S + STOP_GRACE_S
+            self._stop_deadline = time.monotonic() + EXIT_TIMEOUT_S
         self._stopping.set()
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signum)
@@ -286,8 +287,8 @@ class TritonServer:
 
     def wait(self) -> int:
         """Wait for the server to exit, through the supervisor's restarts; its exit code. Once a
-        stop signal was forwarded, a server still there after its exit timeout and grace is killed
-        with its stubs."""
+        stop signal was forwarded, a server still there EXIT_TIMEOUT_S after it is killed with its
+        stubs."""
         while True:
             process = self.process
             while True:
@@ -296,7 +297,7 @@ class TritonServer:
                     break
                 except subprocess.TimeoutExpired:
                     if self._stopping.is_set() and time.monotonic() > self._stop_deadline:
-                        self.event(f"tritonserver still running {EXIT_TIMEOUT_S + STOP_GRACE_S} s after the "
+                        self.event(f"tritonserver still running {EXIT_TIMEOUT_S} s after the "
                                    f"stop signal: killed")
                         self._kill(process)
             if self._supervisor is None or not self._supervisor.replaced(process):
