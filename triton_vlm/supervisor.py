@@ -93,7 +93,7 @@ class Supervisor:
         """After `process` exited: wait until a restart has replaced it (True) or none will (False)."""
         with self._changed:
             self._changed.wait_for(lambda: self.server.process is not process or self.done.is_set())
-            return self.server.process is not process and not self.done.is_set()
+            return self.server.process is not process
 
     def _stub_died(self, process: subprocess.Popen, instance: str, pid: int) -> None:
         if process.poll() is not None or self.server.stopping:  # the server went, and its stubs with it
