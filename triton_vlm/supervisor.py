@@ -45,28 +45,35 @@ class Supervisor:
         self._changed = threading.Condition()
         self._restarts: collections.deque[float] = collections.deque()
         self._kill_reason: str | None = None
-        self._thread = threading.Thread(target=self._run, name="triton-supervisor", daemon=True)
+        # The first stubs are known before this returns: one may die right after the start.
+        first = self._watch(server.process)
+        self._thread = threading.Thread(target=self._run, args=(server.process, first), name="triton-supervisor",
+                                        daemon=True)
         self._thread.start()
 
-    def _run(self) -> None:
+    def _watch(self, process: subprocess.Popen) -> StepWatch:
+        """A watch of `process`'s stubs as they are now (and of those started later)."""
+        return StepWatch(process.pid, set(), lambda instance, pid: self._stub_died(process, instance, pid),
+                         ready=lambda model: True, period=self.period)
+
+    def _run(self, process: subprocess.Popen, watch: StepWatch) -> None:
         try:
             while True:
-                process = self.server.process
-                watch = StepWatch(process.pid, set(), lambda instance, pid: self._stub_died(process, instance, pid),
-                                  ready=lambda model: True, period=self.period)
                 try:
                     code = process.wait()
                 finally:
                     watch.close()
-                if self.server.stopping or not self._restart(code):
+                if self.server.stopping or (watch := self._restart(code)) is None:
                     return
+                process = self.server.process
         finally:
             with self._changed:
                 self.done.set()
                 self._changed.notify_all()
 
-    def _restart(self, code: int) -> bool:
-        """Start the server again after it exited with `code`, unless it was restarted too often."""
+    def _restart(self, code: int) -> StepWatch | None:
+        """Start the server again after it exited with `code`, unless it was restarted too often;
+        the watch of the new server's stubs, taken as soon as it is ready."""
         reason, self._kill_reason = self._kill_reason or f"tritonserver exited by itself with code {code}", None
         now = time.monotonic()
         while self._restarts and now - self._restarts[0] > RESTART_WINDOW_S:
@@ -74,7 +81,7 @@ class Supervisor:
         if len(self._restarts) >= MAX_RESTARTS:
             self.server.event(f"{reason}; {MAX_RESTARTS} restarts within {RESTART_WINDOW_S:.0f} s already: "
                               f"giving up")
-            return False
+            return None
         self._restarts.append(now)
         self.server.event(f"{reason}: restarting it")
         from triton_vlm.server import ServerError
@@ -83,11 +90,12 @@ class Supervisor:
             self.server.relaunch()
         except ServerError as error:
             self.server.event(f"restarting tritonserver failed: {error}")
-            return False
+            return None
+        watch = self._watch(self.server.process)
         with self._changed:
             self._changed.notify_all()
         self.server.event("tritonserver restarted")
-        return True
+        return watch
 
     def replaced(self, process: subprocess.Popen) -> bool:
         """After `process` exited: wait until a restart has replaced it (True) or none will (False)."""
