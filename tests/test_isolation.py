@@ -12,6 +12,7 @@ import json
 import mmap
 import os
 import secrets
+import time
 import urllib.error
 import urllib.request
 
@@ -178,3 +179,19 @@ def test_serve_refuses_an_admin_key_triton_cannot_take():
         with pytest.raises(ValueError, match="admin key must be") as refused:
             TritonServer("/nonexistent", admin_key=bad)
         assert bad not in str(refused.value)
+
+
+def test_an_operators_reload_of_the_llm_releases_the_old_one(guarded, expected):
+    """After the ensemble has streamed from the llm, an unload and load through the admin API
+    ends the old llm's stub (the ensemble's streams used to keep the old model, and its memory,
+    for good) and the new one answers as transformers does."""
+    assert answer(guarded) == expected
+    old = {pid for pid, name in guarded.stub_processes().items() if name.startswith("llm_")}
+    for action in ("unload", "load"):
+        status, text = http_call(guarded, "POST", f"/v2/repository/models/llm/{action}", {}, key=KEY)
+        assert status == 200, text
+    deadline = time.monotonic() + 60
+    while old & set(guarded.stub_processes()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not old & set(guarded.stub_processes())
+    assert answer(guarded) == expected

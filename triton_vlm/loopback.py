@@ -60,8 +60,10 @@ def failure_of(error) -> Failure:
 
 
 class _Stream:
-    """A client and its open gRPC stream, one request at a time: opening a stream costs about
-    1 ms, so a stream that ended its request cleanly serves the next one."""
+    """A client (its channel serves request after request) and a gRPC stream for one request at
+    a time, closed when the request ends: a stream Triton has served keeps the model it called
+    alive, so an idle stream held an unloaded llm (its stub and memory) for good after an
+    operator's reload. Opening one costs about 1 ms."""
 
     def __init__(self, url: str) -> None:
         import tritonclient.grpc as grpcclient
@@ -77,7 +79,8 @@ class _Stream:
             self.open = True
 
     def close(self) -> None:
-        """Cancel what the stream still has in flight (a dead step never answers it) and close it."""
+        """Cancel what the stream still has in flight (a dead step never answers it: nothing else
+        would end it) and close it."""
         if self.open:
             self.open = False
             self.client.stop_stream(cancel_requests=True)
@@ -95,7 +98,7 @@ class GrpcSteps:
 
     def abort(self, model: str, failure: Failure) -> None:
         """End every request in flight to `model` with `failure` (its stub died: no response will
-        come); their streams are closed, not reused."""
+        come)."""
         with self._lock:
             streams = [stream for stream, called in self._busy.items() if called == model]
         for stream in streams:
@@ -105,7 +108,7 @@ class GrpcSteps:
                request_id: str) -> Iterator[dict[str, np.ndarray] | Failure]:
         """A decoupled model's responses, each its `outputs` present in it (responses without
         any, such as the empty final one, are not given); an error is the last item. Responses of
-        another request id (an earlier request's, on a reused stream) are skipped."""
+        another request id are skipped."""
         import tritonclient.grpc as grpcclient
         from tritonclient.utils import InferenceServerException
 
@@ -113,7 +116,6 @@ class GrpcSteps:
             stream = self._idle.get_nowait()
         except queue.Empty:
             stream = _Stream(self.url)
-        finished = False  # the request's final response came: the stream may serve another
         with self._lock:
             self._busy[stream] = model
         try:
@@ -136,7 +138,6 @@ class GrpcSteps:
                     yield error
                     return
                 if error is not None:
-                    finished = not error.status()  # the model's error ends its request; a transport error the stream
                     yield self._failure(error)
                     return
                 response = result.get_response()
@@ -146,15 +147,13 @@ class GrpcSteps:
                 if got:
                     yield got
                 if response.parameters["triton_final_response"].bool_param:
-                    finished = True
                     return
         except InferenceServerException as error:
             yield self._failure(error)
         finally:
             with self._lock:
                 del self._busy[stream]
-            if not finished:
-                stream.close()
+            stream.close()
             self._idle.put(stream)
 
     def _failure(self, error) -> Failure:
