@@ -86,7 +86,6 @@ def generate(url: str, prompt: str, images=(), videos=(), *, on_text: Callable[[
              timeout: float = 600.0, **kwargs) -> GenerationResult:
     """One request over gRPC streaming; `on_text` sees each text increment as it arrives."""
     import tritonclient.grpc as grpcclient
-    from tritonclient.utils import InferenceServerException
 
     inputs = grpc_inputs(request_values(prompt, images, videos, **kwargs))
     responses: queue.Queue = queue.Queue()
@@ -96,10 +95,7 @@ def generate(url: str, prompt: str, images=(), videos=(), *, on_text: Callable[[
         start = time.perf_counter()
         finished = False
         try:
-            try:
-                client.async_stream_infer(MODEL, inputs, enable_empty_final_response=True)
-            except InferenceServerException:
-                pass  # the stream broke before the request went (no server): the error is in `responses`
+            send_on_stream(client, MODEL, inputs, enable_empty_final_response=True)
             while True:
                 res, err = responses.get(timeout=timeout)  # queue.Empty: no response within `timeout`
                 if err is not None:
@@ -125,6 +121,18 @@ def generate(url: str, prompt: str, images=(), videos=(), *, on_text: Callable[[
             client.stop_stream(cancel_requests=not finished)
     result.total_time = time.perf_counter() - start
     return result
+
+
+def send_on_stream(client, model: str, inputs: list, **kwargs) -> None:
+    """`async_stream_infer` on a started stream. When the stream broke before the request went
+    (no server there), its callback has the error already: the caller reads it from there, as
+    any other."""
+    from tritonclient.utils import InferenceServerException
+
+    try:
+        client.async_stream_infer(model, inputs, **kwargs)
+    except InferenceServerException:
+        pass
 
 
 def stream_error(error: Exception) -> str:
