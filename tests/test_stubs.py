@@ -1,7 +1,9 @@
 """`triton_vlm.stubs.StepWatch` with stand-in processes: a "server" that starts "stubs" (Python run
-as `triton_python_backend_stub`, with the instance name where Triton puts it) when told to."""
+as `triton_python_backend_stub` on a REPOSITORY/MODEL/1/model.py that sleeps, with the instance name
+where Triton puts it) when told to."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -12,38 +14,46 @@ from pathlib import Path
 
 import pytest
 
-from triton_vlm.stubs import StepWatch, stub_processes
+from triton_vlm.stubs import StepWatch, model_of, stub_processes
 
 PERIOD = 0.02
 SERVER = """
 import subprocess, sys
 stubs = {}
-for line in sys.stdin:  # one instance name per line: start a stub of that name
-    stub = subprocess.Popen([sys.argv[1], "-c", "import time; time.sleep(600)", line.strip(), "DEFAULT"])
+for line in sys.stdin:  # "MODEL_FILE INSTANCE_NAME" per line: start a stub of that instance
+    model_file, instance = line.split()
+    stub = subprocess.Popen([sys.argv[1], model_file, instance, "DEFAULT"])
     print(stub.pid, flush=True)
 """
 
 
 class StandIn:
     def __init__(self, tmp_path: Path) -> None:
+        self.repository = tmp_path / "repository"
         program = tmp_path / "triton_python_backend_stub"
         program.symlink_to(sys.executable)
+        self.program, self.started = program, []
         self.process = subprocess.Popen([sys.executable, "-c", SERVER, str(program)], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, text=True)
         self.pid = self.process.pid
 
-    def start(self, instance: str) -> int:
-        """A new stub, once it runs as one (and a watch's period later)."""
-        self.process.stdin.write(instance + "\n")
+    def start(self, instance: str, model: str | None = None) -> int:
+        """A new stub of `model` (the instance's), once it runs as one (and a watch's period later)."""
+        model_file = self.repository / (model or model_of(instance)) / "1" / "model.py"
+        model_file.parent.mkdir(parents=True, exist_ok=True)
+        model_file.write_text("import time; time.sleep(600)\n")
+        self.process.stdin.write(f"{model_file} {instance}\n")
         self.process.stdin.flush()
         pid = int(self.process.stdout.readline())
-        wait_until(lambda: pid in stub_processes(self.pid))
+        self.started.append(pid)
+        wait_until(lambda: Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0] == bytes(self.program))
         time.sleep(2 * PERIOD)
         return pid
 
     def close(self) -> None:
-        for pid in stub_processes(self.pid):
-            os.kill(pid, signal.SIGKILL)
+        for pid in self.started:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         self.process.kill()
         self.process.wait()
 
@@ -85,5 +95,42 @@ def test_a_death_is_reported_once_per_model_and_the_model_is_down_until_a_new_st
         wait_until(lambda: len(deaths) == 2)
         time.sleep(5 * PERIOD)
         assert deaths[1] == ("llm_0_1", llm) and len(deaths) == 2
+    finally:
+        watch.close()
+
+
+def test_the_stub_that_reads_a_models_config_is_not_an_instance(server):
+    """Triton runs one stub per model, named after it, to read its config and ends it before the
+    instances start: neither a stub of the server's instances, nor a death when it ends."""
+    config = server.start("vision_encoder_batch", model="vision_encoder_batch")
+    instance = server.start("vision_encoder_batch_0_0")
+    assert stub_processes(server.pid) == {instance: "vision_encoder_batch_0_0"}
+    deaths: list[tuple[str, int]] = []
+    watch = StepWatch(server.pid, set(), lambda instance, pid: deaths.append((instance, pid)),
+                      ready=lambda model: True, period=PERIOD)
+    try:
+        os.kill(config, signal.SIGKILL)
+        time.sleep(5 * PERIOD)
+        assert deaths == [] and not watch.down("vision_encoder_batch")
+    finally:
+        watch.close()
+
+
+def test_an_operators_load_is_not_retired_by_the_old_stubs_exit(server):
+    """Unload then load: the old stub may exit after the new one started (and is ready). Its exit
+    is seen, but the newer stub is not one of its siblings: the model is not down."""
+    deaths: list[tuple[str, int]] = []
+    old = server.start("llm_0_0")
+    watch = StepWatch(server.pid, set(), lambda instance, pid: deaths.append((instance, pid)),
+                      ready=lambda model: True, period=PERIOD)
+    try:
+        time.sleep(1.2)  # (stubs started within a second of each other are one load's)
+        new = server.start("llm_0_0")
+        os.kill(old, signal.SIGKILL)
+        wait_until(lambda: deaths)
+        assert deaths == [("llm_0_0", old)] and not watch.down("llm")
+        os.kill(new, signal.SIGKILL)  # a later death of the new one is seen too
+        wait_until(lambda: len(deaths) == 2)
+        assert deaths[1] == ("llm_0_0", new) and watch.down("llm")
     finally:
         watch.close()

@@ -6,7 +6,9 @@ holds forever: a metric update, a response `send`, a BLS request or `is_cancelle
 also keep the GIL while they wait, so no thread of the stub can run Python any more; the llm
 (whose metrics thread calls the server every 100 ms) and the ensemble stayed alive that way.
 
-So a separate process acts: `start()`, called by each model's `initialize`, runs `python -m
+So a separate process acts: `start()`, called as a stub imports `triton_vlm.triton_backend` (so
+also in the stub Triton starts first to read a model's config, which calls no `initialize`, and which
+stayed alive that way after its server aborted), runs `python -m
 triton_vlm.stub_watch STUB_PID SERVER_PID`. The watcher holds pidfds of the stub (its parent)
 and of the server and sleeps in `poll` on both: the server's exit gets the stub SIGKILL, the
 stub's own exit ends the watcher. A pidfd names one process for good, so a pid reused later is

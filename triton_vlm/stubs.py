@@ -8,7 +8,12 @@ that died, so that its clients get UNAVAILABLE at once instead of hanging.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import shutil
+import signal
+import subprocess
 import threading
 from pathlib import Path
 from typing import Callable
@@ -17,7 +22,9 @@ log = logging.getLogger("triton_vlm")
 
 
 def stub_processes(server_pid: int) -> dict[int, str]:
-    """pid -> model instance name (`llm_0_0`) of the Python backend stubs of `server_pid`."""
+    """pid -> model instance name (`llm_0_0`) of the Python backend stubs of `server_pid`'s model
+    instances. Not the stub Triton runs first, named after the model, to read its config: it ends
+    when it has, before the instances start."""
     stubs = {}
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
@@ -25,9 +32,56 @@ def stub_processes(server_pid: int) -> dict[int, str]:
             stat = (cmdline.parent / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(stat[1]) == server_pid and argv[0].endswith(b"triton_python_backend_stub"):
-            stubs[int(cmdline.parent.name)] = argv[-3].decode()  # ... INSTANCE_NAME DEFAULT ''
+        if int(stat[1]) != server_pid or not argv[0].endswith(b"triton_python_backend_stub") or len(argv) < 4:
+            continue
+        # STUB REPOSITORY/MODEL/VERSION/model.py ... INSTANCE_NAME DEFAULT ''
+        instance, path = argv[-3].decode(), Path(argv[1].decode()).parts
+        if len(path) < 3 or instance != path[-3]:
+            stubs[int(cmdline.parent.name)] = instance
     return stubs
+
+
+def dump_stacks(pids: list[int], timeout: float = 20.0) -> str:
+    """Where each stub in `pids` is: SIGUSR1 makes it print its threads' Python stacks to the
+    server's output (`triton_vlm.triton_backend` registers it); the native stack of its main
+    thread, from gdb where it is installed, is returned."""
+    native = []
+    for pid in pids:
+        if _catches(pid, signal.SIGUSR1):  # not yet (it is starting): the signal would kill it
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGUSR1)
+    gdb = shutil.which("gdb")
+    for pid in pids if gdb else ():
+        try:
+            out = subprocess.run([gdb, "-p", str(pid), "-batch", "-nx", "-ex", "thread apply 1 bt 30"],
+                                 capture_output=True, text=True, timeout=timeout).stdout
+        except subprocess.TimeoutExpired:
+            out = "gdb timed out"
+        frames = [line[:160] for line in out.splitlines() if line.startswith("#")]
+        native.append(f"stub {pid} main thread:\n" + "\n".join(frames or [out.strip()[-500:]]))
+    return "\n".join(native)
+
+
+# Stubs of one model started this close together are instances of one load.
+SIBLING_TICKS = os.sysconf("SC_CLK_TCK")  # 1 s
+
+
+def _start_ticks(pid: int) -> int:
+    """When `pid` started, in clock ticks since boot (0 if it is gone)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler for `signum` (its SigCgt mask in /proc)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = next((line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), "0")
+    return bool(int(mask, 16) >> (signum - 1) & 1)
 
 
 def model_of(instance: str) -> str:
@@ -50,7 +104,9 @@ class StepWatch:
         self._lock = threading.Lock()
         self._down: dict[str, set[int]] = {}  # model -> its stubs when it died (none of them serves again)
         self._retiring: set[int] = set()  # the other stubs of a model that died: its reload ends them
-        self._known = self._stubs()
+        self._known: dict[int, str] = {}
+        self._born: dict[int, int] = {}  # pid -> its start, in clock ticks
+        self._known = self._look()
         self._thread = threading.Thread(target=self._run, name="step-watch", daemon=True)
         self._thread.start()
 
@@ -66,16 +122,26 @@ class StepWatch:
             except Exception:  # the watcher must outlive surprises in /proc and in callbacks
                 log.exception("step watch failed")
 
-    def _scan(self) -> None:
+    def _look(self) -> dict[int, str]:
+        """The stubs alive now; the start of each new one is noted."""
         alive = self._stubs()
+        for pid in alive.keys() - self._known.keys():
+            self._born[pid] = _start_ticks(pid)
+        return alive
+
+    def _scan(self) -> None:
+        alive = self._look()
         for pid, instance in self._known.items():
             if pid in alive:
                 continue
+            born = self._born.pop(pid, 0)
             if pid in self._retiring:  # the reload of an earlier death retires it
                 self._retiring.discard(pid)
                 continue
             model = model_of(instance)
-            others = {p for p, i in alive.items() if model_of(i) == model and p in self._known}
+            # the instances loaded with it (an operator's load may have started newer ones already)
+            others = {p for p, i in alive.items() if model_of(i) == model and p in self._known
+                      and abs(self._born.get(p, 0) - born) <= SIBLING_TICKS}
             with self._lock:
                 self._down[model] = {pid} | others | self._down.get(model, set())
             self._retiring |= others
