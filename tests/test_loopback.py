@@ -40,3 +40,24 @@ def test_unreachable_endpoint_is_named_in_the_error():
     replies = list(GrpcSteps(url).stream("llm", {"input_ids": np.array([[1, 2]], dtype=np.int32)}, ["output_ids"], "r"))
     assert len(replies) == 1 and isinstance(replies[0], Failure)
     assert replies[0].code == "UNAVAILABLE" and url in replies[0].message and URL_ENV in replies[0].message
+
+
+def test_a_step_that_died_is_refused_or_aborted_never_waited_for():
+    """`refusal` is asked once the request's stream is registered: a step that died before is
+    refused without a call, and a death seen at that very moment (its `abort` comes before the
+    stream starts) still ends the request, instead of its waiting for an answer that never comes."""
+    from triton_vlm.loopback import GrpcSteps
+    from triton_vlm.server import free_port
+
+    dead = Failure("UNAVAILABLE", "the llm step restarted; retry")
+    url = f"127.0.0.1:{free_port()}"  # nothing listens there: a call would fail otherwise
+    tensors = {"input_ids": np.array([[1, 2]], dtype=np.int32)}
+    refused = GrpcSteps(url, refusal=lambda model: dead)
+    assert list(refused.stream("llm", tensors, ["output_ids"], "r")) == [dead]
+
+    steps = GrpcSteps(url, refusal=lambda model: steps.abort(model, dead))
+    assert list(steps.stream("llm", tensors, ["output_ids"], "r")) == [dead]
+    # the stream serves the next request with nothing of that one
+    steps.refusal = lambda model: None
+    replies = list(steps.stream("llm", tensors, ["output_ids"], "r2"))
+    assert len(replies) == 1 and replies[0] != dead and url in replies[0].message

@@ -21,7 +21,7 @@ import os
 import queue
 import re
 import threading
-from typing import Iterator, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -74,24 +74,27 @@ class _Stream:
 
     def start(self) -> None:
         if not self.open:
-            self.replies = queue.SimpleQueue()  # nothing of an earlier stream is read
-            self.client.start_stream(callback=lambda result, error: self.replies.put((result, error)))
+            replies = self.replies  # (an `abort` may have put its failure there already)
+            self.client.start_stream(callback=lambda result, error: replies.put((result, error)))
             self.open = True
 
     def close(self) -> None:
         """Cancel what the stream still has in flight (a dead step never answers it: nothing else
-        would end it) and close it."""
+        would end it) and close it; the next request reads nothing of this one."""
         if self.open:
             self.open = False
             self.client.stop_stream(cancel_requests=True)
+        self.replies = queue.SimpleQueue()
 
 
 class GrpcSteps:
     """Streamed calls of the models of the server at `url` (host:port of its gRPC endpoint), made
-    by a model of that server."""
+    by a model of that server. `refusal(model)`: why a request must not go to `model` now (its stub
+    died and it is not back), or None; asked once the request's stream is registered, so that a
+    death is either seen there or reaches the stream through `abort`."""
 
-    def __init__(self, url: str) -> None:
-        self.url = url
+    def __init__(self, url: str, refusal: Callable[[str], Failure | None] = lambda model: None) -> None:
+        self.url, self.refusal = url, refusal
         self._idle: queue.SimpleQueue[_Stream] = queue.SimpleQueue()
         self._busy: dict[_Stream, str] = {}  # streams with a request in flight -> the model called
         self._lock = threading.Lock()
@@ -119,18 +122,23 @@ class GrpcSteps:
         with self._lock:
             self._busy[stream] = model
         try:
+            # Not before: a death seen between that check and the registration reached neither.
+            refused = self.refusal(model)
+            if refused is not None:
+                yield refused
+                return
             stream.start()
             try:
                 stream.client.async_stream_infer(model, _inputs(tensors), request_id=request_id,
                                                  outputs=[grpcclient.InferRequestedOutput(name) for name in outputs],
                                                  parameters={ERROR_CODES: True}, enable_empty_final_response=True)
-            except InferenceServerException as refused:
+            except InferenceServerException as error:
                 # a stream that failed at once (no server there) told its callback why
                 try:
-                    refused = stream.replies.get(timeout=5.0)[1] or refused
+                    error = stream.replies.get(timeout=5.0)[1] or error
                 except queue.Empty:
                     pass
-                yield self._failure(refused)
+                yield error if isinstance(error, Failure) else self._failure(error)
                 return
             while True:
                 result, error = stream.replies.get()

@@ -7,9 +7,11 @@ INVALID_ARG with the message as is, so a bad request fails alone.
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import json
 import logging
 import os
+import signal
 import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -26,6 +28,12 @@ from triton_vlm.sampling_params import SamplingParams
 from triton_vlm.stubs import StepWatch, model_of
 
 log = logging.getLogger("triton_vlm")
+# Every stub that imports this module, the one that only reads a model's config included, is ended
+# with its server (`triton_vlm.stub_watch`).
+stub_watch.start()
+# A stub that hangs can be asked where: its threads' stacks go to the server's output
+# (`triton_vlm.stubs.dump_stacks`).
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def _model_dir(args: dict[str, Any]) -> tuple[Path, dict[str, str]]:
@@ -134,7 +142,6 @@ class PreprocessModel:
         from triton_vlm.options import PreprocessOptions
         from triton_vlm.preprocess import Preprocessor
 
-        stub_watch.start()
         version_dir, params = _model_dir(args)
         self.preprocessor = Preprocessor(version_dir / params["checkpoint"], Limits.from_params(params),
                                          PreprocessOptions.from_params(params))
@@ -170,7 +177,6 @@ class VisionEncoderModel:
     """
 
     def initialize(self, args: dict[str, Any]) -> None:
-        stub_watch.start()
         _, params = _model_dir(args)
         self.options = EncoderOptions.from_params(params)
 
@@ -230,7 +236,6 @@ class VisionEncoderBatchModel:
         from triton_vlm.vision.backends import open_encoder
         from triton_vlm.vision.batching import BatchedEncoder, EmbeddingCache
 
-        stub_watch.start()
         version_dir, params = _model_dir(args)
         options = EncoderBatchOptions.from_params(params)
         gpu = args.get("model_instance_kind") == "GPU"
@@ -309,12 +314,11 @@ class PipelineModel:
     FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
     def initialize(self, args: dict[str, Any]) -> None:
-        stub_watch.start()
         _, params = _model_dir(args)
         steps = [Step(s["model"], tuple(s["inputs"]), tuple(s["outputs"]), s.get("skip_when_empty", ""),
                       tuple(s.get("calls", ()))) for s in json.loads(params["steps"])]
         self.final_output = params["final_output"]
-        self.steps = GrpcSteps(server_url())
+        self.steps = GrpcSteps(server_url(), refusal=self._refusal)
         self.pipeline = Pipeline(steps, call=self._call, stream=self._stream, stop=self._stop,
                                  check=SamplingParams.from_inputs, is_empty=lambda tensor: _array(tensor).size == 0,
                                  max_inflight=int(params["max_inflight_requests"]))
@@ -355,16 +359,18 @@ class PipelineModel:
             self.pipeline.submit(inputs, client, request.request_id() or "ensemble")
         return None
 
+    def _refusal(self, model: str) -> Failure | None:
+        """A request for `model` while a stub of it is dead and it is not reloaded yet."""
+        return restarted(model) if self.watch.down(model) else None
+
     def _call(self, step: Step, tensors: dict, request_id: str) -> dict:
-        if self.watch.down(step.model):
-            raise StepFailed(restarted(step.model))
+        refused = self._refusal(step.model)
+        if refused is not None:
+            raise StepFailed(refused)
         return _bls_call(step.model, tensors, step.outputs, request_id)
 
     def _stream(self, step: Step, tensors: dict, request_id: str) -> Iterator[Reply]:
-        """The last step's responses, as the client's."""
-        if self.watch.down(step.model):
-            yield Reply(error=restarted(step.model))
-            return
+        """The last step's responses, as the client's (`self.steps` refuses a step that is down)."""
         arrays = {name: _array(tensor) for name, tensor in tensors.items()}
         for reply in self.steps.stream(step.model, arrays, step.outputs, request_id):
             if isinstance(reply, Failure):
@@ -420,7 +426,6 @@ class LLMModel:
     def initialize(self, args: dict[str, Any]) -> None:
         from triton_vlm.llm.engine import Engine
 
-        stub_watch.start()
         version_dir, params = _model_dir(args)
         options = LLMOptions.from_params(params)
         options = dataclasses.replace(options, device=instance_device(args, options.device))
