@@ -6,6 +6,7 @@ import os
 import queue
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -383,16 +384,36 @@ def test_a_server_on_busy_ports_is_refused_before_it_starts(server, tiny_repo):
     assert second.process is None and server.is_ready()
 
 
-def test_a_server_not_ready_in_time_is_stopped_and_the_error_says_where_it_stood(tiny_repo):
-    """A start that times out (a model that never finishes loading, as once in CI) names each
-    model's state, the stubs running and the server's last lines, and leaves nothing behind."""
+def test_a_server_not_ready_in_time_is_stopped_and_the_error_says_where_it_stood(tmp_path):
+    """A start that times out (a model that never finishes loading, as in CI) names each model's
+    state, the stubs running, the server's last lines and where each stub is: its threads' Python
+    stacks and its main thread's native stack. It leaves nothing behind."""
     from triton_vlm.server import ServerError, TritonServer
 
-    server = TritonServer(tiny_repo)
+    model = tmp_path / "repository" / "stuck"
+    (model / "1").mkdir(parents=True)
+    (model / "config.pbtxt").write_text(textwrap.dedent("""\
+        backend: "python"
+        max_batch_size: 0
+        input [{ name: "x", data_type: TYPE_INT32, dims: [1] }]
+        output [{ name: "y", data_type: TYPE_INT32, dims: [1] }]
+        """))
+    (model / "1" / "model.py").write_text(textwrap.dedent("""\
+        import threading
+        import triton_vlm.triton_backend  # noqa: F401 (the stack dump on SIGUSR1)
+
+        class TritonPythonModel:
+            def initialize(self, args):
+                threading.Event().wait()  # a load that never ends
+        """))
+    server = TritonServer(model.parent)
     with pytest.raises(ServerError) as error:
-        server.start(timeout=3.0)
+        server.start(timeout=10.0)
     message = str(error.value)
-    assert message.startswith("tritonserver not ready after 3 s; models: ")
-    assert "; stubs: [" in message and "its last lines:\n" in message
-    assert "Started" in message or "loading" in message.lower(), message
+    assert message.startswith("tritonserver not ready after 10 s; models: ")
+    assert "; stubs: ['stuck_0']; its last lines:\n" in message and "loading: stuck:1" in message, message
+    stacks = message.split("-- the stubs' Python stacks:\n", 1)[1]
+    assert re.search(r'File ".*/stuck/1/model.py", line 6 in initialize', stacks), message
+    if shutil.which("gdb"):
+        assert re.search(r"stub \d+ main thread:\n#0 ", stacks), message
     assert server.process.poll() is not None

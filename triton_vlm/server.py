@@ -28,7 +28,7 @@ from typing import Callable
 
 from triton_vlm import admin
 from triton_vlm.loopback import URL_ENV
-from triton_vlm.stubs import stub_processes
+from triton_vlm.stubs import dump_stacks, model_of, stub_processes
 from triton_vlm.supervisor import Supervisor
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -127,7 +127,8 @@ class TritonServer:
         self.metrics_port = metrics_port or free_port()
         self.log_file, self.echo, self.extra_args = log_file, echo, extra_args
         self.process: subprocess.Popen | None = None
-        self._tail: collections.deque[str] = collections.deque(maxlen=400)
+        self._tail: collections.deque[str] = collections.deque(maxlen=2000)
+        self._lines = 0  # read so far
         self._reader: threading.Thread | None = None
         self.supervise = supervise
         self.report = report or (lambda message: print(f"triton-vlm serve: {message}", file=sys.stderr, flush=True))
@@ -165,6 +166,7 @@ class TritonServer:
         try:
             for line in self.process.stdout:
                 self._tail.append(line)
+                self._lines += 1
                 if log:
                     log.write(line)
                     log.flush()
@@ -219,12 +221,9 @@ class TritonServer:
                 self.note_shm_regions()
                 return
             time.sleep(0.5)
-        # which model holds it up, and what the server said last
-        states, stubs = self.model_states() or "index unreadable", sorted(self.stub_processes().values())
-        tail = "\n".join(line.rstrip() for line in list(self._tail)[-30:])
+        report = self.hang_report()
         self._kill(self.process)
-        raise ServerError(f"tritonserver not ready after {self._start_timeout:.0f} s; models: {states}; "
-                          f"stubs: {stubs}; its last lines:\n{tail}")
+        raise ServerError(f"tritonserver not ready after {self._start_timeout:.0f} s; {report}")
 
     def is_ready(self) -> bool:
         try:
@@ -236,6 +235,21 @@ class TritonServer:
     def stub_processes(self) -> dict[int, str]:
         """pid -> model instance name of the server's Python backend stubs."""
         return stub_processes(self.process.pid)
+
+    def hang_report(self, models: set[str] | None = None) -> str:
+        """What a start or a reload that does not end waits for: the models' states, the server's
+        last lines, and where its stubs (those of `models`, or all) are: their Python stacks, which
+        they print to the server's output, and their main threads' native stacks."""
+        states = self.model_states() or "index unreadable (a server starting listens once its first models loaded)"
+        stubs = {pid: name for pid, name in self.stub_processes().items() if models is None or model_of(name) in models}
+        tail = "\n".join(line.rstrip() for line in list(self._tail)[-30:])
+        printed = self._lines
+        native = dump_stacks(sorted(stubs))
+        time.sleep(1.0)  # for the last stack's lines to be read
+        stacks = "\n".join(line.rstrip() for line in list(self._tail)[len(self._tail) - min(self._lines - printed,
+                                                                                          len(self._tail)):])
+        return (f"models: {states}; stubs: {sorted(stubs.values())}; its last lines:\n{tail}\n"
+                f"-- the stubs' Python stacks:\n{stacks}\n-- {native}")
 
     def model_states(self) -> dict[str, str]:
         """Each model's state in the repository index (none if it cannot be read)."""

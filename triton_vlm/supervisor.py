@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 # Models whose stub's death restarts the server: the clients' entry point.
 RESTART_ON_DEATH = frozenset({"ensemble"})
 MAX_RESTARTS, RESTART_WINDOW_S = 5, 300.0
+# A reload still under way after this long is reported with where the model's stubs are.
+RELOAD_REPORT_S = 60.0
 
 
 class Supervisor:
@@ -124,7 +126,13 @@ class Supervisor:
             for action in ("unload", "load"):
                 request = urllib.request.Request(f"http://{self.server.http_url}/v2/repository/models/{model}/{action}",
                                                  data=b"{}", method="POST", headers=admin.headers(self.server.admin_key))
-                urllib.request.urlopen(request, timeout=600).close()
+                slow = threading.Timer(RELOAD_REPORT_S, lambda action=action: self.server.event(
+                    f"the {action} of {model!r} takes over {RELOAD_REPORT_S:.0f} s; {self.server.hang_report({model})}"))
+                slow.start()
+                try:
+                    urllib.request.urlopen(request, timeout=600).close()
+                finally:
+                    slow.cancel()
             self.server.note_shm_regions()
             self.server.event(f"model {model!r} reloaded")
         except OSError as error:
