@@ -126,12 +126,36 @@ def supervised(tiny_repo, tmp_path):
     assert took <= EXIT_TIMEOUT_S + 1.0, took  # (the kill, then the exit seen)
 
 
-def wait_for_event(events: list[str], event: str, timeout: float = 120.0) -> float:
+def wait_for_event(events: list[str], *wanted: str, timeout: float = 120.0) -> tuple[str, float]:
+    """The first of the `wanted` events to come, and when it was seen."""
     deadline = time.monotonic() + timeout
-    while event not in events and time.monotonic() < deadline:
+    while not (seen := [e for e in wanted if e in events]) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert event in events, events
-    return time.monotonic()
+    assert seen, events
+    return seen[0], time.monotonic()
+
+
+def check_recovery(outcomes: list[Outcome], killed: float, back: float, expected: list[int]) -> list[Outcome]:
+    """Requests in flight at the kill, or sent until the server serves again (`back`), ended
+    within HANG_S; those sent after are answered as transformers answers them. The failed ones."""
+    failed = [o for o in outcomes if o.error is not None]
+    for o in failed:
+        assert o.end - max(o.start, killed) <= HANG_S, o
+        assert o.start < back + 1.0, o  # the ensemble sees the reload within its watch period
+    later = [o for o in outcomes if o.start > back + 1.0]
+    assert later and all(o.tokens == expected for o in later), [o for o in later if o.tokens != expected]
+    assert all(o.tokens == expected for o in outcomes if o.error is None)
+    return failed
+
+
+def check_restart(events: list[str], reason: str, failed: list[Outcome], killed: float) -> None:
+    """The supervisor restarted the server for `reason`; gRPC requests in flight got UNAVAILABLE."""
+    restarts = [e for e in events if e.endswith(": restarting it")]
+    assert restarts and restarts[0].startswith(reason), events
+    assert any(o.start < killed < o.end for o in failed), failed
+    for o in failed:
+        if o.transport == "grpc" and o.start < killed:
+            assert "StatusCode.UNAVAILABLE" in o.error, o
 
 
 @pytest.mark.parametrize("model", ["llm", "preprocess", "vision_encoder", "vision_encoder_batch"])
@@ -140,20 +164,20 @@ def test_a_dead_step_ends_its_requests_with_unavailable_and_the_server_recovers(
         victim = next(pid for pid, name in server.stub_processes().items() if name == f"{model}_0_0")
         os.kill(victim, signal.SIGKILL)
         killed = time.monotonic()
-        reloaded = wait_for_event(events, f"model {model!r} reloaded")
+        event, back = wait_for_event(events, f"model {model!r} reloaded", "tritonserver restarted")
         time.sleep(4.0)
-        outcomes = load.stop()
+        failed = check_recovery(load.stop(), killed, back, expected)
 
-        failed = [o for o in outcomes if o.error is not None]
+        if event == "tritonserver restarted":
+            # python_backend r24.10 itself may abort on such a kill (the stub died holding a mutex
+            # of the memory it shares with the server): the supervisor restarts the server then.
+            assert "boost::interprocess::lock_exception" in (tmp_path / "server.log").read_text(), events
+            check_restart(events, "tritonserver exited by itself with code -6", failed, killed)
+            return
         for o in failed:  # in flight at the kill, or sent while the step was being reloaded
             assert restarted(model).message in o.error, o
-            assert o.end - max(o.start, killed) <= HANG_S, o
-            assert o.start < reloaded + 1.0, o  # the ensemble sees the reload within its watch period
         if model == "llm":  # every request spends most of its time there
-            assert any(o.start < killed < o.end for o in failed), outcomes
-        later = [o for o in outcomes if o.start > reloaded + 1.0]
-        assert later and all(o.tokens == expected for o in later), [o for o in later if o.tokens != expected]
-        assert all(o.tokens == expected for o in outcomes if o.error is None)
+            assert any(o.start < killed < o.end for o in failed), failed
         used = wait_for(server, lambda m: m.get("triton_vlm_llm_kv_blocks:used") == 0)
         assert used["triton_vlm_llm_kv_blocks:used"] == 0
         restarts = wait_for(server, lambda m: True)
@@ -172,22 +196,12 @@ def test_a_dead_ensemble_or_server_is_restarted_and_its_requests_end_at_once(tin
         pid = first.pid if victim == "tritonserver" else next(p for p, i in stubs.items() if i == "ensemble_0_0")
         os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
-        back = wait_for_event(events, "tritonserver restarted")
+        _, back = wait_for_event(events, "tritonserver restarted")
         time.sleep(4.0)
-        outcomes = load.stop()
+        failed = check_recovery(load.stop(), killed, back, expected)
 
         reason = ("tritonserver exited by itself with code -9" if victim == "tritonserver"
                   else f"model instance ensemble_0_0 died (stub pid {pid})")
-        assert events[0].startswith(reason) and events[0].endswith(": restarting it"), events
+        check_restart(events, reason, failed, killed)
         assert server.process is not first and (server.http_port, server.grpc_port, server.metrics_port) == ports
         assert not set(stubs) & set(server.stub_processes())  # the old stubs went with the old server
-        failed = [o for o in outcomes if o.error is not None]
-        assert any(o.start < killed < o.end for o in failed), outcomes
-        for o in failed:  # in flight at the kill, or sent while the server restarted
-            assert o.end - max(o.start, killed) <= HANG_S, o
-            assert o.start < back + 1.0, o
-            if o.transport == "grpc" and o.start < killed:
-                assert "StatusCode.UNAVAILABLE" in o.error, o
-        later = [o for o in outcomes if o.start > back + 1.0]
-        assert later and all(o.tokens == expected for o in later), [o for o in later if o.tokens != expected]
-        assert all(o.tokens == expected for o in outcomes if o.error is None)
