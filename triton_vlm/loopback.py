@@ -102,10 +102,10 @@ class GrpcSteps:
     def abort(self, model: str, failure: Failure) -> None:
         """End every request in flight to `model` with `failure` (its stub died: no response will
         come)."""
-        with self._lock:
-            streams = [stream for stream, called in self._busy.items() if called == model]
-        for stream in streams:
-            stream.replies.put((None, failure))
+        with self._lock:  # (a stream leaves `_busy` before its queue is renewed for the next request)
+            for stream, called in self._busy.items():
+                if called == model:
+                    stream.replies.put((None, failure))
 
     def stream(self, model: str, tensors: Mapping[str, np.ndarray], outputs: Sequence[str],
                request_id: str) -> Iterator[dict[str, np.ndarray] | Failure]:
