@@ -244,7 +244,7 @@ class TritonServer:
         stubs = {pid: name for pid, name in self.stub_processes().items() if models is None or model_of(name) in models}
         tail = "\n".join(line.rstrip() for line in list(self._tail)[-30:])
         printed = self._lines
-        native = dump_stacks(sorted(stubs))
+        native = dump_stacks(sorted(stubs), server_pid=self.process.pid)
         time.sleep(1.0)  # for the last stack's lines to be read
         stacks = "\n".join(line.rstrip() for line in list(self._tail)[len(self._tail) - min(self._lines - printed,
                                                                                           len(self._tail)):])
@@ -293,6 +293,11 @@ class TritonServer:
         self._stopping.set()
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signum)
+
+    @property
+    def start_timeout(self) -> float:
+        """Seconds a start may take (`start`'s timeout); the supervisor gives a reload as long."""
+        return self._start_timeout
 
     @property
     def stopping(self) -> bool:

@@ -41,10 +41,11 @@ def stub_processes(server_pid: int) -> dict[int, str]:
     return stubs
 
 
-def dump_stacks(pids: list[int], timeout: float = 20.0) -> str:
+def dump_stacks(pids: list[int], server_pid: int | None = None, timeout: float = 20.0) -> str:
     """Where each stub in `pids` is: SIGUSR1 makes it print its threads' Python stacks to the
     server's output (`triton_vlm.triton_backend` registers it); the native stack of its main
-    thread, from gdb where it is installed, is returned."""
+    thread, and those of the server's threads in the Python backend (`server_pid`), from gdb where
+    it is installed, are returned."""
     native = []
     for pid in pids:
         if _catches(pid, signal.SIGUSR1):  # not yet (it is starting): the signal would kill it
@@ -59,7 +60,22 @@ def dump_stacks(pids: list[int], timeout: float = 20.0) -> str:
             out = "gdb timed out"
         frames = [line[:160] for line in out.splitlines() if line.startswith("#")]
         native.append(f"stub {pid} main thread:\n" + "\n".join(frames or [out.strip()[-500:]]))
+    if gdb and server_pid is not None:
+        native.append(_backend_threads(gdb, server_pid, timeout))
     return "\n".join(native)
+
+
+def _backend_threads(gdb: str, server_pid: int, timeout: float) -> str:
+    """The native stacks of the server's threads that are in the Python backend's code."""
+    try:
+        out = subprocess.run([gdb, "-p", str(server_pid), "-batch", "-nx", "-ex", "thread apply all bt 25"],
+                             capture_output=True, text=True, timeout=timeout).stdout
+    except subprocess.TimeoutExpired:
+        return "server: gdb timed out"
+    threads = [t for t in out.split("\nThread ")[1:] if "backend::python" in t]
+    return f"server {server_pid}, its threads in the Python backend:\n" + "\n".join(
+        "Thread " + "\n".join(line[:160] for line in t.splitlines() if line.startswith(("#", " ")) or "LWP" in line)
+        for t in threads[:12])
 
 
 # Stubs of one model started this close together are instances of one load.

@@ -33,8 +33,6 @@ if TYPE_CHECKING:
 # Models whose stub's death restarts the server: the clients' entry point.
 RESTART_ON_DEATH = frozenset({"ensemble"})
 MAX_RESTARTS, RESTART_WINDOW_S = 5, 300.0
-# A reload still under way after this long is reported with where the model's stubs are.
-RELOAD_REPORT_S = 60.0
 
 
 class Supervisor:
@@ -110,15 +108,14 @@ class Supervisor:
             return
         model = model_of(instance)
         if model in RESTART_ON_DEATH:
-            self._kill_reason = (f"model instance {instance} died (stub pid {pid}); Triton holds its requests "
-                                 f"for good, so tritonserver was killed")
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
+            self._kill(process, f"model instance {instance} died (stub pid {pid}); Triton holds its requests "
+                                f"for good, so tritonserver was killed")
             return
         if self.server.model_states().get(model) not in ("READY", None):  # an operator unloads or reloads it
             return
         self.server.event(f"model instance {instance} died (stub pid {pid}); requests routed to it fail "
                           f"until the model is reloaded: reloading {model!r}")
+        limit = self.server.start_timeout
         try:
             # Triton treats a load of an unchanged model as a no-op that keeps the dead instance
             # (touching its files is not enough): unload it, then load it again. Requests to it
@@ -126,14 +123,20 @@ class Supervisor:
             for action in ("unload", "load"):
                 request = urllib.request.Request(f"http://{self.server.http_url}/v2/repository/models/{model}/{action}",
                                                  data=b"{}", method="POST", headers=admin.headers(self.server.admin_key))
-                slow = threading.Timer(RELOAD_REPORT_S, lambda action=action: self.server.event(
-                    f"the {action} of {model!r} takes over {RELOAD_REPORT_S:.0f} s; {self.server.hang_report({model})}"))
-                slow.start()
-                try:
-                    urllib.request.urlopen(request, timeout=600).close()
-                finally:
-                    slow.cancel()
+                urllib.request.urlopen(request, timeout=limit).close()
             self.server.note_shm_regions()
             self.server.event(f"model {model!r} reloaded")
         except OSError as error:
-            self.server.event(f"reloading model {model!r} failed: {error}")
+            if not isinstance(error, TimeoutError) and not isinstance(getattr(error, "reason", None), TimeoutError):
+                self.server.event(f"reloading model {model!r} failed: {error}")
+                return
+            # python_backend r24.10 may never start a new instance after a stub was killed (the
+            # new stubs wait for their initialize message): the server is wedged for the model
+            self._kill(process, f"reloading {model!r} did not end within {limit:.0f} s (the time a start may take), "
+                                f"so tritonserver was killed; {self.server.hang_report({model})}")
+
+    def _kill(self, process: subprocess.Popen, reason: str) -> None:
+        """Kill the server and its stubs; `_run` restarts it, for `reason`."""
+        self._kill_reason = reason
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
