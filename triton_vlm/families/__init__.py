@@ -11,10 +11,11 @@ from pathlib import Path
 from triton_vlm.families.base import Family
 from triton_vlm.families.glm4v import GLM4V, GLM4V_MOE, GLM46V, GLM_OCR, GLMGA
 from triton_vlm.families.minicpmv import MINICPMV4_6
+from triton_vlm.families.minicpmv4_5 import MINICPMV4_5
 from triton_vlm.families.qwen2_5_vl import QWEN2_5_VL
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (QWEN2_5_VL, GLM4V, GLM46V, GLMGA, GLM_OCR, GLM4V_MOE,
-                                                    MINICPMV4_6)}
+                                                    MINICPMV4_6, MINICPMV4_5)}
 
 
 def get_family(name: str) -> Family:
@@ -37,13 +38,20 @@ def _video_processor_type(checkpoint: Path) -> str | None:
 
 
 def detect_family(checkpoint: str | Path) -> Family:
-    """The family serving a checkpoint: among those listing the config's `model_type`, the one whose
-    video processor class matches the checkpoint's, else the one whose own model type it is."""
+    """The family serving a checkpoint: among those listing the config's `model_type` (and its
+    `version`, where a family names versions), the one whose video processor class matches the
+    checkpoint's, else the one whose own model type it is."""
     checkpoint = Path(checkpoint)
-    model_type = json.loads((checkpoint / "config.json").read_text()).get("model_type")
+    config = json.loads((checkpoint / "config.json").read_text())
+    model_type, version = config.get("model_type"), str(config.get("version"))
     candidates = [f for f in FAMILIES.values() if model_type in f.model_types]
     if not candidates:
         raise ValueError(f"{checkpoint}: model_type {model_type!r} is not supported; supported: "
                          + ", ".join(dict.fromkeys(t for f in FAMILIES.values() for t in f.model_types)))
+    served = [f for f in candidates if not f.versions or version in f.versions]
+    if not served:
+        raise ValueError(f"{checkpoint}: {model_type} version {version} is not supported; supported versions: "
+                         + ", ".join(v for f in candidates for v in f.versions))
+    candidates = served
     video_processor = _video_processor_type(checkpoint)
     return max(candidates, key=lambda f: (video_processor in f.video_processor_types, f.model_types[0] == model_type))

@@ -58,12 +58,14 @@ if TYPE_CHECKING:
     from triton_vlm.llm.paged import StateCache
 
 # Where the language model's weights live, newest layout first (v5 writes either).
-_DECODER_PREFIXES = ("model.language_model.", "model.", "language_model.model.", "language_model.")
-_LM_HEAD_KEYS = ("lm_head.weight", "language_model.lm_head.weight", "model.lm_head.weight")
+_DECODER_PREFIXES = ("model.language_model.", "model.", "language_model.model.", "language_model.", "llm.model.")
+_LM_HEAD_KEYS = ("lm_head.weight", "language_model.lm_head.weight", "model.lm_head.weight", "llm.lm_head.weight")
 # A decoder layer's weights: (prefix, layer index).
 _LAYER_KEY = re.compile("^(?:" + "|".join(map(re.escape, _DECODER_PREFIXES)) + r")layers\.(\d+)\.")
 # Weights transformers keeps in float32 whatever the model's dtype (`_keep_in_fp32_modules_strict`).
 _FLOAT32_WEIGHTS = ("e_score_correction_bias",)
+# Vision weights whose names say neither "visual" nor "vision" (MiniCPM-V 4.5: `vpm`, `resampler`).
+_VISION_PREFIXES = ("mlp1", "model.merger.", "vpm.", "resampler.")
 
 
 def _ids(value: Any) -> list[int]:
@@ -72,6 +74,16 @@ def _ids(value: Any) -> list[int]:
     if isinstance(value, (list, tuple)):
         return [int(v) for v in value]
     return [int(value)]
+
+
+def _added_token_ids(root: Path, tokens: tuple[str, ...]) -> tuple[int, ...]:
+    """The ids of `tokens` among the checkpoint tokenizer's added tokens (tokenizer.json)."""
+    if not tokens:
+        return ()
+    added = {t["content"]: int(t["id"]) for t in json.loads((root / "tokenizer.json").read_text()).get("added_tokens", [])}
+    if missing := [t for t in tokens if t not in added]:
+        raise ValueError(f"tokenizer.json: no added token {missing}")
+    return tuple(added[t] for t in tokens)
 
 
 @dataclass(frozen=True)
@@ -136,7 +148,7 @@ class DecoderConfig:
             raise NotImplementedError(f"rope_type {rope_type!r} is not supported (only default M-RoPE)")
         theta = rope.get("rope_theta", text.get("rope_theta"))
         section = rope.get("mrope_section", legacy.get("mrope_section"))
-        if theta is None or section is None:
+        if theta is None or (section is None and spec.mrope):
             raise ValueError("config.json: rope_theta and mrope_section are required")
         if text.get("use_sliding_window"):
             raise NotImplementedError("sliding-window attention is not supported")
@@ -148,6 +160,8 @@ class DecoderConfig:
         head_dim = int(text.get("head_dim") or hidden // heads)
         factor = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0))
         rotary_dim = int(head_dim * float(factor))
+        if not spec.mrope:  # 1-D RoPE: one section, turned by the first position row
+            section = (rotary_dim // 2,)
         if sum(section) * 2 != rotary_dim:
             raise ValueError(f"mrope_section {section} does not cover the {rotary_dim} rotary dims of each head")
 
@@ -155,8 +169,10 @@ class DecoderConfig:
         gen_path = root / "generation_config.json"
         if gen_path.exists():
             eos = _ids(json.loads(gen_path.read_text()).get("eos_token_id")) + eos
+        eos += _added_token_ids(root, spec.eos_tokens)
         tie = bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
-        placeholders = tuple(int(cfg[k]) for k in spec.placeholder_keys if cfg.get(k) is not None)
+        placeholders = (tuple(int(cfg[k]) for k in spec.placeholder_keys if cfg.get(k) is not None)
+                        + _added_token_ids(root, spec.placeholder_tokens))
         num_layers = int(text["num_hidden_layers"])
         # without use_sliding_window (refused above) transformers' "sliding_attention" layers attend fully
         layer_types = tuple("full_attention" if t == "sliding_attention" else t
@@ -406,24 +422,29 @@ class Glm4MoeLayer(Qwen2Layer):
         return self.moe(x)
 
 
-class Qwen35AttentionLayer(Qwen2Layer):
-    """A Qwen3.5 full-attention layer (`Qwen3_5Attention`): Qwen2's attention without biases,
-    q_proj yields each head's query and its output gate side by side; q and k are RMS-normed per
-    head; the attention output is multiplied by sigmoid(gate) before o_proj. Norms scale by 1 + weight."""
-    norm_offset = 1.0
+class Qwen3Layer(Qwen2Layer):
+    """A Qwen3 decoder layer (`Qwen3DecoderLayer`): Qwen2's without q/k/v biases; q and k are
+    RMS-normed per head before the rotary (`q_norm`, `k_norm`)."""
     qkv_bias = False
-    q_gate = True
 
     def __init__(self, w: Callable[[str], torch.Tensor], config: DecoderConfig):
         super().__init__(w, config)
         self.q_norm = self.norm_weight(w("self_attn.q_norm.weight"))
         self.k_norm = self.norm_weight(w("self_attn.k_norm.weight"))
 
-    def qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         d, eps = self.c.head_dim, self.c.rms_norm_eps
-        qg, k, v, _ = super().qkv(h)
-        return (_rms(qg[..., :d], self.q_norm, eps), _rms(k, self.k_norm, eps), v,
-                qg[..., d:].reshape(h.shape[0], -1))
+        q, k, v, _ = super().qkv(h)
+        gate = q[..., d:].reshape(h.shape[0], -1) if self.q_gate else None
+        return _rms(q[..., :d], self.q_norm, eps), _rms(k, self.k_norm, eps), v, gate
+
+
+class Qwen35AttentionLayer(Qwen3Layer):
+    """A Qwen3.5 full-attention layer (`Qwen3_5Attention`): Qwen3's, with q_proj yielding each
+    head's query and its output gate side by side; the attention output is multiplied by
+    sigmoid(gate) before o_proj. Norms scale by 1 + weight."""
+    norm_offset = 1.0
+    q_gate = True
 
     def finish(self, h: torch.Tensor, attn: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         return super().finish(h, attn * torch.sigmoid(gate), None)
@@ -457,6 +478,14 @@ class DecoderSpec:
     placeholder_keys: tuple[str, ...]
     linear_layer: type | None = None
     moe_layer: type | None = None
+    # Placeholder tokens by their text, for checkpoints whose config names none (MiniCPM-V 4.5:
+    # `<unk>`), looked up in the tokenizer's added tokens.
+    placeholder_tokens: tuple[str, ...] = ()
+    # Stop tokens by their text, beside the config's eos ids (MiniCPM-V 4.5's chat passes
+    # `<|im_end|>` and `<|endoftext|>` as terminators; its config names the first only).
+    eos_tokens: tuple[str, ...] = ()
+    # False: 1-D RoPE (the config has no mrope_section); the first position row turns every dim.
+    mrope: bool = True
 
     def layer_class(self, layer_type: str, moe: bool) -> type:
         """The class of a layer of `layer_type` (config `layer_types`) whose MLP is (`moe`) or is
@@ -474,6 +503,9 @@ GLM_OCR = DecoderSpec(GlmOcrLayer, InterleavedPairs, ("image_token_id",))
 # GLM-4.5V: dense layers before `first_k_dense_replace`, MoE layers after; rotate-half partial rotary.
 GLM4V_MOE = DecoderSpec(Qwen2Layer, HalfPairs, ("image_token_id",), moe_layer=Glm4MoeLayer)
 QWEN3_5 = DecoderSpec(Qwen35AttentionLayer, HalfPairs, ("image_token_id", "video_token_id"), Qwen35LinearLayer)
+# MiniCPM-V 4.5's Qwen3: its image rows replace `<unk>` runs (the processor's `image_bound`).
+QWEN3 = DecoderSpec(Qwen3Layer, HalfPairs, (), placeholder_tokens=("<unk>",),
+                    eos_tokens=("<|im_end|>", "<|endoftext|>"), mrope=False)
 
 
 class DecoderModel:
@@ -519,7 +551,7 @@ class DecoderModel:
         def wanted(k: str) -> bool:
             """Not the vision tower's, nor a layer past the stack (GLM-4.5V's multi-token-prediction
             layers, which transformers does not load either)."""
-            if "visual" in k or "vision" in k or k.startswith("mlp1") or k.startswith("model.merger."):
+            if "visual" in k or "vision" in k or k.startswith(_VISION_PREFIXES):
                 return False
             layer = _LAYER_KEY.match(k)
             return layer is None or int(layer[1]) < config.num_layers
