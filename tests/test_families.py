@@ -74,6 +74,15 @@ def test_unsupported_model_type_names_the_supported_ones(tmp_path):
         detect_family(tmp_path)
 
 
+def test_a_model_type_spanning_versions_serves_the_versions_named(tmp_path):
+    """MiniCPM-V's `minicpmv` covers 2.0 to 4.5; only what is tested (4.5) is served."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "minicpmv", "version": 4.5}))
+    assert detect_family(tmp_path).name == "minicpmv4_5"
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "minicpmv", "version": 2.6}))
+    with pytest.raises(ValueError, match="minicpmv version 2.6 is not supported; supported versions: 4.5"):
+        detect_family(tmp_path)
+
+
 def test_demo_checkpoint_overrides(tmp_path):
     """Size overrides (bench/decoder.py --decoder-7b writes through them): text sizes key by key, a
     model vocabulary past the tokenizer's, bfloat16 weights; our decoder and transformers read it."""
