@@ -42,13 +42,20 @@ class VisionSettings:
     do_normalize: bool = True
     resample: int = 3
     # Sliced-image processors (MiniCPM-V): slices of about `scale_resolution`^2 pixels, at most
-    # `max_slice_nums`; `downsample_mode` "16x" (4 x 4 patches per LLM token) or "4x" (2 x 2);
+    # `max_slice_nums`; `downsample_mode` "16x" (4 x 4 patches per LLM token) or "4x" (2 x 2), or
+    # "resampler" (MiniCPM-V 4.5: `image_feature_size` tokens per slice, whatever its size);
     # `use_image_id` numbers each item in the prompt.
     scale_resolution: int = 448
     max_slice_nums: int = 9
     slice_mode: bool = True
     downsample_mode: str = "16x"
     use_image_id: bool = True
+    image_feature_size: int = 64
+    # How the processor computes pixels: "torchvision" (transformers' processors: torch's resize,
+    # rescale fused into the normalisation) or "pil" (processors written on PIL images and numpy,
+    # MiniCPM-V 4.5's official one: Pillow's resize of each uint8 frame, then x / 255, then
+    # (x - mean) / std in float32). The resizes differ by one level in places.
+    backend: str = "torchvision"
 
     @property
     def factor(self) -> int:
@@ -212,8 +219,28 @@ def resize_frames(frames: np.ndarray, size: tuple[int, int], settings: VisionSet
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only input views: only read here
         x = torch.from_numpy(frames).permute(0, 3, 1, 2)
-    x = tvF.resize(x, list(size), interpolation=_interpolation(settings.resample), antialias=True)
+    x = _resize(x, size, settings)
     return x.permute(0, 2, 3, 1).contiguous().numpy()
+
+
+def _resize(x, size: tuple[int, int], settings: VisionSettings):
+    """uint8 frames [T, C, H, W] (a torch view) resized to `size` by `settings.backend`."""
+    import torch
+    import torchvision.transforms.v2.functional as tvF
+
+    if settings.backend == "torchvision":
+        return tvF.resize(x, list(size), interpolation=_interpolation(settings.resample), antialias=True)
+    if settings.backend != "pil":
+        raise ValueError(f"unsupported backend {settings.backend!r}")
+    from PIL import Image
+
+    if tuple(x.shape[2:]) == tuple(size):
+        return x
+    height, width = size
+    frames = [np.asarray(Image.fromarray(frame.permute(1, 2, 0).numpy()).resize((width, height),
+                                                                              resample=int(settings.resample)))
+              for frame in x]
+    return torch.from_numpy(np.stack(frames)).permute(0, 3, 1, 2)
 
 
 def write_pixel_values(frames: np.ndarray, size: tuple[int, int], settings: VisionSettings,
@@ -240,7 +267,7 @@ def write_pixel_values(frames: np.ndarray, size: tuple[int, int], settings: Visi
             x = torch.from_numpy(frames)
     x = x.permute(0, 3, 1, 2)
     if settings.do_resize:
-        x = tvF.resize(x, [height, width], interpolation=_interpolation(settings.resample), antialias=True)
+        x = _resize(x, (height, width), settings)
     # Normalise on planar float32 [T, C, H, W] (contiguous, vectorised: float(u8) - mean, / std,
     # the HF torchvision backend's operations in its order), then one strided copy into the patch
     # layout; a frame repeated to fill the last temporal patch is a stride-0 view, not a copy.
@@ -255,7 +282,10 @@ def write_pixel_values(frames: np.ndarray, size: tuple[int, int], settings: Visi
         f0, f1 = g0 * tps, min(t, g1 * tps)
         planar = scratch[:f1 - f0]
         planar.copy_(x[f0:f1])
-        if settings.do_normalize:
+        if settings.do_normalize and settings.backend == "pil":
+            planar.div_(1.0 / settings.rescale_factor).sub_(torch.tensor(settings.image_mean).view(-1, 1, 1))
+            planar.div_(torch.tensor(settings.image_std).view(-1, 1, 1))
+        elif settings.do_normalize:
             planar.sub_(mean.view(-1, 1, 1)).div_(std.view(-1, 1, 1))
         elif settings.do_rescale:
             planar.mul_(settings.rescale_factor)

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -35,6 +36,9 @@ from triton_vlm.mrope import MediaSpan, mrope_positions, pruned_mrope_positions
 from triton_vlm.options import PreprocessOptions
 from triton_vlm.vision.batching import offsets
 
+# Where a family's placeholders are text (`Family.placeholders_in_text`), the ids that stand for
+# one in the prompt until it is expanded: no tokenizer gives a negative id.
+IMAGE_MARK, VIDEO_MARK = -1, -2
 MM_OPTION_KEYS = ("min_pixels", "max_pixels", "fps", "num_frames", "max_frames", "video_pruning_rate")
 
 
@@ -155,8 +159,13 @@ class Preprocessor:
                         if video_section.get(key) is not None))
 
         named = self.family.named_special_tokens
-        self.image_token_id = self._token_id("image_token_id", named["image_token"])
-        self.video_token_id = self._token_id("video_token_id", named["video_token"])
+        if self.family.placeholders_in_text:  # marks no tokenizer gives, where the text has a placeholder
+            self.image_token_id, self.video_token_id = IMAGE_MARK, VIDEO_MARK
+            self._placeholder_pattern = re.compile(
+                "(" + "|".join(map(re.escape, (self.family.image_placeholder, self.family.video_placeholder))) + ")")
+        else:
+            self.image_token_id = self._token_id("image_token_id", named["image_token"])
+            self.video_token_id = self._token_id("video_token_id", named["video_token"])
 
     def warmup(self) -> None:
         """One small image and video through every stage, so no request pays for lazy imports."""
@@ -238,7 +247,15 @@ class Preprocessor:
         return RequestOptions(image, video, sampling, rate)
 
     def _encode(self, text: str) -> np.ndarray:
-        return np.asarray(self.tokenizer.encode(text).ids, dtype=np.int32)
+        if not self.family.placeholders_in_text:
+            return np.asarray(self.tokenizer.encode(text).ids, dtype=np.int32)
+        marks = {self.family.image_placeholder: IMAGE_MARK, self.family.video_placeholder: VIDEO_MARK}
+        pieces = self._placeholder_pattern.split(text)  # text, placeholder, text, ...
+        texts = self._encode_pieces(pieces[::2])
+        ids = [*texts[0]]
+        for placeholder, following in zip(pieces[1::2], texts[1:]):
+            ids += [marks[placeholder], *following]
+        return np.asarray(ids, dtype=np.int32)
 
     def _encode_pieces(self, texts: list[str]) -> list[list[int]]:
         """Ids of text pieces spliced between special tokens (no special tokens added)."""

@@ -100,6 +100,9 @@ class Family:
     # EVS video pruning (`video_pruning_rate`, triton_vlm.evs) as the reference implements it for
     # this family; others refuse the option.
     video_pruning: bool = False
+    # The image and video placeholders are strings of several tokens (MiniCPM-V 4.5's
+    # `(<image>./</image>)`), found in the prompt's text rather than among its token ids.
+    placeholders_in_text: bool = False
     # The config `version`s served, where one `model_type` spans versions (MiniCPM-V's `minicpmv`:
     # 2.0 to 4.5); empty: any.
     versions: tuple[str, ...] = ()

@@ -62,8 +62,16 @@ def _ensure_divide(length: float, divisor: int) -> int:
 
 
 def _merge_factor(settings: VisionSettings) -> int:
-    """Patches per side one LLM token covers: "4x" merges 2 x 2 patches, "16x" 4 x 4."""
-    return 2 if settings.downsample_mode == "4x" else 4
+    """Patches per side one LLM token covers: "4x" merges 2 x 2 patches, "16x" 4 x 4; a resampler
+    merges none (slice sides are whole patches)."""
+    return {"4x": 2, "16x": 4, "resampler": 1}[settings.downsample_mode]
+
+
+def _run_tokens(settings: VisionSettings, h: int, w: int) -> int:
+    """Placeholder tokens of one view of h x w patches."""
+    if settings.downsample_mode == "resampler":
+        return settings.image_feature_size
+    return h * w // _merge_factor(settings) ** 2
 
 
 def _best_resize(height: float, width: float, settings: VisionSettings, allow_upscale: bool) -> tuple[int, int]:
@@ -146,27 +154,31 @@ def sample_frames(metadata, *, max_frames: int = 768, num_frames: int | None = N
 def expand_media(media: MediaLayout, token_id: Callable[[str], int],
                  encode: Callable[[list[str]], list[list[int]]]) -> tuple[np.ndarray, list[MediaSpan]]:
     """The ids an image or video token becomes (`MiniCPMV4_6Processor.replace_image_token`,
-    `replace_video_token`, `_prepend_local_ids`): `<image_id>N</image_id>` (N the item's index
-    among its kind; with `use_image_id`), then per frame `<image>` + the overview's tokens +
-    `</image>` and the slices' `<slice>` + tokens + `</slice>` runs, slice rows joined by a newline.
-    No spans: media tokens take text positions (the model's positions are plain 0..S-1)."""
-    token = token_id(VIDEO_TOKEN if media.video else IMAGE_TOKEN)
+    `replace_video_token`, `_prepend_local_ids`): see `slice_runs`, each run of the item's own
+    token."""
+    return slice_runs(media, media.token, token_id, encode)
+
+
+def slice_runs(media: MediaLayout, fill: int, token_id: Callable[[str], int],
+               encode: Callable[[list[str]], list[list[int]]]) -> tuple[np.ndarray, list[MediaSpan]]:
+    """`<image_id>N</image_id>` (N the item's index among its kind; with `use_image_id`), then per
+    frame `<image>` + the overview's run of `fill` tokens + `</image>` and the slices' `<slice>` +
+    run + `</slice>`, slice rows joined by a newline (MiniCPM-V's processors, 2.6 to 4.6). No
+    spans: media tokens take text positions (the model's positions are plain 0..S-1)."""
     start, end = token_id(IMAGE_START), token_id(IMAGE_END)
     slice_start, slice_end = token_id(SLICE_START), token_id(SLICE_END)
     index_ids, newline = encode([str(media.index), "\n"])
-    divisor = _merge_factor(media.settings) ** 2
-    tokens = [h * w // divisor for _, h, w in media.grids]
+    runs = iter([_run_tokens(media.settings, h, w) for _, h, w in media.grids])
     ids: list[int] = [token_id(IMAGE_ID_START), *index_ids, token_id(IMAGE_ID_END)] if media.settings.use_image_id else []
-    runs = iter(tokens)
     sliced = media.views[1:]
     for _ in range(media.num_frames):
-        ids += [start, *[token] * next(runs), end]
+        ids += [start, *[fill] * next(runs), end]
         for view in sliced:
             for r in range(view.rows):
                 if r:
                     ids += newline
                 for _ in range(view.cols):
-                    ids += [slice_start, *[token] * next(runs), slice_end]
+                    ids += [slice_start, *[fill] * next(runs), slice_end]
     return np.asarray(ids, dtype=np.int32), []
 
 

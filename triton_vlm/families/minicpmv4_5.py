@@ -3,11 +3,20 @@ transformers 5 lacks): a SigLIP-NaViT tower and `Resampler4_5` on a Qwen3 decode
 
 Its oracle is the official code's golden set (`shared/reference/minicpmv4_5/`). Served so far: the
 decoder (`triton_vlm.llm.model.QWEN3`: image rows replace the `<unk>` runs that the processor puts
-between `<image>`/`<slice>` and their end tokens, the `image_bound` rows; 1-D positions).
+between `<image>`/`<slice>` and their end tokens, the `image_bound` rows; 1-D positions) and the
+images' preprocessing: a prompt's `(<image>./</image>)` (several tokens: found in the text) becomes
+`slice_runs` of `image_feature_size` (`query_num`) `<unk>` each, the slices cut as MiniCPM-V 4.6
+cuts them but with sides in whole patches (`downsample_mode` "resampler").
 """
 from __future__ import annotations
 
-from triton_vlm.families.base import Family
+from collections.abc import Callable
+
+import numpy as np
+
+from triton_vlm.families import minicpmv
+from triton_vlm.families.base import Family, MediaLayout
+from triton_vlm.mrope import MediaSpan
 
 IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER = "(<image>./</image>)", "(<video>./</video>)"
 UNK, ENDOFTEXT, IM_START, IM_END = "<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -18,6 +27,12 @@ SPECIAL_TOKENS = (ENDOFTEXT, UNK, IM_START, IM_END, IMAGE_START, IMAGE_END, SLIC
                   IMAGE_ID_START, IMAGE_ID_END)
 NAMED_TOKENS = {"unk_token": UNK, "im_start": IMAGE_START, "im_end": IMAGE_END, "slice_start": SLICE_START,
                 "slice_end": SLICE_END, "im_id_start": IMAGE_ID_START, "im_id_end": IMAGE_ID_END}
+
+
+def expand_media(media: MediaLayout, token_id: Callable[[str], int],
+                 encode: Callable[[list[str]], list[list[int]]]) -> tuple[np.ndarray, list[MediaSpan]]:
+    """`MiniCPMVImageProcessor.get_slice_image_placeholder`: runs of `<unk>`."""
+    return minicpmv.slice_runs(media, token_id(UNK), token_id, encode)
 
 
 def encoder_dims(config: dict) -> tuple[int, int]:
@@ -37,4 +52,9 @@ MINICPMV4_5 = Family(
     tower="triton_vlm.vision.minicpmv4_5:MiniCPMV4_5Tower",
     decoder="triton_vlm.llm.model:QWEN3",
     eos_tokens=(IM_END, ENDOFTEXT),
+    placeholders_in_text=True,
+    slice_rule=minicpmv.slice_rule,
+    expand_media=expand_media,
+    vision_defaults=dict(temporal_patch_size=1, merge_size=1, image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5),
+                         downsample_mode="resampler", backend="pil"),
 )
