@@ -10,6 +10,7 @@ cuts them but with sides in whole patches (`downsample_mode` "resampler").
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -33,6 +34,36 @@ def expand_media(media: MediaLayout, token_id: Callable[[str], int],
                  encode: Callable[[list[str]], list[list[int]]]) -> tuple[np.ndarray, list[MediaSpan]]:
     """`MiniCPMVImageProcessor.get_slice_image_placeholder`: runs of `<unk>`."""
     return minicpmv.slice_runs(media, token_id(UNK), token_id, encode)
+
+
+MAX_NUM_FRAMES, MAX_NUM_PACKING, TIME_SCALE = 180, 3, 0.1
+
+
+def choose_frames(num_frames: int, fps: float, choose_fps: float = 3, force_packing: int | None = None
+                  ) -> tuple[np.ndarray, list[list[int]]]:
+    """The official "chat with video" `encode_video` (MiniCPM-V 4.5 README): `choose_fps` frames a
+    second, uniformly, at most MAX_NUM_FRAMES (longer videos pack up to MAX_NUM_PACKING frames per
+    group, or `force_packing`); each frame's temporal id is its time on a TIME_SCALE grid (nearest
+    point of `arange(0, duration, TIME_SCALE)`, in its units). Returns the frame indices and the
+    temporal ids grouped by packing."""
+    duration = num_frames / fps
+    if choose_fps * int(duration) <= MAX_NUM_FRAMES:
+        packing = 1
+        chosen = round(min(choose_fps, round(fps)) * min(MAX_NUM_FRAMES, duration))
+    else:
+        packing = math.ceil(duration * choose_fps / MAX_NUM_FRAMES)
+        if packing <= MAX_NUM_PACKING:
+            chosen = round(duration * choose_fps)
+        else:
+            chosen, packing = round(MAX_NUM_FRAMES * MAX_NUM_PACKING), MAX_NUM_PACKING
+    gap = num_frames / chosen
+    indices = np.array([int(i * gap + gap / 2) for i in range(chosen)], dtype=np.int64)
+    if force_packing:
+        packing = min(force_packing, MAX_NUM_PACKING)
+    scale = np.arange(0, duration, TIME_SCALE)
+    nearest = scale[np.abs(scale[None, :] - (indices / fps)[:, None]).argmin(axis=1)]
+    ids = (nearest / TIME_SCALE).astype(np.int32).tolist()
+    return indices, [ids[i:i + packing] for i in range(0, len(ids), packing)]
 
 
 def encoder_dims(config: dict) -> tuple[int, int]:

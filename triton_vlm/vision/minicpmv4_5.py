@@ -1,7 +1,7 @@
 """MiniCPM-V 4.5 vision path in torch (issue #27, in part): the official `SiglipVisionTransformer`
 (`modeling_navit_siglip.py`, NaViT position ids) and `Resampler` (`resampler.py`, the 4.5 one with
-temporal ids), slice by slice, for images. Not yet a `Tower` (no ONNX export, no batching, no
-video packing): the reference the exported tower will be checked against.
+temporal ids: a video's packed frames resampled together), slice by slice. Not yet a `Tower` (no
+ONNX export, no batching): the reference the exported tower will be checked against.
 
 Input convention as `triton_vlm.vision.minicpmv`: one `pixel_values` row per 14 x 14 patch in the
 Conv2d weight's (channel, dy, dx) order, each slice's patches row-major, `grid_thw` rows `[1, h, w]`
@@ -31,18 +31,20 @@ def navit_position_ids(h: int, w: int, side: int) -> np.ndarray:
     return (rows[:, None] * side + cols).flatten().numpy()
 
 
+def sincos_1d(dim: int, pos: np.ndarray) -> torch.Tensor:
+    """[len(pos), dim]: sin then cos of pos * 10000^(-2i / dim) (`get_1d_sincos_pos_embed_from_*`)."""
+    omega = np.arange(dim // 2, dtype=np.float32)
+    omega /= dim / 2.0
+    omega = 1.0 / 10000 ** omega
+    out = np.einsum("...,d->...d", pos, omega)
+    return torch.from_numpy(np.concatenate([np.sin(out), np.cos(out)], axis=-1)).float()
+
+
 def sincos_2d(dim: int, h: int, w: int) -> torch.Tensor:
     """The resampler's 2-D sin-cos table [h, w, dim] (`get_2d_sincos_pos_embed`): the first half
     encodes the column, the second the row (`np.meshgrid(grid_w, grid_h)`), each half sin then cos."""
-    def one_axis(d: int, pos: np.ndarray) -> np.ndarray:
-        omega = np.arange(d // 2, dtype=np.float32)
-        omega /= d / 2.0
-        omega = 1.0 / 10000 ** omega
-        out = np.einsum("hw,d->hwd", pos, omega)
-        return np.concatenate([np.sin(out), np.cos(out)], axis=-1)
-
     grid_w, grid_h = np.meshgrid(np.arange(w, dtype=np.float32), np.arange(h, dtype=np.float32))
-    return torch.from_numpy(np.concatenate([one_axis(dim // 2, grid_w), one_axis(dim // 2, grid_h)], axis=-1)).float()
+    return torch.cat([sincos_1d(dim // 2, grid_w), sincos_1d(dim // 2, grid_h)], dim=-1)
 
 
 class MiniCPMV45Vision:
@@ -82,28 +84,45 @@ class MiniCPMV45Vision:
         return F.layer_norm(x, x.shape[-1:], wt["vpm.post_layernorm.weight"], wt["vpm.post_layernorm.bias"],
                             LAYER_NORM_EPS)
 
-    def resample(self, x: torch.Tensor, h: int, w: int) -> torch.Tensor:
-        """The resampler on one image slice (temporal id -1): [h * w, Dv] -> [query_num, D]."""
+    def resample(self, frames: list[tuple[torch.Tensor, int, int]], temporal_ids: list[int] | None = None
+                 ) -> torch.Tensor:
+        """The resampler on one image slice, or on a video's packed group of frames: each
+        (vpm rows [h * w, Dv], h, w) gives keys (with its 2-D sin-cos, and the 1-D sin-cos of its
+        temporal id where one is given: `Resampler4_5`) and values; the learned queries attend
+        over all of them at once -> [query_num, D]."""
         wt, d = self.w, self.embed_dim
-        x = F.layer_norm(x @ wt["resampler.kv_proj.weight"].t(), (d,), wt["resampler.ln_kv.weight"],
-                         wt["resampler.ln_kv.bias"], LAYER_NORM_EPS)
+        keys, values = [], []
+        for i, (x, h, w) in enumerate(frames):
+            x = F.layer_norm(x @ wt["resampler.kv_proj.weight"].t(), (d,), wt["resampler.ln_kv.weight"],
+                             wt["resampler.ln_kv.bias"], LAYER_NORM_EPS)
+            key = x + sincos_2d(d, h, w).reshape(h * w, d)
+            if temporal_ids is not None and temporal_ids[i] >= 0:
+                key = key + sincos_1d(d, np.array([temporal_ids[i]], dtype=np.float32))
+            keys.append(key)
+            values.append(x)
         q = F.layer_norm(wt["resampler.query"], (d,), wt["resampler.ln_q.weight"], wt["resampler.ln_q.bias"],
                          LAYER_NORM_EPS)
-        key = x + sincos_2d(d, h, w).reshape(h * w, d)
         out, _ = F.multi_head_attention_forward(
-            q[:, None], key[:, None], x[:, None], d, self.resampler_heads, wt["resampler.attn.in_proj_weight"],
-            wt["resampler.attn.in_proj_bias"], None, None, False, 0.0, wt["resampler.attn.out_proj.weight"],
-            wt["resampler.attn.out_proj.bias"], training=False, need_weights=False)
+            q[:, None], torch.cat(keys)[:, None], torch.cat(values)[:, None], d, self.resampler_heads,
+            wt["resampler.attn.in_proj_weight"], wt["resampler.attn.in_proj_bias"], None, None, False, 0.0,
+            wt["resampler.attn.out_proj.weight"], wt["resampler.attn.out_proj.bias"], training=False,
+            need_weights=False)
         out = F.layer_norm(out[:, 0], (d,), wt["resampler.ln_post.weight"], wt["resampler.ln_post.bias"],
                            LAYER_NORM_EPS)
         return out @ wt["resampler.proj"]
 
     @torch.inference_mode()
-    def __call__(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        """Every slice's rows, [slices * query_num, D]."""
-        out, start = [], 0
+    def __call__(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor,
+                 temporal_ids: list[list[int]] | None = None) -> torch.Tensor:
+        """[groups * query_num, D]: each slice on its own, or (`temporal_ids`, the processor's:
+        one list per group of grid rows, [-1] for an image slice) each group's frames together."""
+        frames, start = [], 0
         for _, h, w in grid_thw.tolist():
-            rows = pixel_values[start:start + h * w]
-            out.append(self.resample(self.tower(rows, h, w), h, w))
+            frames.append((self.tower(pixel_values[start:start + h * w], h, w), h, w))
             start += h * w
+        groups = temporal_ids or [[-1]] * len(frames)
+        out, i = [], 0
+        for ids in groups:
+            out.append(self.resample(frames[i:i + len(ids)], ids))
+            i += len(ids)
         return torch.cat(out)
