@@ -90,3 +90,11 @@ def encoder(onnx_path):
     from triton_vlm.vision.encoder import VisionEncoder
 
     return VisionEncoder(onnx_path)
+
+
+@pytest.fixture(scope="session")
+def golden():
+    """The official MiniCPM-V 4.5 golden values by key (`tests/minicpmv4_5_golden.py`)."""
+    from tests.minicpmv4_5_golden import golden_values
+
+    return golden_values()

@@ -8,25 +8,17 @@ Positions are 1-D (the official `MiniCPMV` gives its Qwen3 none: 0..S-1), sent a
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from tests.minicpmv4_5_golden import CASES, GOLDEN
 from tests.test_llm import Collector
 from triton_vlm.llm import DecoderConfig, Engine, SamplingParams, prompt_logits
 from triton_vlm.llm.model import DecoderModel
 
-GOLDEN = Path(__file__).parent / "golden" / "minicpmv4_5"
-CASES = {case["id"]: case for case in json.loads((GOLDEN / "cases.json").read_text())["cases"]}
 ATOL = 1e-3
-
-
-@pytest.fixture(scope="module")
-def golden():
-    with np.load(GOLDEN / "golden.npz") as npz:
-        return {key: npz[key] for key in npz.files}
 
 
 @pytest.fixture(scope="module")

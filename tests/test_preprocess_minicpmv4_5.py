@@ -9,16 +9,9 @@ import json
 import numpy as np
 import pytest
 
-from tests.test_llm_minicpmv4_5 import CASES, GOLDEN
+from tests.minicpmv4_5_golden import CASES, GOLDEN, IMAGE_CASES
 from triton_vlm.preprocess import Preprocessor
 
-IMAGE_CASES = [case for case, c in CASES.items() if all(m["kind"] == "image" for m in c["media"])]
-
-
-@pytest.fixture(scope="module")
-def golden():
-    with np.load(GOLDEN / "golden.npz") as npz:
-        return {key: npz[key] for key in npz.files}
 
 
 @pytest.fixture(scope="module")

@@ -7,18 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from tests.test_llm_minicpmv4_5 import CASES, GOLDEN
-from tests.test_preprocess_minicpmv4_5 import IMAGE_CASES
+from tests.minicpmv4_5_golden import CASES, GOLDEN, IMAGE_CASES
 from triton_vlm.preprocess import Preprocessor
 from triton_vlm.vision.minicpmv4_5 import MiniCPMV45Vision, navit_position_ids
 
 MEDIA_CASES = [case for case in IMAGE_CASES if CASES[case]["media"]]
-
-
-@pytest.fixture(scope="module")
-def golden():
-    with np.load(GOLDEN / "golden.npz") as npz:
-        return {key: npz[key] for key in npz.files}
 
 
 @pytest.fixture(scope="module")
