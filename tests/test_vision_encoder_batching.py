@@ -109,7 +109,7 @@ def test_same_item_in_one_batch_and_later_is_computed_once_and_bit_identical(enc
     calls = []
 
     class Counting:
-        merge_unit = encoder.merge_unit
+        embedding_rows = staticmethod(encoder.embedding_rows)
 
         def encode(self, pixels, grid):
             calls.append(grid.tolist())
@@ -157,11 +157,13 @@ def test_encode_in_shares_splits_chunks_and_joins_in_item_order():
         assert len(rows) == int(items.prod(axis=1).sum())
         return rows[::4, :2]  # one "token" per 2x2 merge unit: its first row
 
-    one = b.encode_in_shares(pixels, grid, send, shares=1, max_rows=1000, hidden=2, merge=2)
+    tokens = grid.prod(axis=1) // 4
+    one = b.encode_in_shares(pixels, grid, send, shares=1, max_rows=1000, hidden=2, rows_per_item=tokens)
     assert sent == [(len(pixels), False)]
     for shares, max_rows in ((2, 1000), (3, 64), (2, 80)):
         sent.clear()
-        out = b.encode_in_shares(pixels, grid, send, shares=shares, max_rows=max_rows, hidden=2, merge=2)
+        out = b.encode_in_shares(pixels, grid, send, shares=shares, max_rows=max_rows, hidden=2, rows_per_item=tokens)
         np.testing.assert_array_equal(out, one)
         assert all(n <= max_rows for n, _ in sent) and {odd for _, odd in sent} == {False, True}
-    assert b.encode_in_shares(pixels[:0], grid[:0], send, shares=2, max_rows=64, hidden=2, merge=2).shape == (0, 2)
+    assert b.encode_in_shares(pixels[:0], grid[:0], send, shares=2, max_rows=64, hidden=2,
+                              rows_per_item=tokens[:0]).shape == (0, 2)

@@ -289,7 +289,7 @@ def test_build_repository_serves_the_glm_tower(repo, checkpoints, encoder, setti
     assert int(params["hidden"]) == settings["out_hidden_size"] == config["text_config"]["hidden_size"]
     assert list(front.input[0].dims) == [-1, settings["patch_dim"]]
     encoder.warmup()
-    assert encoder.settings == settings and encoder.merge_unit == 4
+    assert encoder.settings == settings and encoder.embedding_rows(np.array([[2, 4, 6]])).tolist() == [12]
 
 
 def test_served_by_tritonserver(repo, oracles, tmp_path):

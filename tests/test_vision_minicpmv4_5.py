@@ -1,6 +1,8 @@
-"""MiniCPM-V 4.5's vision path in torch (`triton_vlm.vision.minicpmv4_5`) against the official
-golden values: NaViT position ids exact, the first slice's `vpm` hidden state and every slice's
-resampler rows (`vision_embeds`) within 1e-4, from our preprocess of the golden JPEGs."""
+"""MiniCPM-V 4.5's vision tower (`triton_vlm.vision.minicpmv4_5`) against the official golden
+values, from our preprocess of the golden media: NaViT position ids exact, the first slice's `vpm`
+hidden state and every slice's resampler rows (`vision_embeds`) within 1e-4, in torch, through the
+torch encoder and through the ONNX export in ONNX Runtime; a video's packed frames with their
+temporal ids resampled together as the official does."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,40 +11,84 @@ import torch
 
 from tests.minicpmv4_5_golden import CASES, GOLDEN, IMAGE_CASES
 from triton_vlm.preprocess import Preprocessor
-from triton_vlm.vision.minicpmv4_5 import MiniCPMV45Vision, navit_position_ids
+from triton_vlm.vision.minicpmv4_5 import MiniCPMV4_5Tower, metadata, navit_position_ids
 
 MEDIA_CASES = [case for case in IMAGE_CASES if CASES[case]["media"]]
+ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def vision():
-    return MiniCPMV45Vision(GOLDEN)
+def tower():
+    return MiniCPMV4_5Tower.load_tower(GOLDEN).eval()
+
+
+@pytest.fixture(scope="module")
+def settings():
+    return MiniCPMV4_5Tower.read_vision_config(GOLDEN)
+
+
+@pytest.fixture(scope="module")
+def onnx_encoder(tmp_path_factory):
+    from triton_vlm.vision.encoder import VisionEncoder
+    from triton_vlm.vision.export import export_onnx
+
+    return VisionEncoder(export_onnx(GOLDEN, tmp_path_factory.mktemp("minicpmv4_5") / "vision.onnx"))
+
+
+def preprocessed(case: str):
+    c = CASES[case]
+    return Preprocessor(GOLDEN)(c["prompt"], [(GOLDEN / m["file"]).read_bytes() for m in c["media"]], [])
+
+
+def run(tower, pixels: np.ndarray, grid: np.ndarray, settings: dict, temporal_ids=None) -> torch.Tensor:
+    meta = metadata(grid, settings, temporal_ids)
+    with torch.inference_mode():
+        return tower(torch.from_numpy(pixels), *(torch.from_numpy(meta[k]) for k in MiniCPMV4_5Tower.METADATA_INPUTS))
+
+
+def close(rows, expected) -> None:
+    rows, expected = np.asarray(rows), np.asarray(expected).reshape(np.shape(rows))
+    assert np.allclose(rows, expected, atol=ATOL, rtol=0), np.abs(rows - expected).max()
 
 
 @pytest.mark.parametrize("case", MEDIA_CASES)
-def test_vision_rows_equal_the_official(vision, golden, case):
-    c = CASES[case]
-    out = Preprocessor(GOLDEN)(c["prompt"], [(GOLDEN / m["file"]).read_bytes() for m in c["media"]], [])
+def test_image_rows_equal_the_official(tower, settings, golden, case):
+    out = preprocessed(case)
     for i, (_, h, w) in enumerate(out.grid_thw.tolist()):
-        assert np.array_equal(navit_position_ids(h, w, vision.side), golden[f"{case}/vision_position_ids/{i}"]), i
-    pixels = torch.from_numpy(out.pixel_values)
+        assert np.array_equal(navit_position_ids(h, w, settings["pos_embed_size"]),
+                              golden[f"{case}/vision_position_ids/{i}"]), i
     _, h, w = out.grid_thw[0].tolist()
-    hidden = vision.tower(pixels[:h * w], h, w)
-    assert torch.allclose(hidden, torch.from_numpy(golden[f"{case}/vpm_hidden/0"]), atol=1e-4, rtol=0)
-    rows = vision(pixels, torch.from_numpy(out.grid_thw))
-    expected = torch.from_numpy(golden[f"{case}/vision_embeds"]).reshape(rows.shape)
-    assert torch.allclose(rows, expected, atol=1e-4, rtol=0), (rows - expected).abs().max()
+    first = metadata(out.grid_thw[:1], settings)
+    with torch.inference_mode():
+        hidden = tower.hidden(torch.from_numpy(out.pixel_values[:h * w]),
+                              *(torch.from_numpy(first[k]) for k in ("position_ids", "full_index", "full_mask",
+                                                                     "full_inverse")))
+    close(hidden, golden[f"{case}/vpm_hidden/0"])
+    close(run(tower, out.pixel_values, out.grid_thw, settings), golden[f"{case}/vision_embeds"])
 
 
-def test_a_videos_packed_frames_are_resampled_together_as_the_official(vision, golden):
+@pytest.mark.parametrize("case", MEDIA_CASES)
+def test_the_encoders_give_the_official_rows(onnx_encoder, golden, case):
+    """The torch encoder and the ONNX export in ONNX Runtime: `query_num` rows per slice, every
+    slice of every case in one call (slices of several sizes: the encoder's runs)."""
+    from triton_vlm.vision.torch_encoder import TorchEncoder
+
+    out = preprocessed(case)
+    expected = golden[f"{case}/vision_embeds"]
+    for encoder in (TorchEncoder(GOLDEN), onnx_encoder):
+        rows = encoder.encode(out.pixel_values, out.grid_thw)
+        assert rows.shape == (len(out.grid_thw) * 8, 256)
+        close(rows, expected)
+
+
+def test_a_videos_packed_frames_are_resampled_together_as_the_official(tower, settings, golden):
     """The golden video's six decoded frames (the PNGs), preprocessed as images (320x240: no
     slices), in two packed groups of three with their temporal ids: the two golden rows' sets."""
     video = CASES["d_video"]["video"]
     out = Preprocessor(GOLDEN)("(<image>./</image>)" * 6, [(GOLDEN / f).read_bytes() for f in video["frames_png"]], [])
     assert np.array_equal(out.grid_thw[:, 1:], golden["d_video/tgt_sizes"])
-    rows = vision(torch.from_numpy(out.pixel_values), torch.from_numpy(out.grid_thw), video["temporal_ids"])
-    expected = torch.from_numpy(golden["d_video/vision_embeds"]).reshape(rows.shape)
-    assert torch.allclose(rows, expected, atol=1e-4, rtol=0), (rows - expected).abs().max()
+    groups = np.array([[len(ids), *out.grid_thw[0, 1:]] for ids in video["temporal_ids"]])
+    close(run(tower, out.pixel_values, groups, settings, video["temporal_ids"]), golden["d_video/vision_embeds"])
 
 
 def test_frames_are_chosen_and_packed_as_the_official_chat_with_video():

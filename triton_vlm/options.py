@@ -101,6 +101,8 @@ class EncoderOptions(ModelParams):
     hidden: int
     spatial_merge_size: int
     max_batch_patches: int
+    family: str  # whose tower: `Tower.embedding_rows` of its `tower_settings` (JSON)
+    tower_settings: str
     batch_instances: int = 1
 
 

@@ -315,11 +315,11 @@ def model_configs(family: Family, checkpoint_config: dict, options: BuildOptions
     preprocess = _bounded_queue(_python_model("preprocess", MEDIA_INPUTS, preprocess_outputs(),
                                               options.preprocess_instances, preprocess_params), options)
     enc_in, enc_out = encoder_io(patch_dim, hidden)
-    # patches per token along each side, as the family's tower counts it
-    merge = int(family.tower_class().checkpoint_settings(checkpoint_config)["spatial_merge_size"])
+    tower_settings = family.tower_class().checkpoint_settings(checkpoint_config)
     front = EncoderOptions(batch_model=ENCODER_BATCH_MODEL, patch_dim=patch_dim, hidden=hidden,
-                           spatial_merge_size=merge, max_batch_patches=options.encoder_max_batch_patches,
-                           batch_instances=encoder_instances(options))
+                           spatial_merge_size=int(tower_settings["spatial_merge_size"]),
+                           max_batch_patches=options.encoder_max_batch_patches, family=family.name,
+                           tower_settings=json.dumps(tower_settings), batch_instances=encoder_instances(options))
     encoder = _bounded_queue(_python_model("vision_encoder", enc_in, enc_out, options.encoder_frontends,
                                            {**common, **front.to_params()}), options)
     encoder_batch = _encoder_batch_model(patch_dim, hidden, options, common)

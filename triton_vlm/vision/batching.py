@@ -115,8 +115,9 @@ def offsets(counts) -> np.ndarray:
 
 
 def encode_in_shares(pixels: np.ndarray, grid_thw: np.ndarray, send: Callable[[np.ndarray, np.ndarray, bool], np.ndarray],
-                     *, shares: int, max_rows: int, hidden: int, merge: int) -> np.ndarray:
-    """Embeddings of the items of `grid_thw` (their patch rows `pixels`), in item order: the items
+                     *, shares: int, max_rows: int, hidden: int, rows_per_item: np.ndarray) -> np.ndarray:
+    """Embeddings of the items of `grid_thw` (their patch rows `pixels`; `rows_per_item`: the
+    embedding rows each gives, `Tower.embedding_rows`), in item order: the items
     split over `shares` encoder instances (`balance_items`), the shares sent at once, each in
     requests of at most `max_rows` rows (`chunk_items`); `send(pixels, grid, odd_share)` is one
     request. Odd shares are sent with `odd_share` true: Triton's dynamic batcher never puts
@@ -141,7 +142,7 @@ def encode_in_shares(pixels: np.ndarray, grid_thw: np.ndarray, send: Callable[[n
         return encode(np.arange(len(grid_thw)), False)
     with ThreadPoolExecutor(len(split)) as pool:
         embeddings = list(pool.map(encode, split, [k % 2 == 1 for k in range(len(split))]))
-    return join_shares(split, embeddings, grid_thw.prod(axis=1) // merge ** 2)
+    return join_shares(split, embeddings, rows_per_item)
 
 
 def balance_items(grid_thw: np.ndarray, shares: int) -> list[np.ndarray]:
@@ -181,7 +182,7 @@ class BatchStats:
 class BatchedEncoder:
     """Encodes the media items of many requests in one go, each distinct item once.
 
-    `encoder` is anything with `encode(pixels, grid) -> embeddings` and `merge_unit` (the ONNX
+    `encoder` is anything with `encode(pixels, grid) -> embeddings` and `embedding_rows(grid)` (the ONNX
     Runtime `VisionEncoder` or the TensorRT one). Items already in `cache` (or repeated within
     the batch) are not computed again; the others are encoded together in one call, which groups
     them by size.
@@ -194,7 +195,6 @@ class BatchedEncoder:
         """`batch`: (pixel_values [N, D], grid_thw [M, 3]) per request, already validated.
         Returns each request's embeddings [tokens, hidden] and the counts."""
         stats = BatchStats(requests=len(batch))
-        unit = self.encoder.merge_unit
         per_request: list[list[bytes]] = []
         found: dict[bytes, np.ndarray] = {}
         todo: dict[bytes, tuple[np.ndarray, tuple[int, int, int]]] = {}
@@ -222,8 +222,7 @@ class BatchedEncoder:
             rows = [p for p, _ in todo.values()]  # one item (the usual request): its rows as they are
             emb = self.encoder.encode(rows[0] if len(rows) == 1 else np.concatenate(rows, axis=0), grids)
             row = 0
-            for key, (_, (t, h, w)) in todo.items():
-                k = t * h * w // unit
+            for key, k in zip(todo, self.encoder.embedding_rows(grids).tolist()):
                 found[key] = emb[row:row + k]
                 self.cache.put(key, found[key])
                 row += k

@@ -29,7 +29,6 @@ class TowerEncoder:
         self.patch_dim = int(settings["patch_dim"])
         self.out_hidden = int(settings["out_hidden_size"])
         self.tower_merge = int(settings["spatial_merge_size"])
-        self.merge_unit = self.tower_merge ** 2
         self.max_patches_per_run = int(max_patches_per_run)
 
     def _run(self, pixels: np.ndarray, grid: np.ndarray) -> np.ndarray:
@@ -43,16 +42,19 @@ class TowerEncoder:
     def _validate(self, pixel_values, grid_thw) -> tuple[np.ndarray, np.ndarray]:
         return validate_inputs(pixel_values, grid_thw, self.patch_dim, self.tower_merge)
 
+    def embedding_rows(self, grid: np.ndarray) -> np.ndarray:
+        """Embedding rows of each grid row (`Tower.embedding_rows`)."""
+        return self.tower.embedding_rows(grid, self.settings)
+
     def _plan(self, grid: np.ndarray) -> list[list[tuple[int, int, int, int, int]]]:
         """Runs of pieces (patch_offset, token_offset, t, h, w) that share a spatial size."""
         pieces: dict[tuple[int, int], list[tuple[int, int, int, int, int]]] = {}
         patch_off = token_off = 0
-        for t, h, w in grid.tolist():
+        for (t, h, w), rows in zip(grid.tolist(), self.embedding_rows(grid).tolist()):
             for f in range(t):  # frames are independent (triton_vlm.vision)
-                pieces.setdefault((h, w), []).append(
-                    (patch_off + f * h * w, token_off + f * h * w // self.merge_unit, 1, h, w))
+                pieces.setdefault((h, w), []).append((patch_off + f * h * w, token_off + f * rows // t, 1, h, w))
             patch_off += t * h * w
-            token_off += t * h * w // self.merge_unit
+            token_off += rows
         runs = []
         for group in pieces.values():
             run, size = [], 0
@@ -69,7 +71,7 @@ class TowerEncoder:
     def encode(self, pixel_values: np.ndarray, grid_thw: np.ndarray) -> np.ndarray:
         """Embeddings float32 [tokens, out_hidden], one row per placeholder token, item order."""
         pixels, grid = self._validate(pixel_values, grid_thw)
-        total_tokens = int(grid.prod(axis=1).sum()) // self.merge_unit
+        total_tokens = int(self.embedding_rows(grid).sum())
         if total_tokens == 0:
             return np.zeros((0, self.out_hidden), dtype=np.float32)
         runs = self._plan(grid)
@@ -81,8 +83,7 @@ class TowerEncoder:
             run_pixels = _rows(pixels, [(p, p + n * h * w) for p, _, n, h, w in run])
             emb = self._run(run_pixels, run_grid)
             row = 0
-            for _, tok, n, h, w in run:
-                k = n * h * w // self.merge_unit
+            for (_, tok, _, _, _), k in zip(run, self.embedding_rows(run_grid).tolist()):
                 out[tok:tok + k] = emb[row:row + k]
                 row += k
         return out

@@ -1,25 +1,61 @@
-"""MiniCPM-V 4.5 vision path in torch (issue #27, in part): the official `SiglipVisionTransformer`
+"""MiniCPM-V 4.5 vision tower (`minicpmv4_5`): the official `SiglipVisionTransformer`
 (`modeling_navit_siglip.py`, NaViT position ids) and `Resampler` (`resampler.py`, the 4.5 one with
-temporal ids: a video's packed frames resampled together), slice by slice. Not yet a `Tower` (no
-ONNX export, no batching): the reference the exported tower will be checked against.
+temporal ids) in an export-friendly form, and its host-side metadata.
 
 Input convention as `triton_vlm.vision.minicpmv`: one `pixel_values` row per 14 x 14 patch in the
-Conv2d weight's (channel, dy, dx) order, each slice's patches row-major, `grid_thw` rows `[1, h, w]`
-(the processor's `tgt_sizes`). Each slice gives `query_num` rows (the resampler's learned queries
-attending over the slice), in the slices' order: the rows of its `<unk>` run.
+Conv2d weight's (channel, dy, dx) order, each slice's patches row-major, slices one after another.
+`grid_thw` has one row `[t, h, w]` per resampler group: an image slice (t = 1, the processor's
+`tgt_sizes` row) or a video's packed frames (t of them, h x w each). SigLIP attends inside each
+slice or frame; the resampler's `query_num` learned queries attend over the whole group, so each
+grid row gives `query_num` embedding rows (`embedding_rows`), the rows of its `<unk>` run.
+
+Keys of the resampler carry a 2-D sin-cos of their patch's (row, column) and, for a video frame, a
+1-D sin-cos of its temporal id; the host gives each patch's (row, column, temporal id or -1) as
+`key_positions` and the graph computes the tables (a [patches, hidden] table of an 8B model would
+be 16 KiB a patch to send).
 """
 from __future__ import annotations
 
-from pathlib import Path
+from typing import Any, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
+import torch.nn as nn
 
-from triton_vlm.weights import read_safetensors
+from triton_vlm.vision import common
+from triton_vlm.vision.minicpmv import Embeddings, EncoderLayer
+from triton_vlm.vision.tower import Tower
 
 LAYER_NORM_EPS = 1e-6  # SigLIP's, and the resampler's LayerNorms (`partial(nn.LayerNorm, eps=1e-6)`)
+METADATA_INPUTS = ("position_ids",) + common.FULL_INPUTS + ("key_positions", "group_index", "group_mask")
+_VISION_DEFAULTS: dict[str, Any] = dict(
+    hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16, num_channels=3,
+    image_size=980, patch_size=14, hidden_act="gelu_pytorch_tanh", layer_norm_eps=LAYER_NORM_EPS,
+)
+PREFIXES = {"vpm.": "vpm.", "resampler.": "resampler."}
 
+
+def vision_settings(config: Any) -> dict[str, Any]:
+    """A MiniCPM-V 4.5 `config.json` (its top level holds `query_num` and the decoder's
+    `hidden_size`, the resampler's width) as the plain dict of the fields this module uses."""
+    cfg = common.as_dict(config)
+    vision = common.as_dict(cfg.get("vision_config") or {})
+    out = {key: vision.get(key, default) for key, default in _VISION_DEFAULTS.items()}
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_channels",
+                "image_size", "patch_size"):
+        out[key] = int(out[key])
+    out["layer_norm_eps"] = float(out["layer_norm_eps"])
+    out["out_hidden_size"] = int(cfg["hidden_size"])
+    out["query_num"] = int(cfg["query_num"])
+    out["pos_embed_size"] = out["image_size"] // out["patch_size"]
+    out.update(depth=out["num_hidden_layers"], num_heads=out["num_attention_heads"], in_channels=out["num_channels"],
+               temporal_patch_size=1, spatial_merge_size=1)
+    return common.add_derived(out)
+
+
+# --------------------------------------------------------------------------------------------
+# Host-side metadata (numpy)
+# --------------------------------------------------------------------------------------------
 
 def navit_position_ids(h: int, w: int, side: int) -> np.ndarray:
     """`SiglipVisionEmbeddings.forward`'s position ids of an h x w slice on the `side` x `side`
@@ -31,98 +67,138 @@ def navit_position_ids(h: int, w: int, side: int) -> np.ndarray:
     return (rows[:, None] * side + cols).flatten().numpy()
 
 
-def sincos_1d(dim: int, pos: np.ndarray) -> torch.Tensor:
-    """[len(pos), dim]: sin then cos of pos * 10000^(-2i / dim) (`get_1d_sincos_pos_embed_from_*`)."""
-    omega = np.arange(dim // 2, dtype=np.float32)
-    omega /= dim / 2.0
-    omega = 1.0 / 10000 ** omega
-    out = np.einsum("...,d->...d", pos, omega)
-    return torch.from_numpy(np.concatenate([np.sin(out), np.cos(out)], axis=-1)).float()
+def metadata(grid_thw: np.ndarray, settings: dict[str, Any],
+             temporal_ids: Sequence[Sequence[int]] | None = None) -> dict[str, np.ndarray]:
+    """The metadata inputs for `grid_thw` [M, 3]; `temporal_ids`: per grid row, each frame's
+    temporal id (a video's packed group, `choose_frames`), none for image slices."""
+    grid = common.check_grid(grid_thw, 1)
+    side = settings["pos_embed_size"]
+    positions, keys = [], []
+    for i, (t, h, w, _, pos) in enumerate(common.item_layouts(grid, lambda h, w: navit_position_ids(h, w, side))):
+        ids = temporal_ids[i] if temporal_ids is not None else [-1] * t
+        if len(ids) != t:
+            raise ValueError(f"grid row {i} has {t} frames but {len(ids)} temporal ids")
+        rows, cols = np.divmod(np.arange(h * w, dtype=np.int64), w)
+        for frame in ids:
+            positions.append(pos)
+            keys.append(np.stack([rows, cols, np.full(h * w, frame, dtype=np.int64)], axis=1))
+    patches = grid.prod(axis=1)
+    index, mask, _ = common.groups(np.arange(int(patches.sum()), dtype=np.int64), patches)
+    return dict(position_ids=np.concatenate(positions), **common.frame_groups(grid),
+                key_positions=np.concatenate(keys), group_index=index, group_mask=mask)
 
 
-def sincos_2d(dim: int, h: int, w: int) -> torch.Tensor:
-    """The resampler's 2-D sin-cos table [h, w, dim] (`get_2d_sincos_pos_embed`): the first half
-    encodes the column, the second the row (`np.meshgrid(grid_w, grid_h)`), each half sin then cos."""
-    grid_w, grid_h = np.meshgrid(np.arange(w, dtype=np.float32), np.arange(h, dtype=np.float32))
-    return torch.cat([sincos_1d(dim // 2, grid_w), sincos_1d(dim // 2, grid_h)], dim=-1)
+def encoder_metadata(grid_thw: np.ndarray, settings: dict[str, Any]) -> dict[str, np.ndarray]:
+    return metadata(grid_thw, settings)
 
 
-class MiniCPMV45Vision:
-    """The vision weights of a MiniCPM-V 4.5 checkpoint (`vpm.*`, `resampler.*`) and their forward."""
+def embedding_rows(grid_thw: np.ndarray, settings: dict[str, Any]) -> np.ndarray:
+    """`query_num` rows per grid row, whatever its size."""
+    return np.full(len(grid_thw), settings["query_num"], dtype=np.int64)
 
-    def __init__(self, checkpoint: str | Path) -> None:
-        import json
 
-        root = Path(checkpoint)
-        config = json.loads((root / "config.json").read_text())
-        vision = config["vision_config"]
-        self.patch, self.heads = int(vision["patch_size"]), int(vision["num_attention_heads"])
-        self.side = int(vision["image_size"]) // self.patch
-        self.layers = int(vision["num_hidden_layers"])
-        self.embed_dim = int(config["hidden_size"])
-        self.resampler_heads = self.embed_dim // 128
-        self.w = read_safetensors(root, lambda k: k if k.startswith(("vpm.", "resampler.")) else None,
-                                  dtype=torch.float32)
+def profile_shapes(settings: dict[str, Any], patches: tuple[int, int, int]) -> common.Shapes:
+    """TensorRT (min, opt, max) shapes for runs of `patches` rows (a slice or a group holds one patch
+    at the least)."""
+    groups = common.group_profile("group", patches, 1)
+    return {"pixel_values": common.per_patch(patches, settings["patch_dim"]), "position_ids": common.per_patch(patches),
+            **common.group_profile("full", patches, 1), "key_positions": common.per_patch(patches, 3),
+            "group_index": groups["group_index"], "group_mask": groups["group_mask"]}
 
-    def tower(self, rows: torch.Tensor, h: int, w: int) -> torch.Tensor:
-        """`vpm` on one slice: rows [h * w, 3 * 14 * 14] -> last_hidden_state [h * w, Dv]."""
-        wt = self.w
-        conv = wt["vpm.embeddings.patch_embedding.weight"]
-        x = rows @ conv.reshape(conv.shape[0], -1).t() + wt["vpm.embeddings.patch_embedding.bias"]
-        x = x + wt["vpm.embeddings.position_embedding.weight"][torch.from_numpy(navit_position_ids(h, w, self.side))]
-        for i in range(self.layers):
-            p = f"vpm.encoder.layers.{i}."
-            y = F.layer_norm(x, x.shape[-1:], wt[p + "layer_norm1.weight"], wt[p + "layer_norm1.bias"], LAYER_NORM_EPS)
-            q, k, v = (F.linear(y, wt[p + f"self_attn.{n}_proj.weight"], wt[p + f"self_attn.{n}_proj.bias"])
-                       .view(len(y), self.heads, -1).transpose(0, 1) for n in "qkv")
-            attn = torch.softmax((q @ k.transpose(1, 2)) * q.shape[-1] ** -0.5, dim=-1) @ v
-            x = x + F.linear(attn.transpose(0, 1).reshape(len(y), -1), wt[p + "self_attn.out_proj.weight"],
-                             wt[p + "self_attn.out_proj.bias"])
-            y = F.layer_norm(x, x.shape[-1:], wt[p + "layer_norm2.weight"], wt[p + "layer_norm2.bias"], LAYER_NORM_EPS)
-            y = F.gelu(F.linear(y, wt[p + "mlp.fc1.weight"], wt[p + "mlp.fc1.bias"]), approximate="tanh")
-            x = x + F.linear(y, wt[p + "mlp.fc2.weight"], wt[p + "mlp.fc2.bias"])
-        return F.layer_norm(x, x.shape[-1:], wt["vpm.post_layernorm.weight"], wt["vpm.post_layernorm.bias"],
-                            LAYER_NORM_EPS)
 
-    def resample(self, frames: list[tuple[torch.Tensor, int, int]], temporal_ids: list[int] | None = None
-                 ) -> torch.Tensor:
-        """The resampler on one image slice, or on a video's packed group of frames: each
-        (vpm rows [h * w, Dv], h, w) gives keys (with its 2-D sin-cos, and the 1-D sin-cos of its
-        temporal id where one is given: `Resampler4_5`) and values; the learned queries attend
-        over all of them at once -> [query_num, D]."""
-        wt, d = self.w, self.embed_dim
-        keys, values = [], []
-        for i, (x, h, w) in enumerate(frames):
-            x = F.layer_norm(x @ wt["resampler.kv_proj.weight"].t(), (d,), wt["resampler.ln_kv.weight"],
-                             wt["resampler.ln_kv.bias"], LAYER_NORM_EPS)
-            key = x + sincos_2d(d, h, w).reshape(h * w, d)
-            if temporal_ids is not None and temporal_ids[i] >= 0:
-                key = key + sincos_1d(d, np.array([temporal_ids[i]], dtype=np.float32))
-            keys.append(key)
-            values.append(x)
-        q = F.layer_norm(wt["resampler.query"], (d,), wt["resampler.ln_q.weight"], wt["resampler.ln_q.bias"],
-                         LAYER_NORM_EPS)
-        out, _ = F.multi_head_attention_forward(
-            q[:, None], torch.cat(keys)[:, None], torch.cat(values)[:, None], d, self.resampler_heads,
-            wt["resampler.attn.in_proj_weight"], wt["resampler.attn.in_proj_bias"], None, None, False, 0.0,
-            wt["resampler.attn.out_proj.weight"], wt["resampler.attn.out_proj.bias"], training=False,
-            need_weights=False)
-        out = F.layer_norm(out[:, 0], (d,), wt["resampler.ln_post.weight"], wt["resampler.ln_post.bias"],
-                           LAYER_NORM_EPS)
-        return out @ wt["resampler.proj"]
+# --------------------------------------------------------------------------------------------
+# The torch module
+# --------------------------------------------------------------------------------------------
 
-    @torch.inference_mode()
-    def __call__(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor,
-                 temporal_ids: list[list[int]] | None = None) -> torch.Tensor:
-        """[groups * query_num, D]: each slice on its own, or (`temporal_ids`, the processor's:
-        one list per group of grid rows, [-1] for an image slice) each group's frames together."""
-        frames, start = [], 0
-        for _, h, w in grid_thw.tolist():
-            frames.append((self.tower(pixel_values[start:start + h * w], h, w), h, w))
-            start += h * w
-        groups = temporal_ids or [[-1]] * len(frames)
-        out, i = [], 0
-        for ids in groups:
-            out.append(self.resample(frames[i:i + len(ids)], ids))
-            i += len(ids)
-        return torch.cat(out)
+def sincos(pos: torch.Tensor, dim: int) -> torch.Tensor:
+    """[len(pos), dim]: sin then cos of pos * 10000^(-2i / dim) (`get_1d_sincos_pos_embed_from_grid`)."""
+    omega = 1.0 / 10000 ** (torch.arange(dim // 2, dtype=torch.float32, device=pos.device) / (dim / 2.0))
+    angles = pos.float()[:, None] * omega[None, :]
+    return torch.cat([torch.sin(angles), torch.cos(angles)], dim=-1)
+
+
+class Resampler(nn.Module):
+    """`Resampler4_5`: keys and values from the tower's rows (`kv_proj`, `ln_kv`; keys plus their
+    2-D sin-cos, column half first, and a frame's temporal sin-cos), the learned queries (`ln_q`)
+    attending over each group's keys, `ln_post`, `proj`."""
+
+    def __init__(self, cfg: dict[str, Any]):
+        super().__init__()
+        dim, q = cfg["out_hidden_size"], cfg["query_num"]
+        self.num_heads = dim // 128
+        self.query = nn.Parameter(torch.zeros(q, dim))
+        self.kv_proj = nn.Linear(cfg["hidden_size"], dim, bias=False)
+        self.attn = nn.MultiheadAttention(dim, self.num_heads)
+        self.ln_q, self.ln_kv, self.ln_post = (common.LayerNorm(dim, eps=LAYER_NORM_EPS) for _ in range(3))
+        self.proj = nn.Parameter(torch.zeros(dim, dim))
+
+    def forward(self, x, key_positions, group_index, group_mask):
+        dim = self.query.shape[1]
+        x = self.ln_kv(self.kv_proj(x)).float()
+        pos = torch.cat([sincos(key_positions[:, 1], dim // 2), sincos(key_positions[:, 0], dim // 2)], dim=-1)
+        temporal = key_positions[:, 2]
+        pos = pos + sincos(temporal.clamp(min=0), dim) * (temporal >= 0).float()[:, None]
+        w, b = self.attn.in_proj_weight.float(), self.attn.in_proj_bias.float()
+        q = nn.functional.linear(self.ln_q(self.query).float(), w[:dim], b[:dim])
+        k = nn.functional.linear(x + pos, w[dim:2 * dim], b[dim:2 * dim])
+        v = nn.functional.linear(x, w[2 * dim:], b[2 * dim:])
+        groups, length = group_index.shape
+        flat = group_index.reshape(-1)
+        heads, head_dim = self.num_heads, dim // self.num_heads
+        k = k.index_select(0, flat).reshape(groups, length, heads, head_dim).transpose(1, 2)
+        v = v.index_select(0, flat).reshape(groups, length, heads, head_dim).transpose(1, 2)
+        q = q.reshape(1, -1, heads, head_dim).transpose(1, 2) * head_dim ** -0.5
+        scores = torch.matmul(q, k.transpose(2, 3)) + group_mask.float()[:, None, None, :]
+        out = torch.matmul(torch.softmax(scores, dim=-1), v).transpose(1, 2).reshape(-1, dim)
+        out = nn.functional.linear(out, self.attn.out_proj.weight.float(), self.attn.out_proj.bias.float())
+        return self.ln_post(out.to(self.proj.dtype)) @ self.proj
+
+
+class MiniCPMV4_5VisionTower(nn.Module):
+    """Inputs: `pixel_values` [N, patch_dim] plus `METADATA_INPUTS`; output float32
+    [grid rows * query_num, out_hidden]."""
+
+    def __init__(self, cfg: dict[str, Any]):
+        super().__init__()
+        self.vpm = nn.Module()
+        self.vpm.embeddings = Embeddings(cfg)
+        self.vpm.encoder = nn.Module()
+        self.vpm.encoder.layers = nn.ModuleList([EncoderLayer(cfg) for _ in range(cfg["depth"])])
+        self.vpm.post_layernorm = common.LayerNorm(cfg["hidden_size"], eps=cfg["layer_norm_eps"])
+        self.resampler = Resampler(cfg)
+
+    def hidden(self, pixel_values, position_ids, full_index, full_mask, full_inverse):
+        """`vpm`'s last hidden state: SigLIP inside each slice or frame."""
+        x = self.vpm.embeddings(pixel_values, position_ids)
+        full_mask = full_mask.float()
+        for layer in self.vpm.encoder.layers:
+            x = layer(x, full_index, full_mask, full_inverse, common.key_lengths(full_mask))
+        return self.vpm.post_layernorm(x)
+
+    def forward(self, pixel_values, position_ids, full_index, full_mask, full_inverse, key_positions,
+                group_index, group_mask):
+        x = self.hidden(pixel_values, position_ids, full_index, full_mask, full_inverse)
+        return self.resampler(x, key_positions, group_index, group_mask).float()
+
+
+class MiniCPMV4_5Tower(Tower):
+    """Its settings come from the whole `config.json` (`query_num` and the resampler's width are
+    at its top level)."""
+    module = MiniCPMV4_5VisionTower
+    METADATA_INPUTS = METADATA_INPUTS
+    METADATA_AXES = {
+        "position_ids": {0: "patches"}, "full_index": {0: "frames", 1: "frame_len"},
+        "full_mask": {0: "frames", 1: "frame_len"}, "full_inverse": {0: "patches"},
+        "key_positions": {0: "patches"}, "group_index": {0: "groups", 1: "group_len"},
+        "group_mask": {0: "groups", 1: "group_len"},
+    }
+    PREFIXES = PREFIXES
+    EXAMPLE_GRID = ((1, 6, 10), (1, 8, 8))
+    vision_settings = staticmethod(vision_settings)
+    encoder_metadata = staticmethod(encoder_metadata)
+    embedding_rows = staticmethod(embedding_rows)
+    profile_shapes = staticmethod(profile_shapes)
+
+    @classmethod
+    def checkpoint_settings(cls, config: dict[str, Any]) -> dict[str, Any]:
+        return vision_settings(config)

@@ -38,7 +38,7 @@ heads would take 16 x 16384^2 x 2 bytes = 8 GiB (and the float32 graph's 16 GiB)
 (`common.sdpa_groups`).
 
 Run: `TensorRTEncoder` has the interface of the ONNX Runtime `VisionEncoder` (`encode`,
-`warmup`, `merge_unit`, ...): host metadata from the tower class, runs of at most `max` patches
+`warmup`, `embedding_rows`, ...): host metadata from the tower class, runs of at most `max` patches
 (frames of one size together, each video frame on its own), buffers as torch CUDA
 tensors, `execute_async_v3` on a torch stream.
 """

@@ -45,6 +45,12 @@ class Tower:
         raise NotImplementedError
 
     @classmethod
+    def embedding_rows(cls, grid_thw: np.ndarray, settings: dict[str, Any]) -> np.ndarray:
+        """Embedding rows of each grid row: one per merge^2 patches (a tower with a resampler: its
+        query count)."""
+        return np.asarray(grid_thw, dtype=np.int64).prod(axis=1) // settings["spatial_merge_size"] ** 2
+
+    @classmethod
     def profile_shapes(cls, settings: dict[str, Any], patches: tuple[int, int, int]) -> common.Shapes:
         """TensorRT (min, opt, max) shape of every input for runs of `patches` (min, opt, max) rows."""
         raise NotImplementedError
