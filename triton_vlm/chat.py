@@ -26,10 +26,10 @@ def load_chat_template(checkpoint: str | Path) -> str | None:
     it names several)."""
     checkpoint = Path(checkpoint)
     if (checkpoint / "chat_template.jinja").is_file():
-        return (checkpoint / "chat_template.jinja").read_text()
+        return (checkpoint / "chat_template.jinja").read_text(encoding="utf-8")
     for name in ("chat_template.json", "tokenizer_config.json"):
         if (checkpoint / name).is_file():
-            template = json.loads((checkpoint / name).read_text()).get("chat_template")
+            template = json.loads((checkpoint / name).read_text(encoding="utf-8")).get("chat_template")
             if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
                 template = {t["name"]: t["template"] for t in template}.get("default")
             if template:

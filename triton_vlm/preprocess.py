@@ -105,12 +105,12 @@ def load_processor_sections(checkpoint: Path) -> tuple[dict, dict]:
     image = video = None
     nested = checkpoint / "processor_config.json"
     if nested.is_file():
-        data = json.loads(nested.read_text())
+        data = json.loads(nested.read_text(encoding="utf-8"))
         image, video = data.get("image_processor"), data.get("video_processor")
     if image is None and (checkpoint / "preprocessor_config.json").is_file():
-        image = json.loads((checkpoint / "preprocessor_config.json").read_text())
+        image = json.loads((checkpoint / "preprocessor_config.json").read_text(encoding="utf-8"))
     if video is None and (checkpoint / "video_preprocessor_config.json").is_file():
-        video = json.loads((checkpoint / "video_preprocessor_config.json").read_text())
+        video = json.loads((checkpoint / "video_preprocessor_config.json").read_text(encoding="utf-8"))
     image = image or {}
     return image, (video if video is not None else dict(image))
 
@@ -133,7 +133,7 @@ class Preprocessor:
 
         checkpoint = Path(checkpoint)
         self.family: Family = detect_family(checkpoint)
-        self.config: dict = json.loads((checkpoint / "config.json").read_text())
+        self.config: dict = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
         self.limits = limits
         self.options = options
         check_pruning(self.family, options.video_pruning_rate, "video_pruning_rate")

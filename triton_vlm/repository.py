@@ -367,8 +367,8 @@ def llm_options(options: BuildOptions) -> LLMOptions:
 def write_config(config: mc.ModelConfig, path: Path) -> None:
     """Write a config and check that it parses back to the same message."""
     text = text_format.MessageToString(config)
-    path.write_text(text)
-    parsed = text_format.Parse(path.read_text(), mc.ModelConfig())
+    path.write_text(text, encoding="utf-8")
+    parsed = text_format.Parse(path.read_text(encoding="utf-8"), mc.ModelConfig())
     if parsed != config:
         raise RuntimeError(f"{path}: config did not survive a text round trip")
 
@@ -428,7 +428,7 @@ def _copy_checkpoint(checkpoint: Path, dst: Path, weights: bool) -> None:
 def build_repository(checkpoint: str | Path, repo: str | Path, options: BuildOptions = BuildOptions()) -> Path:
     checkpoint, repo = Path(checkpoint).resolve(), Path(repo)
     family = detect_family(checkpoint)
-    checkpoint_config = json.loads((checkpoint / "config.json").read_text())
+    checkpoint_config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
     if options.device not in ("cpu", "gpu"):
         raise ValueError(f"--device {options.device}: expected cpu or gpu")
     check_pruning(family, options.video_pruning_rate, "--video-pruning-rate")

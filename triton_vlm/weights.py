@@ -16,7 +16,7 @@ def read_safetensors(checkpoint_dir: str | Path, rename: Callable[[str], str | N
     root = Path(checkpoint_dir)
     index = root / "model.safetensors.index.json"
     if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
     else:
         files = sorted(p.name for p in root.glob("*.safetensors"))
     if not files:

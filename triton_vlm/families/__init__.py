@@ -30,7 +30,7 @@ def _video_processor_type(checkpoint: Path) -> str | None:
     for name, key in (("processor_config.json", "video_processor"), ("video_preprocessor_config.json", None)):
         path = checkpoint / name
         if path.is_file():
-            section = json.loads(path.read_text())
+            section = json.loads(path.read_text(encoding="utf-8"))
             section = section.get(key) or {} if key else section
             if section.get("video_processor_type"):
                 return section["video_processor_type"]
@@ -42,7 +42,7 @@ def detect_family(checkpoint: str | Path) -> Family:
     `version`, where a family names versions), the one whose video processor class matches the
     checkpoint's, else the one whose own model type it is."""
     checkpoint = Path(checkpoint)
-    config = json.loads((checkpoint / "config.json").read_text())
+    config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
     model_type, version = config.get("model_type"), str(config.get("version"))
     candidates = [f for f in FAMILIES.values() if model_type in f.model_types]
     if not candidates:

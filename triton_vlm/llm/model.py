@@ -80,7 +80,7 @@ def _added_token_ids(root: Path, tokens: tuple[str, ...]) -> tuple[int, ...]:
     """The ids of `tokens` among the checkpoint tokenizer's added tokens (tokenizer.json)."""
     if not tokens:
         return ()
-    added = {t["content"]: int(t["id"]) for t in json.loads((root / "tokenizer.json").read_text()).get("added_tokens", [])}
+    added = {t["content"]: int(t["id"]) for t in json.loads((root / "tokenizer.json").read_text(encoding="utf-8")).get("added_tokens", [])}
     if missing := [t for t in tokens if t not in added]:
         raise ValueError(f"tokenizer.json: no added token {missing}")
     return tuple(added[t] for t in tokens)
@@ -134,7 +134,7 @@ class DecoderConfig:
     @classmethod
     def from_checkpoint(cls, checkpoint_dir: str | Path) -> "DecoderConfig":
         root = Path(checkpoint_dir)
-        cfg = json.loads((root / "config.json").read_text())
+        cfg = json.loads((root / "config.json").read_text(encoding="utf-8"))
         family = detect_family(root)
         spec = family.decoder_spec()
         # Older Qwen2.5-VL configs hold the text fields at top level; v5 (and GLM) nest them in text_config.
@@ -168,7 +168,7 @@ class DecoderConfig:
         eos = _ids(cfg.get("eos_token_id")) + _ids((cfg.get("text_config") or {}).get("eos_token_id"))
         gen_path = root / "generation_config.json"
         if gen_path.exists():
-            eos = _ids(json.loads(gen_path.read_text()).get("eos_token_id")) + eos
+            eos = _ids(json.loads(gen_path.read_text(encoding="utf-8")).get("eos_token_id")) + eos
         eos += _added_token_ids(root, spec.eos_tokens)
         tie = bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
         placeholders = (tuple(int(cfg[k]) for k in spec.placeholder_keys if cfg.get(k) is not None)

@@ -147,7 +147,7 @@ class TensorRTEncoder(TowerEncoder):
         import torch
 
         engine_path = Path(engine_path)
-        sidecar = json.loads(engine_path.with_suffix(".json").read_text())
+        sidecar = json.loads(engine_path.with_suffix(".json").read_text(encoding="utf-8"))
         self._init_tower(sidecar["family"], sidecar["vision_config"], int(sidecar["max_patches"]))
         self.dtype = sidecar["precision"]
         self.min_patches = int(sidecar["min_patches"])
