@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping
 from triton_vlm.families import get_family
 from triton_vlm.families import glm4v as glm
 from triton_vlm.families import minicpmv as mc
+from triton_vlm.families import minicpmv4_5 as mc45
 from triton_vlm.families import qwen2_5_vl as qwen
 from triton_vlm.families.base import Family
 
@@ -98,6 +99,10 @@ MINICPMV_TEMPLATE = chat_template(
     prefix="", message_start="<|im_start|>{{ message['role'] }}\n", message_end="<|im_end|>\n",
     image=mc.IMAGE_TOKEN, video=mc.VIDEO_TOKEN, generation_prompt="<|im_start|>assistant\n")
 
+MINICPMV4_5_TEMPLATE = chat_template(
+    prefix="", message_start="<|im_start|>{{ message['role'] }}\n", message_end="<|im_end|>\n",
+    image=mc45.IMAGE_PLACEHOLDER, video=mc45.VIDEO_PLACEHOLDER, generation_prompt="<|im_start|>assistant\n")
+
 
 # Random-weight demo shapes. `tiny` keeps tests to seconds; `small` is tens of millions of
 # parameters for the demo and benchmarks.
@@ -141,6 +146,27 @@ MINICPMV4_6_SIZES: dict[str, dict[str, Any]] = {
         vision=dict(hidden_size=256, intermediate_size=704, num_hidden_layers=8, num_attention_heads=4,
                     image_size=448, patch_size=14),
         insert_layer_id=3, scale_resolution=448, max_slice_nums=9,
+    ),
+}
+
+# MiniCPM-V 4.5: a Qwen3 decoder (its width a multiple of 128: the resampler's heads are 128 wide),
+# SigLIP with a 980 px position table, `query_num` rows per slice.
+MINICPMV4_5_SIZES: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        vocab_size=1024,
+        text=dict(hidden_size=256, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16),
+        vision=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    image_size=980, patch_size=14),
+        query_num=8, scale_resolution=112, max_slice_nums=4,
+    ),
+    "small": dict(
+        vocab_size=8192,
+        text=dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=2, head_dim=64),
+        vision=dict(hidden_size=256, intermediate_size=704, num_hidden_layers=8, num_attention_heads=4,
+                    image_size=980, patch_size=14),
+        query_num=64, scale_resolution=448, max_slice_nums=9,
     ),
 }
 
@@ -258,6 +284,45 @@ def _write_minicpmv4_6(out: Path, shape: dict[str, Any], tokenizer, seed: int) -
     processor.save_pretrained(out)
 
 
+def _write_minicpmv4_5(out: Path, shape: dict[str, Any], tokenizer, seed: int) -> None:
+    """A random-weight MiniCPM-V 4.5 checkpoint as the official remote code reads it (transformers
+    has no class for it): the decoder's weights made by transformers' Qwen3 under `llm.`, the
+    tower's by ours (`vpm.`, `resampler.`), the official config and processor fields."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from triton_vlm.vision.minicpmv4_5 import MiniCPMV4_5VisionTower, vision_settings
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in mc45.SPECIAL_TOKENS}
+    patch = shape["vision"]["patch_size"]
+    text = dict(vocab_size=shape["model_vocab_size"], max_position_embeddings=4096, rms_norm_eps=1e-6,
+                rope_theta=1000000.0, hidden_act="silu", attention_bias=False, tie_word_embeddings=False,
+                bos_token_id=ids[mc45.IM_START], eos_token_id=ids[mc45.IM_END], **shape["text"])
+    config = dict(version=4.5, architectures=["MiniCPMV"], model_type="minicpmv", **text,
+                  vision_config=dict(model_type="siglip", **shape["vision"]), query_num=shape["query_num"],
+                  image_size=shape["scale_resolution"], patch_size=patch, slice_mode=True, batch_vision_input=True,
+                  batch_3d_resampler=True, drop_vision_last_layer=False)
+    llm = random_model(Qwen3ForCausalLM, Qwen3Config(**text), shape, seed)
+    tower = random_model(MiniCPMV4_5VisionTower, vision_settings(config), shape, seed + 1)
+    with torch.no_grad():  # (the module starts them at zero: the checkpoint sets them)
+        tower.resampler.query.normal_(std=0.02)
+        tower.resampler.proj.normal_(std=tower.resampler.proj.shape[0] ** -0.5)
+    weights = {f"llm.{name}": value for name, value in llm.state_dict().items()} | tower.state_dict()
+    save_file({name: value.contiguous() for name, value in weights.items()}, out / "model.safetensors")
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    processor = dict(image_processor_type="MiniCPMVImageProcessor", processor_class="MiniCPMVProcessor",
+                     max_slice_nums=shape["max_slice_nums"], scale_resolution=shape["scale_resolution"],
+                     patch_size=patch, use_image_id=True, image_feature_size=shape["query_num"], slice_mode=True,
+                     norm_mean=[0.5] * 3, norm_std=[0.5] * 3, **{key: token for key, token in mc45.NAMED_TOKENS.items()
+                                                                  if key != "unk_token"}, unk=mc45.UNK)
+    (out / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
+    tokenizer.chat_template = MINICPMV4_5_TEMPLATE
+    tokenizer.save_pretrained(out)
+
+
 @dataclass(frozen=True)
 class GlmClasses:
     """What one GLM checkpoint is made of: its transformers class names, and whether it carries a
@@ -369,6 +434,7 @@ DEMOS: dict[str, Demo] = {
     "glm4v": _glm("glm4v"), "glm46v": _glm("glm46v"), "glmga": _glm("glmga"), "glm_ocr": _glm("glm_ocr"),
     "glm4v_moe": _glm("glm4v_moe", GLM4V_MOE_SIZES),
     "minicpmv4_6": Demo(MINICPMV4_6_SIZES, _write_minicpmv4_6),
+    "minicpmv4_5": Demo(MINICPMV4_5_SIZES, _write_minicpmv4_5),
 }
 
 
