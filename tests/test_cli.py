@@ -2,6 +2,7 @@
 `demo-checkpoint` command for every family."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -109,7 +110,11 @@ def test_infer_reports_invalid_input(server, tmp_path):
     assert done.returncode == 2 and "images[0]" in done.stderr
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+# Families transformers has no class for: their oracle is the official code's golden set.
+OFFICIAL_ONLY = {"minicpmv4_5"}
+
+
+@pytest.mark.parametrize("family", sorted(set(FAMILIES) - OFFICIAL_ONLY))
 def test_demo_checkpoint_small_loads_offline_in_transformers(family, tmp_path):
     """`triton-vlm demo-checkpoint --size small` (the demo's and benchmarks' size; the tests use
     tiny) writes what transformers loads offline, and the checkpoint is detected as that family."""
@@ -124,6 +129,33 @@ def test_demo_checkpoint_small_loads_offline_in_transformers(family, tmp_path):
     assert model.config.model_type == FAMILIES[family].model_types[0]
     assert processor.tokenizer.convert_tokens_to_ids(FAMILIES[family].named_special_tokens["image_token"]) \
         == model.config.image_token_id
+
+
+def test_demo_checkpoint_of_minicpmv4_5_has_the_official_layout(tmp_path):
+    """MiniCPM-V 4.5's tiny demo checkpoint holds the weights of the official golden checkpoint
+    (written by the official code, the same shape): every name, every shape but the vocabulary's
+    rows; the processor's fields are the official's too."""
+    from safetensors import safe_open
+
+    from tests.minicpmv4_5_golden import GOLDEN
+
+    out = tmp_path / "minicpmv4_5"
+    subprocess.run([sys.executable, "-m", "triton_vlm.cli", "demo-checkpoint", "--family", "minicpmv4_5", "--out",
+                    str(out)], check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=600)
+    assert detect_family(out).name == "minicpmv4_5"
+
+    def layout(checkpoint):
+        with safe_open(checkpoint / "model.safetensors", "pt") as f:
+            return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+
+    ours, official = layout(out), layout(GOLDEN)
+    assert set(ours) == set(official)
+    vocab = {"llm.model.embed_tokens.weight", "llm.lm_head.weight"}
+    assert {n: s for n, s in ours.items() if n not in vocab} == {n: s for n, s in official.items() if n not in vocab}
+    assert all(ours[n][1:] == official[n][1:] for n in vocab)
+    processor, golden = (json.loads((c / "preprocessor_config.json").read_text()) for c in (out, GOLDEN))
+    assert {k: processor[k] for k in processor if k != "scale_resolution" and k != "max_slice_nums"} == {
+        k: golden[k] for k in processor if k != "scale_resolution" and k != "max_slice_nums"}
 
 
 def test_llm_device_and_dtype_are_build_options(tiny_checkpoint, tmp_path):
