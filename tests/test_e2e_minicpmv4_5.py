@@ -2,7 +2,8 @@
 checkpoint (`tests/golden/minicpmv4_5`; transformers has no class for it, so the official code's
 recorded outputs are the oracle): `preprocess` gives the official input ids, `vision_encoder` the
 official resampler rows, and the ensemble's greedy `output_ids` equal the official `generate`'s
-over gRPC streaming and HTTP generate, alone and concurrently, for the image and text cases."""
+over gRPC streaming and HTTP generate, alone and concurrently, for the image and text cases. A
+video, not served yet, is INVALID_ARG and the server goes on serving."""
 from __future__ import annotations
 
 import numpy as np
@@ -50,3 +51,13 @@ def test_greedy_tokens_equal_the_official_generate(server, case, transport):
 def test_concurrent_requests_each_get_the_official_answer(server):
     answers = concurrently(lambda case: grpc_tokens(server, *request(case), max_tokens=8), IMAGE_CASES)
     assert answers == {case: CASES[case]["greedy_tokens"] for case in IMAGE_CASES}
+
+
+def test_a_video_is_invalid_arg_and_the_server_keeps_serving(server):
+    from triton_vlm.client import RequestError
+
+    video = (GOLDEN / CASES["d_video"]["media"][0]["file"]).read_bytes()
+    with pytest.raises(RequestError, match=r"videos: this model \(minicpmv4_5\) takes no videos") as refused:
+        grpc_tokens(server, "(<video>./</video>)\nDescribe the video.", [], [video], max_tokens=4)
+    assert "INVALID_ARG" in str(refused.value) or "INVALID_ARGUMENT" in str(refused.value)
+    assert grpc_tokens(server, *request("e_text_only"), max_tokens=8) == CASES["e_text_only"]["greedy_tokens"]

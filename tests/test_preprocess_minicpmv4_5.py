@@ -69,3 +69,13 @@ def test_placeholders_are_found_in_the_text(preprocessor, golden, text, images, 
     assert len(out.grid_thw) == 1
     unk = json.loads((GOLDEN / "cases.json").read_text())["tokenizer"]["special_ids"]["<unk>"]
     assert int((out.input_ids == unk).sum()) == json.loads((GOLDEN / "config.json").read_text())["query_num"]
+
+
+def test_a_video_is_refused_naming_the_input(preprocessor):
+    """Videos (packed frames resampled together with their temporal ids) are not served yet: a
+    request with one is refused, rather than encoded otherwise than the official code does."""
+    from triton_vlm.errors import InvalidInput
+
+    video = (GOLDEN / CASES["d_video"]["media"][0]["file"]).read_bytes()
+    with pytest.raises(InvalidInput, match=r"^videos: this model \(minicpmv4_5\) takes no videos"):
+        preprocessor("(<video>./</video>)\nDescribe the video.", [], [video])

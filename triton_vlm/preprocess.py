@@ -171,8 +171,9 @@ class Preprocessor:
         """One small image and video through every stage, so no request pays for lazy imports."""
         from triton_vlm import samples
 
-        self(self.family.image_placeholder + self.family.video_placeholder,
-             [samples.image_bytes(64, 64)], [samples.video_bytes(seconds=1.0, fps=4, width=64, height=64)])
+        video = self.family.takes_videos
+        self(self.family.image_placeholder + self.family.video_placeholder * video, [samples.image_bytes(64, 64)],
+             [samples.video_bytes(seconds=1.0, fps=4, width=64, height=64)] * video)
 
     def _token_id(self, config_key: str, token: str) -> int:
         value = self.config.get(config_key)
@@ -263,6 +264,8 @@ class Preprocessor:
 
     def _prompt_ids(self, text: str, n_images: int, n_videos: int) -> np.ndarray:
         """The prompt's ids, one placeholder per item (put before the text if it holds none)."""
+        if n_videos and not self.family.takes_videos:
+            raise InvalidInput(f"videos: this model ({self.family.name}) takes no videos in this version of triton-vlm")
         if n_images + n_videos > self.limits.max_media_items:
             raise InvalidInput(f"images, videos: {n_images + n_videos} media items exceed "
                                f"max_media_items={self.limits.max_media_items}")

@@ -106,6 +106,9 @@ class Family:
     # The config `version`s served, where one `model_type` spans versions (MiniCPM-V's `minicpmv`:
     # 2.0 to 4.5); empty: any.
     versions: tuple[str, ...] = ()
+    # Whether requests may hold videos (MiniCPM-V 4.5's packed frames with temporal ids are not
+    # served yet: a video is refused rather than encoded otherwise than the official code does).
+    takes_videos: bool = True
 
     def tower_class(self) -> type:
         return _import(self.tower)

@@ -84,6 +84,7 @@ MINICPMV4_5 = Family(
     decoder="triton_vlm.llm.model:QWEN3",
     eos_tokens=(IM_END, ENDOFTEXT),
     placeholders_in_text=True,
+    takes_videos=False,
     slice_rule=minicpmv.slice_rule,
     expand_media=expand_media,
     vision_defaults=dict(temporal_patch_size=1, merge_size=1, image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5),
