@@ -29,9 +29,10 @@ def run_demo(workdir: Path, size: str = "small", family_name: str = "qwen2_5_vl"
     started = time.perf_counter()
     with TritonServer(repo, log_file=workdir / "tritonserver.log") as server:
         step(f"ready in {time.perf_counter() - started:.1f} s (gRPC {server.grpc_url}, HTTP {server.http_url})")
-        prompt = user_prompt(load_chat_template(checkpoint), family, QUESTION, images=1, videos=1)
-        step("one 640x480 JPEG + a 2 s 160x120 H.264 video + text, streamed over gRPC:")
-        result = generate(server.grpc_url, prompt, [samples.image_bytes(640, 480)], [samples.video_bytes(2.0)],
+        videos = [samples.video_bytes(2.0)] if family.takes_videos else []
+        prompt = user_prompt(load_chat_template(checkpoint), family, QUESTION, images=1, videos=len(videos))
+        step(f"one 640x480 JPEG{' + a 2 s 160x120 H.264 video' * len(videos)} + text, streamed over gRPC:")
+        result = generate(server.grpc_url, prompt, [samples.image_bytes(640, 480)], videos,
                           max_tokens=32, stream=True, on_text=lambda t: print(t, end="", flush=True))
         print()
         step(f"{len(result.output_ids)} tokens, finish_reason={result.finish_reason}, "
