@@ -384,13 +384,9 @@ def test_a_server_on_busy_ports_is_refused_before_it_starts(server, tiny_repo):
     assert second.process is None and server.is_ready()
 
 
-def test_a_server_not_ready_in_time_is_stopped_and_the_error_says_where_it_stood(tmp_path):
-    """A start that times out (a model that never finishes loading, as in CI) names each model's
-    state, the stubs running, the server's last lines and where each stub is: its threads' Python
-    stacks and its main thread's native stack. It leaves nothing behind."""
-    from triton_vlm.server import ServerError, TritonServer
-
-    model = tmp_path / "repository" / "stuck"
+def stuck_repository(root: Path, initialize: str) -> Path:
+    """A repository of one Python model, `stuck`, whose `initialize(self, args)` body is `initialize`."""
+    model = root / "repository" / "stuck"
     (model / "1").mkdir(parents=True)
     (model / "config.pbtxt").write_text(textwrap.dedent("""\
         backend: "python"
@@ -399,21 +395,51 @@ def test_a_server_not_ready_in_time_is_stopped_and_the_error_says_where_it_stood
         output [{ name: "y", data_type: TYPE_INT32, dims: [1] }]
         """))
     (model / "1" / "model.py").write_text(textwrap.dedent("""\
+        import pathlib
         import threading
         import triton_vlm.triton_backend  # noqa: F401 (the stack dump on SIGUSR1)
 
         class TritonPythonModel:
             def initialize(self, args):
-                threading.Event().wait()  # a load that never ends
-        """))
-    server = TritonServer(model.parent)
-    with pytest.raises(ServerError) as error:
+        """) + textwrap.indent(textwrap.dedent(initialize), " " * 8))
+    return model.parent
+
+
+def test_a_server_not_ready_in_time_is_stopped_and_the_error_says_where_it_stood(tmp_path):
+    """A start that times out (a model that never finishes loading, as in CI) names each model's
+    state, the stubs running, the server's last lines and where each stub is: its threads' Python
+    stacks and its main thread's native stack. It leaves nothing behind."""
+    from triton_vlm.server import NotReady, TritonServer
+
+    server = TritonServer(stuck_repository(tmp_path, "threading.Event().wait()  # a load that never ends\n"))
+    with pytest.raises(NotReady) as error:
         server.start(timeout=10.0)
     message = str(error.value)
     assert message.startswith("tritonserver not ready after 10 s; models: ")
     assert "; stubs: ['stuck_0']; its last lines:\n" in message and "loading: stuck:1" in message, message
     stacks = message.split("-- the stubs' Python stacks:\n", 1)[1]
-    assert re.search(r'File ".*/stuck/1/model.py", line 6 in initialize', stacks), message
+    assert re.search(r'File ".*/stuck/1/model.py", line \d+ in initialize', stacks), message
     if shutil.which("gdb"):
         assert re.search(r"stub \d+ main thread:\n#0 ", stacks), message
     assert server.process.poll() is not None
+
+
+def test_a_supervised_server_not_ready_in_time_is_started_once_more(tmp_path):
+    """`triton-vlm serve`'s server gets a second start when the first is not ready in time (the
+    model here hangs in its first load only); the event says where the first stood."""
+    from triton_vlm.server import TritonServer
+
+    marker = tmp_path / "loaded once"
+    events: list[str] = []
+    repo = stuck_repository(tmp_path, f"""\
+        marker = pathlib.Path({str(marker)!r})
+        if not marker.exists():
+            marker.touch()
+            threading.Event().wait()
+        """)
+    server = TritonServer(repo, supervise=True, report=events.append)
+    with server.start(timeout=10.0):
+        assert server.is_ready()
+        assert len(events) == 1 and events[0].startswith("tritonserver not ready after 10 s; models: "), events
+        assert re.search(r"model.py\", line \d+ in initialize", events[0]), events[0]
+        assert events[0].endswith("\nstarting it again"), events[0]

@@ -104,6 +104,10 @@ class ServerError(RuntimeError):
     """The server exited or never became ready; the message holds its own error lines."""
 
 
+class NotReady(ServerError):
+    """The server did not become ready in time (it was killed); the message says where it stood."""
+
+
 class TritonServer:
     """A running tritonserver on a repository; a context manager that always stops what it started.
 
@@ -189,7 +193,16 @@ class TritonServer:
         if busy:
             raise ServerError(f"{', '.join(busy)} already in use (another server?)")
         self._start_timeout = timeout
-        self._launch(thread_outlives=False)
+        try:
+            self._launch(thread_outlives=False)
+        except NotReady as error:
+            if not self.supervise:
+                raise
+            # python_backend r24.10 may leave a stub waiting for its initialize message for good
+            # (seen in CI): a supervised server gets one more start
+            self.event(f"{error}\nstarting it again")
+            self._remove_shm_regions()
+            self._launch(thread_outlives=False)
         if self.supervise:  # started before returning: a stub may die right after
             self._supervisor = Supervisor(self)
         return self
@@ -222,8 +235,9 @@ class TritonServer:
                 return
             time.sleep(0.5)
         report = self.hang_report()
+        self.note_shm_regions()
         self._kill(self.process)
-        raise ServerError(f"tritonserver not ready after {self._start_timeout:.0f} s; {report}")
+        raise NotReady(f"tritonserver not ready after {self._start_timeout:.0f} s; {report}")
 
     def is_ready(self) -> bool:
         try:
