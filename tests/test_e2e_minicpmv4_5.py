@@ -6,8 +6,11 @@ over gRPC streaming and HTTP generate, alone and concurrently, for the image and
 video, not served yet, is INVALID_ARG and the server goes on serving."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
+from tritonclient.utils import InferenceServerException
 
 from tests.minicpmv4_5_golden import CASES, GOLDEN, IMAGE_CASES
 from tests.test_e2e import concurrently, grpc_tokens, http_tokens, infer_direct, media_values
@@ -57,7 +60,10 @@ def test_a_video_is_invalid_arg_and_the_server_keeps_serving(server):
     from triton_vlm.client import RequestError
 
     video = (GOLDEN / CASES["d_video"]["media"][0]["file"]).read_bytes()
-    with pytest.raises(RequestError, match=r"videos: this model \(minicpmv4_5\) takes no videos") as refused:
-        grpc_tokens(server, "(<video>./</video>)\nDescribe the video.", [], [video], max_tokens=4)
-    assert "INVALID_ARG" in str(refused.value) or "INVALID_ARGUMENT" in str(refused.value)
+    prompt, refusal = "(<video>./</video>)\nDescribe the video.", r"^videos: this model \(minicpmv4_5\) takes no videos"
+    with pytest.raises(RequestError, match=refusal):  # (a gRPC stream carries the message alone)
+        grpc_tokens(server, prompt, [], [video], max_tokens=4)
+    with pytest.raises(InferenceServerException) as direct:
+        infer_direct(server, "preprocess", media_values(prompt, [], [video]), ["input_ids"])
+    assert direct.value.status() == "StatusCode.INVALID_ARGUMENT" and re.match(refusal, direct.value.message())
     assert grpc_tokens(server, *request("e_text_only"), max_tokens=8) == CASES["e_text_only"]["greedy_tokens"]
