@@ -212,3 +212,13 @@ def test_media_as_base64_and_data_url_equal_raw_bytes(server):
         out = infer_direct(server, "preprocess", media_values(prompt, [encoded], []), ["input_ids", "pixel_values"])
         np.testing.assert_array_equal(out["input_ids"], raw["input_ids"])
         np.testing.assert_array_equal(out["pixel_values"], raw["pixel_values"])
+
+
+def test_the_encoder_front_holds_no_torch(server):
+    """The `vision_encoder` front's instances (several) only route rows: no torch in them. A front
+    that imported its tower held torch in each instance, and its exit was slow enough to leave its
+    shared memory behind when the server went."""
+    fronts = [pid for pid, name in server.stub_processes().items() if name.startswith("vision_encoder_0_")]
+    assert fronts
+    for pid in fronts:
+        assert "libtorch" not in Path(f"/proc/{pid}/maps").read_text(), pid

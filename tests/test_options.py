@@ -14,7 +14,7 @@ SAMPLES = [
     LLMOptions(device="cuda:1", dtype="bfloat16", kv_cache_tokens=4096, kv_cache_bytes=1 << 30, block_size=32,
                prefix_caching=True, max_running=7, max_num_tokens=1024, queue_timeout_ms=250),
     EncoderOptions(batch_model="vision_encoder_batch", patch_dim=1176, hidden=2048, spatial_merge_size=2,
-                   max_batch_patches=65536, family="qwen2_5_vl", tower_settings='{"spatial_merge_size": 2}'),
+                   max_batch_patches=65536, query_num=64),
     EncoderBatchOptions(instances=3, cache_bytes=1 << 20, engine_file="encoder.plan"),
     EncoderBatchOptions(instances=2, encoder_file="../../vision_encoder/1/encoder.onnx", intra_op_threads=4),
     EncoderBatchOptions(instances=2, backend="torch", weights_dir="checkpoint", dtype="bfloat16"),

@@ -101,9 +101,8 @@ class EncoderOptions(ModelParams):
     hidden: int
     spatial_merge_size: int
     max_batch_patches: int
-    family: str  # whose tower: `Tower.embedding_rows` of its `tower_settings` (JSON)
-    tower_settings: str
     batch_instances: int = 1
+    query_num: int = 0  # embedding rows per grid row where a resampler makes them (`batching.embedding_rows`)
 
 
 @dataclass(frozen=True)

@@ -318,8 +318,8 @@ def model_configs(family: Family, checkpoint_config: dict, options: BuildOptions
     tower_settings = family.tower_class().checkpoint_settings(checkpoint_config)
     front = EncoderOptions(batch_model=ENCODER_BATCH_MODEL, patch_dim=patch_dim, hidden=hidden,
                            spatial_merge_size=int(tower_settings["spatial_merge_size"]),
-                           max_batch_patches=options.encoder_max_batch_patches, family=family.name,
-                           tower_settings=json.dumps(tower_settings), batch_instances=encoder_instances(options))
+                           max_batch_patches=options.encoder_max_batch_patches,
+                           batch_instances=encoder_instances(options), query_num=int(tower_settings.get("query_num", 0)))
     encoder = _bounded_queue(_python_model("vision_encoder", enc_in, enc_out, options.encoder_frontends,
                                            {**common, **front.to_params()}), options)
     encoder_batch = _encoder_batch_model(patch_dim, hidden, options, common)

@@ -177,11 +177,8 @@ class VisionEncoderModel:
     """
 
     def initialize(self, args: dict[str, Any]) -> None:
-        from triton_vlm.vision import get_tower
-
         _, params = _model_dir(args)
         self.options = EncoderOptions.from_params(params)
-        self.tower, self.tower_settings = get_tower(self.options.family), json.loads(self.options.tower_settings)
 
     def _encode_rows(self, pixels: np.ndarray, grid: np.ndarray, odd_share: bool) -> np.ndarray:
         from triton_vlm.repository import ODD_SHARE_INPUT
@@ -204,7 +201,7 @@ class VisionEncoderModel:
 
     def _handle(self, request) -> list:
         from triton_vlm.evs import check_rate, prune
-        from triton_vlm.vision.batching import encode_in_shares
+        from triton_vlm.vision.batching import embedding_rows, encode_in_shares
         from triton_vlm.vision.encoder import validate_inputs
 
         o = self.options
@@ -219,7 +216,7 @@ class VisionEncoderModel:
         grid = np.repeat(np.concatenate([np.ones_like(items[:, :1]), items[:, 1:]], axis=1), items[:, 0], axis=0)
         embeddings = encode_in_shares(pixels, grid, self._encode_rows, shares=o.batch_instances,
                                       max_rows=o.max_batch_patches, hidden=o.hidden,
-                                      rows_per_item=self.tower.embedding_rows(grid, self.tower_settings))
+                                      rows_per_item=embedding_rows(grid, o.spatial_merge_size, o.query_num))
         embeddings, kept = prune(embeddings, items, o.spatial_merge_size, rate)
         return [pb_utils.Tensor("embeddings", np.ascontiguousarray(embeddings, dtype=np.float32)),
                 pb_utils.Tensor("kept_rows", kept)]

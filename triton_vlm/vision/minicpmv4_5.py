@@ -7,7 +7,7 @@ Conv2d weight's (channel, dy, dx) order, each slice's patches row-major, slices 
 `grid_thw` has one row `[t, h, w]` per resampler group: an image slice (t = 1, the processor's
 `tgt_sizes` row) or a video's packed frames (t of them, h x w each). SigLIP attends inside each
 slice or frame; the resampler's `query_num` learned queries attend over the whole group, so each
-grid row gives `query_num` embedding rows (`embedding_rows`), the rows of its `<unk>` run.
+grid row gives `query_num` embedding rows (`Tower.embedding_rows`), the rows of its `<unk>` run.
 
 Keys of the resampler carry a 2-D sin-cos of their patch's (row, column) and, for a video frame, a
 1-D sin-cos of its temporal id; the host gives each patch's (row, column, temporal id or -1) as
@@ -90,11 +90,6 @@ def metadata(grid_thw: np.ndarray, settings: dict[str, Any],
 
 def encoder_metadata(grid_thw: np.ndarray, settings: dict[str, Any]) -> dict[str, np.ndarray]:
     return metadata(grid_thw, settings)
-
-
-def embedding_rows(grid_thw: np.ndarray, settings: dict[str, Any]) -> np.ndarray:
-    """`query_num` rows per grid row, whatever its size."""
-    return np.full(len(grid_thw), settings["query_num"], dtype=np.int64)
 
 
 def profile_shapes(settings: dict[str, Any], patches: tuple[int, int, int]) -> common.Shapes:
@@ -196,7 +191,6 @@ class MiniCPMV4_5Tower(Tower):
     EXAMPLE_GRID = ((1, 6, 10), (1, 8, 8))
     vision_settings = staticmethod(vision_settings)
     encoder_metadata = staticmethod(encoder_metadata)
-    embedding_rows = staticmethod(embedding_rows)
     profile_shapes = staticmethod(profile_shapes)
 
     @classmethod

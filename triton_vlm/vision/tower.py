@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from triton_vlm.vision import common
+from triton_vlm.vision import batching, common
 
 
 class Tower:
@@ -46,9 +46,9 @@ class Tower:
 
     @classmethod
     def embedding_rows(cls, grid_thw: np.ndarray, settings: dict[str, Any]) -> np.ndarray:
-        """Embedding rows of each grid row: one per merge^2 patches (a tower with a resampler: its
-        query count)."""
-        return np.asarray(grid_thw, dtype=np.int64).prod(axis=1) // settings["spatial_merge_size"] ** 2
+        """Embedding rows of each grid row (`batching.embedding_rows`: a resampler's `query_num`, or
+        one per merge^2 patches)."""
+        return batching.embedding_rows(grid_thw, settings["spatial_merge_size"], settings.get("query_num", 0))
 
     @classmethod
     def profile_shapes(cls, settings: dict[str, Any], patches: tuple[int, int, int]) -> common.Shapes:
