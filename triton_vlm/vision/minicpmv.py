@@ -310,7 +310,4 @@ class MiniCPMV4_6Tower(Tower):
     vision_settings = staticmethod(vision_settings)
     encoder_metadata = staticmethod(encoder_metadata)
     profile_shapes = staticmethod(profile_shapes)
-
-    @classmethod
-    def checkpoint_settings(cls, config: dict[str, Any]) -> dict[str, Any]:
-        return vision_settings(config)
+    WHOLE_CONFIG = True

@@ -192,7 +192,4 @@ class MiniCPMV4_5Tower(Tower):
     vision_settings = staticmethod(vision_settings)
     encoder_metadata = staticmethod(encoder_metadata)
     profile_shapes = staticmethod(profile_shapes)
-
-    @classmethod
-    def checkpoint_settings(cls, config: dict[str, Any]) -> dict[str, Any]:
-        return vision_settings(config)
+    WHOLE_CONFIG = True

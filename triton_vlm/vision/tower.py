@@ -26,6 +26,9 @@ class Tower:
     METADATA_AXES: ClassVar[dict[str, dict[int, str]]]
     # checkpoint name prefix -> the module's name prefix
     PREFIXES: ClassVar[Mapping[str, str]] = common.PREFIXES
+    # Settings read from the whole `config.json` rather than its `vision_config` (MiniCPM-V keeps
+    # tower fields, such as the merger's or `query_num`, at the top level).
+    WHOLE_CONFIG: ClassVar[bool] = False
     # the grid_thw of `example_inputs` (tracing, smoke tests)
     EXAMPLE_GRID: ClassVar[tuple[tuple[int, int, int], ...]] = ((1, 4, 6), (2, 8, 8))
 
@@ -58,7 +61,7 @@ class Tower:
     @classmethod
     def checkpoint_settings(cls, config: dict[str, Any]) -> dict[str, Any]:
         """The settings of a checkpoint's `config.json`."""
-        return cls.vision_settings(config["vision_config"])
+        return cls.vision_settings(config if cls.WHOLE_CONFIG else config["vision_config"])
 
     @classmethod
     def read_vision_config(cls, checkpoint_dir: str | Path) -> dict[str, Any]:
