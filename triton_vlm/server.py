@@ -260,8 +260,9 @@ class TritonServer:
         printed = self._lines
         native = dump_stacks(sorted(stubs), server_pid=self.process.pid)
         time.sleep(1.0)  # for the last stack's lines to be read
-        stacks = "\n".join(line.rstrip() for line in list(self._tail)[len(self._tail) - min(self._lines - printed,
-                                                                                          len(self._tail)):])
+        lines = list(self._tail)
+        since = lines[len(lines) - min(self._lines - printed, len(lines)):]  # what the stubs printed
+        stacks = "\n".join(line.rstrip() for line in since)
         return (f"models: {states}; stubs: {sorted(stubs.values())}; its last lines:\n{tail}\n"
                 f"-- the stubs' Python stacks:\n{stacks}\n-- {native}")
 

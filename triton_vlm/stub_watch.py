@@ -42,8 +42,9 @@ def start() -> None:
 
 
 def _parent_of(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as stat:
-        return int(stat.read().rsplit(")", 1)[1].split()[1])
+    from triton_vlm.stubs import proc_stat
+
+    return int(proc_stat(pid)[1])
 
 
 def _is_tritonserver(pid: int) -> bool:

@@ -21,6 +21,12 @@ from typing import Callable
 log = logging.getLogger("triton_vlm")
 
 
+def proc_stat(pid: int) -> list[str]:
+    """/proc/PID/stat's fields after the command name (state, ppid, ...: field N of proc(5) is at
+    index N - 3); OSError if the process is gone."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def stub_processes(server_pid: int) -> dict[int, str]:
     """pid -> model instance name (`llm_0_0`) of the Python backend stubs of `server_pid`'s model
     instances. Not the stub Triton runs first, named after the model, to read its config: it ends
@@ -29,7 +35,7 @@ def stub_processes(server_pid: int) -> dict[int, str]:
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
             argv = cmdline.read_bytes().split(b"\0")
-            stat = (cmdline.parent / "stat").read_text().rsplit(")", 1)[1].split()
+            stat = proc_stat(int(cmdline.parent.name))
         except OSError:
             continue
         if int(stat[1]) != server_pid or not argv[0].endswith(b"triton_python_backend_stub") or len(argv) < 4:
@@ -85,7 +91,7 @@ SIBLING_TICKS = os.sysconf("SC_CLK_TCK")  # 1 s
 def _start_ticks(pid: int) -> int:
     """When `pid` started, in clock ticks since boot (0 if it is gone)."""
     try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        return int(proc_stat(pid)[19])
     except (OSError, IndexError, ValueError):
         return 0
 
