@@ -21,8 +21,10 @@ import signal
 import subprocess
 import threading
 import time
-import urllib.request
 from typing import TYPE_CHECKING
+
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
 
 from triton_vlm import admin
 from triton_vlm.stubs import StepWatch, model_of
@@ -117,23 +119,29 @@ class Supervisor:
                           f"until the model is reloaded: reloading {model!r}")
         limit = self.server.start_timeout
         try:
-            # Triton treats a load of an unchanged model as a no-op that keeps the dead instance
-            # (touching its files is not enough): unload it, then load it again. Requests to it
-            # fail for the few seconds in between.
-            for action in ("unload", "load"):
-                request = urllib.request.Request(f"http://{self.server.http_url}/v2/repository/models/{model}/{action}",
-                                                 data=b"{}", method="POST", headers=admin.headers(self.server.admin_key))
-                urllib.request.urlopen(request, timeout=limit).close()
+            self._reload(model, limit)
             self.server.note_shm_regions()
             self.server.event(f"model {model!r} reloaded")
-        except OSError as error:
-            if not isinstance(error, TimeoutError) and not isinstance(getattr(error, "reason", None), TimeoutError):
+        except InferenceServerException as error:
+            if error.status() != "StatusCode.DEADLINE_EXCEEDED":
                 self.server.event(f"reloading model {model!r} failed: {error}")
                 return
             # python_backend r24.10 may never start a new instance after a stub was killed (the
             # new stubs wait for their initialize message): the server is wedged for the model
             self._kill(process, f"reloading {model!r} did not end within {limit:.0f} s (the time a start may take), "
                                 f"so tritonserver was killed; {self.server.hang_report({model})}")
+
+    def _reload(self, model: str, limit: float) -> None:
+        """Unload `model`, then load it again: Triton treats a load of an unchanged model as a
+        no-op that keeps the dead instance (touching its files is not enough). Requests to it fail
+        for the few seconds in between. Over gRPC, where Triton runs a load on a thread of its own:
+        over HTTP it holds one of the HTTP server's threads until it ends, and every client
+        connection served by that thread waited as long (an HTTP generate_stream request took 6 s
+        in a preprocess reload)."""
+        with grpcclient.InferenceServerClient(self.server.grpc_url) as client:
+            key = admin.headers(self.server.admin_key, grpc=True)
+            client.unload_model(model, headers=key, client_timeout=limit)
+            client.load_model(model, headers=key, client_timeout=limit)
 
     def _kill(self, process: subprocess.Popen, reason: str) -> None:
         """Kill the server and its stubs; `_run` restarts it, for `reason`."""
