@@ -121,17 +121,19 @@ def num_splits(programs: int, device: torch.device) -> int:
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                           context_lens: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+                           context_lens: torch.Tensor, block_size: int, scale: float,
+                           splits: int | None = None) -> torch.Tensor:
     """q [B, heads, d] (one query token per row) attending over its row's first `context_lens[row]`
     tokens in the paged cache: k_cache, v_cache [slots, kv_heads, d] (one layer of `KVCache`),
-    block_tables [B, max_blocks] int32 -> [B, heads, d] in q's dtype."""
+    block_tables [B, max_blocks] int32 -> [B, heads, d] in q's dtype. `splits`: the context splits
+    per (row, KV head), `num_splits` by default (CUDA's; the interpreter's tests name theirs)."""
     B, H, D = q.shape
     KVH = k_cache.shape[1]
     q = q.contiguous()
     out = torch.empty_like(q)
     if B == 0:
         return out
-    splits = num_splits(B * KVH, q.device)
+    splits = splits or num_splits(B * KVH, q.device)
     parts = torch.empty(B, H, splits, D + 2, dtype=torch.float32, device=q.device) if splits > 1 else out
     decode, combine = _kernels()
     decode[(B, KVH, splits)](

@@ -1,0 +1,92 @@
+"""The llm's Triton-language kernels against their torch references, on any device: full sizes on
+CUDA (tests/test_llm_cuda.py, `-m gpu`), small ones on the CPU under Triton's interpreter
+(tests/test_kernels_interpret.py, in `make test`)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from triton_vlm.llm.attention import SeqRows, TorchAttention, block_tables
+from triton_vlm.llm.paged import KVCache
+
+
+def paged(lengths: list[int], block_size: int, num_blocks: int) -> list[SeqRows]:
+    """One decode row per length (its token `length - 1`), blocks taken from a shuffled pool."""
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
+    seqs, taken = [], 0
+    for row, n in enumerate(lengths):
+        nb = -(-n // block_size)
+        seqs.append(SeqRows(row, 1, n - 1, order[taken:taken + nb]))
+        taken += nb
+    return seqs
+
+
+def check_paged_decode(device: str, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
+                       lengths: list[int], block_size: int, num_blocks: int, splits: int | None = None) -> None:
+    """The paged decode kernel (its context split over `splits` programs, default `num_splits`)
+    against the gathered-SDPA backend. In float32 within 1e-5 (IEEE dot products); in half precision
+    its error against a float64 computation from the same inputs is at most twice SDPA's own in that
+    dtype (or one ulp of the largest output)."""
+    from triton_vlm.llm.cuda_attention import paged_decode_attention
+
+    torch.manual_seed(0)
+    config = SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim)
+    seqs = paged(lengths, block_size, num_blocks)
+    kv = KVCache(1, kv_heads, head_dim, num_blocks, block_size, dtype, device)
+    kv.k.normal_(), kv.v.normal_()
+    q = torch.randn(len(seqs), heads, head_dim, device=device, dtype=dtype)
+
+    def reference(kv: KVCache, q: torch.Tensor) -> torch.Tensor:
+        attention = TorchAttention(config, kv)
+        return attention.decode(0, q, attention.decode_metadata(seqs)).double()
+
+    tables, context_lens = (t.to(device) for t in block_tables(seqs, block_size, torch.int32))
+    ours = paged_decode_attention(q, kv.k[0], kv.v[0], tables, context_lens, block_size, head_dim ** -0.5,
+                                  splits=splits).double()
+    ref = reference(kv, q)
+    if dtype == torch.float32:
+        assert float((ours - ref).abs().max()) <= 1e-5
+        return
+    exact_kv = KVCache(1, kv_heads, head_dim, num_blocks, block_size, torch.float64, device)
+    exact_kv.k.copy_(kv.k), exact_kv.v.copy_(kv.v)
+    exact = reference(exact_kv, q.double())
+    ulp = torch.finfo(dtype).eps * float(exact.abs().max())
+    ours_err, ref_err = float((ours - exact).abs().max()), float((ref - exact).abs().max())
+    assert ours_err <= max(2 * ref_err, ulp), (ours_err, ref_err)
+
+
+def check_rotary(device: str, dtype: torch.dtype, pairing: str, head_dim: int, rotary_dim: int, tokens: int) -> None:
+    """Within one ulp of torch's ops: the kernel rounds each product and their sum to the dtype
+    where torch does, but Triton may contract a product and a sum into one fused multiply-add
+    (measured on an H100: about 1 element in 3 differs by one ulp in float32). q is a view into a
+    fused q/k/v output (strided rows), as the model passes it."""
+    from triton_vlm.llm import cuda_ops
+    from triton_vlm.llm.model import HalfPairs, InterleavedPairs, Rotary
+
+    pairs = {"half": HalfPairs, "interleaved": InterleavedPairs}[pairing]
+    config = SimpleNamespace(rotary_dim=rotary_dim, head_dim=head_dim, mrope_section=(rotary_dim // 2, 0, 0),
+                             mrope_interleaved=False, rope_theta=1e6)
+    rope = Rotary(config, pairs, torch.device(device), dtype)
+    positions = torch.randint(0, 5000, (3, tokens), device=device)
+    cos, sin = (t[:, None] for t in rope.cos_sin(positions))
+    fused = torch.randn(tokens, 6 * head_dim, device=device, dtype=dtype)
+    q = fused[:, :4 * head_dim].view(tokens, 4, head_dim)
+    ours, ref = cuda_ops.rotary(q, cos, sin, pairs.interleaved).float(), rope.apply_torch(q, cos, sin).float()
+    assert float((ours - ref).abs().max()) <= torch.finfo(dtype).eps * float(ref.abs().max())
+
+
+def check_rms_norm(device: str, dtype: torch.dtype, weight_f32: bool, shape: tuple[int, ...]) -> None:
+    """In half precision within one ulp of torch's ops and equal almost everywhere: only the order of
+    the float32 sum of squares differs, and the cast to the dtype hides it. In float32 nothing hides
+    it, and Triton's rsqrt is the fast approximate one on CUDA: within 8 ulps (measured: 4)."""
+    from triton_vlm.llm import cuda_ops
+    from triton_vlm.llm.model import rms_torch
+
+    x = torch.randn(shape, device=device, dtype=dtype) * 3
+    weight = (1 + 0.1 * torch.randn(shape[-1], device=device)).to(torch.float32 if weight_f32 else dtype)
+    ours, ref = cuda_ops.rms_norm(x, weight, 1e-6).float(), rms_torch(x, weight, 1e-6).float()
+    ulps = 8 if dtype == torch.float32 else 1
+    assert float((ours - ref).abs().max()) <= ulps * torch.finfo(dtype).eps * float(ref.abs().max())
+    if dtype != torch.float32:
+        assert float((ours == ref).float().mean()) >= 0.99
