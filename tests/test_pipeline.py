@@ -330,11 +330,46 @@ def test_the_in_flight_cap_refuses_at_once_with_unavailable():
     assert second.responses == [("close", Failure("UNAVAILABLE", "server busy: 1 requests in flight, "
                                                                  "max_inflight_requests=1; retry later"))]
     release.set()
-    first.wait()
-    wait_until(lambda: pipeline.in_flight == 0)
+    first.wait()  # the next request, sent on seeing the final response, finds the place free
     pipeline.submit({"text_input": "x"}, third)
     assert third.wait().responses == [("send", ["done"], True)]
     assert len(fake.streams) == 2
+    pipeline.close()
+
+
+@pytest.mark.parametrize("ending", ["final reply", "error", "abort"])
+def test_a_request_is_out_of_flight_before_its_final_response_goes(ending):
+    """A client that sends its next request as soon as it sees a final response must not be refused
+    for the one that response ended (the ensemble's test_faults saw "server busy" so)."""
+    seen: list[int] = []
+
+    class Watching(FakeClient):
+        def send(self, outputs, final: bool) -> None:
+            if final:
+                seen.append(pipeline.in_flight)
+            super().send(outputs, final)
+
+        def close(self, error=None) -> None:
+            seen.append(pipeline.in_flight)
+            super().close(error)
+
+    started = threading.Event()
+
+    def replies(request_id):
+        started.set()
+        if ending == "abort":
+            time.sleep(0.2)
+        yield Reply(error=Failure("INTERNAL", "boom")) if ending == "error" else Reply(outputs=["t"], final=True)
+
+    fake = FakeSteps(replies=replies)
+    pipeline = fake.pipeline(max_inflight=1)
+    client = Watching()
+    pipeline.submit({"text_input": "x"}, client)
+    if ending == "abort":
+        assert started.wait(TIMEOUT)
+        assert pipeline.abort("llm", Failure("UNAVAILABLE", "the llm step restarted; retry")) == 1
+    client.wait()
+    assert seen == [0]
     pipeline.close()
 
 
@@ -346,7 +381,6 @@ def test_an_exception_in_a_step_call_is_an_internal_error_and_frees_the_slot():
     pipeline.submit({"text_input": "x"}, client)
     client.wait()
     assert client.responses == [("close", Failure("INTERNAL", "internal error in the ensemble; see the server log"))]
-    wait_until(lambda: pipeline.in_flight == 0)
     fake.on_call = None
     again = FakeClient()
     pipeline.submit({"text_input": "x"}, again)

@@ -148,7 +148,7 @@ class Pipeline:
             else:
                 refused = None
                 request_id = f"{request_id or 'request'}-{secrets.token_hex(16)}"
-                self._flights[request_id] = flight = _Flight(client)
+                self._flights[request_id] = flight = _Flight(client, lambda: self._release(request_id))
         if refused is not None:
             client.close(refused)
             return
@@ -194,8 +194,14 @@ class Pipeline:
             log.exception("pipeline request %s failed", request_id)
             flight.finish(Failure("INTERNAL", "internal error in the ensemble; see the server log"))
         finally:
-            with self._lock:
-                self._flights.pop(request_id, None)
+            self._release(request_id)
+
+    def _release(self, request_id: str) -> None:
+        """The request's place among those in flight is free: its final response is about to go
+        (a client that sends its next request on seeing it must find the place free), or its
+        thread ended."""
+        with self._lock:
+            self._flights.pop(request_id, None)
 
     def abort(self, model: str, error: Any) -> int:
         """End now, with `error`, every request whose running step is `model` or calls it (its
@@ -236,10 +242,12 @@ class Pipeline:
 class _Flight:
     """One request in flight. Its client must not be touched once the final response is out (in
     Triton the request is released then: a later `is_cancelled()` reads freed memory), so sending
-    and polling go through one lock and stop at `done`."""
+    and polling go through one lock and stop at `done`. `release` is called once, just before the
+    final response goes."""
 
-    def __init__(self, client: Client) -> None:
+    def __init__(self, client: Client, release: Callable[[], None]) -> None:
         self._client = client
+        self._release = release
         self._lock = threading.Lock()
         self.done = False
         self.step: Step | None = None  # the step running (or about to)
@@ -249,14 +257,17 @@ class _Flight:
     def send(self, outputs: Any, final: bool) -> None:
         with self._lock:
             if not self.done:
+                if final:
+                    self.done = True
+                    self._release()
                 self._client.send(outputs, final)
-                self.done = final
 
     def finish(self, error: Any = None) -> None:
         """The final response (the error, or the final flag alone) unless one was sent."""
         with self._lock:
             if not self.done:
                 self.done = True
+                self._release()
                 self._client.close(error)
 
     def is_cancelled(self) -> bool:
