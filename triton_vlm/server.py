@@ -42,7 +42,13 @@ STOP_GRACE_S = 3
 _ERROR_LINE = re.compile(r"^E\d{4} ")
 
 
+# Where tritonserver's tree is, when not in the nvidia-pytriton wheel (bench/device_pack.py).
+ROOT_ENV = "TRITON_VLM_TRITON_ROOT"
+
+
 def triton_root() -> Path:
+    if os.environ.get(ROOT_ENV):
+        return Path(os.environ[ROOT_ENV])
     import pytriton
 
     return Path(pytriton.__file__).parent / "tritonserver"

@@ -1,0 +1,293 @@
+"""The whole ensemble served by tritonserver, measured end to end with real clients (issue #25), and
+the same prompts through the llm engine alone in the same run: one command, one device call.
+
+    python bench/served_gpu.py --device gpu --carried .device --out "$OUT"      # a lent GPU (bench/device_pack.py)
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/served_gpu.py --device cpu --size small \
+        --concurrency 1,4 --rounds 2 --video-size 320x180 --video-seconds 2 --out DIR   # the CPU (make test)
+
+Steps: a random-weight Qwen2.5-VL checkpoint (`--size 7b`: the 7B's text stack, bench/decoder.py
+`--decoder-7b`, and its vision tower, bench/gpu.py's VISION_7B, bfloat16; `tiny`/`small`: the
+demo sizes); `triton-vlm build --device D` (on a GPU `--encoder-backend torch`); the bundled
+tritonserver started on free ports; one streamed answer checked; then, over gRPC streaming
+(`triton_vlm.client.stream_generate`, asyncio: one client thread drives every stream), image
+requests, each with a 1280x720 JPEG (`--image-size`) of its own, so the encoder's cache never
+answers, and a short prompt, `--max-tokens` output tokens each (`min_tokens` the same): at each
+concurrency, that many requests in flight at a time, `--rounds` each (a closed loop), TTFT p50 /
+p99 and output tokens/s; one video request (`--video-seconds` s at `--video-size`, 30 fps), its
+TTFT (PyAV needed on both sides: without it the video is reported as not measured). The server
+stopped, the llm's own engine is built from the repository's llm config and given the same prompt
+(input ids, embeddings and positions as the served preprocess and vision_encoder made them) at the
+same concurrencies: `served_over_engine` is the ratio of output tokens/s.
+
+Writes `OUT/served.json` and the server's log `OUT/server.log`.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Awaitable, Callable
+
+import numpy as np
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+BENCH = Path(__file__).resolve().parent
+sys.path[:0] = [str(BENCH.parent), str(BENCH)]
+
+from triton_vlm.families.qwen2_5_vl import QWEN2_5_VL  # noqa: E402
+
+PROMPT = f"<|im_start|>user\n{QWEN2_5_VL.image_placeholder}Describe the picture.<|im_end|>\n<|im_start|>assistant\n"
+VIDEO_PROMPT = f"<|im_start|>user\n{QWEN2_5_VL.video_placeholder}What happens?<|im_end|>\n<|im_start|>assistant\n"
+
+
+def write_checkpoint(size: str, out: Path, device: str) -> Path:
+    from triton_vlm.checkpoint import write_demo_checkpoint
+
+    if size != "7b":
+        return write_demo_checkpoint("qwen2_5_vl", out, size)
+    import torch
+    from decoder import DECODER_7B, decoder_7b_overrides
+    from gpu import VISION_7B
+
+    overrides = decoder_7b_overrides(DECODER_7B["num_hidden_layers"], DECODER_7B["hidden_size"], torch.bfloat16,
+                                     torch.device("cuda" if device == "gpu" else "cpu"))
+    return write_demo_checkpoint("qwen2_5_vl", out, "small", overrides={**overrides, "vision": VISION_7B})
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+async def closed_loop(one: Callable[[int], Awaitable[tuple[float, int]]], concurrency: int, rounds: int) -> dict:
+    """`concurrency` workers, `rounds` requests each, one after the other: `one(i)` sends request i
+    and returns its time to first token and its output tokens."""
+    ttfts: list[float] = []
+    tokens = 0
+
+    async def worker(w: int) -> None:
+        nonlocal tokens
+        for r in range(rounds):
+            ttft, n = await one(w * rounds + r)
+            ttfts.append(ttft)
+            tokens += n
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker(w) for w in range(concurrency)))
+    seconds = time.perf_counter() - start
+    return {"requests": concurrency * rounds, "output_tokens": tokens, "seconds": round(seconds, 3),
+            "output_tokens_per_s": round(tokens / seconds, 1), "ttft_p50_ms": round(1e3 * percentile(ttfts, 50), 1),
+            "ttft_p99_ms": round(1e3 * percentile(ttfts, 99), 1)}
+
+
+def served_one(channel, values_of: Callable[[int], dict]) -> Callable[[int], Awaitable[tuple[float, int]]]:
+    from triton_vlm.client import stream_generate
+
+    async def one(i: int) -> tuple[float, int]:
+        start, first, n = time.perf_counter(), None, 0
+        async for increment in stream_generate(channel, values_of(i), f"bench-{i}"):
+            if increment.output_ids and first is None:
+                first = time.perf_counter() - start
+            n += len(increment.output_ids)
+        return first if first is not None else float("nan"), n
+    return one
+
+
+def request(prompt: str, max_tokens: int, images=(), videos=()) -> dict:
+    from triton_vlm.client import request_values
+
+    values = request_values(prompt, images, videos, max_tokens=max_tokens)
+    values["min_tokens"] = (np.array([max_tokens], np.int32), "INT32")
+    return values
+
+
+def step_outputs(url: str, values: dict) -> tuple[dict, dict[str, str]]:
+    """The llm's inputs for `values` as the served steps before it make them (the ensemble's step
+    list, read from its config), and the llm's parameters."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
+
+    with grpcclient.InferenceServerClient(url) as client:
+        params = lambda model: {k: v["string_value"] for k, v in  # noqa: E731
+                                client.get_model_config(model, as_json=True)["config"]["parameters"].items()}
+        steps = json.loads(params("ensemble")["steps"])
+        tensors = {name: value for name, (value, _) in values.items()}
+        for step in steps[:-1]:
+            given = {n: tensors[n] for n in step["inputs"] if n in tensors}
+            skip = given.get(step.get("skip_when_empty", ""))
+            if skip is not None and skip.size == 0:
+                continue
+            inputs = []
+            for name, array in given.items():
+                inputs.append(grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype)))
+                inputs[-1].set_data_from_numpy(array)
+            result = client.infer(step["model"], inputs, outputs=[grpcclient.InferRequestedOutput(n)
+                                                                   for n in step["outputs"]])
+            tensors.update({n: a for n in step["outputs"] if (a := result.as_numpy(n)) is not None})
+        return tensors, params(steps[-1]["model"])
+
+
+def engine_alone(repo: Path, params: dict[str, str], tensors: dict, max_tokens: int, concurrencies: list[int],
+                 rounds: int) -> tuple[dict, list[int]]:
+    """The llm's engine as the served llm builds it, the same prompt at each concurrency; and the
+    greedy tokens of a first request with `max_tokens` alone (no `min_tokens`), as the check's."""
+    import dataclasses
+
+    from triton_vlm.llm import Engine, SamplingParams
+    from triton_vlm.options import LLMOptions
+
+    options = LLMOptions.from_params(params)
+    engine = Engine(repo / "llm" / "1" / params["checkpoint"], **dataclasses.asdict(options))
+    args = (tensors["input_ids"], tensors.get("embeddings"), tensors["mrope_position_ids"],
+            int(tensors["mrope_position_delta"].reshape(-1)[0]))
+    pruned = {k: tensors.get(k) for k in ("media_position_ids", "kept_rows")}
+    sampling = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens)
+    loop = asyncio.new_event_loop()
+
+    async def one(i: int, params: SamplingParams = sampling, ids: list[int] | None = None) -> tuple[float, int]:
+        done, start, first, count = loop.create_future(), time.perf_counter(), [], [0]
+
+        def emit(out) -> None:  # on the engine's thread
+            if out.token_ids and not first:
+                first.append(time.perf_counter() - start)
+            count[0] += len(out.token_ids)
+            if ids is not None:
+                ids.extend(out.token_ids)
+            if out.finish_reason is not None:
+                loop.call_soon_threadsafe(done.set_result, None)
+        engine.submit(f"alone-{i}-{time.monotonic_ns()}", *args, params=params, emit=emit, **pruned)
+        await done
+        return first[0], count[0]
+
+    try:
+        check: list[int] = []
+        loop.run_until_complete(one(-1, SamplingParams(max_tokens=max_tokens), check))  # also the warm-up
+        return {str(c): loop.run_until_complete(closed_loop(one, c, rounds)) for c in concurrencies}, check
+    finally:
+        loop.close()
+        engine.shutdown()
+
+
+def measure_served(server, args, images: list[bytes], concurrencies: list[int]) -> dict:
+    from triton_vlm.client import aio_channel, generate
+
+    check = generate(server.grpc_url, PROMPT, [images[0]], max_tokens=args.max_tokens, stream=True, timeout=300)
+    if len(check.output_ids) == 0 or check.responses < 2:
+        raise SystemExit(f"the check request streamed {check.responses} responses, {len(check.output_ids)} tokens")
+    out: dict = {"check": {"output_ids": check.output_ids, "responses": check.responses,
+                           "ttft_ms": round(1e3 * check.time_to_first_token, 1)}, "image": {}}
+
+    async def run() -> None:
+        channel = aio_channel(server.grpc_url)
+        try:
+            one = served_one(channel, lambda i: request(PROMPT, args.max_tokens, [images[i % len(images)]]))
+            for c in concurrencies:
+                out["image"][str(c)] = await closed_loop(one, c, args.rounds)
+            out["video"] = await video_ttft(channel, args)
+        finally:
+            await channel.close()
+    asyncio.run(run())
+    return out
+
+
+async def video_ttft(channel, args) -> dict:
+    try:
+        from triton_vlm import samples
+
+        width, height = (int(v) for v in args.video_size.split("x"))
+        video = samples.video_bytes(args.video_seconds, 30, width, height)
+    except ImportError as error:
+        return {"measured": False, "why": f"PyAV is not installed here ({error})"}
+    one = served_one(channel, lambda i: request(VIDEO_PROMPT, args.max_tokens, videos=[video]))
+    ttfts = [(await one(i))[0] for i in range(args.video_repeats)]
+    return {"measured": True, "size": args.video_size, "seconds": args.video_seconds, "fps": 30,
+            "ttft_ms": [round(1e3 * t, 1) for t in ttfts], "ttft_p50_ms": round(1e3 * statistics.median(ttfts), 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
+    ap.add_argument("--size", choices=("7b", "small", "tiny"), default="7b")
+    ap.add_argument("--concurrency", default="1,16,64")
+    ap.add_argument("--rounds", type=int, default=4, help="requests per concurrent client")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--image-size", default="1280x720")
+    ap.add_argument("--distinct-images", type=int, default=64, help="requests cycle through this many images")
+    ap.add_argument("--video-size", default="1280x720")
+    ap.add_argument("--video-seconds", type=float, default=10.0)
+    ap.add_argument("--video-repeats", type=int, default=3)
+    ap.add_argument("--carried", help="what bench/device_pack.py packed, carried to the device: unpacked first")
+    ap.add_argument("--unpack-to", default="/tmp/triton-vlm-carried")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    unpacked = {}
+    if args.carried:
+        from device_pack import unpack
+
+        unpacked = unpack(Path(args.carried), Path(args.unpack_to))
+    from triton_vlm import samples
+    from triton_vlm.server import TritonServer
+
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    figures: dict = {"device": device_name(args.device), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+                     "tree": tree(), "size": args.size, "max_tokens": args.max_tokens, "rounds": args.rounds,
+                     "image_size": args.image_size, "distinct_images": args.distinct_images, "unpacked": unpacked,
+                     "timings_s": {}}
+    width, height = (int(v) for v in args.image_size.split("x"))
+    images = [samples.image_bytes(width, height, seed=float(i)) for i in range(args.distinct_images)]
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="served-gpu-") as tmp:
+        checkpoint = write_checkpoint(args.size, Path(tmp) / "ckpt", args.device)
+        figures["timings_s"]["checkpoint"] = round(time.perf_counter() - started, 1)
+        repo = Path(tmp) / "repository"
+        build = [sys.executable, "-m", "triton_vlm.cli", "build", "--checkpoint", str(checkpoint), "--repo", str(repo),
+                 "--device", args.device] + (["--encoder-backend", "torch"] if args.device == "gpu" else [])
+        subprocess.run(build, check=True)
+        figures["build"] = " ".join(build[3:])
+        figures["timings_s"]["build"] = round(time.perf_counter() - started, 1)
+        with TritonServer(repo, log_file=out_dir / "server.log") as server:
+            figures["timings_s"]["server_ready"] = round(time.perf_counter() - started, 1)
+            figures["served"] = measure_served(server, args, images, concurrencies)
+            tensors, llm_params = step_outputs(server.grpc_url, request(PROMPT, args.max_tokens, images[:1]))
+        figures["timings_s"]["served"] = round(time.perf_counter() - started, 1)
+        figures["prompt_tokens"] = int(tensors["input_ids"].size)
+        figures["engine_alone"], check = engine_alone(repo, llm_params, tensors, args.max_tokens, concurrencies,
+                                                      args.rounds)
+    # the served answer (greedy) is the engine's own for the same prompt
+    figures["served"]["check"]["equals_engine_alone"] = figures["served"]["check"]["output_ids"] == check
+    figures["served_over_engine"] = {c: round(figures["served"]["image"][c]["output_tokens_per_s"]
+                                              / figures["engine_alone"][c]["output_tokens_per_s"], 3)
+                                     for c in figures["engine_alone"]}
+    figures["timings_s"]["total"] = round(time.perf_counter() - started, 1)
+    (out_dir / "served.json").write_text(json.dumps(figures, indent=1))
+    print(json.dumps(figures, indent=1))
+    return 0
+
+
+def device_name(device: str) -> str:
+    import torch
+
+    if device == "gpu":
+        return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+    return f"cpu ({os.cpu_count()} cores), torch {torch.__version__}"
+
+
+def tree() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=BENCH, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
