@@ -7,8 +7,9 @@ The engine is the loop that joins four parts, each one idea (as nano-vllm's and 
 - `ModelRunner` (`runner.py`): the KV cache and state tensors on the model's device, the step's
   batch and attention metadata built once, the forward pass, sampling;
 - `OutputProcessor` (`output.py`): detokenisation, stop words, finish reasons, emits.
-`submit` validates a request (INVALID_ARG before anything is queued or taken) and queues it; the
-scheduler thread then runs steps while anything is waiting or running. Cancellation (`cancel`,
+`submit` checks a request (`InputProcessor`, `inputs.py`: INVALID_ARG before anything is queued or
+taken) and queues it; the scheduler thread then runs steps while anything is waiting or running.
+Its settings are `LLMOptions`' (`triton_vlm.options`), the `llm` model's parameters. Cancellation (`cancel`,
 or the request's `is_cancelled`) is noticed within one step. Each request gets exactly one final
 emit, after its blocks are back; the thread logs exceptions and never dies of them.
 """
@@ -22,51 +23,25 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
 from triton_vlm.errors import InvalidInput, busy
-from triton_vlm.llm.block_manager import BlockManager, block_keys
+from triton_vlm.llm.block_manager import BlockManager
 from triton_vlm.llm.device import dtype_name
+from triton_vlm.llm.inputs import InputProcessor
 from triton_vlm.llm.model import DecoderModel
 from triton_vlm.llm.output import GenerationOutput, IncrementalDetokenizer, OutputProcessor
 from triton_vlm.llm.runner import ModelRunner
 from triton_vlm.llm.sampling import NO_TOKEN, SamplingParams, make_generator
 from triton_vlm.llm.scheduler import Scheduler, SchedulerOutput
 from triton_vlm.llm.sequence import Sequence
-from triton_vlm.mrope import complete_positions
+from triton_vlm.options import LLMOptions
 
 log = logging.getLogger(__name__)
 
 _PROMPT_CONTEXT_TOKENS = 5  # prompt tail used as detokenization context
 _EARLY_STOPS = 256  # stops kept for request ids not (yet) in flight
 DEFAULT_KV_CACHE_BYTES = 256 << 20
-
-
-def _as_tensor(value: Any, name: str, dtype: torch.dtype) -> torch.Tensor:
-    try:
-        if isinstance(value, torch.Tensor):
-            return value.detach().to("cpu", dtype)
-        return torch.as_tensor(np.asarray(value), dtype=dtype)
-    except Exception:
-        raise InvalidInput(f"{name}: not a numeric array") from None
-
-
-def _completed_positions(pos: torch.Tensor, mask: torch.Tensor, media_position_ids: Any,
-                         kept_rows: Any) -> tuple[torch.Tensor, int]:
-    """`pos` with the media columns set from the unpruned media positions of the kept rows, and
-    the delta that follows (InvalidInput when the shapes do not fit)."""
-    media = _as_tensor(media_position_ids, "media_position_ids", torch.long)
-    if kept_rows is None:
-        raise InvalidInput("kept_rows: required with media_position_ids")
-    kept = _as_tensor(kept_rows, "kept_rows", torch.long).reshape(-1)
-    if media.ndim != 2 or media.shape[0] != 3:
-        raise InvalidInput(f"media_position_ids: shape {list(media.shape)}, expected [3, media tokens]")
-    if kept.numel() != int(mask.sum()):
-        raise InvalidInput(f"kept_rows: {kept.numel()} rows for {int(mask.sum())} media placeholders")
-    if kept.numel() and (int(kept.min()) < 0 or int(kept.max()) >= media.shape[1]):
-        raise InvalidInput(f"kept_rows: indices must be in [0, {media.shape[1]})")
-    return complete_positions(pos, mask, media, kept)
 
 
 class Engine:
@@ -82,13 +57,13 @@ class Engine:
     the model's dtype (`kv_bytes_per_token`). On CUDA, `cuda_graphs` captures the decode step at
     batch-size buckets up to `max_running` (`triton_vlm.llm.cuda_graphs`; ignored on CPU)."""
 
-    def __init__(self, checkpoint_dir: str | Path, *, max_running: int = 64, tokenizer=None,
-                 model: DecoderModel | None = None, kv_cache_tokens: int | None = None,
-                 kv_cache_bytes: int | None = None, block_size: int = 16, prefix_caching: bool = False,
-                 max_num_tokens: int = 512, return_logits: bool = False, queue_timeout_ms: float = 0.0,
-                 clock: Callable[[], float] = time.monotonic,
-                 device: str = "cpu", dtype: str | torch.dtype = "float32", cuda_graphs: bool = True):
+    def __init__(self, checkpoint_dir: str | Path, *, model: DecoderModel | None = None, tokenizer=None,
+                 return_logits: bool = False, clock: Callable[[], float] = time.monotonic, **settings: Any):
+        """`settings`: the fields of `LLMOptions` (the `llm` model's parameters, declared there
+        once: device, dtype, KV cache size and block size, prefix caching, max_running,
+        max_num_tokens, queue_timeout_ms, cuda_graphs); an unknown name is a TypeError."""
         self.checkpoint_dir = Path(checkpoint_dir)
+        self.settings = LLMOptions(**settings)
         self.clock = clock
         self.num_running = 0
         self.num_waiting = 0
@@ -106,10 +81,7 @@ class Engine:
         # libgomp, a second thread that runs parallel regions (the caller's, loading weights) keeps
         # a pool of OpenMP workers of its own, and once a process manages more OpenMP threads than
         # cores every region's wake-up slows several-fold (bench/RESULTS.md, "OpenMP").
-        build = partial(self._build, model=model, tokenizer=tokenizer, max_running=max_running,
-                        kv_cache_tokens=kv_cache_tokens, kv_cache_bytes=kv_cache_bytes, block_size=block_size,
-                        prefix_caching=prefix_caching, max_num_tokens=max_num_tokens, return_logits=return_logits,
-                        queue_timeout_ms=queue_timeout_ms, device=device, dtype=dtype, cuda_graphs=cuda_graphs)
+        build = partial(self._build, model=model, tokenizer=tokenizer, return_logits=return_logits)
         built: list[BaseException | None] = []
         ready = threading.Event()
         self._thread = threading.Thread(target=self._loop, args=(build, built, ready), name="llm-scheduler",
@@ -120,44 +92,46 @@ class Engine:
             self._thread.join()
             raise built[0]
 
-    def _build(self, *, model: DecoderModel | None, tokenizer, max_running: int, kv_cache_tokens: int | None,
-               kv_cache_bytes: int | None, block_size: int, prefix_caching: bool, max_num_tokens: int,
-               return_logits: bool, queue_timeout_ms: float, device: str, dtype: str | torch.dtype,
-               cuda_graphs: bool) -> None:
+    def _build(self, *, model: DecoderModel | None, tokenizer, return_logits: bool) -> None:
         """Everything that holds tensors: the model (loaded here unless given), the KV cache, the
         scheduler, the runner and the output processor. Runs on the scheduler thread."""
         from tokenizers import Tokenizer
 
-        self.model = model or DecoderModel.from_checkpoint(self.checkpoint_dir, device=device, dtype=dtype)
+        s = self.settings
+        self.model = model or DecoderModel.from_checkpoint(self.checkpoint_dir, device=s.device, dtype=s.dtype)
         self.config = c = self.model.config
         self.kv_bytes_per_token = c.kv_bytes_per_token(self.model.dtype)
         self.tokenizer = tokenizer or Tokenizer.from_file(str(self.checkpoint_dir / "tokenizer.json"))
         self.eos_token_ids = frozenset(self.config.eos_token_ids)
         self.context_length = self.config.max_position_embeddings
         self.return_logits = bool(return_logits)
-        if kv_cache_tokens:
-            tokens = int(kv_cache_tokens)
+        if s.kv_cache_tokens:
+            tokens = int(s.kv_cache_tokens)
         else:
-            tokens = int(kv_cache_bytes or DEFAULT_KV_CACHE_BYTES) // self.kv_bytes_per_token
-        num_blocks = tokens // int(block_size)
+            tokens = int(s.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES) // self.kv_bytes_per_token
+        block_size = int(s.block_size)
+        num_blocks = tokens // block_size
         if num_blocks < 1:
             raise ValueError(f"KV cache of {tokens} tokens holds no block of {block_size}")
-        if prefix_caching and c.recurrent:
+        if s.prefix_caching and c.recurrent:
             log.info("prefix caching is off: %s has linear-attention layers (a recurrent state per sequence)",
                      c.family)
-        self.prefix_caching = bool(prefix_caching) and not c.recurrent
-        max_running = max(1, int(max_running))
+        self.prefix_caching = bool(s.prefix_caching) and not c.recurrent
+        max_running = max(1, int(s.max_running))
         self.blocks = BlockManager(num_blocks, block_size, self.prefix_caching,
                                    state_slots=max_running if c.recurrent else 0)
-        self.scheduler = Scheduler(self.blocks, max_running=max_running, max_num_tokens=max_num_tokens,
-                                   recurrent=c.recurrent, queue_timeout_ms=queue_timeout_ms, clock=self.clock)
-        self.runner = ModelRunner(self.model, num_blocks, block_size, max_batch=max_running, cuda_graphs=cuda_graphs,
-                                  max_context=self.context_length)
+        self.scheduler = Scheduler(self.blocks, max_running=max_running, max_num_tokens=s.max_num_tokens,
+                                   recurrent=c.recurrent, queue_timeout_ms=s.queue_timeout_ms, clock=self.clock)
+        self.runner = ModelRunner(self.model, num_blocks, block_size, max_batch=max_running,
+                                  cuda_graphs=s.cuda_graphs, max_context=self.context_length)
         self.output = OutputProcessor(self._release)
         log.info("llm KV cache: %d blocks x %d tokens, %d bytes per token (%s on %s), %.1f MiB", num_blocks,
                  block_size, self.kv_bytes_per_token, dtype_name(self.model.dtype), self.model.device,
                  self.runner.kv.nbytes / (1 << 20))
-        self.pool_tokens = num_blocks * int(block_size)
+        self.pool_tokens = num_blocks * block_size
+        self.inputs = InputProcessor(self.model, self.eos_token_ids,
+                                     lambda word: self.tokenizer.encode(word, add_special_tokens=False).ids,
+                                     self.context_length, self.pool_tokens, block_size, self.prefix_caching)
 
     # ---- counters ------------------------------------------------------------------------------
     @property
@@ -185,72 +159,20 @@ class Engine:
     def submit(self, request_id: str, input_ids, embeddings, mrope_position_ids, mrope_position_delta,
                params: SamplingParams, emit: Callable[[GenerationOutput], None],
                is_cancelled: Callable[[], bool] = lambda: False, media_position_ids=None, kept_rows=None) -> None:
-        """Validate and queue a request; raises InvalidInput (nothing queued, no block taken) if it
-        cannot be served. With EVS pruning, `media_position_ids` (every unpruned media token's
+        """Check (`triton_vlm.llm.inputs`) and queue a request; raises InvalidInput (nothing queued, no
+        block taken) if it cannot be served. With EVS pruning, `media_position_ids` (every unpruned media token's
         position) and `kept_rows` (each embedding row's index among them) finish the positions of
         the media tokens and the delta (`triton_vlm.mrope.complete_positions`)."""
-        if not isinstance(params, SamplingParams):
-            raise TypeError("params must be a SamplingParams")
-        c = self.config
-        params = params.for_model(c.vocab_size, self.eos_token_ids,
-                                  lambda word: self.tokenizer.encode(word, add_special_tokens=False).ids)
-        ids = _as_tensor(input_ids, "input_ids", torch.long).reshape(-1) if input_ids is not None else None
-        if ids is None or ids.numel() == 0:
-            raise InvalidInput("input_ids: empty prompt")
-        n = int(ids.numel())
-        if int(ids.min()) < 0 or int(ids.max()) >= c.vocab_size:
-            raise InvalidInput(f"input_ids: token ids must be in [0, {c.vocab_size}), "
-                               f"got {int(ids.min())}..{int(ids.max())}")
-        if n + params.max_tokens > self.context_length:
-            if n >= self.context_length:
-                raise InvalidInput(f"prompt is {n} tokens, context is {self.context_length}")
-            raise InvalidInput(f"prompt is {n} tokens and max_tokens is {params.max_tokens}, "
-                               f"context is {self.context_length}")
-        if n + params.max_tokens > self.pool_tokens:
-            raise InvalidInput(f"prompt is {n} tokens and max_tokens is {params.max_tokens}, "
-                               f"the KV cache pool holds {self.pool_tokens} tokens")
-        emb = None
-        if embeddings is not None:
-            emb = _as_tensor(embeddings, "embeddings", torch.float32)
-            if emb.ndim == 3 and emb.shape[0] == 1:  # a leading batch dimension of 1
-                emb = emb[0]
-        mask, emb = self.model.placeholder_rows(ids, emb)
-        if mrope_position_ids is None:  # text only: 1-D positions on all axes
-            pos = torch.arange(n).expand(3, n).clone()
-        else:
-            pos = _as_tensor(mrope_position_ids, "mrope_position_ids", torch.long)
-            if pos.ndim == 3 and pos.shape[1] == 1:
-                pos = pos[:, 0]
-            if tuple(pos.shape) != (3, n):
-                raise InvalidInput(f"mrope_position_ids: shape {list(pos.shape)}, expected [3, {n}]")
-        if mrope_position_delta is None:
-            delta = int(pos.max()) + 1 - n
-        else:
-            d = _as_tensor(mrope_position_delta, "mrope_position_delta", torch.long).reshape(-1)
-            if d.numel() != 1:
-                raise InvalidInput(f"mrope_position_delta: shape {list(d.shape)}, expected [1]")
-            delta = int(d[0])
-        if media_position_ids is not None and np.asarray(media_position_ids).size:
-            pos, delta = _completed_positions(pos, mask, media_position_ids, kept_rows)
-        last_position = n + params.max_tokens - 1 + delta
-        if last_position >= self.context_length:
-            raise InvalidInput(f"prompt reaches position {last_position} with max_tokens "
-                               f"{params.max_tokens}, context is {self.context_length}")
-        emb_index = None
-        if emb is not None:
-            emb_index = torch.full((n,), -1, dtype=torch.long)
-            emb_index[mask] = torch.arange(emb.shape[0])
-        keys = block_keys(ids, pos, emb, mask, self.blocks.block_size) if self.prefix_caching else []
-        if emb is not None:  # keyed by the float32 rows above; cast once for the model
-            emb = emb.to(self.model.device, self.model.dtype)
-
+        prompt = self.inputs(input_ids, embeddings, mrope_position_ids, mrope_position_delta, params,
+                             media_position_ids, kept_rows)
         request_id = str(request_id)
-        tail = ids[-_PROMPT_CONTEXT_TOKENS:].tolist()
-        seq = Sequence(request_id=request_id, prompt_len=n, tokens=ids.tolist(), embeddings=emb,
-                        emb_index=emb_index, positions=pos, delta=delta, params=params, emit=emit,
-                        is_cancelled=is_cancelled, generator=make_generator(params.seed, self.runner.device),
-                        detok=IncrementalDetokenizer(self.tokenizer, tail), keys=keys,
-                        queued_since=self.clock())
+        tail = prompt.ids[-_PROMPT_CONTEXT_TOKENS:].tolist()
+        seq = Sequence(request_id=request_id, prompt_len=int(prompt.ids.numel()), tokens=prompt.ids.tolist(),
+                       embeddings=prompt.embeddings, emb_index=prompt.emb_index, positions=prompt.positions,
+                       delta=prompt.delta, params=prompt.params, emit=emit, is_cancelled=is_cancelled,
+                       generator=make_generator(prompt.params.seed, self.runner.device),
+                       detok=IncrementalDetokenizer(self.tokenizer, tail), keys=prompt.keys,
+                       queued_since=self.clock())
         with self._lock:
             if self._stop:
                 raise RuntimeError("engine is shut down")
