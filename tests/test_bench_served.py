@@ -36,8 +36,11 @@ def test_served_bench_on_cpu_with_the_packed_server(tmp_path):
             assert run["requests"] == 2 * int(c)
             assert run["output_tokens"] == 16 * run["requests"]  # min_tokens = max_tokens
             assert run["output_tokens_per_s"] > 0 and 0 < run["ttft_p50_ms"] <= run["ttft_p99_ms"]
+    for run in figures["served"]["image"].values():  # every image request ran each unary step
+        steps = run["step_compute_ms_per_request"]
+        assert set(steps) == {"preprocess", "vision_encoder", "vision_encoder_batch"} and min(steps.values()) > 0
     assert set(figures["served_over_engine"]) == set(CONCURRENCY)
     video = figures["served"]["video"]
-    assert video["measured"] and video["ttft_p50_ms"] > 0
+    assert video["measured"] and video["ttft_ms"] > 0 and len(video["ttft_cached_ms"]) == 1
     log = (tmp_path / "server.log").read_text()
     assert "Started GRPCInferenceService" in log and f'"backend-directory":"{unpacked / "backends"}"' in log
