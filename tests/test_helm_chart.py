@@ -25,7 +25,7 @@ K8S_VERSION = "1.37.0"
 RELEASE, NAMESPACE = "demo", "ml"
 VALUES = {
     "default": {},
-    "cpu": {"gpus": 0, "build": {"device": "cpu", "extraArgs": ["--llm-max-running", "8"]},
+    "cpu": {"gpus": 0, "build": {"device": "cpu", "llmMaxRunning": 8, "extraArgs": ["--kv-cache-mb", "512"]},
             "serve": {"extraArgs": []}},
     "hpa": {"gpus": 2, "autoscaling": {"enabled": True}, "metrics": {"serviceMonitor": {"enabled": True}},
             "adminKey": {"existingSecret": "triton-vlm-admin"}, "resources": {"limits": {"memory": "64Gi"}}},
@@ -101,6 +101,9 @@ def test_the_pods_run_what_triton_vlm_accepts(case):
     options = build_options(build_args)
     assert options.device == ("cpu" if case == "cpu" else "gpu")
     assert options.llm_max_running == (8 if case == "cpu" else 64)
+    assert options.kv_cache_bytes == (512 << 20 if case == "cpu" else 0)
+    # more admitted than run at once: a load beyond the batch waits in the llm, where autoscaling reads it
+    assert options.max_inflight_requests == 256 > options.llm_max_running
     assert objects["Job"]["metadata"]["annotations"]["helm.sh/hook"] == "pre-install,pre-upgrade"
     claims = {v["persistentVolumeClaim"]["claimName"] for o in (objects["Deployment"], objects["Job"])
               for v in o["spec"]["template"]["spec"]["volumes"] if "persistentVolumeClaim" in v}
