@@ -10,6 +10,7 @@ import pytest
 from tritonclient.utils import InferenceServerException
 
 from tests.encoder_checks import encode, rel_err
+from tests.servers import served
 from triton_vlm import samples
 from triton_vlm.families.qwen2_5_vl import QWEN2_5_VL
 
@@ -20,14 +21,13 @@ GRID = [[1, 16, 16], [1, 8, 12], [2, 8, 8], [1, 4, 6]]  # frames of 256, 96, 64,
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint, tmp_path_factory):
     from triton_vlm.limits import Limits
-    from triton_vlm.repository import BuildOptions, build_repository
-    from triton_vlm.server import TritonServer
+    from triton_vlm.repository import BuildOptions
 
     # no queue delay: the second share is scheduled while the first is still running
     options = BuildOptions(encoder_backend="torch", encoder_instances=2, encoder_cache_bytes=0,
                            encoder_max_queue_delay_us=0, limits=Limits(max_frame_patches=MAX_FRAME_PATCHES))
-    repo = build_repository(tiny_checkpoint, tmp_path_factory.mktemp("shares") / "repository", options)
-    with TritonServer(repo, log_file=tmp_path_factory.mktemp("logs") / "shares.log") as running:
+    with served(tiny_checkpoint, tmp_path_factory, "shares", options,
+                log_file=tmp_path_factory.mktemp("logs") / "shares.log") as running:
         yield running
 
 

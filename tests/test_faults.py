@@ -19,6 +19,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from tests.metrics import wait_for
+from tests.servers import served
 from triton_vlm import samples
 from triton_vlm.client import RequestError, generate, generate_payload, grpc_inputs, http_generate, request_values
 from triton_vlm.families.qwen2_5_vl import QWEN2_5_VL
@@ -89,12 +90,10 @@ def test_client_killed_mid_stream_stops_the_llm(server):
 @pytest.fixture(scope="module")
 def one_slot_server(tiny_checkpoint, tmp_path_factory):
     """A server whose `ensemble` takes one request at a time."""
-    from triton_vlm.repository import BuildOptions, build_repository
-    from triton_vlm.server import TritonServer
+    from triton_vlm.repository import BuildOptions
 
-    repo = build_repository(tiny_checkpoint, tmp_path_factory.mktemp("one-slot") / "repository",
-                            BuildOptions(max_inflight_requests=1, preprocess_instances=1, encoder_frontends=1))
-    with TritonServer(repo) as running:
+    options = BuildOptions(max_inflight_requests=1, preprocess_instances=1, encoder_frontends=1)
+    with served(tiny_checkpoint, tmp_path_factory, "one-slot", options) as running:
         yield running
 
 
@@ -153,13 +152,11 @@ def test_queue_limits_are_build_options(tiny_checkpoint):
 def queue_server(tiny_checkpoint, tmp_path_factory):
     """A server whose llm runs one request at a time and lets the next wait 200 ms at most, and
     whose vision_encoder_batch holds every request 2 s for a batch, past the 1 s queue timeout."""
-    from triton_vlm.repository import BuildOptions, build_repository
-    from triton_vlm.server import TritonServer
+    from triton_vlm.repository import BuildOptions
 
     options = BuildOptions(llm_max_running=1, llm_queue_timeout_ms=200, queue_timeout_ms=1000, max_queue_size=16,
                            encoder_max_queue_delay_us=2_000_000, preprocess_instances=1, encoder_frontends=1)
-    repo = build_repository(tiny_checkpoint, tmp_path_factory.mktemp("queue") / "repository", options)
-    with TritonServer(repo) as running:
+    with served(tiny_checkpoint, tmp_path_factory, "queue", options) as running:
         yield running
 
 

@@ -17,6 +17,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from tests.servers import served
+
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "deploy" / "helm" / "triton-vlm"
 CRDS = {("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor",
@@ -172,12 +174,10 @@ def queries(pod: str) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def one_running_server(tiny_checkpoint, tmp_path_factory):
     """The llm runs one request at a time: the others wait, as under a load past `max_running`."""
-    from triton_vlm.repository import BuildOptions, build_repository
-    from triton_vlm.server import TritonServer
+    from triton_vlm.repository import BuildOptions
 
-    repo = build_repository(tiny_checkpoint, tmp_path_factory.mktemp("helm") / "repository",
-                            BuildOptions(llm_max_running=1, preprocess_instances=1, encoder_frontends=1))
-    with TritonServer(repo) as running:
+    options = BuildOptions(llm_max_running=1, preprocess_instances=1, encoder_frontends=1)
+    with served(tiny_checkpoint, tmp_path_factory, "helm", options) as running:
         yield running
 
 

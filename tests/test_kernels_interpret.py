@@ -1,56 +1,20 @@
-"""Every Triton-language kernel of the llm (paged decode and its split combine, RMSNorm, rotary) run
-on the CPU under Triton's interpreter (`TRITON_INTERPRET=1`) against its torch reference, at small
-sizes: CI checks the kernels between the sessions that are lent a GPU. The same checks run at full
-size on CUDA in tests/test_llm_cuda.py (`-m gpu`).
-
-float32 and float16 only: Triton 3.8's interpreter keeps bfloat16 as raw uint16 (numpy has no
-bfloat16), so `tl.dot` multiplies the bit patterns (`create_dot`: a paged decode off by 8e8), and
-its float32 -> bfloat16 cast truncates where the GPU rounds to nearest (`_convert_float`: one ulp
-short in about a third of the elements). The kernels take every dtype through the same code, and
-float16's casts round as the GPU's do; bfloat16 is checked on CUDA."""
+"""The llm's Triton kernels under Triton's interpreter on the CPU (tests/kernels_interpreted.py), in
+a process of its own that has `TRITON_INTERPRET=1` before anything imports Triton."""
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
-from tests.kernel_checks import check_paged_decode, check_rms_norm, check_rotary
-from triton_vlm.llm import cuda_attention, cuda_ops
-
-DTYPES = [torch.float32, torch.float16]
-
-
-@pytest.fixture(autouse=True)
-def interpreted(monkeypatch):
-    """Kernels built under the interpreter (Triton reads the variable as it builds them), and built
-    again afterwards, so that no interpreted kernel outlives the test."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    for module in (cuda_ops, cuda_attention):
-        module._kernels.cache_clear()
-    yield
-    for module in (cuda_ops, cuda_attention):
-        module._kernels.cache_clear()
+ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 32), (3, 3, 40), (4, 1, 64)])
-@pytest.mark.parametrize("splits", [1, 4])
-def test_paged_decode_kernel_matches_gathered_sdpa(dtype, heads, kv_heads, head_dim, splits):
-    """Contexts of 1 token, within one block, on block edges and over many shuffled blocks (more
-    than the kernel's 64 tokens a loop); the context in one program, or split over four and joined
-    by the combine kernel."""
-    check_paged_decode("cpu", dtype, heads, kv_heads, head_dim, [1, 7, 8, 9, 150], block_size=8, num_blocks=64,
-                       splits=splits)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("pairing,head_dim,rotary_dim", [("half", 32, 32), ("interleaved", 32, 16),
-                                                         ("half", 40, 20)])
-def test_rotary_kernel_equals_torch(dtype, pairing, head_dim, rotary_dim):
-    check_rotary("cpu", dtype, pairing, head_dim, rotary_dim, tokens=5)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("weight_f32", [False, True])
-@pytest.mark.parametrize("shape", [(3, 96), (2, 3, 40)])
-def test_rms_norm_kernel_matches_torch(dtype, weight_f32, shape):
-    check_rms_norm("cpu", dtype, weight_f32, shape)
+def test_every_kernel_under_the_interpreter_equals_its_torch_reference():
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels_interpreted.py"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1"})
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+    summary = re.search(r"(\d+) passed", run.stdout)
+    assert summary and int(summary.group(1)) == 26 and "failed" not in run.stdout.splitlines()[-1], run.stdout[-2000:]

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 
 import pytest
@@ -48,12 +47,20 @@ def test_bad_or_missing_values_are_named():
         Limits.from_params({"max_media_items": "0"})
 
 
-def test_llm_options_are_the_engines_keyword_arguments():
+def test_the_engines_settings_are_llm_options(tiny_checkpoint):
+    """The llm model's parameters are the Engine's settings, declared once: every field reaches
+    the engine as given, and a name that is not one is refused before anything is loaded."""
     from triton_vlm.llm.engine import Engine
 
-    keywords = inspect.signature(Engine).parameters
-    for f in dataclasses.fields(LLMOptions):
-        assert keywords[f.name].kind == inspect.Parameter.KEYWORD_ONLY, f.name
+    options = LLMOptions(kv_cache_tokens=512, block_size=8, prefix_caching=True, max_running=3, max_num_tokens=64,
+                         queue_timeout_ms=250, cuda_graphs=False)
+    with Engine(tiny_checkpoint, **dataclasses.asdict(options)) as engine:
+        assert engine.settings == options
+        assert (engine.pool_tokens, engine.blocks.block_size, engine.prefix_caching) == (512, 8, True)
+        assert (engine.scheduler.max_running, engine.scheduler.max_num_tokens) == (3, 64)
+        assert engine.scheduler.queue_timeout_ms == 250
+    with pytest.raises(TypeError, match="max_batch"):
+        Engine(tiny_checkpoint, max_batch=4)
 
 
 @pytest.mark.parametrize("device", ["cpu", "gpu"])

@@ -149,8 +149,9 @@ def check_recovery(outcomes: list[Outcome], killed: float, back: float, expected
     return failed
 
 
-def check_restart(events: list[str], reason: str, failed: list[Outcome], killed: float) -> None:
-    """The supervisor restarted the server for `reason`; gRPC requests in flight got UNAVAILABLE."""
+def check_restart(events: list[str], reason: str | tuple[str, ...], failed: list[Outcome], killed: float) -> None:
+    """The supervisor restarted the server for `reason` (or one of them); gRPC requests in flight
+    got UNAVAILABLE."""
     restarts = [e for e in events if e.endswith(": restarting it")]
     assert restarts and restarts[0].startswith(reason), events
     assert any(o.start < killed < o.end for o in failed), failed
@@ -207,8 +208,11 @@ def test_a_dead_ensemble_or_server_is_restarted_and_its_requests_end_at_once(tin
         time.sleep(4.0)
         failed = check_recovery(load.stop(), killed, back, expected)
 
-        reason = ("tritonserver exited by itself with code -9" if victim == "tritonserver"
-                  else f"model instance ensemble_0_0 died (stub pid {pid})")
+        # A killed ensemble stub may also take tritonserver down with it before the supervisor's
+        # next look at the stubs (SIGSEGV in python_backend r24.10, seen once in a full run): a
+        # restart all the same, with what clients see unchanged.
+        reason = (("tritonserver exited by itself with code -9",) if victim == "tritonserver"
+                  else (f"model instance ensemble_0_0 died (stub pid {pid})", "tritonserver exited by itself"))
         check_restart(events, reason, failed, killed)
         assert server.process is not first and (server.http_port, server.grpc_port, server.metrics_port) == ports
         assert not set(stubs) & set(server.stub_processes())  # the old stubs went with the old server
