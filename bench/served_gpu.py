@@ -115,6 +115,8 @@ def step_outputs(url: str, values: dict) -> tuple[dict, dict[str, str]]:
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import np_to_triton_dtype
 
+    from triton_vlm.client import grpc_inputs
+
     with grpcclient.InferenceServerClient(url) as client:
         params = lambda model: {k: v["string_value"] for k, v in  # noqa: E731
                                 client.get_model_config(model, as_json=True)["config"]["parameters"].items()}
@@ -125,10 +127,7 @@ def step_outputs(url: str, values: dict) -> tuple[dict, dict[str, str]]:
             skip = given.get(step.get("skip_when_empty", ""))
             if skip is not None and skip.size == 0:
                 continue
-            inputs = []
-            for name, array in given.items():
-                inputs.append(grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype)))
-                inputs[-1].set_data_from_numpy(array)
+            inputs = grpc_inputs({name: (array, np_to_triton_dtype(array.dtype)) for name, array in given.items()})
             result = client.infer(step["model"], inputs, outputs=[grpcclient.InferRequestedOutput(n)
                                                                    for n in step["outputs"]])
             tensors.update({n: a for n in step["outputs"] if (a := result.as_numpy(n)) is not None})
