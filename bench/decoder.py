@@ -225,12 +225,12 @@ def decoder_7b_overrides(layers: int, hidden: int, dtype: torch.dtype, device: t
 
 
 def make_engine(ckpt: Path, device: torch.device, dtype: torch.dtype, max_running: int, need_tokens: int,
-                cuda_graphs: bool = True):
+                cuda_graphs: bool = True, mixed_steps: bool = True, model=None):
     """Our engine with a KV pool of at least `need_tokens` (the default pool where that is enough)."""
     from triton_vlm.llm import Engine
 
-    kwargs = {"device": str(device), "dtype": dtype, "cuda_graphs": cuda_graphs}
-    engine = Engine(ckpt, max_running=max_running, max_num_tokens=512, **kwargs)
+    kwargs = {"device": str(device), "dtype": dtype, "cuda_graphs": cuda_graphs, "mixed_steps": mixed_steps}
+    engine = Engine(ckpt, model=model, max_running=max_running, max_num_tokens=512, **kwargs)
     if engine.pool_tokens < need_tokens:
         model = engine.model
         engine.shutdown()
@@ -334,6 +334,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--requests", type=int, default=16, help="requests per measurement (at least the concurrency)")
+    ap.add_argument("--steps-apart", action="store_true",
+                    help="also an engine whose steps hold prompt chunks or decodes, never both (mixed_steps off), "
+                         "on the same model, interleaved with the default one in each round")
     ap.add_argument("--json", help="also write every figure to this file")
     ap.add_argument("--evs", type=float,
                     help="instead: prefill of a video prompt at this EVS pruning rate against q = 0")
@@ -390,10 +393,14 @@ def main() -> None:
     n_inputs = max(args.requests, *concurrency)
     inputs = [tok.encode(p, add_special_tokens=False).ids for p in prompts(n_inputs, chat_template)]
     longest = max(len(i) for i in inputs)
-    engine = make_engine(ckpt, device, dtype, max(64, *concurrency),
-                         # room for every request in flight at once: no preemption in the measurement
-                         need_tokens=max(concurrency) * (longest + args.max_tokens + 16),
-                         cuda_graphs=args.cuda_graphs == "on")
+    # room for every request in flight at once: no preemption in the measurement
+    need_tokens = max(concurrency) * (longest + args.max_tokens + 16)
+    engine = make_engine(ckpt, device, dtype, max(64, *concurrency), need_tokens, cuda_graphs=args.cuda_graphs == "on")
+    engines = {"engine": engine}
+    if args.steps_apart:
+        engines["engine, steps apart"] = make_engine(ckpt, device, dtype, max(64, *concurrency), need_tokens,
+                                                     cuda_graphs=args.cuda_graphs == "on", mixed_steps=False,
+                                                     model=engine.model)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()})"
     n_params = facts["parameters"]
     print(f"checkpoint {ckpt.name} ({detect_family(ckpt).name}): {n_params / 1e6:.1f} M parameters "
@@ -411,9 +418,10 @@ def main() -> None:
         conn.send((subset, max_tokens))
         return conn.recv()
 
-    # warm up both
+    # warm up each
     hf_run(inputs[:1], 4)
-    run_engine(engine, inputs[:4], 4, 4)
+    for each in engines.values():
+        run_engine(each, inputs[:4], 4, 4)
 
     hf_name = "transformers (one at a time)"
     results: dict[str, list[Run]] = {}
@@ -421,8 +429,10 @@ def main() -> None:
         results.setdefault(hf_name, []).append(hf_run(inputs[:args.requests], args.max_tokens))
         for c in concurrency:
             subset = inputs[:4] if c == 1 else inputs[:max(args.requests, c)]
-            results.setdefault(f"engine, concurrency {c}", []).append(run_engine(engine, subset, args.max_tokens, c))
-    engine.shutdown()
+            for name, each in engines.items():
+                results.setdefault(f"{name}, concurrency {c}", []).append(run_engine(each, subset, args.max_tokens, c))
+    for each in engines.values():
+        each.shutdown()
     replay_ms = graph_replay_ms(engine, device)
     conn.send(None)
     child.join()
@@ -435,7 +445,7 @@ def main() -> None:
                      "decode_weight_bytes": weight_bytes, "floor_ms_per_step": floor * 1000, "runs": {}}
     hf_runs = results[hf_name]
     base = sum(r.tokens for r in hf_runs) / sum(r.seconds for r in hf_runs)
-    print(f"\n{'path':32} {'tokens':>7} {'seconds':>8} {'tok/s':>8} {'x HF':>6} {'TTFT ms (median)':>17}")
+    print(f"\n{'path':36} {'tokens':>7} {'seconds':>8} {'tok/s':>8} {'x HF':>6} {'TTFT ms (median)':>17}")
     for name, runs in results.items():
         tokens, seconds = sum(r.tokens for r in runs), sum(r.seconds for r in runs)
         ttft = statistics.median([x for r in runs for x in r.ttfts]) * 1000
@@ -443,13 +453,13 @@ def main() -> None:
         # per round: each engine row against the transformers run of the same round (on a shared
         # machine load changes between rounds; a ratio within one round is the fairer comparison)
         per_round = [(r.tokens / r.seconds) / (h.tokens / h.seconds) for r, h in zip(runs, hf_runs)]
-        print(f"{name:32} {tokens:7d} {seconds:8.2f} {rate:8.1f} {rate / base:6.2f} {ttft:17.1f}")
+        print(f"{name:36} {tokens:7d} {seconds:8.2f} {rate:8.1f} {rate / base:6.2f} {ttft:17.1f}")
         figures["runs"][name] = dict(tokens=tokens, seconds=seconds, tokens_per_s=rate, x_transformers=rate / base,
                                      x_transformers_per_round=per_round, ttft_ms_median=ttft)
     print("\nper round, x transformers of the same round:")
     for name, run in figures["runs"].items():
         if name != hf_name:
-            print(f"{name:32} " + " ".join(f"{x:6.2f}" for x in run["x_transformers_per_round"]))
+            print(f"{name:36} " + " ".join(f"{x:6.2f}" for x in run["x_transformers_per_round"]))
 
     c1 = results.get("engine, concurrency 1")
     if c1 and any(r.decode_per_token for r in c1):

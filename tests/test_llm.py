@@ -532,6 +532,28 @@ def test_eight_concurrent_requests_equal_alone(batching_engine, requests):
     assert (eng.num_running, eng.num_waiting) == (0, 0)
 
 
+def test_steps_apart_give_the_same_answers_and_never_mix(ckpt, engine, batching_engine, requests):
+    """`mixed_steps` off (prompt chunks and decodes in steps of their own, so that on CUDA every
+    decode-only step replays a graph): the eight concurrent requests answer as alone, and no step
+    holds both kinds."""
+    eng = Engine(ckpt, model=engine.model, kv_cache_tokens=4096, max_num_tokens=24, return_logits=True,
+                 mixed_steps=False)
+    kinds, real = [], eng.runner.forward
+
+    def spy(chunks):
+        kinds.append({c.is_decode for c in chunks})
+        return real(chunks)
+
+    eng.runner.forward = spy
+    try:
+        jobs = _jobs()
+        assert_same(_together(eng, requests, jobs, "apart"), _alone(batching_engine, requests, jobs, "mixed"))
+    finally:
+        eng.shutdown()
+    assert {True} in kinds and {False} in kinds and all(len(k) == 1 for k in kinds)
+    assert eng.kv_blocks_used == 0
+
+
 def test_batched_step_mixes_prefill_chunks_and_decodes(ckpt, engine, requests):
     eng = Engine(ckpt, model=engine.model, kv_cache_tokens=4096, max_num_tokens=16)
     seen = []

@@ -92,6 +92,27 @@ def test_prefill_is_chunked_to_the_budget_and_decodes_join():
     assert len(a.blocks) == sched.blocks.blocks_for(21) and len(b.blocks) == sched.blocks.blocks_for(27)
 
 
+def test_without_mixed_steps_prompt_chunks_and_decodes_run_apart():
+    """The same arrivals as above: b's prompt runs in steps of its own while a waits to decode,
+    then a decodes alone once no prompt work is left."""
+    sched = Scheduler(BlockManager(64, 4), max_num_tokens=16, mixed_steps=False)
+    a = make_seq("a", 20, 1)
+    sched.add(a)
+    assert [(c.seq.request_id, c.start, c.end) for c in run_step(sched).chunks] == [("a", 0, 16)]
+    b = make_seq("b", 30, 2)
+    sched.add(b)
+    out = run_step(sched)  # a's last prompt rows and b's first: prompt work only
+    assert [(c.seq.request_id, c.start, c.end, c.samples) for c in out.chunks] == [("a", 16, 20, True),
+                                                                                ("b", 0, 12, False)]
+    out = run_step(sched)  # b's prompt goes on; a, decoding, waits
+    assert [(c.seq.request_id, c.start, c.end) for c in out.chunks] == [("b", 12, 28)]
+    out = run_step(sched)
+    assert [(c.seq.request_id, c.start, c.end, c.samples) for c in out.chunks] == [("b", 28, 30, True)]
+    out = run_step(sched)  # no prompt work left: both decode
+    assert [(c.seq.request_id, c.start, c.end) for c in out.chunks] == [("a", 20, 21), ("b", 30, 31)]
+    assert all(c.is_decode for c in out.chunks)
+
+
 def test_max_running_keeps_the_rest_waiting_in_order():
     sched = Scheduler(BlockManager(64, 4), max_running=2, max_num_tokens=100)
     seqs = [make_seq(str(i), 4, i) for i in range(4)]
@@ -164,14 +185,16 @@ def test_prefix_cache_hit_skips_computed_blocks_but_not_the_last_token():
     assert (chunk.start, chunk.end) == (8, 12) and second.blocks[:2] == first.blocks[:2] and bm.hits == 2
 
 
+@pytest.mark.parametrize("mixed_steps", [True, False])
 @pytest.mark.parametrize("seed", range(5))
-def test_random_workload_returns_every_block_and_slot(seed):
+def test_random_workload_returns_every_block_and_slot(seed, mixed_steps):
     """Random arrivals, lengths, cancellations and a pool small enough to preempt: every step stays
     within the budget, no block has two owners (without prefix caching), and once everything has
-    finished or been cancelled every block and state slot is free."""
+    finished or been cancelled every block and state slot is free. Without mixed steps no step holds
+    both prompt work and a decode (`ScheduledChunk.is_decode`, what a CUDA graph replays)."""
     rng = random.Random(seed)
     bm = BlockManager(num_blocks=12, block_size=4, state_slots=4)
-    sched = Scheduler(bm, max_running=4, max_num_tokens=24, recurrent=True)
+    sched = Scheduler(bm, max_running=4, max_num_tokens=24, recurrent=True, mixed_steps=mixed_steps)
     pending = [make_seq(f"s{i}", rng.randint(1, 30), i, max_tokens=rng.randint(1, 10)) for i in range(25)]
     finished = 0
     for _ in range(2000):
@@ -179,6 +202,8 @@ def test_random_workload_returns_every_block_and_slot(seed):
             sched.add(pending.pop(0))
         out = run_step(sched)
         assert out.num_tokens <= 24 and len(sched.running) <= 4
+        kinds = {c.is_decode for c in out.chunks}
+        assert mixed_steps or len(kinds) <= 1, [(c.seq.request_id, c.start, c.end) for c in out.chunks]
         owners = [b for s in sched.running for b in s.blocks]
         assert len(owners) == len(set(owners)) == bm.num_used
         assert sorted(s.state for s in sched.running) == sorted(bm._used_states)

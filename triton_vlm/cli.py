@@ -258,6 +258,8 @@ def parser() -> argparse.ArgumentParser:
            "(default: float32 on cpu, bfloat16 on cuda)")
     option("llm_cuda_graphs", "llm on CUDA: replay decode steps from CUDA graphs captured at start-up",
            choices=("on", "off"))
+    option("llm_mixed_steps", "a step of the llm may hold prompt chunks and decodes together; --no-llm-mixed-steps: "
+           "apart, so that on CUDA every decode-only step replays a graph", action=argparse.BooleanOptionalAction)
     option("llm_queue_timeout_ms",
            "a request waiting longer for its first place in the llm batch gets UNAVAILABLE; 0: no limit")
     option("video_pruning_rate", "default EVS video pruning rate in [0, 1) (Qwen2.5-VL; per request: "

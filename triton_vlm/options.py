@@ -82,6 +82,7 @@ class LLMOptions(ModelParams):
     max_num_tokens: int = 512
     queue_timeout_ms: int = 0     # 0: a request waits for its place as long as it takes
     cuda_graphs: bool = True      # CUDA: decode steps replay graphs captured at batch-size buckets
+    mixed_steps: bool = True      # a step may hold prompt chunks and decodes together (off: apart)
 
 
 @dataclass(frozen=True)

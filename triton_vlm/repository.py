@@ -77,6 +77,7 @@ class BuildOptions:
     llm_device: str = ""
     llm_dtype: str = ""
     llm_cuda_graphs: str = "on"         # on | off: CUDA graphs of the llm's decode steps (CUDA only)
+    llm_mixed_steps: bool = True        # prompt chunks and decodes in one step (off: apart; Scheduler)
     max_inflight_requests: int = 64     # `ensemble`: requests beyond this are refused at once (UNAVAILABLE)
     # Triton's queues of preprocess, vision_encoder and vision_encoder_batch: a request finding
     # max_queue_size waiting is refused at once, one that waited queue_timeout_ms is refused
@@ -361,7 +362,7 @@ def llm_options(options: BuildOptions) -> LLMOptions:
                       kv_cache_bytes=options.kv_cache_bytes, block_size=options.kv_block_size,
                       prefix_caching=options.prefix_caching, max_running=options.llm_max_running,
                       max_num_tokens=options.llm_max_num_tokens, queue_timeout_ms=options.llm_queue_timeout_ms,
-                      cuda_graphs=options.llm_cuda_graphs == "on")
+                      cuda_graphs=options.llm_cuda_graphs == "on", mixed_steps=options.llm_mixed_steps)
 
 
 def write_config(config: mc.ModelConfig, path: Path) -> None:

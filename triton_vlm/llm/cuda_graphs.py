@@ -74,8 +74,7 @@ class DecodeGraphs:
 
     def takes(self, chunks: list[ScheduledChunk]) -> bool:
         """A step of generated tokens only (no prompt row), each sampling, at most the largest bucket."""
-        return 0 < len(chunks) <= self.sizes[-1] and all(
-            c.num_tokens == 1 and c.start >= c.seq.prompt_len and c.samples for c in chunks)
+        return 0 < len(chunks) <= self.sizes[-1] and all(c.is_decode for c in chunks)
 
     def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """float32 logits [len(chunks), vocab] of a step that `takes`."""

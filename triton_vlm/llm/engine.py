@@ -61,7 +61,7 @@ class Engine:
                  return_logits: bool = False, clock: Callable[[], float] = time.monotonic, **settings: Any):
         """`settings`: the fields of `LLMOptions` (the `llm` model's parameters, declared there
         once: device, dtype, KV cache size and block size, prefix caching, max_running,
-        max_num_tokens, queue_timeout_ms, cuda_graphs); an unknown name is a TypeError."""
+        max_num_tokens, queue_timeout_ms, cuda_graphs, mixed_steps); an unknown name is a TypeError."""
         self.checkpoint_dir = Path(checkpoint_dir)
         self.settings = LLMOptions(**settings)
         self.clock = clock
@@ -121,7 +121,8 @@ class Engine:
         self.blocks = BlockManager(num_blocks, block_size, self.prefix_caching,
                                    state_slots=max_running if c.recurrent else 0)
         self.scheduler = Scheduler(self.blocks, max_running=max_running, max_num_tokens=s.max_num_tokens,
-                                   recurrent=c.recurrent, queue_timeout_ms=s.queue_timeout_ms, clock=self.clock)
+                                   recurrent=c.recurrent, queue_timeout_ms=s.queue_timeout_ms,
+                                   mixed_steps=s.mixed_steps, clock=self.clock)
         self.runner = ModelRunner(self.model, num_blocks, block_size, max_batch=max_running,
                                   cuda_graphs=s.cuda_graphs, max_context=self.context_length)
         self.output = OutputProcessor(self._release)

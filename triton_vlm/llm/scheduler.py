@@ -14,6 +14,12 @@ Every step, oldest request first, `Scheduler.schedule`:
   request has had its place and is never rejected.
 Sequences of decoders with a recurrent state take a state slot when they start running and give it
 back with their blocks. No tensors and no model here: it is tested on token lists alone.
+
+With `mixed_steps` off a step holds prompt chunks or decodes, never both (nano-vllm, and SGLang
+without `--enable-mixed-chunk`): prompt work first, and a step of the running sequences' decodes
+when there is none (or none could get blocks). On CUDA a step with a prompt chunk runs eagerly and
+a decode-only one replays a CUDA graph: mixed, nearly every step under a closed-loop load holds a
+new prompt's chunk and runs eagerly.
 """
 from __future__ import annotations
 
@@ -44,6 +50,16 @@ class ScheduledChunk:
     def num_tokens(self) -> int:
         return self.end - self.start
 
+    @property
+    def is_decode(self) -> bool:
+        """One generated token's row, sampling the next: the rows a CUDA graph replays."""
+        return self.num_tokens == 1 and self.start >= self.seq.prompt_len and self.samples
+
+
+def decoding(seq: Sequence) -> bool:
+    """Whether `seq`'s next row is a decode (`ScheduledChunk.is_decode`), not prompt work."""
+    return seq.num_computed >= seq.prompt_len and len(seq.tokens) - seq.num_computed == 1
+
 
 @dataclass
 class SchedulerOutput:
@@ -58,7 +74,7 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, *, max_running: int = 64, max_num_tokens: int = 512,
-                 recurrent: bool = False, queue_timeout_ms: float = 0.0,
+                 recurrent: bool = False, queue_timeout_ms: float = 0.0, mixed_steps: bool = True,
                  clock: Callable[[], float] = time.monotonic):
         if queue_timeout_ms < 0:
             raise ValueError(f"queue_timeout_ms must be >= 0, got {queue_timeout_ms}")
@@ -67,6 +83,7 @@ class Scheduler:
         self.max_num_tokens = max(1, int(max_num_tokens))
         self.recurrent = recurrent
         self.queue_timeout_ms = float(queue_timeout_ms)
+        self.mixed_steps = mixed_steps
         self.clock = clock
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []   # arrival order
@@ -88,19 +105,33 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.mixed_steps:
+            self._plan(out, lambda seq: True, admit=True)
+        else:
+            self._plan(out, lambda seq: not decoding(seq), admit=True)
+            if not out.chunks:  # no prompt work (or none got blocks): the decodes
+                self._plan(out, lambda seq: True, admit=False)
+        out.chunks.sort(key=lambda c: c.seq.arrival)
+        if self.queue_timeout_ms:
+            out.overdue = self._overdue()
+        return out
+
+    def _plan(self, out: SchedulerOutput, takes: Callable[[Sequence], bool], admit: bool) -> None:
+        """Into `out`: the next rows of the running sequences that `takes` (oldest first), then,
+        with `admit`, waiting requests, within the step's token budget."""
         budget = self.max_num_tokens
         planned: set[Sequence] = set()
         for seq in list(self.running):
             if budget <= 0:
                 break
-            if seq not in self.running:  # preempted meanwhile
+            if seq not in self.running or not takes(seq):  # preempted meanwhile, or not this step's kind
                 continue
             end = min(len(seq.tokens), seq.num_computed + budget)
             if self._grow(seq, end, planned, out):
                 out.chunks.append(ScheduledChunk.of(seq, end))
                 planned.add(seq)
                 budget -= end - seq.num_computed
-        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+        while admit and self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
             fresh = not seq.blocks
             if fresh and seq.keys:  # reuse cached prompt blocks; at least one token is computed
@@ -123,10 +154,6 @@ class Scheduler:
             out.chunks.append(ScheduledChunk.of(seq, end))
             planned.add(seq)
             budget -= end - seq.num_computed
-        out.chunks.sort(key=lambda c: c.seq.arrival)
-        if self.queue_timeout_ms:
-            out.overdue = self._overdue()
-        return out
 
     def advance(self, out: SchedulerOutput) -> None:
         """After the step's forward pass: its rows' K/V are in the blocks; newly completed prompt
