@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import tempfile
 import threading
@@ -89,6 +88,11 @@ def prompts(n: int, chat_template: str, seed: int = 0) -> list[str]:
         out.append(template.render(messages=[{"role": "user", "content": f"Describe this: {words}"}],
                                    add_generation_prompt=True))
     return out
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU and its cores, as the figures name the device they ran on."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
 
 
 def sync(device: torch.device) -> None:
@@ -166,11 +170,14 @@ def transformers_process(conn, write: dict | None, ckpt: str, device: str, dtype
         conn.send(run_hf(hf, *job, device))
 
 
-def run_engine(engine, inputs: list[torch.Tensor], max_tokens: int, concurrency: int) -> Run:
-    """`concurrency` requests in flight at a time until all are done (closed loop). Emits come after
-    the step's sampled ids reached the host, so their times need no device sync."""
+def run_engine(engine, inputs: list, max_tokens: int, concurrency: int, min_tokens: int = 0, **extra) -> Run:
+    """`concurrency` requests in flight at a time until all are done (closed loop). Each input is a
+    prompt's token ids, or the tuple of `Engine.submit`'s (input_ids, embeddings,
+    mrope_position_ids, mrope_position_delta); `extra`, submit's keywords. Emits come after the
+    step's sampled ids reached the host, so their times need no device sync."""
     from triton_vlm.llm import SamplingParams
 
+    params = SamplingParams(max_tokens=max_tokens, min_tokens=min_tokens)
     slots = threading.Semaphore(concurrency)
     done = threading.Event()
     lock = threading.Lock()
@@ -200,10 +207,11 @@ def run_engine(engine, inputs: list[torch.Tensor], max_tokens: int, concurrency:
         return emit
 
     start = time.perf_counter()
-    for i, ids in enumerate(inputs):
+    for i, prompt in enumerate(inputs):
         slots.acquire()
-        engine.submit(f"b{concurrency}-{i}-{time.monotonic_ns()}", ids, None, None, None,
-                      SamplingParams(max_tokens=max_tokens), emit=emit_for(time.perf_counter()))
+        args = prompt if isinstance(prompt, tuple) else (prompt, None, None, None)
+        engine.submit(f"b{concurrency}-{i}-{time.monotonic_ns()}", *args, params, emit=emit_for(time.perf_counter()),
+                      **extra)
     done.wait()
     return Run(state["tokens"], time.perf_counter() - start, ttfts, decode)
 
@@ -401,11 +409,11 @@ def main() -> None:
         engines["engine, steps apart"] = make_engine(ckpt, device, dtype, max(64, *concurrency), need_tokens,
                                                      cuda_graphs=args.cuda_graphs == "on", mixed_steps=False,
                                                      model=engine.model)
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()})"
+    name = device_name(device)
     n_params = facts["parameters"]
     print(f"checkpoint {ckpt.name} ({detect_family(ckpt).name}): {n_params / 1e6:.1f} M parameters "
           f"({facts['layers']} layers, hidden {facts['hidden']}); "
-          f"{device_name}, {str(dtype).removeprefix('torch.')}; torch threads {facts['torch_threads']}; "
+          f"{name}, {str(dtype).removeprefix('torch.')}; torch threads {facts['torch_threads']}; "
           f"{len(inputs)} prompts of {min(len(i) for i in inputs)}..{longest} tokens, "
           f"max_tokens {args.max_tokens}, greedy")
 
@@ -437,7 +445,7 @@ def main() -> None:
     conn.send(None)
     child.join()
 
-    figures: dict = {"device": device_name, "dtype": str(dtype).removeprefix("torch."), "checkpoint": str(ckpt),
+    figures: dict = {"device": name, "dtype": str(dtype).removeprefix("torch."), "checkpoint": str(ckpt),
                      "cuda_graphs": device.type == "cuda" and engine.runner.graphs is not None,
                      "parameters": n_params, "layers": facts["layers"],
                      "hidden": facts["hidden"], "torch_threads": facts["torch_threads"],

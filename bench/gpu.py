@@ -175,13 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import transformers
 
-    from decoder import copy_bandwidth
+    from decoder import copy_bandwidth, device_name
 
     device = torch.device(args.device)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
-    figures: dict = {"device": name, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    figures: dict = {"device": device_name(device), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                      "torch": torch.__version__, "transformers": transformers.__version__, "goals": GOALS,
                      "copy_bandwidth_GBps": copy_bandwidth(device) / 1e9,
                      "matmul_bf16_TFLOPs": matmul_rate(device, 512 if args.quick else 8192) / 1e12}

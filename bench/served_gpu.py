@@ -63,8 +63,12 @@ def write_checkpoint(size: str, out: Path, device: str) -> Path:
     return write_demo_checkpoint("qwen2_5_vl", out, "small", overrides={**overrides, "vision": VISION_7B})
 
 
-def percentile(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else float("nan")
+def load_figures(requests: int, tokens: int, seconds: float, ttfts: list[float]) -> dict:
+    """One concurrency's figures, the served side's and the engine's alike."""
+    p50, p99 = np.percentile(ttfts, [50, 99]) if ttfts else (float("nan"),) * 2
+    return {"requests": requests, "output_tokens": tokens, "seconds": round(seconds, 3),
+            "output_tokens_per_s": round(tokens / seconds, 1), "ttft_p50_ms": round(1e3 * p50, 1),
+            "ttft_p99_ms": round(1e3 * p99, 1)}
 
 
 async def closed_loop(one: Callable[[int], Awaitable[tuple[float, int]]], concurrency: int, rounds: int) -> dict:
@@ -82,10 +86,7 @@ async def closed_loop(one: Callable[[int], Awaitable[tuple[float, int]]], concur
 
     start = time.perf_counter()
     await asyncio.gather(*(worker(w) for w in range(concurrency)))
-    seconds = time.perf_counter() - start
-    return {"requests": concurrency * rounds, "output_tokens": tokens, "seconds": round(seconds, 3),
-            "output_tokens_per_s": round(tokens / seconds, 1), "ttft_p50_ms": round(1e3 * percentile(ttfts, 50), 1),
-            "ttft_p99_ms": round(1e3 * percentile(ttfts, 99), 1)}
+    return load_figures(concurrency * rounds, tokens, time.perf_counter() - start, ttfts)
 
 
 def served_one(channel, values_of: Callable[[int], dict]) -> Callable[[int], Awaitable[tuple[float, int]]]:
@@ -104,9 +105,7 @@ def served_one(channel, values_of: Callable[[int], dict]) -> Callable[[int], Awa
 def request(prompt: str, max_tokens: int, images=(), videos=()) -> dict:
     from triton_vlm.client import request_values
 
-    values = request_values(prompt, images, videos, max_tokens=max_tokens)
-    values["min_tokens"] = (np.array([max_tokens], np.int32), "INT32")
-    return values
+    return request_values(prompt, images, videos, max_tokens=max_tokens, min_tokens=max_tokens)
 
 
 def step_outputs(url: str, values: dict) -> tuple[dict, dict[str, str]]:
@@ -136,42 +135,36 @@ def step_outputs(url: str, values: dict) -> tuple[dict, dict[str, str]]:
 
 def engine_alone(repo: Path, params: dict[str, str], tensors: dict, max_tokens: int, concurrencies: list[int],
                  rounds: int) -> tuple[dict, list[int]]:
-    """The llm's engine as the served llm builds it, the same prompt at each concurrency; and the
-    greedy tokens of a first request with `max_tokens` alone (no `min_tokens`), as the check's."""
+    """The llm's engine as the served llm builds it, the same prompt at each concurrency (bench/
+    decoder.py's closed loop, `rounds` requests a client); and the greedy tokens of a first request
+    with `max_tokens` alone (no `min_tokens`), as the check's."""
     import dataclasses
+    import threading
+
+    from decoder import run_engine
 
     from triton_vlm.llm import Engine, SamplingParams
     from triton_vlm.options import LLMOptions
 
-    options = LLMOptions.from_params(params)
-    engine = Engine(repo / "llm" / "1" / params["checkpoint"], **dataclasses.asdict(options))
-    args = (tensors["input_ids"], tensors.get("embeddings"), tensors["mrope_position_ids"],
-            int(tensors["mrope_position_delta"].reshape(-1)[0]))
+    engine = Engine(repo / "llm" / "1" / params["checkpoint"], **dataclasses.asdict(LLMOptions.from_params(params)))
+    prompt = (tensors["input_ids"], tensors.get("embeddings"), tensors["mrope_position_ids"],
+              int(tensors["mrope_position_delta"].reshape(-1)[0]))
     pruned = {k: tensors.get(k) for k in ("media_position_ids", "kept_rows")}
-    sampling = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens)
-    loop = asyncio.new_event_loop()
-
-    async def one(i: int, params: SamplingParams = sampling, ids: list[int] | None = None) -> tuple[float, int]:
-        done, start, first, count = loop.create_future(), time.perf_counter(), [], [0]
-
-        def emit(out) -> None:  # on the engine's thread
-            if out.token_ids and not first:
-                first.append(time.perf_counter() - start)
-            count[0] += len(out.token_ids)
-            if ids is not None:
-                ids.extend(out.token_ids)
-            if out.finish_reason is not None:
-                loop.call_soon_threadsafe(done.set_result, None)
-        engine.submit(f"alone-{i}-{time.monotonic_ns()}", *args, params=params, emit=emit, **pruned)
-        await done
-        return first[0], count[0]
-
     try:
-        check: list[int] = []
-        loop.run_until_complete(one(-1, SamplingParams(max_tokens=max_tokens), check))  # also the warm-up
-        return {str(c): loop.run_until_complete(closed_loop(one, c, rounds)) for c in concurrencies}, check
+        check, done = [], threading.Event()  # also the warm-up
+
+        def emit(out) -> None:
+            check.extend(out.token_ids)
+            if out.finish_reason is not None:
+                done.set()
+        engine.submit("check", *prompt, SamplingParams(max_tokens=max_tokens), emit, **pruned)
+        done.wait()
+        runs = {}
+        for c in concurrencies:
+            run = run_engine(engine, [prompt] * (c * rounds), max_tokens, c, min_tokens=max_tokens, **pruned)
+            runs[str(c)] = load_figures(c * rounds, run.tokens, run.seconds, run.ttfts)
+        return runs, check
     finally:
-        loop.close()
         engine.shutdown()
 
 
@@ -264,7 +257,11 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
-    figures: dict = {"device": device_name(args.device), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+    import torch
+    from decoder import device_name
+
+    figures: dict = {"device": f"{device_name(torch.device('cuda' if args.device == 'gpu' else 'cpu'))}, "
+                               f"torch {torch.__version__}", "date": datetime.datetime.now().isoformat(timespec="seconds"),
                      "tree": tree(), "size": args.size, "max_tokens": args.max_tokens, "rounds": args.rounds,
                      "image_size": args.image_size, "distinct_images": args.distinct_images, "unpacked": unpacked,
                      "timings_s": {}}
@@ -297,14 +294,6 @@ def main(argv: list[str] | None = None) -> int:
     (out_dir / "served.json").write_text(json.dumps(figures, indent=1))
     print(json.dumps(figures, indent=1))
     return 0
-
-
-def device_name(device: str) -> str:
-    import torch
-
-    if device == "gpu":
-        return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
-    return f"cpu ({os.cpu_count()} cores), torch {torch.__version__}"
 
 
 def tree() -> str:

@@ -41,13 +41,14 @@ class GenerationResult:
 
 
 def _sampling_values(max_tokens, temperature, top_p, top_k, seed, stop_words, stream,
-                     repetition_penalty=None) -> dict[str, tuple]:
+                     repetition_penalty=None, min_tokens=None) -> dict[str, tuple]:
     """name -> (numpy value, Triton datatype) for the sampling inputs that are set."""
     values = {"max_tokens": (np.array([max_tokens], np.int32), "INT32"),
               "stream": (np.array([stream], bool), "BOOL")}
     for name, value, dtype, triton in (("temperature", temperature, np.float32, "FP32"),
                                        ("top_p", top_p, np.float32, "FP32"),
                                        ("top_k", top_k, np.int32, "INT32"),
+                                       ("min_tokens", min_tokens, np.int32, "INT32"),
                                        ("seed", seed, np.uint64, "UINT64"),
                                        ("repetition_penalty", repetition_penalty, np.float32, "FP32")):
         if value is not None:
@@ -59,14 +60,15 @@ def _sampling_values(max_tokens, temperature, top_p, top_k, seed, stop_words, st
 
 def request_values(prompt: str, images=(), videos=(), mm_options: dict | None = None, max_tokens: int = 64,
                    temperature=None, top_p=None, top_k=None, seed=None, stop_words=None, repetition_penalty=None,
-                   stream: bool = True) -> dict[str, tuple]:
+                   stream: bool = True, min_tokens=None) -> dict[str, tuple]:
     values = {"text_input": (np.array([prompt.encode()], np.object_), "BYTES")}
     for name, items in (("images", images), ("videos", videos)):
         if items:
             values[name] = (np.array(list(items), np.object_), "BYTES")
     if mm_options:
         values["mm_options"] = (np.array([json.dumps(mm_options).encode()], np.object_), "BYTES")
-    values.update(_sampling_values(max_tokens, temperature, top_p, top_k, seed, stop_words, stream, repetition_penalty))
+    values.update(_sampling_values(max_tokens, temperature, top_p, top_k, seed, stop_words, stream, repetition_penalty,
+                                   min_tokens))
     return values
 
 
