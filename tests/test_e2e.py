@@ -49,8 +49,8 @@ def infer_direct(server, model: str, values: dict, outputs: list[str]) -> dict[s
     return {o: result.as_numpy(o) for o in outputs}
 
 
-def media_values(prompt, images, videos) -> dict:
-    return {k: v for k, v in request_values(prompt, images, videos).items()
+def media_values(prompt, images, videos, mm_options: dict | None = None) -> dict:
+    return {k: v for k, v in request_values(prompt, images, videos, mm_options).items()
             if k in ("text_input", "images", "videos", "mm_options")}
 
 
@@ -68,14 +68,17 @@ def family_server(family: str, root: Path) -> Iterator[tuple]:
         yield server, Oracle(checkpoint)
 
 
-def grpc_tokens(server, prompt, images, videos, max_tokens: int, stream: bool = True) -> list[int]:
+def grpc_tokens(server, prompt, images, videos, max_tokens: int, stream: bool = True,
+                mm_options: dict | None = None) -> list[int]:
     """The ensemble's output_ids over gRPC (streamed, or one response)."""
-    return generate(server.grpc_url, prompt, images, videos, max_tokens=max_tokens, stream=stream).output_ids
+    return generate(server.grpc_url, prompt, images, videos, max_tokens=max_tokens, stream=stream,
+                    mm_options=mm_options).output_ids
 
 
-def http_tokens(server, prompt, images, videos, max_tokens: int) -> list[int]:
+def http_tokens(server, prompt, images, videos, max_tokens: int, mm_options: dict | None = None) -> list[int]:
     """The ensemble's output_ids over HTTP generate."""
-    (answer,) = http_generate(server.http_url, generate_payload(prompt, images, videos, max_tokens=max_tokens))
+    (answer,) = http_generate(server.http_url, generate_payload(prompt, images, videos, mm_options,
+                                                                max_tokens=max_tokens))
     return [int(i) for i in np.atleast_1d(answer["output_ids"])]
 
 

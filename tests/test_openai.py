@@ -268,6 +268,21 @@ def test_render_chat_is_the_processors_apply_chat_template(tiny_checkpoint, proc
         == processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
+@pytest.mark.parametrize("case", ["a_image_640x480", "c_two_images", "d_video", "e_text_only"])
+def test_render_chat_is_the_official_minicpmv4_5_chat(case):
+    """The official 4.5 template takes string content only: the parts joined by newlines, media as
+    their placeholders, rendered with `enable_thinking=False`, as the official `chat()` writes the
+    golden prompts (a video as one marker, which `preprocess` expands to its frames' lines)."""
+    from tests.minicpmv4_5_golden import CASES, GOLDEN
+
+    c = CASES[case]
+    parts = [{"type": "text", "text": part} if isinstance(part, str) else {"type": "video" if "video_frames" in part
+             else "image"} for part in c["chat"]["msgs"][0]["content"]]
+    prompt = render_chat(load_chat_template(GOLDEN), FAMILIES["minicpmv4_5"], [{"role": "user", "content": parts}])
+    frames = "\n".join(["(<image>./</image>)"] * len(c.get("video", {}).get("frame_indices", [])))
+    assert prompt == (c["prompt"].replace(frames, "(<video>./</video>)") if frames else c["prompt"])
+
+
 def test_load_chat_template_reads_json_and_tokenizer_config(tmp_path):
     import json
 

@@ -382,6 +382,8 @@ def test_bad_mm_options(pre, media):
                 {"fps": 2, "num_frames": 4}, "[1, 2]", "{not json", {"max_frames": 10_000}):
         with pytest.raises(InvalidInput, match=r"^mm_options: "):
             pre(f"{IMG}", [media["img_30x40_rgba"]], [], bad)
+    with pytest.raises(InvalidInput, match=r"^mm_options: force_packing does not apply: qwen2_5_vl does not pack"):
+        pre(f"{VID}", [], [media["vid_short"]], {"force_packing": 2})
 
 
 def test_limits(pre, media, ckpt):

@@ -14,9 +14,10 @@ from triton_vlm.vision import batching as b
 
 
 def request(grid, width, seed):
+    """(pixel rows, grid_thw, temporal ids: none) of a `BatchedEncoder.encode_many` request."""
     grid = np.array(grid, dtype=np.int64).reshape(-1, 3)
     rng = np.random.default_rng(seed)
-    return rng.standard_normal((int(grid.prod(1).sum()), width)).astype(np.float32), grid
+    return rng.standard_normal((int(grid.prod(1).sum()), width)).astype(np.float32), grid, None
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +96,7 @@ def test_batch_of_requests_equals_hf_per_request(encoder, hf):
              request([[2, 20, 28]], width, 3)]                 # video only
     outputs, stats = b.BatchedEncoder(encoder, b.EmbeddingCache(0)).encode_many(batch)
     assert stats.requests == 3 and stats.items == 5 and stats.misses == 5 and stats.hits == 0
-    for (pixels, grid), out in zip(batch, outputs):
+    for (pixels, grid, _), out in zip(batch, outputs):
         assert out.dtype == np.float32
         assert rel_err(out, hf_tower(hf, pixels, grid)) < 1e-4
 
@@ -104,16 +105,16 @@ def test_same_item_in_one_batch_and_later_is_computed_once_and_bit_identical(enc
     width = encoder.patch_dim
     image = request([[1, 22, 36]], width, 7)
     other = request([[1, 8, 8]], width, 8)
-    both = (np.concatenate([image[0], other[0]]), np.concatenate([image[1], other[1]]))
+    both = (np.concatenate([image[0], other[0]]), np.concatenate([image[1], other[1]]), None)
     cache = b.EmbeddingCache(1 << 20)
     calls = []
 
     class Counting:
         embedding_rows = staticmethod(encoder.embedding_rows)
 
-        def encode(self, pixels, grid):
+        def encode(self, pixels, grid, temporal_ids):
             calls.append(grid.tolist())
-            return encoder.encode(pixels, grid)
+            return encoder.encode(pixels, grid, temporal_ids)
 
     batched = b.BatchedEncoder(Counting(), cache)
     (first, second, third), stats = batched.encode_many([image, image, both])
@@ -121,7 +122,7 @@ def test_same_item_in_one_batch_and_later_is_computed_once_and_bit_identical(enc
     assert stats.misses == 2 and stats.hits == 2 and (cache.hits, cache.misses) == (2, 2)
     np.testing.assert_array_equal(first, second)
     np.testing.assert_array_equal(third[:len(first)], first)
-    assert rel_err(first, hf_tower(hf, *image)) < 1e-4
+    assert rel_err(first, hf_tower(hf, *image[:2])) < 1e-4
     (again,), stats = batched.encode_many([image])
     assert len(calls) == 1 and stats.hits == 1 and stats.misses == 0
     assert again.tobytes() == first.tobytes()  # a hit is bit-identical
@@ -152,9 +153,11 @@ def test_encode_in_shares_splits_chunks_and_joins_in_item_order():
     pixels = np.arange(int(grid.prod(axis=1).sum()), dtype=np.float32)[:, None].repeat(3, axis=1)
     sent = []
 
-    def send(rows: np.ndarray, items: np.ndarray, odd_share: bool) -> np.ndarray:
+    def send(rows: np.ndarray, items: np.ndarray, rows_temporal, odd_share: bool) -> np.ndarray:
         sent.append((len(rows), odd_share))
         assert len(rows) == int(items.prod(axis=1).sum())
+        if rows_temporal is not None:  # each row's temporal id is its patch index, as its pixels
+            np.testing.assert_array_equal(rows_temporal, rows[:, 0])
         return rows[::4, :2]  # one "token" per 2x2 merge unit: its first row
 
     tokens = grid.prod(axis=1) // 4
@@ -165,5 +168,32 @@ def test_encode_in_shares_splits_chunks_and_joins_in_item_order():
         out = b.encode_in_shares(pixels, grid, send, shares=shares, max_rows=max_rows, hidden=2, rows_per_item=tokens)
         np.testing.assert_array_equal(out, one)
         assert all(n <= max_rows for n, _ in sent) and {odd for _, odd in sent} == {False, True}
+        rows_temporal = np.arange(len(pixels), dtype=np.int64)  # sliced with the pixel rows
+        np.testing.assert_array_equal(b.encode_in_shares(pixels, grid, send, shares=shares, max_rows=max_rows, hidden=2,
+                                                         rows_per_item=tokens, rows_temporal=rows_temporal), one)
     assert b.encode_in_shares(pixels[:0], grid[:0], send, shares=2, max_rows=64, hidden=2,
                               rows_per_item=tokens[:0]).shape == (0, 2)
+
+
+def test_temporal_ids_travel_per_row_and_are_checked():
+    """A packed tower's temporal ids: one per frame on the contract (`validate_temporal_ids`), one
+    per patch row to the batched model (`patch_temporal_ids`) and back (`frames_from_rows`)."""
+    from triton_vlm.vision.encoder import validate_temporal_ids
+
+    grid = np.array([[3, 2, 2], [1, 2, 4]])
+    ids = np.array([1, 5, 8, -1])
+    rows = b.patch_temporal_ids(grid, ids)
+    assert rows.tolist() == [1] * 4 + [5] * 4 + [8] * 4 + [-1] * 8
+    np.testing.assert_array_equal(b.frames_from_rows(rows[:, None], grid), ids)
+    rows[5] = 6
+    with pytest.raises(InvalidInput, match=r"^patch_temporal_id: the rows of a frame disagree$"):
+        b.frames_from_rows(rows, grid)
+    assert b.patch_temporal_ids(grid, None).tolist() == [-1] * 20
+    np.testing.assert_array_equal(validate_temporal_ids(ids, grid, packed=True), ids)
+    assert validate_temporal_ids(np.full(4, -1), grid, packed=False) is None
+    assert validate_temporal_ids(None, grid, packed=True) is None
+    for bad, packed, message in ((ids[:3], True, r"expected shape \[4\]"), (ids.astype(np.float32), True, "expected integers"),
+                                 (np.array([1, 5, 8, -2]), True, r"values must lie in \[-1, 2147483647\]$"),
+                                 (ids, False, "this model.s vision tower takes none")):
+        with pytest.raises(InvalidInput, match=r"^temporal_ids: " + message):
+            validate_temporal_ids(bad, grid, packed)

@@ -215,7 +215,7 @@ def test_onnx_fp32_matches_hf(case, encoder, oracles):
 def test_onnx_one_run_with_padded_frames(case, encoder, oracles):
     # Every item in one session run: frames padded to the largest one.
     pixels, grid, ref = oracles["glm4v"](case)
-    assert rel_err(encoder._run(pixels, grid), ref) < 1e-4
+    assert rel_err(encoder._run(pixels, grid, None), ref) < 1e-4
 
 
 def test_onnx_small_runs(onnx_path, oracles):

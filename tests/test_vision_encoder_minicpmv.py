@@ -199,7 +199,7 @@ def test_onnx_fp32_matches_hf(case, encoder, oracle):
 def test_onnx_one_run_with_padded_slices(case, encoder, oracle):
     # every slice in one session run: slices padded to the largest one
     pixels, grid, ref = oracle(case)
-    assert rel_err(encoder._run(pixels, grid), ref) < 1e-4
+    assert rel_err(encoder._run(pixels, grid, None), ref) < 1e-4
 
 
 def test_onnx_small_runs(onnx_path, oracle):

@@ -34,7 +34,7 @@ def test_torch_back_end_equals_onnx(checkpoint, tmp_path):
     for seed, grid in enumerate(grids):
         pixels, _ = tower.example_inputs(settings, grid)
         batch.append((np.random.default_rng(seed).standard_normal(pixels.shape).astype(np.float32),
-                      np.array(grid, dtype=np.int64)))
+                      np.array(grid, dtype=np.int64), None))
     onnx = BatchedEncoder(VisionEncoder(export_onnx(checkpoint, tmp_path / "encoder.onnx")), EmbeddingCache(0))
     torch_ = BatchedEncoder(TorchEncoder(checkpoint, "cpu", "float32"), EmbeddingCache(0))
     for ours, ref in zip(torch_.encode_many(batch)[0], onnx.encode_many(batch)[0]):

@@ -88,7 +88,45 @@ def test_a_videos_packed_frames_are_resampled_together_as_the_official(tower, se
     out = Preprocessor(GOLDEN)("(<image>./</image>)" * 6, [(GOLDEN / f).read_bytes() for f in video["frames_png"]], [])
     assert np.array_equal(out.grid_thw[:, 1:], golden["d_video/tgt_sizes"])
     groups = np.array([[len(ids), *out.grid_thw[0, 1:]] for ids in video["temporal_ids"]])
-    close(run(tower, out.pixel_values, groups, settings, video["temporal_ids"]), golden["d_video/vision_embeds"])
+    flat = np.concatenate(video["temporal_ids"])
+    close(run(tower, out.pixel_values, groups, settings, flat), golden["d_video/vision_embeds"])
+
+
+def test_the_encoders_resample_a_served_videos_groups_as_the_official(onnx_encoder, golden):
+    """The MP4 through our preprocess (force_packing 3 as the golden run): the torch encoder and
+    ONNX Runtime give the golden rows from the grid rows and temporal ids preprocess gives; the
+    batched encoder keys its cache on the temporal ids too (the same pixels with other ids are
+    other rows)."""
+    from triton_vlm.vision.batching import BatchedEncoder, EmbeddingCache
+    from triton_vlm.vision.torch_encoder import TorchEncoder
+
+    video = CASES["d_video"]
+    prompt = video["prompt"].replace("\n".join(["(<image>./</image>)"] * 6), "(<video>./</video>)")
+    out = Preprocessor(GOLDEN)(prompt, [], [(GOLDEN / video["media"][0]["file"]).read_bytes()], {"force_packing": 3})
+    for encoder in (TorchEncoder(GOLDEN), onnx_encoder):
+        close(encoder.encode(out.pixel_values, out.grid_thw, out.temporal_ids), golden["d_video/vision_embeds"])
+    batched = BatchedEncoder(onnx_encoder, EmbeddingCache(1 << 20))
+    shifted = out.temporal_ids + 100
+    (rows, moved), stats = batched.encode_many([(out.pixel_values, out.grid_thw, out.temporal_ids),
+                                                (out.pixel_values, out.grid_thw, shifted)])
+    close(rows, golden["d_video/vision_embeds"])
+    assert stats.misses == 4 and np.abs(moved - rows).max() > 1e-3
+    close(moved, onnx_encoder.encode(out.pixel_values, out.grid_thw, shifted))
+
+
+def test_temporal_ids_are_the_official_nearest_points():
+    """`temporal_ids` (no grid materialised) against the official `map_to_nearest_scale` over
+    `np.arange(0, duration, TIME_SCALE)`, ties included (frame times on the grid's midpoints)."""
+    from triton_vlm.families.minicpmv4_5 import TIME_SCALE, temporal_ids
+
+    rng = np.random.default_rng(0)
+    for fps in (10.0, 20.0, 29.97, 30.0, 7.5, 0.5):
+        total = int(rng.integers(5, 4000))
+        duration = total / fps
+        indices = np.unique(rng.integers(0, total, 64))
+        scale = np.arange(0, duration, TIME_SCALE)
+        nearest = scale[np.abs(scale - (indices / fps)[:, None]).argmin(axis=1)]
+        assert temporal_ids(indices, fps, duration) == (nearest / TIME_SCALE).astype(np.int32).tolist(), fps
 
 
 def test_frames_are_chosen_and_packed_as_the_official_chat_with_video():

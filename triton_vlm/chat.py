@@ -42,7 +42,9 @@ def render_chat(template: str, family: Family, messages: list[dict]) -> str:
     generation prompt; InvalidInput unless it holds one placeholder per media part, in order."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    prompts, _ = render_jinja_template(conversations=[messages], chat_template=template, add_generation_prompt=True)
+    conversation = [_as_text(m, family) for m in messages] if family.chat_content_as_text else messages
+    prompts, _ = render_jinja_template(conversations=[conversation], chat_template=template, add_generation_prompt=True,
+                                       **family.chat_template_kwargs)
     prompt = prompts[0]
     asked = [part["type"] for m in messages if not isinstance(m["content"], str)
              for part in m["content"] if part["type"] in MEDIA_TYPES]
@@ -53,6 +55,15 @@ def render_chat(template: str, family: Family, messages: list[dict]) -> str:
                            f"the messages have media [{', '.join(asked)}] (a text part must not hold "
                            f"{family.image_placeholder!r} or {family.video_placeholder!r})")
     return prompt
+
+
+def _as_text(message: dict, family: Family) -> dict:
+    """A message with its parts joined into one string (`Family.chat_content_as_text`)."""
+    if isinstance(message["content"], str):
+        return message
+    placeholders = {"image": family.image_placeholder, "video": family.video_placeholder}
+    parts = [placeholders[part["type"]] if part["type"] in MEDIA_TYPES else part["text"] for part in message["content"]]
+    return {**message, "content": "\n".join(parts)}
 
 
 def user_prompt(template: str, family: Family, text: str, images: int = 0, videos: int = 0) -> str:

@@ -139,9 +139,17 @@ class FrameLayout:
     by frame, views and slices in order (slices row-major). Between decoding and writing the
     pixel rows a frame is kept as `stored` uint8 pixels: the single view's (h, w), or all views'
     pixels one after the other as one (1, n) row.
+
+    `packing` (per-frame layouts of one unsliced view: MiniCPM-V 4.5's packed video frames) groups
+    consecutive frames into one grid row [frames, h, w] each; the pixel rows are the same.
     """
     views: tuple[View, ...]
     per_frame: bool = False
+    packing: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.packing and (not self.per_frame or len(self.views) != 1 or self.views[0].rows * self.views[0].cols != 1):
+            raise ValueError("packed frames need a per-frame layout of one unsliced view")
 
     @property
     def stored(self) -> tuple[int, int]:
@@ -155,6 +163,10 @@ class FrameLayout:
             return [grid_thw(num_frames, self.views[0].size, settings)]
         p = settings.patch_size
         one = [(1, v.slice_size[0] // p, v.slice_size[1] // p) for v in self.views for _ in range(v.rows * v.cols)]
+        if self.packing:
+            if sum(self.packing) != num_frames:
+                raise ValueError(f"packing {list(self.packing)} does not cover {num_frames} frames")
+            return [(frames, *one[0][1:]) for frames in self.packing]
         return one * num_frames
 
     def resize(self, frames: np.ndarray, settings: VisionSettings) -> np.ndarray:

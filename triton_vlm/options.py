@@ -104,6 +104,7 @@ class EncoderOptions(ModelParams):
     max_batch_patches: int
     batch_instances: int = 1
     query_num: int = 0  # embedding rows per grid row where a resampler makes them (`batching.embedding_rows`)
+    packed_frames: bool = False  # grid rows are packed frame groups, taken whole (`Tower.PACKED_FRAMES`)
 
 
 @dataclass(frozen=True)

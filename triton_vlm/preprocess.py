@@ -39,7 +39,8 @@ from triton_vlm.vision.batching import offsets
 # Where a family's placeholders are text (`Family.placeholders_in_text`), the ids that stand for
 # one in the prompt until it is expanded: no tokenizer gives a negative id.
 IMAGE_MARK, VIDEO_MARK = -1, -2
-MM_OPTION_KEYS = ("min_pixels", "max_pixels", "fps", "num_frames", "max_frames", "video_pruning_rate")
+MM_OPTION_KEYS = ("min_pixels", "max_pixels", "fps", "num_frames", "max_frames", "force_packing",
+                  "video_pruning_rate")
 
 
 @dataclass
@@ -54,6 +55,9 @@ class PreprocessOutput:
     # `triton_vlm.mrope.complete_positions`). Zero columns when pruning is off.
     media_position_ids: np.ndarray = field(default_factory=lambda: np.zeros((3, 0), np.int64))
     video_pruning_rate: float = 0.0
+    # int64 [sum of grid_thw[:, 0]]: the temporal id of each frame of each grid row (a packed video
+    # group's frames, `Family.pack_frames`), -1 where there is none.
+    temporal_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
 
 def parse_mm_options(raw: dict | str | bytes | None) -> dict:
@@ -84,6 +88,8 @@ class VideoSampling:
     max_video_tokens: int = 128000
     # The family's extra sampler options from the processor config (`Family.video_sampler_keys`).
     extra: tuple[tuple[str, Any], ...] = ()
+    # Frames per packed group, where the family packs them (`Family.pack_frames`); None: its rule.
+    force_packing: int | None = None
 
 
 def _settings(section: dict, size_default: tuple[int, int], defaults: dict) -> VisionSettings:
@@ -144,7 +150,8 @@ class Preprocessor:
         self.image_settings = _settings(image_section, self.family.image_size_default, defaults)
         # The processor numbers videos by its image processor's `use_image_id` too.
         self.video_settings = dataclasses.replace(_settings(video_section, self.family.video_size_default, defaults),
-                                                  use_image_id=self.image_settings.use_image_id)
+                                                  **{"use_image_id": self.image_settings.use_image_id,
+                                                     **self.family.video_settings})
         if self.image_settings.row_size != self.video_settings.row_size:
             raise ValueError(f"{checkpoint}: image and video patches differ in size")
         fps = video_section.get("fps") or None
@@ -220,6 +227,8 @@ class Preprocessor:
                 raise InvalidInput(f"mm_options: {key} must be {kind}")
         if "fps" in opts and "num_frames" in opts:
             raise InvalidInput("mm_options: fps and num_frames are mutually exclusive")
+        if "force_packing" in opts and self.family.pack_frames is None:
+            raise InvalidInput(f"mm_options: force_packing does not apply: {self.family.name} does not pack video frames")
         limits = self.limits
         for key in ("min_pixels", "max_pixels"):
             if opts.get(key, 0) > limits.max_image_pixels:
@@ -245,6 +254,8 @@ class Preprocessor:
             sampling = dataclasses.replace(sampling, fps=float(opts["fps"]), num_frames=None)
         if "max_frames" in opts:
             sampling = dataclasses.replace(sampling, max_frames=opts["max_frames"])
+        if "force_packing" in opts:
+            sampling = dataclasses.replace(sampling, force_packing=opts["force_packing"])
         return RequestOptions(image, video, sampling, rate)
 
     def _encode(self, text: str) -> np.ndarray:
@@ -341,12 +352,15 @@ class Preprocessor:
             item.frames = item.layout.resize(item.frames, settings)
 
     def _check_frame_patches(self, items: list[_Item]) -> None:
-        """No frame larger than one encoder run takes (`max_frame_patches`)."""
+        """No frame (no packed group of frames, which the tower takes whole) larger than one
+        encoder run takes (`max_frame_patches`)."""
         limit = self.limits.max_frame_patches
         for item in items:
-            frame = max((h * w for _, h, w in item.grids), default=0)
+            packed = item.temporal_ids is not None
+            frame = max(((t if packed else 1) * h * w for t, h, w in item.grids), default=0)
             if frame > limit:
-                raise InvalidInput(f"{item.name}: {frame} patches per frame exceed max_frame_patches={limit}")
+                unit = "packed group of frames" if packed else "frame"
+                raise InvalidInput(f"{item.name}: {frame} patches per {unit} exceed max_frame_patches={limit}")
 
     def _plan_video(self, item: _Item, options: RequestOptions) -> None:
         name, sampling = item.name, options.sampling
@@ -356,6 +370,13 @@ class Preprocessor:
             n = len(meta.frames_indices)
             item.settings = _frame_settings(options.video, sampling, n)
             item.layout = self._layout(meta.height, meta.width, item.settings, name, n)
+            if self.family.pack_frames is not None:
+                try:
+                    item.temporal_ids = self.family.pack_frames(meta, fps=sampling.fps,
+                                                                force_packing=sampling.force_packing)
+                except InvalidInput as error:
+                    raise InvalidInput(f"{name}: {error}") from None
+                item.layout = dataclasses.replace(item.layout, packing=tuple(len(g) for g in item.temporal_ids))
             return item.layout
 
         item.video_file = demux_video(item.data, name, self.limits)
@@ -412,13 +433,14 @@ class Preprocessor:
         pieces.append(ids[previous:])
         input_ids = np.concatenate(pieces).astype(np.int32, copy=False)
         grids = np.array([g for item in items for g in item.grids], dtype=np.int64).reshape(-1, 3)
+        temporal_ids = np.concatenate([_frame_temporal_ids(item) for item in items] + [np.zeros(0, np.int64)])
         if rate > 0:
             positions, delta, media = pruned_mrope_positions(input_ids.shape[0], spans)
         else:
             (positions, delta), media = mrope_positions(input_ids.shape[0], spans), np.zeros((3, 0), np.int64)
         return PreprocessOutput(input_ids=input_ids, pixel_values=pixel_values, grid_thw=grids,
                                 mrope_position_ids=positions, mrope_position_delta=delta,
-                                media_position_ids=media, video_pruning_rate=rate)
+                                media_position_ids=media, video_pruning_rate=rate, temporal_ids=temporal_ids)
 
 
 def _text_input(text: str | bytes) -> str:
@@ -449,6 +471,14 @@ class _Item:
     video_file: DemuxedVideo | None = None  # a video, demuxed once
     planned: PlannedVideo | None = None  # an H.264 video whose frames phase 2 decodes
     probed: tuple[int, int] | None = None
+    temporal_ids: list[list[int]] | None = None  # a packed video's, per group (`Family.pack_frames`)
+
+
+def _frame_temporal_ids(item: _Item) -> np.ndarray:
+    """int64, one per frame of the item's grid rows: its packed groups' temporal ids, else -1."""
+    if item.temporal_ids is not None:
+        return np.array([i for group in item.temporal_ids for i in group], dtype=np.int64)
+    return np.full(sum(t for t, _, _ in item.grids), -1, dtype=np.int64)
 
 
 def _fill(item: _Item, out: np.ndarray, limits: Limits) -> None:

@@ -160,6 +160,7 @@ class PreprocessModel:
             pb_utils.Tensor("mrope_position_delta", np.array([out.mrope_position_delta], dtype=np.int64)),
             pb_utils.Tensor("video_pruning_rate", np.array([out.video_pruning_rate], dtype=np.float64)),
             pb_utils.Tensor("media_position_ids", out.media_position_ids.astype(np.int64, copy=False)),
+            pb_utils.Tensor("temporal_ids", out.temporal_ids.astype(np.int64, copy=False)),
         ]
 
     def execute(self, requests):
@@ -180,12 +181,15 @@ class VisionEncoderModel:
         _, params = _model_dir(args)
         self.options = EncoderOptions.from_params(params)
 
-    def _encode_rows(self, pixels: np.ndarray, grid: np.ndarray, odd_share: bool) -> np.ndarray:
-        from triton_vlm.repository import ODD_SHARE_INPUT
+    def _encode_rows(self, pixels: np.ndarray, grid: np.ndarray, rows_temporal: np.ndarray | None,
+                     odd_share: bool) -> np.ndarray:
+        from triton_vlm.repository import ODD_SHARE_INPUT, PATCH_TEMPORAL_INPUT
         from triton_vlm.vision.batching import patch_grid
 
         batch_model = self.options.batch_model
         inputs = {"pixel_values": np.ascontiguousarray(pixels, dtype=np.float32), "patch_grid": patch_grid(grid)}
+        if rows_temporal is not None:
+            inputs[PATCH_TEMPORAL_INPUT] = rows_temporal.reshape(-1, 1)
         if odd_share:
             inputs[ODD_SHARE_INPUT] = np.ones((len(pixels), 1), dtype=bool)
         try:
@@ -201,22 +205,28 @@ class VisionEncoderModel:
 
     def _handle(self, request) -> list:
         from triton_vlm.evs import check_rate, prune
-        from triton_vlm.vision.batching import embedding_rows, encode_in_shares
-        from triton_vlm.vision.encoder import validate_inputs
+        from triton_vlm.vision.batching import embedding_rows, encode_in_shares, patch_temporal_ids
+        from triton_vlm.vision.encoder import validate_inputs, validate_temporal_ids
 
         o = self.options
         pixels, items = validate_inputs(_required(request, "pixel_values"), _required(request, "grid_thw"),
                                         o.patch_dim, o.spatial_merge_size)
+        temporal_ids = validate_temporal_ids(_optional(request, "temporal_ids"), items, o.packed_frames)
         try:
             rate = check_rate(_scalar(request, "video_pruning_rate", float) or 0.0, "video_pruning_rate")
         except ValueError as error:
             raise InvalidInput(str(error)) from None
-        # A video's frames go as items of their own (triton_vlm.vision: frames are independent),
-        # so a long video splits across batches and instances, and each frame is cached on its own.
-        grid = np.repeat(np.concatenate([np.ones_like(items[:, :1]), items[:, 1:]], axis=1), items[:, 0], axis=0)
+        if o.packed_frames:  # a packed group is one item, its frames resampled together
+            grid, rows_temporal = items, patch_temporal_ids(items, temporal_ids)
+        else:
+            # A video's frames go as items of their own (triton_vlm.vision: frames are independent),
+            # so a long video splits across batches and instances, and each frame is cached on its own.
+            grid = np.repeat(np.concatenate([np.ones_like(items[:, :1]), items[:, 1:]], axis=1), items[:, 0], axis=0)
+            rows_temporal = None
         embeddings = encode_in_shares(pixels, grid, self._encode_rows, shares=o.batch_instances,
                                       max_rows=o.max_batch_patches, hidden=o.hidden,
-                                      rows_per_item=embedding_rows(grid, o.spatial_merge_size, o.query_num))
+                                      rows_per_item=embedding_rows(grid, o.spatial_merge_size, o.query_num),
+                                      rows_temporal=rows_temporal)
         embeddings, kept = prune(embeddings, items, o.spatial_merge_size, rate)
         return [pb_utils.Tensor("embeddings", np.ascontiguousarray(embeddings, dtype=np.float32)),
                 pb_utils.Tensor("kept_rows", kept)]
@@ -266,7 +276,8 @@ class VisionEncoderBatchModel:
         _release_metrics(metrics, self._families)
 
     def execute(self, requests):
-        from triton_vlm.vision.batching import items_from_rows
+        from triton_vlm.repository import PATCH_TEMPORAL_INPUT
+        from triton_vlm.vision.batching import frames_from_rows, items_from_rows
 
         responses: list = [None] * len(requests)
         batch, where = [], []
@@ -274,7 +285,9 @@ class VisionEncoderBatchModel:
             try:
                 pixels = _required(request, "pixel_values")
                 grid = items_from_rows(pixels, _required(request, "patch_grid"))
-                batch.append((np.asarray(pixels, dtype=np.float32), grid))
+                rows_temporal = _optional(request, PATCH_TEMPORAL_INPUT)
+                temporal_ids = None if rows_temporal is None else frames_from_rows(rows_temporal, grid)
+                batch.append((np.asarray(pixels, dtype=np.float32), grid, temporal_ids))
                 where.append(i)
                 self.patches.increment(len(pixels))
             except InvalidInput as error:

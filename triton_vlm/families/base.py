@@ -103,12 +103,27 @@ class Family:
     # The image and video placeholders are strings of several tokens (MiniCPM-V 4.5's
     # `(<image>./</image>)`), found in the prompt's text rather than among its token ids.
     placeholders_in_text: bool = False
+    # The checkpoint's chat template takes string content only (MiniCPM-V 4.5's official one): a
+    # message's parts are joined into one string by newlines, each media part as its placeholder,
+    # as the official `chat()` writes them.
+    chat_content_as_text: bool = False
+    # Variables the chat template is rendered with, as the official chat passes them (MiniCPM-V
+    # 4.5's `chat(enable_thinking=False)`).
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # The config `version`s served, where one `model_type` spans versions (MiniCPM-V's `minicpmv`:
     # 2.0 to 4.5); empty: any.
     versions: tuple[str, ...] = ()
-    # Whether requests may hold videos (MiniCPM-V 4.5's packed frames with temporal ids are not
-    # served yet: a video is refused rather than encoded otherwise than the official code does).
+    # Whether requests may hold videos (a family whose processor takes images only refuses them).
     takes_videos: bool = True
+    # `VisionSettings` values a video's frames take over the processor config's (MiniCPM-V 4.5's
+    # official "chat with video": no slices, no image ids).
+    video_settings: dict[str, Any] = field(default_factory=dict)
+    # Packed video frames (MiniCPM-V 4.5): `pack_frames(metadata, *, fps, force_packing) -> temporal
+    # ids per group`, for the sampled frames (`metadata.frames_indices`, in order) in the groups the
+    # tower resamples together: one grid row [frames, h, w] per group, each frame's temporal id
+    # carried to the tower (`temporal_ids`). None: frames are not packed, and `force_packing` is
+    # refused.
+    pack_frames: Callable[..., list[list[int]]] | None = None
 
     def tower_class(self) -> type:
         return _import(self.tower)

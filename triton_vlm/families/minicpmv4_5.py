@@ -1,22 +1,31 @@
 """MiniCPM-V 4.5 (`model_type` `minicpmv`, config `version` 4.5; official remote code, which
 transformers 5 lacks): a SigLIP-NaViT tower and `Resampler4_5` on a Qwen3 decoder.
 
-Its oracle is the official code's golden set (`shared/reference/minicpmv4_5/`). Served so far: the
-decoder (`triton_vlm.llm.model.QWEN3`: image rows replace the `<unk>` runs that the processor puts
-between `<image>`/`<slice>` and their end tokens, the `image_bound` rows; 1-D positions) and the
-images' preprocessing: a prompt's `(<image>./</image>)` (several tokens: found in the text) becomes
-`slice_runs` of `image_feature_size` (`query_num`) `<unk>` each, the slices cut as MiniCPM-V 4.6
-cuts them but with sides in whole patches (`downsample_mode` "resampler").
+Its oracle is the official code's golden set (`shared/reference/minicpmv4_5/`). The decoder
+(`triton_vlm.llm.model.QWEN3`) takes image rows in place of the `<unk>` runs that the processor puts
+between `<image>`/`<slice>` and their end tokens (the `image_bound` rows), positions 1-D. A prompt's
+`(<image>./</image>)` (several tokens: found in the text) becomes `slice_runs` of
+`image_feature_size` (`query_num`) `<unk>` each, the slices cut as MiniCPM-V 4.6 cuts them but with
+sides in whole patches (`downsample_mode` "resampler").
+
+Videos follow the official README's "chat with video": frames chosen by `choose_frames` (`fps` is
+its `choose_fps`, default 3; `mm_options.force_packing` its `force_packing`), each frame unsliced
+and without an image id (`video_settings`), up to MAX_NUM_PACKING frames in one group that the
+resampler attends over as a whole: a grid row [frames, h, w] per group and the frames' temporal ids
+(`pack_frames`, the `temporal_ids` tensor to `vision_encoder`), one `<unk>` run per group.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
 import numpy as np
 
+from triton_vlm.errors import InvalidInput
 from triton_vlm.families import minicpmv
 from triton_vlm.families.base import Family, MediaLayout
+from triton_vlm.media import distinct_indices, video_facts
 from triton_vlm.mrope import MediaSpan
 
 IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER = "(<image>./</image>)", "(<video>./</video>)"
@@ -32,38 +41,99 @@ NAMED_TOKENS = {"unk_token": UNK, "im_start": IMAGE_START, "im_end": IMAGE_END, 
 
 def expand_media(media: MediaLayout, token_id: Callable[[str], int],
                  encode: Callable[[list[str]], list[list[int]]]) -> tuple[np.ndarray, list[MediaSpan]]:
-    """`MiniCPMVImageProcessor.get_slice_image_placeholder`: runs of `<unk>`."""
-    return minicpmv.slice_runs(media, token_id(UNK), token_id, encode)
+    """`MiniCPMVImageProcessor.get_slice_image_placeholder`: runs of `<unk>`. A video's marker
+    stands for its frames' `(<image>./</image>)` joined by newlines (the official chat's prompt);
+    `MiniCPMVProcessor` gives each packed group's first frame its placeholder and drops the other
+    frames' with the (stripped) text before them, so the groups' runs are joined by newlines."""
+    unk = token_id(UNK)
+    if not media.video:
+        return minicpmv.slice_runs(media, unk, token_id, encode)
+    newline = encode(["\n"])[0]
+    ids: list[int] = []
+    for k, grid in enumerate(media.grids):
+        group, _ = minicpmv.slice_runs(dataclasses.replace(media, grids=[grid], num_frames=1), unk, token_id, encode)
+        ids += [*newline] * bool(k) + group.tolist()
+    return np.asarray(ids, dtype=np.int32), []
 
 
 MAX_NUM_FRAMES, MAX_NUM_PACKING, TIME_SCALE = 180, 3, 0.1
+# Temporal ids travel as int32 (the official `frame_ts_id.astype(np.int32)`).
+MAX_TEMPORAL_ID = 2 ** 31 - 1
+
+
+def _plan(duration: float, fps: float, choose_fps: float) -> tuple[int, int]:
+    """The official `encode_video`'s (frames chosen, frames per group) for a video of `duration`
+    seconds at `fps`: `choose_fps` frames a second, at most MAX_NUM_FRAMES groups, longer videos
+    packed by up to MAX_NUM_PACKING frames a group."""
+    if choose_fps * int(duration) <= MAX_NUM_FRAMES:
+        return round(min(choose_fps, round(fps)) * min(MAX_NUM_FRAMES, duration)), 1
+    packing = math.ceil(duration * choose_fps / MAX_NUM_FRAMES)
+    if packing <= MAX_NUM_PACKING:
+        return round(duration * choose_fps), packing
+    return round(MAX_NUM_FRAMES * MAX_NUM_PACKING), MAX_NUM_PACKING
+
+
+def _uniform(num_frames: int, chosen: int) -> np.ndarray:
+    """`uniform_sample`: the middle frame of each of `chosen` equal spans."""
+    gap = num_frames / chosen
+    return np.array([int(i * gap + gap / 2) for i in range(chosen)], dtype=np.int64)
+
+
+def temporal_ids(indices: np.ndarray, fps: float, duration: float) -> list[int]:
+    """Each frame's time (index / fps) mapped to the nearest point of `np.arange(0, duration,
+    TIME_SCALE)` (the first of two equally near), in TIME_SCALE units, as the official
+    `map_to_nearest_scale(...) / TIME_SCALE` then `astype(np.int32)`; the grid's points are
+    `k * TIME_SCALE` as numpy's arange computes them, never materialised (a long video's grid is
+    large). InvalidInput for ids beyond int32."""
+    times = np.asarray(indices, dtype=np.float64) / fps
+    points = max(1, math.ceil(duration / TIME_SCALE))  # len(np.arange(0, duration, TIME_SCALE))
+    if float(times.max(initial=0.0)) / TIME_SCALE > MAX_TEMPORAL_ID:
+        raise InvalidInput(f"video frames at {float(times.max()):.0f} s exceed the temporal ids' range "
+                           f"({MAX_TEMPORAL_ID} x {TIME_SCALE} s)")
+    base = np.floor(times / TIME_SCALE).astype(np.int64)
+    candidates = np.clip(base[:, None] + np.arange(-1, 3), 0, points - 1)  # increasing: argmin keeps the first
+    nearest = candidates[np.arange(len(times)), np.abs(candidates * TIME_SCALE - times[:, None]).argmin(axis=1)]
+    return ((nearest * TIME_SCALE) / TIME_SCALE).astype(np.int32).tolist()
+
+
+def _groups(ids: list[int], packing: int) -> list[list[int]]:
+    return [ids[i:i + packing] for i in range(0, len(ids), packing)]
 
 
 def choose_frames(num_frames: int, fps: float, choose_fps: float = 3, force_packing: int | None = None
                   ) -> tuple[np.ndarray, list[list[int]]]:
-    """The official "chat with video" `encode_video` (MiniCPM-V 4.5 README): `choose_fps` frames a
-    second, uniformly, at most MAX_NUM_FRAMES (longer videos pack up to MAX_NUM_PACKING frames per
-    group, or `force_packing`); each frame's temporal id is its time on a TIME_SCALE grid (nearest
-    point of `arange(0, duration, TIME_SCALE)`, in its units). Returns the frame indices and the
-    temporal ids grouped by packing."""
+    """The official "chat with video" `encode_video` (MiniCPM-V 4.5 README) on a video of
+    `num_frames` frames at `fps`: the frame indices and the temporal ids grouped by packing
+    (`force_packing` overrides the packing, up to MAX_NUM_PACKING)."""
     duration = num_frames / fps
-    if choose_fps * int(duration) <= MAX_NUM_FRAMES:
-        packing = 1
-        chosen = round(min(choose_fps, round(fps)) * min(MAX_NUM_FRAMES, duration))
-    else:
-        packing = math.ceil(duration * choose_fps / MAX_NUM_FRAMES)
-        if packing <= MAX_NUM_PACKING:
-            chosen = round(duration * choose_fps)
-        else:
-            chosen, packing = round(MAX_NUM_FRAMES * MAX_NUM_PACKING), MAX_NUM_PACKING
-    gap = num_frames / chosen
-    indices = np.array([int(i * gap + gap / 2) for i in range(chosen)], dtype=np.int64)
+    chosen, packing = _plan(duration, fps, choose_fps)
+    indices = _uniform(num_frames, chosen)
+    return indices, _groups(temporal_ids(indices, fps, duration), min(force_packing, MAX_NUM_PACKING)
+                            if force_packing else packing)
+
+
+def sample_frames(metadata, *, fps: float | None = 3.0, num_frames: int | None = None, max_frames: int = 768,
+                  **_other_options) -> np.ndarray:
+    """`choose_frames`' indices (`fps` is its `choose_fps`), at most `max_frames` of them (spread
+    the same way). Where the official would divide by zero (a video under a frame's worth of
+    `choose_fps`) one frame is kept, and where it would choose a frame twice (files slower than
+    `choose_fps`) once."""
+    if num_frames is not None:
+        raise InvalidInput("num_frames: MiniCPM-V 4.5 chooses frames by fps (its choose_fps), not by count; "
+                           "use fps or max_frames")
+    total, file_fps, _ = video_facts(metadata)
+    chosen, _ = _plan(total / file_fps, file_fps, fps or 3.0)
+    return distinct_indices(_uniform(total, max(1, min(chosen, int(max_frames)))))
+
+
+def pack_frames(metadata, *, fps: float | None = 3.0, force_packing: int | None = None) -> list[list[int]]:
+    """`Family.pack_frames`: the sampled frames' temporal ids in `choose_frames`' groups."""
+    total, file_fps, _ = video_facts(metadata)
+    duration = total / file_fps
+    _, packing = _plan(duration, file_fps, fps or 3.0)
     if force_packing:
-        packing = min(force_packing, MAX_NUM_PACKING)
-    scale = np.arange(0, duration, TIME_SCALE)
-    nearest = scale[np.abs(scale[None, :] - (indices / fps)[:, None]).argmin(axis=1)]
-    ids = (nearest / TIME_SCALE).astype(np.int32).tolist()
-    return indices, [ids[i:i + packing] for i in range(0, len(ids), packing)]
+        packing = min(int(force_packing), MAX_NUM_PACKING)
+    return _groups(temporal_ids(metadata.frames_indices, file_fps, duration), packing)
 
 
 def encoder_dims(config: dict) -> tuple[int, int]:
@@ -84,9 +154,14 @@ MINICPMV4_5 = Family(
     decoder="triton_vlm.llm.model:QWEN3",
     eos_tokens=(IM_END, ENDOFTEXT),
     placeholders_in_text=True,
-    takes_videos=False,
+    chat_content_as_text=True,
+    chat_template_kwargs=dict(enable_thinking=False),
     slice_rule=minicpmv.slice_rule,
     expand_media=expand_media,
+    sample_frames=sample_frames,
+    default_video_fps=3.0,  # the official chat's choose_fps
+    pack_frames=pack_frames,
+    video_settings=dict(max_slice_nums=1, use_image_id=False),
     vision_defaults=dict(temporal_patch_size=1, merge_size=1, image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5),
                          downsample_mode="resampler", backend="pil"),
 )

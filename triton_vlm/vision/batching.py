@@ -8,8 +8,10 @@ has N = 0. So the front sends one row per patch: `pixel_values` [N, D] and `patc
 `[t, h, w]` of the item each patch row belongs to. Items are recovered by walking the rows: the
 row at an item's start names its grid, the item spans `t * h * w` rows (two adjacent items of the
 same size are therefore never confused). Requests with no media never reach the batched model.
+A tower that packs frames (`Tower.PACKED_FRAMES`) also gets `patch_temporal_id` [N, 1], the
+temporal id of each row's frame (-1: none); its grid rows are never split into frames.
 
-Cache key: SHA-256 of an item's grid and its float32 pixel rows. Hashing the pixel rows (rather
+Cache key: SHA-256 of an item's grid, its frames' temporal ids and its float32 pixel rows. Hashing the pixel rows (rather
 than the media bytes) is exact by construction: every option that changes pixels (resize bounds,
 fps, frame count, the processor config) changes the key, and nothing else does; it costs about
 1 ms per 448x448 image, against the encoder's tens to thousands of ms. A hit returns the stored
@@ -65,8 +67,10 @@ class EmbeddingCache:
                 self.used -= evicted.nbytes
 
 
-def item_key(pixels: np.ndarray, grid_row) -> bytes:
+def item_key(pixels: np.ndarray, grid_row, temporal_ids: np.ndarray | None = None) -> bytes:
     digest = hashlib.sha256(np.asarray(grid_row, dtype=np.int64).tobytes())
+    if temporal_ids is not None:
+        digest.update(b"temporal" + np.asarray(temporal_ids, dtype=np.int64).tobytes())
     digest.update(np.ascontiguousarray(pixels, dtype=np.float32).data)
     return digest.digest()
 
@@ -75,6 +79,29 @@ def patch_grid(grid_thw: np.ndarray) -> np.ndarray:
     """The per-row grid [N, 3] of the wire convention for `grid_thw` [M, 3]."""
     grid = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
     return np.repeat(grid, grid.prod(axis=1), axis=0)
+
+
+def patch_temporal_ids(grid_thw: np.ndarray, temporal_ids: np.ndarray | None) -> np.ndarray:
+    """int64 [N]: each patch row's frame's temporal id (one per frame of `grid_thw`; None: -1)."""
+    grid = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
+    frames = np.repeat(grid[:, 1] * grid[:, 2], grid[:, 0])
+    ids = np.full(len(frames), -1, np.int64) if temporal_ids is None else np.asarray(temporal_ids, np.int64)
+    return np.repeat(ids, frames)
+
+
+def frames_from_rows(rows_temporal: np.ndarray, grid_thw: np.ndarray) -> np.ndarray:
+    """One temporal id per frame back from the per-row ids (`patch_temporal_ids`); raises
+    InvalidInput if a frame's rows disagree."""
+    rows = np.asarray(rows_temporal).reshape(-1)
+    grid = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
+    frames = np.repeat(grid[:, 1] * grid[:, 2], grid[:, 0])
+    if len(rows) != int(frames.sum()):
+        raise InvalidInput(f"patch_temporal_id: expected {int(frames.sum())} rows, got {len(rows)}")
+    starts = offsets(frames)[:-1]
+    ids = rows[starts].astype(np.int64)
+    if (np.repeat(ids, frames) != rows).any():
+        raise InvalidInput("patch_temporal_id: the rows of a frame disagree")
+    return ids
 
 
 def items_from_rows(pixels: np.ndarray, rows_grid: np.ndarray) -> np.ndarray:
@@ -114,24 +141,31 @@ def offsets(counts) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
 
 
-def encode_in_shares(pixels: np.ndarray, grid_thw: np.ndarray, send: Callable[[np.ndarray, np.ndarray, bool], np.ndarray],
-                     *, shares: int, max_rows: int, hidden: int, rows_per_item: np.ndarray) -> np.ndarray:
+def encode_in_shares(pixels: np.ndarray, grid_thw: np.ndarray, send: Callable[..., np.ndarray], *, shares: int,
+                     max_rows: int, hidden: int, rows_per_item: np.ndarray,
+                     rows_temporal: np.ndarray | None = None) -> np.ndarray:
     """Embeddings of the items of `grid_thw` (their patch rows `pixels`; `rows_per_item`: the
     embedding rows each gives, `Tower.embedding_rows`), in item order: the items
     split over `shares` encoder instances (`balance_items`), the shares sent at once, each in
-    requests of at most `max_rows` rows (`chunk_items`); `send(pixels, grid, odd_share)` is one
-    request. Odd shares are sent with `odd_share` true: Triton's dynamic batcher never puts
-    requests with different inputs in one execution, so two neighbouring shares run as two
-    executions, on two instances when both are free."""
+    requests of at most `max_rows` rows (`chunk_items`); `send(pixels, grid, rows_temporal,
+    odd_share)` is one request, `rows_temporal` the per-row temporal ids (`patch_temporal_ids`)
+    of its rows where given, else None. Odd shares are sent with `odd_share` true: Triton's
+    dynamic batcher never puts requests with different inputs in one execution, so two
+    neighbouring shares run as two executions, on two instances when both are free."""
     from concurrent.futures import ThreadPoolExecutor
 
     rows = offsets(grid_thw.prod(axis=1))
 
+    def take(values: np.ndarray | None, items: np.ndarray) -> np.ndarray | None:
+        if values is None or len(items) == len(grid_thw):
+            return values
+        return np.concatenate([values[rows[i]:rows[i + 1]] for i in items.tolist()], axis=0)
+
     def encode(items: np.ndarray, odd_share: bool) -> np.ndarray:
-        share_pixels = (pixels if len(items) == len(grid_thw)
-                        else np.concatenate([pixels[rows[i]:rows[i + 1]] for i in items.tolist()], axis=0))
+        share_pixels, share_temporal = take(pixels, items), take(rows_temporal, items)
         share_grid, share_rows = grid_thw[items], offsets(grid_thw[items].prod(axis=1))
-        parts = [send(share_pixels[share_rows[first]:share_rows[end]], share_grid[first:end], odd_share)
+        parts = [send(share_pixels[share_rows[first]:share_rows[end]], share_grid[first:end],
+                      None if share_temporal is None else share_temporal[share_rows[first]:share_rows[end]], odd_share)
                  for first, end in chunk_items(share_grid, max_rows)]
         if len(parts) == 1:  # the common case: no copy
             return parts[0]
@@ -191,28 +225,31 @@ class BatchStats:
 class BatchedEncoder:
     """Encodes the media items of many requests in one go, each distinct item once.
 
-    `encoder` is anything with `encode(pixels, grid) -> embeddings` and `embedding_rows(grid)` (the ONNX
-    Runtime `VisionEncoder` or the TensorRT one). Items already in `cache` (or repeated within
-    the batch) are not computed again; the others are encoded together in one call, which groups
-    them by size.
+    `encoder` is anything with `encode(pixels, grid, temporal_ids) -> embeddings` and
+    `embedding_rows(grid)` (a `TowerEncoder`). Items already in `cache` (or repeated within the
+    batch) are not computed again; the others are encoded together in one call, which groups them
+    by size.
     """
 
     def __init__(self, encoder, cache: EmbeddingCache) -> None:
         self.encoder, self.cache = encoder, cache
 
-    def encode_many(self, batch: list[tuple[np.ndarray, np.ndarray]]) -> tuple[list[np.ndarray], BatchStats]:
-        """`batch`: (pixel_values [N, D], grid_thw [M, 3]) per request, already validated.
-        Returns each request's embeddings [tokens, hidden] and the counts."""
+    def encode_many(self, batch: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]]
+                    ) -> tuple[list[np.ndarray], BatchStats]:
+        """`batch`: (pixel_values [N, D], grid_thw [M, 3], temporal ids [frames] or None) per
+        request, already validated. Returns each request's embeddings [tokens, hidden] and the
+        counts."""
         stats = BatchStats(requests=len(batch))
         per_request: list[list[bytes]] = []
         found: dict[bytes, np.ndarray] = {}
-        todo: dict[bytes, tuple[np.ndarray, tuple[int, int, int]]] = {}
-        for pixels, grid in batch:
-            keys, row = [], 0
+        todo: dict[bytes, tuple[np.ndarray, tuple[int, int, int], np.ndarray | None]] = {}
+        for pixels, grid, temporal_ids in batch:
+            keys, row, frame = [], 0, 0
             for t, h, w in grid.tolist():
                 n = t * h * w
-                key = item_key(pixels[row:row + n], (t, h, w))
-                row += n
+                ids = None if temporal_ids is None else temporal_ids[frame:frame + t]
+                key = item_key(pixels[row:row + n], (t, h, w), ids)
+                row, frame = row + n, frame + t
                 keys.append(key)
                 stats.items += 1
                 if key in found or key in todo:
@@ -223,13 +260,15 @@ class BatchedEncoder:
                     found[key] = cached
                     stats.hits += 1
                 else:
-                    todo[key] = (pixels[row - n:row], (t, h, w))
+                    todo[key] = (pixels[row - n:row], (t, h, w), ids)
                     stats.misses += 1
             per_request.append(keys)
         if todo:
-            grids = np.array([g for _, g in todo.values()], dtype=np.int64)
-            rows = [p for p, _ in todo.values()]  # one item (the usual request): its rows as they are
-            emb = self.encoder.encode(rows[0] if len(rows) == 1 else np.concatenate(rows, axis=0), grids)
+            grids = np.array([g for _, g, _ in todo.values()], dtype=np.int64)
+            rows = [p for p, _, _ in todo.values()]  # one item (the usual request): its rows as they are
+            temporal = [i if i is not None else np.full(g[0], -1, np.int64) for _, g, i in todo.values()]
+            emb = self.encoder.encode(rows[0] if len(rows) == 1 else np.concatenate(rows, axis=0), grids,
+                                      np.concatenate(temporal))
             row = 0
             for key, k in zip(todo, self.encoder.embedding_rows(grids).tolist()):
                 found[key] = emb[row:row + k]

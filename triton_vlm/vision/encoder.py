@@ -20,7 +20,8 @@ class TowerEncoder:
     """An exported tower behind one runtime. `max_patches_per_run` bounds one run: items and
     video frames of the same spatial size are run together up to that many patches, so groups
     are never padded to a much larger item and attention memory stays bounded. A runtime sets
-    the tower up with `_init_tower` and supplies `_run(pixels, grid)` (one run)."""
+    the tower up with `_init_tower` and supplies `_run(pixels, grid, temporal_ids)` (one run,
+    its metadata from `Tower.metadata`)."""
 
     def _init_tower(self, family: str, settings: dict, max_patches_per_run: int) -> None:
         self.family = family
@@ -31,7 +32,7 @@ class TowerEncoder:
         self.tower_merge = int(settings["spatial_merge_size"])
         self.max_patches_per_run = int(max_patches_per_run)
 
-    def _run(self, pixels: np.ndarray, grid: np.ndarray) -> np.ndarray:
+    def _run(self, pixels: np.ndarray, grid: np.ndarray, temporal_ids: np.ndarray | None) -> np.ndarray:
         raise NotImplementedError
 
     def warmup(self) -> None:
@@ -39,27 +40,35 @@ class TowerEncoder:
         grid = np.array([[1, self.tower_merge, self.tower_merge]], dtype=np.int64)
         self.encode(np.zeros((int(grid.prod()), self.patch_dim), np.float32), grid)
 
-    def _validate(self, pixel_values, grid_thw) -> tuple[np.ndarray, np.ndarray]:
-        return validate_inputs(pixel_values, grid_thw, self.patch_dim, self.tower_merge)
+    def _validate(self, pixel_values, grid_thw, temporal_ids) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        pixels, grid = validate_inputs(pixel_values, grid_thw, self.patch_dim, self.tower_merge)
+        return pixels, grid, validate_temporal_ids(temporal_ids, grid, self.tower.PACKED_FRAMES)
 
     def embedding_rows(self, grid: np.ndarray) -> np.ndarray:
         """Embedding rows of each grid row (`Tower.embedding_rows`)."""
         return self.tower.embedding_rows(grid, self.settings)
 
-    def _plan(self, grid: np.ndarray) -> list[list[tuple[int, int, int, int, int]]]:
-        """Runs of pieces (patch_offset, token_offset, t, h, w) that share a spatial size."""
-        pieces: dict[tuple[int, int], list[tuple[int, int, int, int, int]]] = {}
-        patch_off = token_off = 0
+    def _plan(self, grid: np.ndarray) -> list[list[tuple[int, int, int, int, int, int]]]:
+        """Runs of pieces (patch_offset, token_offset, frame_offset, t, h, w) that share a spatial
+        size: each frame on its own (frames are independent, `triton_vlm.vision`), or a packed
+        tower's grid rows whole."""
+        pieces: dict[tuple[int, int], list[tuple[int, int, int, int, int, int]]] = {}
+        patch_off = token_off = frame_off = 0
         for (t, h, w), rows in zip(grid.tolist(), self.embedding_rows(grid).tolist()):
-            for f in range(t):  # frames are independent (triton_vlm.vision)
-                pieces.setdefault((h, w), []).append((patch_off + f * h * w, token_off + f * rows // t, 1, h, w))
+            if self.tower.PACKED_FRAMES:
+                pieces.setdefault((h, w), []).append((patch_off, token_off, frame_off, t, h, w))
+            else:
+                for f in range(t):
+                    pieces.setdefault((h, w), []).append((patch_off + f * h * w, token_off + f * rows // t,
+                                                          frame_off + f, 1, h, w))
             patch_off += t * h * w
             token_off += rows
+            frame_off += t
         runs = []
         for group in pieces.values():
             run, size = [], 0
             for piece in group:
-                n = piece[2] * piece[3] * piece[4]
+                n = piece[3] * piece[4] * piece[5]
                 if run and size + n > self.max_patches_per_run:
                     runs.append(run)
                     run, size = [], 0
@@ -68,22 +77,25 @@ class TowerEncoder:
             runs.append(run)
         return runs
 
-    def encode(self, pixel_values: np.ndarray, grid_thw: np.ndarray) -> np.ndarray:
-        """Embeddings float32 [tokens, out_hidden], one row per placeholder token, item order."""
-        pixels, grid = self._validate(pixel_values, grid_thw)
+    def encode(self, pixel_values: np.ndarray, grid_thw: np.ndarray, temporal_ids: np.ndarray | None = None
+               ) -> np.ndarray:
+        """Embeddings float32 [tokens, out_hidden], one row per placeholder token, item order.
+        `temporal_ids`: one per frame of each grid row (`validate_temporal_ids`), or None."""
+        pixels, grid, temporal_ids = self._validate(pixel_values, grid_thw, temporal_ids)
         total_tokens = int(self.embedding_rows(grid).sum())
         if total_tokens == 0:
             return np.zeros((0, self.out_hidden), dtype=np.float32)
         runs = self._plan(grid)
-        if len(runs) == 1 and sum(p[2] * p[3] * p[4] for p in runs[0]) == pixels.shape[0]:
-            return np.ascontiguousarray(self._run(pixels, grid), dtype=np.float32)
+        if len(runs) == 1 and sum(p[3] * p[4] * p[5] for p in runs[0]) == pixels.shape[0]:
+            return np.ascontiguousarray(self._run(pixels, grid, temporal_ids), dtype=np.float32)
         out = np.empty((total_tokens, self.out_hidden), dtype=np.float32)
         for run in runs:
-            run_grid = np.array([[n, h, w] for _, _, n, h, w in run], dtype=np.int64)
-            run_pixels = _rows(pixels, [(p, p + n * h * w) for p, _, n, h, w in run])
-            emb = self._run(run_pixels, run_grid)
+            run_grid = np.array([[n, h, w] for *_, n, h, w in run], dtype=np.int64)
+            run_pixels = _rows(pixels, [(p, p + n * h * w) for p, _, _, n, h, w in run])
+            run_ids = None if temporal_ids is None else np.concatenate([temporal_ids[f:f + n] for _, _, f, n, _, _ in run])
+            emb = self._run(run_pixels, run_grid, run_ids)
             row = 0
-            for (_, tok, _, _, _), k in zip(run, self.embedding_rows(run_grid).tolist()):
+            for (_, tok, *_), k in zip(run, self.embedding_rows(run_grid).tolist()):
                 out[tok:tok + k] = emb[row:row + k]
                 row += k
         return out
@@ -116,9 +128,9 @@ class VisionEncoder(TowerEncoder):
         self.dtype = meta.get("dtype", "float32")
         self._input_names = {i.name for i in self.session.get_inputs()}
 
-    def _run(self, pixels: np.ndarray, grid: np.ndarray) -> np.ndarray:
+    def _run(self, pixels: np.ndarray, grid: np.ndarray, temporal_ids: np.ndarray | None) -> np.ndarray:
         feeds = {"pixel_values": np.ascontiguousarray(pixels, dtype=np.float32)}
-        for name, value in self.tower.encoder_metadata(grid, self.settings).items():
+        for name, value in self.tower.metadata(grid, self.settings, temporal_ids).items():
             if name in self._input_names:  # the exporter drops inputs a graph does not use
                 feeds[name] = value
         return self.session.run(None, feeds)[0]
@@ -165,3 +177,25 @@ def validate_inputs(pixel_values, grid_thw, patch_dim: int, merge: int) -> tuple
     if expected and not np.issubdtype(pixels.dtype, np.floating):
         raise InvalidInput(f"pixel_values: expected floating point, got {pixels.dtype}")
     return pixels, grid
+
+
+def validate_temporal_ids(temporal_ids, grid: np.ndarray, packed: bool) -> np.ndarray | None:
+    """The optional `temporal_ids` input: int64, one per frame of each grid row (sum of
+    grid_thw[:, 0]), each -1 (none) or a frame's temporal id, which only a tower that packs frames
+    takes (`Tower.PACKED_FRAMES`). None when absent or all -1; InvalidInput names the input."""
+    if temporal_ids is None:
+        return None
+    ids = np.asarray(temporal_ids)
+    frames = int(grid[:, 0].sum())
+    if ids.ndim != 1 or len(ids) != frames:
+        raise InvalidInput(f"temporal_ids: expected shape [{frames}] (one per frame of grid_thw), got {list(ids.shape)}")
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise InvalidInput(f"temporal_ids: expected integers, got {ids.dtype}")
+    ids = ids.astype(np.int64)
+    if (ids < -1).any() or (ids > np.iinfo(np.int32).max).any():
+        raise InvalidInput(f"temporal_ids: values must lie in [-1, {np.iinfo(np.int32).max}]")
+    if not (ids >= 0).any():
+        return None
+    if not packed:
+        raise InvalidInput("temporal_ids: this model's vision tower takes none (its frames are not packed)")
+    return ids

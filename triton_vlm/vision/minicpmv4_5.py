@@ -16,7 +16,7 @@ be 16 KiB a patch to send).
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -67,29 +67,27 @@ def navit_position_ids(h: int, w: int, side: int) -> np.ndarray:
     return (rows[:, None] * side + cols).flatten().numpy()
 
 
-def metadata(grid_thw: np.ndarray, settings: dict[str, Any],
-             temporal_ids: Sequence[Sequence[int]] | None = None) -> dict[str, np.ndarray]:
-    """The metadata inputs for `grid_thw` [M, 3]; `temporal_ids`: per grid row, each frame's
-    temporal id (a video's packed group, `choose_frames`), none for image slices."""
+def metadata(grid_thw: np.ndarray, settings: dict[str, Any], temporal_ids: np.ndarray | None = None
+             ) -> dict[str, np.ndarray]:
+    """The metadata inputs for `grid_thw` [M, 3]; `temporal_ids`: each frame's temporal id, int64
+    [sum of grid_thw[:, 0]] (a video's packed group, `choose_frames`), -1 (or None: all) for none."""
     grid = common.check_grid(grid_thw, 1)
     side = settings["pos_embed_size"]
+    frames = int(grid[:, 0].sum())
+    ids = np.full(frames, -1, np.int64) if temporal_ids is None else np.asarray(temporal_ids, np.int64).reshape(-1)
+    if len(ids) != frames:
+        raise ValueError(f"grid_thw holds {frames} frames but {len(ids)} temporal ids were given")
+    starts = np.concatenate([[0], np.cumsum(grid[:, 0])])
     positions, keys = [], []
     for i, (t, h, w, _, pos) in enumerate(common.item_layouts(grid, lambda h, w: navit_position_ids(h, w, side))):
-        ids = temporal_ids[i] if temporal_ids is not None else [-1] * t
-        if len(ids) != t:
-            raise ValueError(f"grid row {i} has {t} frames but {len(ids)} temporal ids")
         rows, cols = np.divmod(np.arange(h * w, dtype=np.int64), w)
-        for frame in ids:
+        for frame in ids[starts[i]:starts[i + 1]].tolist():
             positions.append(pos)
             keys.append(np.stack([rows, cols, np.full(h * w, frame, dtype=np.int64)], axis=1))
     patches = grid.prod(axis=1)
     index, mask, _ = common.groups(np.arange(int(patches.sum()), dtype=np.int64), patches)
     return dict(position_ids=np.concatenate(positions), **common.frame_groups(grid),
                 key_positions=np.concatenate(keys), group_index=index, group_mask=mask)
-
-
-def encoder_metadata(grid_thw: np.ndarray, settings: dict[str, Any]) -> dict[str, np.ndarray]:
-    return metadata(grid_thw, settings)
 
 
 def profile_shapes(settings: dict[str, Any], patches: tuple[int, int, int]) -> common.Shapes:
@@ -189,7 +187,13 @@ class MiniCPMV4_5Tower(Tower):
     }
     PREFIXES = PREFIXES
     EXAMPLE_GRID = ((1, 6, 10), (1, 8, 8))
+    PACKED_FRAMES = True
     vision_settings = staticmethod(vision_settings)
-    encoder_metadata = staticmethod(encoder_metadata)
+    encoder_metadata = staticmethod(metadata)
     profile_shapes = staticmethod(profile_shapes)
     WHOLE_CONFIG = True
+
+    @classmethod
+    def metadata(cls, grid_thw: np.ndarray, settings: dict[str, Any],
+                 temporal_ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        return metadata(grid_thw, settings, temporal_ids)

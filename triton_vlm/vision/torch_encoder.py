@@ -31,8 +31,8 @@ class TorchEncoder(TowerEncoder):
         self.device = torch.device(device)
         self.module = tower.load_tower(checkpoint_dir, torch_dtype).to(self.device)
 
-    def _run(self, pixels: np.ndarray, grid: np.ndarray) -> np.ndarray:
-        metadata = self.tower.encoder_metadata(grid, self.settings)
+    def _run(self, pixels: np.ndarray, grid: np.ndarray, temporal_ids: np.ndarray | None) -> np.ndarray:
+        metadata = self.tower.metadata(grid, self.settings, temporal_ids)
         feeds = [torch.from_numpy(np.ascontiguousarray(pixels, dtype=np.float32))]
         feeds += [torch.from_numpy(metadata[name]) for name in self.tower.METADATA_INPUTS]
         with torch.inference_mode():

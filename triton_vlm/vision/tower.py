@@ -31,6 +31,10 @@ class Tower:
     WHOLE_CONFIG: ClassVar[bool] = False
     # the grid_thw of `example_inputs` (tracing, smoke tests)
     EXAMPLE_GRID: ClassVar[tuple[tuple[int, int, int], ...]] = ((1, 4, 6), (2, 8, 8))
+    # A grid row's frames are one packed group that the tower takes whole, with each frame's
+    # temporal id (MiniCPM-V 4.5's resampler); otherwise every frame of a row is independent
+    # (`triton_vlm.vision`), the unit the encoders batch and cache, and temporal ids are refused.
+    PACKED_FRAMES: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -46,6 +50,15 @@ class Tower:
     def encoder_metadata(cls, grid_thw: np.ndarray, settings: dict[str, Any]) -> dict[str, np.ndarray]:
         """The metadata inputs (`METADATA_INPUTS`) for `grid_thw` [M, 3], computed with numpy."""
         raise NotImplementedError
+
+    @classmethod
+    def metadata(cls, grid_thw: np.ndarray, settings: dict[str, Any],
+                 temporal_ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """`encoder_metadata` of one run; `temporal_ids` (int64, one per frame of each grid row, -1
+        for none) only where the tower packs frames (`PACKED_FRAMES`)."""
+        if temporal_ids is not None and (np.asarray(temporal_ids) >= 0).any():
+            raise ValueError(f"{cls.__name__} takes no temporal ids")
+        return cls.encoder_metadata(grid_thw, settings)
 
     @classmethod
     def embedding_rows(cls, grid_thw: np.ndarray, settings: dict[str, Any]) -> np.ndarray:
