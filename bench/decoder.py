@@ -233,11 +233,12 @@ def decoder_7b_overrides(layers: int, hidden: int, dtype: torch.dtype, device: t
 
 
 def make_engine(ckpt: Path, device: torch.device, dtype: torch.dtype, max_running: int, need_tokens: int,
-                cuda_graphs: bool = True, mixed_steps: bool = True, model=None):
+                cuda_graphs: bool = True, mixed_steps: bool = True, paged_prefill: bool = False, model=None):
     """Our engine with a KV pool of at least `need_tokens` (the default pool where that is enough)."""
     from triton_vlm.llm import Engine
 
-    kwargs = {"device": str(device), "dtype": dtype, "cuda_graphs": cuda_graphs, "mixed_steps": mixed_steps}
+    kwargs = {"device": str(device), "dtype": dtype, "cuda_graphs": cuda_graphs, "mixed_steps": mixed_steps,
+              "paged_prefill": paged_prefill}
     engine = Engine(ckpt, model=model, max_running=max_running, max_num_tokens=512, **kwargs)
     if engine.pool_tokens < need_tokens:
         model = engine.model
@@ -345,6 +346,9 @@ def main() -> None:
     ap.add_argument("--steps-apart", action="store_true",
                     help="also an engine whose steps hold prompt chunks or decodes, never both (mixed_steps off), "
                          "on the same model, interleaved with the default one in each round")
+    ap.add_argument("--paged-prefill", action="store_true",
+                    help="also an engine whose prompt chunks go through the paged prefill kernel (paged_prefill; "
+                         "CUDA only), on the same model, interleaved with the default one in each round")
     ap.add_argument("--json", help="also write every figure to this file")
     ap.add_argument("--evs", type=float,
                     help="instead: prefill of a video prompt at this EVS pruning rate against q = 0")
@@ -409,6 +413,10 @@ def main() -> None:
         engines["engine, steps apart"] = make_engine(ckpt, device, dtype, max(64, *concurrency), need_tokens,
                                                      cuda_graphs=args.cuda_graphs == "on", mixed_steps=False,
                                                      model=engine.model)
+    if args.paged_prefill:
+        engines["engine, paged prefill"] = make_engine(ckpt, device, dtype, max(64, *concurrency), need_tokens,
+                                                       cuda_graphs=args.cuda_graphs == "on", paged_prefill=True,
+                                                       model=engine.model)
     name = device_name(device)
     n_params = facts["parameters"]
     print(f"checkpoint {ckpt.name} ({detect_family(ckpt).name}): {n_params / 1e6:.1f} M parameters "

@@ -1,4 +1,4 @@
-"""Every Triton-language kernel of the llm (paged decode and its split combine, RMSNorm, rotary) run
+"""Every Triton-language kernel of the llm (paged decode and its split combine, paged prefill, RMSNorm, rotary) run
 on the CPU under Triton's interpreter (`TRITON_INTERPRET=1`) against its torch reference, at small
 sizes: CI checks the kernels between the sessions that are lent a GPU. The same checks run at full
 size on CUDA in tests/test_llm_cuda.py (`-m gpu`).
@@ -20,7 +20,7 @@ import os
 import pytest
 import torch
 
-from tests.kernel_checks import check_paged_decode, check_rms_norm, check_rotary
+from tests.kernel_checks import check_attention_step, check_paged_decode, check_rms_norm, check_rotary
 
 DTYPES = [torch.float32, torch.float16]
 
@@ -39,6 +39,17 @@ def test_paged_decode_kernel_matches_gathered_sdpa(dtype, heads, kv_heads, head_
     by the combine kernel."""
     check_paged_decode("cpu", dtype, heads, kv_heads, head_dim, [1, 7, 8, 9, 150], block_size=8, num_blocks=64,
                        splits=splits)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 32), (3, 3, 40), (8, 1, 16)])
+def test_paged_prefill_kernel_matches_sdpa_in_a_mixed_step(dtype, heads, kv_heads, head_dim):
+    """One step of prompt chunks from token 0 (longer than a tile, on a block edge), chunks that
+    continue a sequence whose earlier tokens are cached (mid-block, over more than the kernel's 32
+    tokens a loop), and decode rows between them: the prefill kernel (all chunks in one launch) and
+    the decode kernel against SDPA."""
+    check_attention_step("cpu", dtype, heads, kv_heads, head_dim, [(0, 37), (5, 1), (45, 3), (0, 8), (70, 20), (9, 1)],
+                         block_size=8, num_blocks=64)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -83,6 +83,7 @@ class LLMOptions(ModelParams):
     queue_timeout_ms: int = 0     # 0: a request waits for its place as long as it takes
     cuda_graphs: bool = True      # CUDA: decode steps replay graphs captured at batch-size buckets
     mixed_steps: bool = True      # a step may hold prompt chunks and decodes together (off: apart)
+    paged_prefill: bool = False   # CUDA: prompt chunks through the paged prefill kernel (off: SDPA per chunk)
 
 
 @dataclass(frozen=True)

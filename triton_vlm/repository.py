@@ -79,6 +79,7 @@ class BuildOptions:
     llm_dtype: str = ""
     llm_cuda_graphs: str = "on"         # on | off: CUDA graphs of the llm's decode steps (CUDA only)
     llm_mixed_steps: bool = True        # prompt chunks and decodes in one step (off: apart; Scheduler)
+    llm_paged_prefill: bool = False     # CUDA: prompt chunks through the paged prefill kernel (PagedPrefillAttention)
     max_inflight_requests: int = 64     # `ensemble`: requests beyond this are refused at once (UNAVAILABLE)
     # Triton's queues of preprocess, vision_encoder and vision_encoder_batch: a request finding
     # max_queue_size waiting is refused at once, one that waited queue_timeout_ms is refused
@@ -371,7 +372,8 @@ def llm_options(options: BuildOptions) -> LLMOptions:
                       kv_cache_bytes=options.kv_cache_bytes, block_size=options.kv_block_size,
                       prefix_caching=options.prefix_caching, max_running=options.llm_max_running,
                       max_num_tokens=options.llm_max_num_tokens, queue_timeout_ms=options.llm_queue_timeout_ms,
-                      cuda_graphs=options.llm_cuda_graphs == "on", mixed_steps=options.llm_mixed_steps)
+                      cuda_graphs=options.llm_cuda_graphs == "on", mixed_steps=options.llm_mixed_steps,
+                      paged_prefill=options.llm_paged_prefill)
 
 
 def write_config(config: mc.ModelConfig, path: Path) -> None:

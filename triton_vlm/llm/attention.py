@@ -62,7 +62,7 @@ class PagedDecode:
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor                        # [T] where each row's K/V go
-    prefills: list[PrefillMeta]
+    prefills: Any                                     # the backend's (`TorchAttention`: list[PrefillMeta])
     decode: GatheredDecode | PagedDecode | None       # None: no decode rows in the step
 
 
@@ -110,23 +110,31 @@ class TorchAttention:
                 for cache, buf in zip((k_layer, v_layer), self._gathered)]
 
     def build(self, seqs: list[SeqRows]) -> AttentionMetadata:
-        device, bs = self.kv.k.device, self.kv.block_size
-        slot_mapping: list[int] = []
-        prefills, decode = [], []
+        decode = [s for s in seqs if s.n == 1]
+        return AttentionMetadata(self.slot_mapping(seqs), self.prefill_metadata([s for s in seqs if s.n > 1]),
+                                 self.decode_metadata(decode) if decode else None)
+
+    def slot_mapping(self, seqs: list[SeqRows]) -> torch.Tensor:
+        """Where each row of the step writes its K/V: [T] long, on the cache's device."""
+        bs, slots = self.kv.block_size, []
         for s in seqs:
             if s.n == 1:
-                slot_mapping.append(s.blocks[s.start // bs] * bs + s.start % bs)
-                decode.append(s)
-                continue
-            slots = token_slots(s.blocks, s.start + s.n, bs)
-            slot_mapping.extend(slots[s.start:].tolist())
+                slots.append(s.blocks[s.start // bs] * bs + s.start % bs)
+            else:
+                slots.extend(token_slots(s.blocks, s.start + s.n, bs)[s.start:].tolist())
+        return torch.tensor(slots, dtype=torch.long).to(self.kv.k.device)
+
+    def prefill_metadata(self, chunks: list[SeqRows]) -> list[PrefillMeta]:
+        device = self.kv.k.device
+        prefills = []
+        for s in chunks:
             if s.start:
+                slots = token_slots(s.blocks, s.start + s.n, self.kv.block_size)
                 seen = torch.arange(s.start + s.n)[None, :] <= (s.start + torch.arange(s.n))[:, None]
                 prefills.append(PrefillMeta(s.row, s.n, slots.to(device), seen.to(device)))
             else:
                 prefills.append(PrefillMeta(s.row, s.n, None, None))
-        return AttentionMetadata(torch.tensor(slot_mapping, dtype=torch.long).to(device), prefills,
-                                 self.decode_metadata(decode) if decode else None)
+        return prefills
 
     def decode_metadata(self, decode: list[SeqRows]) -> GatheredDecode:
         device = self.kv.k.device
@@ -159,7 +167,16 @@ class TorchAttention:
         if meta.decode is not None:
             rows = meta.decode.rows
             out.index_copy_(0, rows, self.decode(layer, q.index_select(0, rows), meta.decode))
-        for p in meta.prefills:
+        self.prefill(layer, q, k, v, meta.prefills, out)
+        return out
+
+    def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefills: Any,
+                out: torch.Tensor) -> None:
+        """The prompt chunks' attention into their rows of `out` (SDPA per chunk: on its own rows, or
+        over its gathered cached prefix and its rows with a mask)."""
+        H, KVH = self.num_heads, self.num_kv_heads
+        kp, vp = self.kv.k[layer], self.kv.v[layer]
+        for p in prefills:
             a, n = p.row, p.n
             if p.slots is not None:
                 keys, values = kp.index_select(0, p.slots).transpose(0, 1), vp.index_select(0, p.slots).transpose(0, 1)
@@ -169,4 +186,3 @@ class TorchAttention:
                                                attn_mask=p.mask, is_causal=p.mask is None, scale=self.scale,
                                                enable_gqa=KVH != H)
             out[a:a + n] = o[0].transpose(0, 1)
-        return out

@@ -11,8 +11,9 @@ with the online softmax of flash attention: scores and the running max / sum / o
 the probabilities cast to the cache's dtype for the product with V (as SDPA's flash and
 memory-efficient kernels do). In float32 the dot products run in IEEE float32, not TF32.
 
-Prefill chunks keep `TorchAttention`'s path (SDPA on the contiguous chunk; flash attention on CUDA).
-The kernel needs no host sync and fixed-shape inputs only, so decode steps can be captured in CUDA
+Prompt chunks keep `TorchAttention`'s path (SDPA on the contiguous chunk; flash attention on CUDA), or
+with `paged_prefill` go through `triton_vlm.llm.paged_prefill.PagedPrefillAttention`. The decode
+kernel needs no host sync and fixed-shape inputs only, so decode steps can be captured in CUDA
 graphs (`triton_vlm.llm.cuda_graphs`). The module imports Triton when a kernel first runs, never on
 the CPU path.
 """
@@ -109,7 +110,8 @@ def _kernels():
 
 @functools.cache
 def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    """The device's multiprocessors; 1 on the CPU (Triton's interpreter)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def num_splits(programs: int, device: torch.device) -> int:

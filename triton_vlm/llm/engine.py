@@ -61,7 +61,8 @@ class Engine:
                  return_logits: bool = False, clock: Callable[[], float] = time.monotonic, **settings: Any):
         """`settings`: the fields of `LLMOptions` (the `llm` model's parameters, declared there
         once: device, dtype, KV cache size and block size, prefix caching, max_running,
-        max_num_tokens, queue_timeout_ms, cuda_graphs, mixed_steps); an unknown name is a TypeError."""
+        max_num_tokens, queue_timeout_ms, cuda_graphs, mixed_steps, paged_prefill); an unknown name is a
+        TypeError."""
         self.checkpoint_dir = Path(checkpoint_dir)
         self.settings = LLMOptions(**settings)
         self.clock = clock
@@ -124,7 +125,8 @@ class Engine:
                                    recurrent=c.recurrent, queue_timeout_ms=s.queue_timeout_ms,
                                    mixed_steps=s.mixed_steps, clock=self.clock)
         self.runner = ModelRunner(self.model, num_blocks, block_size, max_batch=max_running,
-                                  cuda_graphs=s.cuda_graphs, max_context=self.context_length)
+                                  cuda_graphs=s.cuda_graphs, max_context=self.context_length,
+                                  paged_prefill=s.paged_prefill)
         self.output = OutputProcessor(self._release)
         log.info("llm KV cache: %d blocks x %d tokens, %d bytes per token (%s on %s), %.1f MiB", num_blocks,
                  block_size, self.kv_bytes_per_token, dtype_name(self.model.dtype), self.model.device,

@@ -21,12 +21,12 @@ log = logging.getLogger(__name__)
 
 class ModelRunner:
     """`max_batch` sequences at most in one step. On CUDA, decode attention reads the paged cache in
-    place (`TritonAttention`) and, with `cuda_graphs` and a capturable decoder, decode steps of up to
+    place (`TritonAttention`; prompt chunks too with `paged_prefill`: `PagedPrefillAttention`) and, with `cuda_graphs` and a capturable decoder, decode steps of up to
     `max_batch` sequences of up to `max_context` tokens replay CUDA graphs (`DecodeGraphs`; the KV
     pool then has one more block, the graphs' scratch block)."""
 
     def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, max_batch: int = 1,
-                 cuda_graphs: bool = False, max_context: int = 0):
+                 cuda_graphs: bool = False, max_context: int = 0, paged_prefill: bool = False):
         self.model = model
         c = model.config
         weight = model.embed_tokens
@@ -38,12 +38,13 @@ class ModelRunner:
         self.graphs = None
         if cuda:
             from triton_vlm.llm.cuda_attention import TritonAttention
+            from triton_vlm.llm.paged_prefill import PagedPrefillAttention
 
             torch.cuda.set_device(self.device)
             # cuDNN's SDPA builds an execution plan for every new prefill shape (on an H100: first
             # steps of 0.1 to 1 s), and prompt lengths are always new; flash attention needs none
             torch.backends.cuda.enable_cudnn_sdp(False)
-            self.attention: AttentionBackend = TritonAttention(c, self.kv)
+            self.attention: AttentionBackend = (PagedPrefillAttention if paged_prefill else TritonAttention)(c, self.kv)
         else:
             self.attention = TorchAttention(c, self.kv)
         if graphs:
