@@ -215,7 +215,7 @@ def test_experts_follow_hf_eager_bfloat16(moe):
     w, ids = engine.model.layers[1].moe.route(x)
     with torch.no_grad():
         ref = eager(experts, x, ids, w)
-        ours = run_experts(x, ids, w, experts.gate_up_proj, experts.down_proj)
+        ours = run_experts(x, ids, w, experts.gate_up_proj, experts.down_proj, range(len(experts.gate_up_proj)))
     assert ids.unique().numel() > 2
     assert ours.dtype == torch.bfloat16 and torch.equal(ours, ref)
 

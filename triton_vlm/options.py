@@ -84,6 +84,7 @@ class LLMOptions(ModelParams):
     cuda_graphs: bool = True      # CUDA: decode steps replay graphs captured at batch-size buckets
     mixed_steps: bool = True      # a step may hold prompt chunks and decodes together (off: apart)
     paged_prefill: bool = False   # CUDA: prompt chunks through the paged prefill kernel (off: SDPA per chunk)
+    tensor_parallel: int = 1      # ranks the decoder is split over (triton_vlm.llm.tensor_parallel)
 
 
 @dataclass(frozen=True)

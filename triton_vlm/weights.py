@@ -9,8 +9,13 @@ import torch
 
 
 def read_safetensors(checkpoint_dir: str | Path, rename: Callable[[str], str | None],
-                     dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Tensors in `dtype` under the names `rename` gives; a key it maps to None is not read at all."""
+                     dtype: torch.dtype = torch.float32,
+                     plan: Callable[[str, tuple[int, ...]], list[tuple[slice, ...]] | None] | None = None
+                     ) -> dict[str, torch.Tensor]:
+    """Tensors in `dtype` under the names `rename` gives; a key it maps to None is not read at all.
+    `plan(name, shape)` may ask for parts of a tensor only (a tensor-parallel rank's,
+    `triton_vlm.llm.sharding`): the slices listed, read alone and joined along dim 0 (`[]`: none of
+    it; None: all)."""
     from safetensors import safe_open
 
     root = Path(checkpoint_dir)
@@ -26,6 +31,12 @@ def read_safetensors(checkpoint_dir: str | Path, rename: Callable[[str], str | N
         with safe_open(str(root / name), framework="pt") as f:
             for key in f.keys():
                 new_name = rename(key)
-                if new_name is not None:
+                if new_name is None:
+                    continue
+                parts = plan(new_name, tuple(f.get_slice(key).get_shape())) if plan is not None else None
+                if parts is None:
                     tensors[new_name] = f.get_tensor(key).to(dtype)
+                elif parts:
+                    view = f.get_slice(key)
+                    tensors[new_name] = torch.cat([view[index] for index in parts]).to(dtype)
     return tensors

@@ -35,6 +35,8 @@ from triton_vlm.llm.runner import ModelRunner
 from triton_vlm.llm.sampling import NO_TOKEN, SamplingParams, make_generator
 from triton_vlm.llm.scheduler import Scheduler, SchedulerOutput
 from triton_vlm.llm.sequence import Sequence
+from triton_vlm.llm.sharding import Shard
+from triton_vlm.llm.tensor_parallel import WorkerGone, Workers
 from triton_vlm.options import LLMOptions
 
 log = logging.getLogger(__name__)
@@ -58,11 +60,13 @@ class Engine:
     batch-size buckets up to `max_running` (`triton_vlm.llm.cuda_graphs`; ignored on CPU)."""
 
     def __init__(self, checkpoint_dir: str | Path, *, model: DecoderModel | None = None, tokenizer=None,
-                 return_logits: bool = False, clock: Callable[[], float] = time.monotonic, **settings: Any):
+                 return_logits: bool = False, clock: Callable[[], float] = time.monotonic,
+                 on_failure: Callable[[str], None] | None = None, **settings: Any):
         """`settings`: the fields of `LLMOptions` (the `llm` model's parameters, declared there
         once: device, dtype, KV cache size and block size, prefix caching, max_running,
-        max_num_tokens, queue_timeout_ms, cuda_graphs, mixed_steps, paged_prefill); an unknown name is a
-        TypeError."""
+        max_num_tokens, queue_timeout_ms, cuda_graphs, mixed_steps, paged_prefill, tensor_parallel); an
+        unknown name is a TypeError. `on_failure(message)` is called (on the scheduler thread) when
+        the engine can serve no more: a tensor-parallel worker exited."""
         self.checkpoint_dir = Path(checkpoint_dir)
         self.settings = LLMOptions(**settings)
         self.clock = clock
@@ -70,6 +74,8 @@ class Engine:
         self.num_waiting = 0
         self.num_finished = 0
         self.num_steps = 0
+        self.failed: str | None = None  # why the engine serves no more (a tensor-parallel worker exited)
+        self._on_failure = on_failure
 
         self._lock = threading.Condition()
         self._incoming: deque[Sequence] = deque()   # submitted, not yet seen by the scheduler
@@ -99,7 +105,8 @@ class Engine:
         from tokenizers import Tokenizer
 
         s = self.settings
-        self.model = model or DecoderModel.from_checkpoint(self.checkpoint_dir, device=s.device, dtype=s.dtype)
+        self.model = model or DecoderModel.from_checkpoint(self.checkpoint_dir, device=s.device, dtype=s.dtype,
+                                                           shard=Shard(0, s.tensor_parallel))
         self.config = c = self.model.config
         self.kv_bytes_per_token = c.kv_bytes_per_token(self.model.dtype)
         self.tokenizer = tokenizer or Tokenizer.from_file(str(self.checkpoint_dir / "tokenizer.json"))
@@ -124,9 +131,13 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, max_running=max_running, max_num_tokens=s.max_num_tokens,
                                    recurrent=c.recurrent, queue_timeout_ms=s.queue_timeout_ms,
                                    mixed_steps=s.mixed_steps, clock=self.clock)
+        workers = None
+        if self.model.shard.world > 1:  # the other ranks, each with its shard and a KV cache of as many blocks
+            workers = Workers(self.checkpoint_dir, self.model.shard.world, self.model.device,
+                              dtype_name(self.model.dtype), num_blocks, block_size)
         self.runner = ModelRunner(self.model, num_blocks, block_size, max_batch=max_running,
                                   cuda_graphs=s.cuda_graphs, max_context=self.context_length,
-                                  paged_prefill=s.paged_prefill)
+                                  paged_prefill=s.paged_prefill, workers=workers)
         self.output = OutputProcessor(self._release)
         log.info("llm KV cache: %d blocks x %d tokens, %d bytes per token (%s on %s), %.1f MiB", num_blocks,
                  block_size, self.kv_bytes_per_token, dtype_name(self.model.dtype), self.model.device,
@@ -179,6 +190,8 @@ class Engine:
         with self._lock:
             if self._stop:
                 raise RuntimeError("engine is shut down")
+            if self.failed:
+                raise RuntimeError(self.failed)
             if request_id in self._ids_in_flight:
                 raise InvalidInput(f"request id {request_id!r} is already in flight")
             self._ids_in_flight.add(request_id)
@@ -250,6 +263,8 @@ class Engine:
             except Exception:  # a bug in the step itself: log, keep serving
                 log.exception("llm scheduler step failed")
         self._drain()
+        if self.runner.workers is not None:
+            self.runner.workers.stop()
 
     def _cancelled(self, seq: Sequence) -> bool:
         if seq.request_id in self._cancel_ids:
@@ -284,6 +299,10 @@ class Engine:
             logits = self.runner.forward(out.chunks)
         except Exception as e:
             log.exception("llm forward pass failed for %d requests", len(out.chunks))
+            gone = self._workers_gone()
+            if gone:  # every request, this step's too, ends with why
+                self._fail(gone)
+                return
             for c in out.chunks:
                 self.output.finish(c.seq, "error", error=f"internal error: {type(e).__name__}")
             return
@@ -308,6 +327,29 @@ class Engine:
             except Exception as e:
                 log.exception("request %s failed", seq.request_id)
                 self.output.finish(seq, "error", error=f"internal error: {type(e).__name__}")
+
+    def _workers_gone(self) -> str | None:
+        """Why the tensor-parallel group broke (a worker exited), or None."""
+        if self.runner.workers is None:
+            return None
+        try:
+            self.runner.workers.check(wait=2.0)
+        except WorkerGone as gone:
+            return str(gone)
+        return None
+
+    def _fail(self, message: str) -> None:
+        """The engine can serve no more: every request ends with `message`, new ones are refused."""
+        log.error("llm engine failed: %s", message)
+        with self._lock:
+            self.failed = message
+            pending = list(self._incoming)
+            self._incoming.clear()
+        for seq in [*pending, *self.scheduler.waiting, *self.scheduler.running]:
+            self.output.finish(seq, "error", error=message)
+        self._update_counts()
+        if self._on_failure is not None:
+            self._on_failure(message)
 
     def _release(self, seq: Sequence) -> None:
         """Before a request's final emit: its blocks and state slot go back, its id is free again."""

@@ -51,6 +51,8 @@ from triton_vlm.llm import cuda_ops
 from triton_vlm.llm.device import parse_device, parse_dtype
 from triton_vlm.llm.linear_attention import GatedDeltaNet, LinearAttentionConfig, RecurrentRows
 from triton_vlm.llm.moe import MoeConfig, SparseMoe, swiglu
+from triton_vlm.llm.sharding import Shard
+from triton_vlm.llm.tensor_parallel import all_reduce, gather_logits
 from triton_vlm.weights import read_safetensors
 
 if TYPE_CHECKING:
@@ -316,6 +318,10 @@ class Rotary:
 
 
 # ---- layers -------------------------------------------------------------------------------------
+def _whole(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 class SwiGLULayer:
     """What every decoder layer here shares: the input and post-attention RMSNorms (scaling by
     `norm_offset + weight`) and the SwiGLU MLP. Attention layers add `qkv` and `finish` (the model
@@ -324,8 +330,11 @@ class SwiGLULayer:
     norm_offset = 0.0
     recurrent = False
 
-    def __init__(self, w: Callable[[str], torch.Tensor], config: DecoderConfig):
-        self.c = config
+    def __init__(self, w: Callable[[str], torch.Tensor], config: DecoderConfig, shard: Shard = Shard()):
+        """`config`: this rank's (`Shard.config`); `w` gives this rank's part of each weight."""
+        self.c, self.shard = config, shard
+        # a row-parallel output (o_proj, down, the experts) summed over the ranks; unsplit, itself
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] = _whole if shard.world == 1 else all_reduce
         self.ln1 = self.norm_weight(w("input_layernorm.weight"))
         self.ln2 = self.norm_weight(w("post_attention_layernorm.weight"))
         self.init_mlp(w)
@@ -347,7 +356,7 @@ class SwiGLULayer:
         return torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")])
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return swiglu(x, self.w_gate_up, self.w_down)
+        return self.reduce(swiglu(x, self.w_gate_up, self.w_down))
 
     def mlp_block(self, h: torch.Tensor) -> torch.Tensor:
         """The layer's second half: post-attention RMSNorm, MLP, residual add."""
@@ -361,8 +370,8 @@ class Qwen2Layer(SwiGLULayer):
     qkv_bias = True
     q_gate = False
 
-    def __init__(self, w: Callable[[str], torch.Tensor], config: DecoderConfig):
-        super().__init__(w, config)
+    def __init__(self, w: Callable[[str], torch.Tensor], config: DecoderConfig, shard: Shard = Shard()):
+        super().__init__(w, config, shard)
         c = config
         # q/k/v run as one matmul
         self.w_qkv = torch.cat([w(f"self_attn.{p}_proj.weight") for p in "qkv"])
@@ -382,7 +391,7 @@ class Qwen2Layer(SwiGLULayer):
 
     def finish(self, h: torch.Tensor, attn: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         """Residual of the attention output [T, heads * d], then the MLP block."""
-        return self.mlp_block(h + F.linear(attn, self.wo))
+        return self.mlp_block(h + self.reduce(F.linear(attn, self.wo)))
 
 
 class Glm4Layer(Qwen2Layer):
@@ -390,8 +399,8 @@ class Glm4Layer(Qwen2Layer):
     and up stored fused), each output RMS-normed again (`post_self_attn_layernorm`,
     `post_mlp_layernorm`) before its residual add."""
 
-    def __init__(self, w: Callable[[str], torch.Tensor], config: DecoderConfig):
-        super().__init__(w, config)
+    def __init__(self, w: Callable[[str], torch.Tensor], config: DecoderConfig, shard: Shard = Shard()):
+        super().__init__(w, config, shard)
         self.ln_post_attn = w("post_self_attn_layernorm.weight")
         self.ln_post_mlp = w("post_mlp_layernorm.weight")
 
@@ -401,7 +410,7 @@ class Glm4Layer(Qwen2Layer):
 
     def finish(self, h: torch.Tensor, attn: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         eps = self.c.rms_norm_eps
-        h = h + _rms(F.linear(attn, self.wo), self.ln_post_attn, eps)
+        h = h + _rms(self.reduce(F.linear(attn, self.wo)), self.ln_post_attn, eps)
         return h + _rms(self.mlp(_rms(h, self.ln2, eps)), self.ln_post_mlp, eps)
 
 
@@ -416,10 +425,10 @@ class Glm4MoeLayer(Qwen2Layer):
     GLM-4.5V's dense layers are `Qwen2Layer`s."""
 
     def init_mlp(self, w: Callable[[str], torch.Tensor]) -> None:
-        self.moe = SparseMoe(w, self.c.moe)
+        self.moe = SparseMoe(w, self.c.moe, self.shard.experts(self.c.moe.num_experts))
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return self.moe(x)
+        return self.reduce(self.moe(x))
 
 
 class Qwen3Layer(Qwen2Layer):
@@ -427,8 +436,8 @@ class Qwen3Layer(Qwen2Layer):
     RMS-normed per head before the rotary (`q_norm`, `k_norm`)."""
     qkv_bias = False
 
-    def __init__(self, w: Callable[[str], torch.Tensor], config: DecoderConfig):
-        super().__init__(w, config)
+    def __init__(self, w: Callable[[str], torch.Tensor], config: DecoderConfig, shard: Shard = Shard()):
+        super().__init__(w, config, shard)
         self.q_norm = self.norm_weight(w("self_attn.q_norm.weight"))
         self.k_norm = self.norm_weight(w("self_attn.k_norm.weight"))
 
@@ -456,8 +465,8 @@ class Qwen35LinearLayer(SwiGLULayer):
     norm_offset = 1.0
     recurrent = True
 
-    def __init__(self, w: Callable[[str], torch.Tensor], config: DecoderConfig):
-        super().__init__(w, config)
+    def __init__(self, w: Callable[[str], torch.Tensor], config: DecoderConfig, shard: Shard = Shard()):
+        super().__init__(w, config, shard)
         self.mixer = GatedDeltaNet(w, config.linear_attention, config.rms_norm_eps)
 
     def forward(self, h: torch.Tensor, rows: RecurrentRows, conv_state: torch.Tensor,
@@ -514,8 +523,12 @@ class DecoderModel:
     the model's dtype). Not thread-safe: one caller at a time."""
 
     def __init__(self, config: DecoderConfig, weights: dict[str, torch.Tensor], *,
-                 device: str | torch.device = "cpu", dtype: str | torch.dtype = torch.float32):
-        self.config = c = config
+                 device: str | torch.device = "cpu", dtype: str | torch.dtype = torch.float32, shard: Shard = Shard()):
+        """`weights`: the checkpoint's (this tensor-parallel rank's parts of them: `Shard.plan`);
+        `config` the whole model's, `self.config` this rank's (`Shard.config`)."""
+        self.shard = shard
+        self.vocab_size = config.vocab_size
+        self.config = c = shard.config(config)
         self.device, self.dtype = parse_device(device), parse_dtype(dtype)
         if self.device.type == "cuda" and self.device.index is None:  # by its index, as tensors name it
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -533,20 +546,24 @@ class DecoderModel:
         self.embed_tokens = w("embed_tokens.weight")
         self.norm = spec.layer.norm_weight(w("norm.weight"))
         head = next((weights[k] for k in _LM_HEAD_KEYS if k in weights), None)
-        self.lm_head = self.embed_tokens if (c.tie_word_embeddings or head is None) else convert(head)
+        # this rank's vocabulary rows of the head (all of them unsplit; a view of a tied embedding)
+        self.lm_head = (self.embed_tokens[shard.vocab_rows(c.vocab_size)] if (c.tie_word_embeddings or head is None)
+                        else convert(head))
         self.layers = []
         self.layer_index: list[int] = []  # per layer: its index in the KV cache, or in the StateCache
         for i, (kind, moe) in enumerate(zip(c.layer_types, c.moe_layers)):
             cls = spec.layer_class(kind, moe)
-            self.layers.append(cls(lambda name, i=i: w(f"layers.{i}.{name}"), c))
+            self.layers.append(cls(lambda name, i=i: w(f"layers.{i}.{name}"), c, shard))
             self.layer_index.append(sum(1 for t in c.layer_types[:i] if t == kind))
         self.rotary = Rotary(c, spec.rotary_pairing, self.device, self.dtype)
 
     @classmethod
     def from_checkpoint(cls, checkpoint_dir: str | Path, *, device: str | torch.device = "cpu",
-                        dtype: str | torch.dtype = torch.float32) -> "DecoderModel":
+                        dtype: str | torch.dtype = torch.float32, shard: Shard = Shard()) -> "DecoderModel":
+        """The checkpoint's decoder, or tensor-parallel rank `shard`'s part of it (only that part read)."""
         root = Path(checkpoint_dir)
         config = DecoderConfig.from_checkpoint(root)
+        shard.check(config)
 
         def wanted(k: str) -> bool:
             """Not the vision tower's, nor a layer past the stack (GLM-4.5V's multi-token-prediction
@@ -556,10 +573,14 @@ class DecoderModel:
             layer = _LAYER_KEY.match(k)
             return layer is None or int(layer[1]) < config.num_layers
 
-        weights = read_safetensors(root, lambda k: k if wanted(k) else None, dtype=parse_dtype(dtype))
+        def plan(name: str, shape: tuple[int, ...]):
+            return shard.plan(name, shape, config)
+
+        weights = read_safetensors(root, lambda k: k if wanted(k) else None, dtype=parse_dtype(dtype), plan=plan)
         if parse_dtype(dtype) != torch.float32:  # read again, unrounded
-            weights.update(read_safetensors(root, lambda k: k if wanted(k) and k.endswith(_FLOAT32_WEIGHTS) else None))
-        return cls(config, weights, device=device, dtype=dtype)
+            weights.update(read_safetensors(root, lambda k: k if wanted(k) and k.endswith(_FLOAT32_WEIGHTS) else None,
+                                            plan=plan))
+        return cls(config, weights, device=device, dtype=dtype, shard=shard)
 
     @property
     def capturable(self) -> bool:
@@ -609,4 +630,5 @@ class DecoderModel:
             q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
             attn = attention.forward(li, q, k, v, batch.attn)
             h = layer.finish(h, attn.view(h.shape[0], c.num_heads * c.head_dim), gate)
-        return F.linear(_rms(h.index_select(0, batch.logits_rows), self.norm, c.rms_norm_eps), self.lm_head).float()
+        logits = F.linear(_rms(h.index_select(0, batch.logits_rows), self.norm, c.rms_norm_eps), self.lm_head).float()
+        return logits if self.shard.world == 1 else gather_logits(logits, self.vocab_size)

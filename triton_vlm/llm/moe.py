@@ -79,52 +79,55 @@ def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> to
 
 
 def run_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                down: torch.Tensor) -> torch.Tensor:
+                down: torch.Tensor, experts: range) -> torch.Tensor:
     """The routed experts' sum for each row of x [T, hidden] (`Glm4vMoeTextExperts`, eager):
-    ids, weights [T, k]; gate_up [E, 2I, hidden], down [E, hidden, I]. Rows grouped by expert, one
-    matmul pair per expert that some row chose; each expert's output times its float32 weight, cast
-    to x's dtype, added into its rows in ascending expert order."""
+    ids, weights [T, k]; gate_up [E', 2I, hidden], down [E', hidden, I] the weights of `experts`
+    (all of them, or a tensor-parallel rank's: the sum is then over those only). Rows grouped by
+    expert, one matmul pair per expert that some row chose; each expert's output times its float32
+    weight, cast to x's dtype, added into its rows in ascending expert order."""
     k = ids.shape[1]
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     rows = order // k
     row_weights = weights.reshape(-1)[order]
-    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()  # one device sync
+    counts = torch.bincount(flat, minlength=experts.stop).tolist()  # one device sync
     out = torch.zeros_like(x)
     start = 0
     for e, count in enumerate(counts):
-        if not count:
-            continue
-        r = rows[start:start + count]
-        y = swiglu(x.index_select(0, r), gate_up[e], down[e])
-        out.index_add_(0, r, (y * row_weights[start:start + count, None]).to(out.dtype))
+        if count and e in experts:
+            r = rows[start:start + count]
+            local = e - experts.start
+            y = swiglu(x.index_select(0, r), gate_up[local], down[local])
+            out.index_add_(0, r, (y * row_weights[start:start + count, None]).to(out.dtype))
         start += count
     return out
 
 
-def expert_weights(w: Callable[[str], torch.Tensor], num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """gate_up [E, 2I, hidden] and down [E, hidden, I] of `mlp.experts`: transformers 5's fused
-    parameters (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) where the checkpoint has them,
-    else stacked from the per-expert layout that `save_pretrained` writes and the released
-    checkpoints hold (`mlp.experts.{e}.{gate,up,down}_proj.weight`)."""
+def expert_weights(w: Callable[[str], torch.Tensor], experts: range) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up [E, 2I, hidden] and down [E, hidden, I] of `mlp.experts` (of `experts`: all, or a
+    tensor-parallel rank's, whose loader gives those only): transformers 5's fused parameters
+    (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) where the checkpoint has them, else
+    stacked from the per-expert layout that `save_pretrained` writes and the released checkpoints
+    hold (`mlp.experts.{e}.{gate,up,down}_proj.weight`)."""
     try:
         return w("mlp.experts.gate_up_proj"), w("mlp.experts.down_proj")
     except KeyError:
         pass
     gate_up = torch.stack([torch.cat([w(f"mlp.experts.{e}.gate_proj.weight"), w(f"mlp.experts.{e}.up_proj.weight")])
-                           for e in range(num_experts)])
-    down = torch.stack([w(f"mlp.experts.{e}.down_proj.weight") for e in range(num_experts)])
+                           for e in experts])
+    down = torch.stack([w(f"mlp.experts.{e}.down_proj.weight") for e in experts])
     return gate_up, down
 
 
 class SparseMoe:
     """`Glm4vMoeTextMoE` of one layer, from its `mlp.*` weights: routed experts plus shared experts."""
 
-    def __init__(self, w: Callable[[str], torch.Tensor], config: MoeConfig):
-        self.c = config
+    def __init__(self, w: Callable[[str], torch.Tensor], config: MoeConfig, experts: range):
+        """`experts`: the routed experts whose weights `w` gives (all; a tensor-parallel rank's)."""
+        self.c, self.experts = config, experts
         self.router = w("mlp.gate.weight")                          # [E, hidden], model dtype
         self.bias = w("mlp.gate.e_score_correction_bias").float()   # [E], float32 (the loader keeps it so)
-        self.gate_up, self.down = expert_weights(w, config.num_experts)
+        self.gate_up, self.down = expert_weights(w, experts)
         self.shared_gate_up = torch.cat([w("mlp.shared_experts.gate_proj.weight"),
                                          w("mlp.shared_experts.up_proj.weight")])
         self.shared_down = w("mlp.shared_experts.down_proj.weight")
@@ -135,4 +138,5 @@ class SparseMoe:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] (post-attention-normed rows) -> routed experts + shared experts [T, hidden]."""
         weights, ids = self.route(x)
-        return run_experts(x, ids, weights, self.gate_up, self.down) + swiglu(x, self.shared_gate_up, self.shared_down)
+        return (run_experts(x, ids, weights, self.gate_up, self.down, self.experts)
+                + swiglu(x, self.shared_gate_up, self.shared_down))

@@ -4,6 +4,7 @@ positions, attention metadata built once), runs the forward pass and samples the
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,9 @@ from triton_vlm.llm.paged import KVCache, StateCache
 from triton_vlm.llm.sampling import sample_batch, token_logprobs
 from triton_vlm.llm.scheduler import ScheduledChunk
 
+if TYPE_CHECKING:
+    from triton_vlm.llm.tensor_parallel import Workers
+
 log = logging.getLogger(__name__)
 
 
@@ -26,8 +30,13 @@ class ModelRunner:
     pool then has one more block, the graphs' scratch block)."""
 
     def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, max_batch: int = 1,
-                 cuda_graphs: bool = False, max_context: int = 0, paged_prefill: bool = False):
+                 cuda_graphs: bool = False, max_context: int = 0, paged_prefill: bool = False,
+                 workers: "Workers | None" = None):
+        """`workers`: the other ranks of a tensor-parallel model (`triton_vlm.llm.tensor_parallel`),
+        each step sent to them before it runs here (no CUDA graphs then)."""
         self.model = model
+        self.workers = workers
+        cuda_graphs = cuda_graphs and workers is None
         c = model.config
         weight = model.embed_tokens
         self.device, self.dtype = weight.device, weight.dtype
@@ -56,6 +65,13 @@ class ModelRunner:
             log.info("llm decode: no CUDA graphs for %s (mixture of experts or linear attention)", c.family)
 
     def prepare(self, chunks: list[ScheduledChunk]) -> StepBatch:
+        h, positions, seq_rows, recurrent, logits_rows = self.inputs(chunks)
+        return StepBatch(h, positions, self.attention.build(seq_rows), recurrent, logits_rows)
+
+    def inputs(self, chunks: list[ScheduledChunk]
+               ) -> tuple[torch.Tensor, torch.Tensor, list[SeqRows], RecurrentRows | None, torch.Tensor]:
+        """A step's input rows [T, hidden] (token embeddings, vision rows in place), positions [3, T],
+        each sequence's rows, the linear-attention rows, the rows that sample."""
         T = sum(c.num_tokens for c in chunks)
         ids: list[int] = []
         positions = torch.empty(3, T, dtype=torch.long)
@@ -96,14 +112,18 @@ class ModelRunner:
         if self.states is not None:
             recurrent = RecurrentRows(torch.tensor(decode_rows, dtype=torch.long).to(self.device),
                                       torch.tensor(decode_slots, dtype=torch.long).to(self.device), prefill)
-        return StepBatch(h, positions.to(self.device), self.attention.build(seq_rows), recurrent,
-                         torch.tensor(logits_rows, dtype=torch.long).to(self.device))
+        return h, positions.to(self.device), seq_rows, recurrent, torch.tensor(logits_rows, dtype=torch.long).to(self.device)
 
     def forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """float32 logits [chunks that sample, vocab], on the model's device."""
         if self.graphs is not None and self.graphs.takes(chunks):
             return self.graphs.run(chunks)
-        return self.model.forward(self.prepare(chunks), self.attention, self.states)
+        if self.workers is None:
+            return self.model.forward(self.prepare(chunks), self.attention, self.states)
+        h, positions, seq_rows, recurrent, logits_rows = self.inputs(chunks)
+        self.workers.send(h, positions, seq_rows, logits_rows, self.kv.block_size)
+        return self.model.forward(StepBatch(h, positions, self.attention.build(seq_rows), recurrent, logits_rows),
+                                  self.attention, self.states)
 
     def sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> tuple[list[int], list[float | None]]:
         """The next token of every chunk that samples, in order (`NO_TOKEN` for a row whose logits are

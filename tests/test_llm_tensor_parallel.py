@@ -1,0 +1,94 @@
+"""Issue #31 on the CPU: the llm split over 2 and 4 ranks (worker processes, gloo) gives the tokens
+and logits of the unsplit model, float32 within 1e-5: Qwen2.5-VL (KV heads split, and at 4 ranks
+replicated), GLM-4.1V (interleaved partial rotary, fused gate_up, one KV head replicated) and
+GLM-4.5V (routed experts split by expert, shared experts by width), text and image prompts, several
+requests at once, prompts in chunks. A killed worker ends the requests with an error naming it,
+and the engine refuses new ones; a decoder whose layers are not split yet is refused at start."""
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+from tests.test_llm import Collector, submit
+from triton_vlm.llm import Engine, SamplingParams
+
+PROMPTS = ["the red car on the road", "a dog runs over the bridge in the rain", "count the trees", "hi"]
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    from triton_vlm.checkpoint import write_demo_checkpoint
+
+    root = tmp_path_factory.mktemp("tensor_parallel")
+    return {family: write_demo_checkpoint(family, root / family, "tiny")
+            for family in ("qwen2_5_vl", "glm4v", "glm4v_moe", "minicpmv4_6")}
+
+
+def requests(engine: Engine) -> list[dict]:
+    """Text prompts, and one with image rows at its placeholders (random rows: the decoder's view)."""
+    c = engine.config
+    out = [dict(input_ids=engine.tokenizer.encode(p).ids, embeddings=None, mrope_position_ids=None,
+                mrope_position_delta=None) for p in PROMPTS]
+    image = c.placeholder_token_ids[0]
+    ids = engine.tokenizer.encode("look at").ids + [image] * 6 + engine.tokenizer.encode("and say").ids
+    rows = torch.randn(6, c.hidden_size, generator=torch.Generator().manual_seed(3)).numpy()
+    n = len(ids)
+    out.append(dict(input_ids=np.array(ids, np.int32), embeddings=rows,
+                    mrope_position_ids=np.broadcast_to(np.arange(n), (3, n)).copy(), mrope_position_delta=np.zeros(1)))
+    return out
+
+
+def generate(engine: Engine, tag: str) -> list[Collector]:
+    cols = [submit(engine, {"llm": r}, SamplingParams(max_tokens=8), f"{tag}-{i}")
+            for i, r in enumerate(requests(engine))]
+    return [c.wait() for c in cols]
+
+
+@pytest.mark.parametrize("family, ranks", [("qwen2_5_vl", 2), ("qwen2_5_vl", 4), ("glm4v", 2), ("glm4v_moe", 2)])
+def test_split_model_gives_the_whole_models_tokens_and_logits(checkpoints, family, ranks):
+    settings = dict(return_logits=True, max_num_tokens=12, max_running=8)  # prompts of several chunks
+    whole = Engine(checkpoints[family], **settings)
+    try:
+        expected = generate(whole, "whole")
+    finally:
+        whole.shutdown()
+    split = Engine(checkpoints[family], tensor_parallel=ranks, **settings)
+    try:
+        assert split.model.config.num_heads == whole.model.config.num_heads // ranks
+        for ref, ours in zip(expected, generate(split, "split")):
+            assert ours.ids == ref.ids and ours.outputs[-1].finish_reason == ref.outputs[-1].finish_reason
+            for a, b in zip(ref.outputs, ours.outputs):
+                assert float((a.logits - b.logits).abs().max()) <= ATOL
+        assert split.kv_blocks_used == 0
+    finally:
+        split.shutdown()
+    assert all(not p.is_alive() for p in split.runner.workers.processes)
+
+
+def test_a_killed_worker_fails_its_requests_and_the_engine(checkpoints):
+    engine = Engine(checkpoints["qwen2_5_vl"], tensor_parallel=2)
+    try:
+        worker = engine.runner.workers.processes[0]
+        started = Collector(on_emit=lambda col: len(col.outputs) == 4 and os.kill(worker.pid, signal.SIGKILL))
+        request = requests(engine)[0]
+        engine.submit("long", **request, params=SamplingParams(max_tokens=400, min_tokens=400), emit=started)
+        final = started.wait().outputs[-1]
+        assert final.finish_reason == "error" and "rank 1 exited (code -9)" in final.error
+        assert engine.failed and "rank 1 exited" in engine.failed
+        with pytest.raises(RuntimeError, match="rank 1 exited"):
+            submit(engine, {"llm": request}, SamplingParams(max_tokens=2), "after")
+        assert engine.kv_blocks_used == 0
+    finally:
+        engine.shutdown()
+
+
+def test_layers_not_split_yet_are_refused_at_start(checkpoints):
+    with pytest.raises(ValueError, match="linear-attention layers are not split yet"):
+        Engine(checkpoints["minicpmv4_6"], tensor_parallel=2)
+    with pytest.raises(ValueError, match="tensor parallel 3: 4 attention heads do not split evenly"):
+        Engine(checkpoints["qwen2_5_vl"], tensor_parallel=3)

@@ -1,0 +1,198 @@
+"""Tensor-parallel execution of the llm (issue #31): one engine drives N ranks, nano-vllm's way.
+
+Rank 0 is the engine's own model runner: it schedules, builds each step's inputs, samples. Ranks
+1 .. N-1 are worker processes it spawns (`Workers`), each holding its shard of the weights
+(`triton_vlm.llm.sharding`) and of the KV cache (its KV heads, the same blocks as rank 0: the
+block manager's tables hold for every rank). Each step rank 0 broadcasts what a worker cannot
+know (`send`): the step's input rows (embeddings, vision rows already in place), positions, each
+sequence's rows and block table, the rows that sample; then every rank runs the same forward
+pass, the row-parallel layers all-reducing their partial sums, and the LM head's vocabulary
+shards are gathered on rank 0. torch.distributed over gloo on the CPU, NCCL on CUDA (rank r on
+the GPU after rank 0's, r places on).
+
+A worker that dies fails the step that needed it (the collective raises), and the runner stays
+failed (`WorkerGone`): the engine ends every request with that error and refuses new ones; served
+by Triton, the `llm` model then exits its stub so that `triton-vlm serve` reloads it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from triton_vlm.llm.attention import SeqRows
+
+log = logging.getLogger(__name__)
+
+STOP, STEP = 0, 1
+# A collective waits this long for the other ranks; a dead peer fails it at once (its connection
+# closes). Workers wait for the next step on their pipe, which has no timeout: an idle engine keeps
+# its workers.
+TIMEOUT = timedelta(seconds=600)
+
+
+class WorkerGone(RuntimeError):
+    """A tensor-parallel worker exited: the runner cannot run a step any more."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank r's device: the CPU, or the GPU r places after rank 0's."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+
+
+def init_group(rank: int, world: int, port: int, device: torch.device) -> None:
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world, timeout=TIMEOUT,
+                            device_id=device if device.type == "cuda" else None)
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """The sum over the ranks of a row-parallel layer's partial output, in place."""
+    dist.all_reduce(x)
+    return x
+
+
+def gather_logits(logits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Rank 0: the whole vocabulary's logits [rows, vocab] from every rank's rows of it
+    (`Shard.vocab_rows`, the last rank's padded to the others' width); other ranks: their own."""
+    world = dist.get_world_size()
+    per = -(-vocab // world)
+    padded = torch.nn.functional.pad(logits, (0, per - logits.shape[1])) if logits.shape[1] < per else logits
+    parts = [torch.empty_like(padded) for _ in range(world)] if dist.get_rank() == 0 else None
+    dist.gather(padded.contiguous(), parts, dst=0)
+    return torch.cat(parts, dim=1)[:, :vocab] if parts is not None else logits
+
+
+# ---- one step's message ----------------------------------------------------------------------------
+def send(pipes: list, h: torch.Tensor, positions: torch.Tensor, seqs: list[SeqRows], logits_rows: torch.Tensor,
+         block_size: int) -> None:
+    """Rank 0: a step to the workers: its sequences and sampling rows on each worker's pipe, then its
+    input rows h [T, hidden] and positions [3, T] broadcast."""
+    tables = [s.blocks[:-(-(s.start + s.n) // block_size)] for s in seqs]
+    message = (STEP, h.shape[0], [(s.row, s.n, s.start, t) for s, t in zip(seqs, tables)], logits_rows.tolist())
+    for pipe in pipes:
+        pipe.send(message)
+    dist.broadcast(h.contiguous(), src=0)
+    dist.broadcast(positions.contiguous(), src=0)
+
+
+def receive(pipe, hidden: int, dtype: torch.dtype, device: torch.device
+            ) -> tuple[torch.Tensor, torch.Tensor, list[SeqRows], torch.Tensor] | None:
+    """A worker: the next step rank 0 sends (`send`), None when told to stop or rank 0 is gone."""
+    try:
+        command, rows, seqs, logits_rows = pipe.recv()
+    except EOFError:
+        return None
+    if command == STOP:
+        return None
+    h = torch.empty((rows, hidden), dtype=dtype, device=device)
+    positions = torch.empty((3, rows), dtype=torch.long, device=device)
+    dist.broadcast(h, src=0)
+    dist.broadcast(positions, src=0)
+    return (h, positions, [SeqRows(*seq) for seq in seqs],
+            torch.tensor(logits_rows, dtype=torch.long, device=device))
+
+
+# ---- the worker processes --------------------------------------------------------------------------
+def worker_main(pipe, checkpoint: str, rank: int, world: int, port: int, device: str, dtype: str, num_blocks: int,
+                block_size: int) -> None:
+    """A worker process: its shard of the model and of the KV cache, then every step rank 0 sends."""
+    from triton_vlm.llm.model import DecoderModel, StepBatch
+    from triton_vlm.llm.runner import ModelRunner
+    from triton_vlm.llm.sharding import Shard
+
+    torch.set_grad_enabled(False)
+    here = rank_device(torch.device(device), rank)
+    pipe.send("joining")
+    init_group(rank, world, port, here)
+    try:
+        model = DecoderModel.from_checkpoint(checkpoint, device=here, dtype=dtype, shard=Shard(rank, world))
+        runner = ModelRunner(model, num_blocks, block_size)
+        dist.barrier()  # loaded: rank 0's `Workers` waits for this
+        hidden = model.config.hidden_size
+        while (step := receive(pipe, hidden, model.dtype, here)) is not None:
+            h, positions, seqs, logits_rows = step
+            model.forward(StepBatch(h, positions, runner.attention.build(seqs), None, logits_rows),
+                          runner.attention, None)
+    finally:
+        dist.destroy_process_group()
+
+
+class Workers:
+    """Rank 0's side: the worker processes of a tensor-parallel group of `world` ranks, started
+    here (spawned: no state of this process is inherited), each with a pipe for its steps, and
+    the group joined as rank 0 once every worker is about to join (one that dies before is named
+    at once instead of a rendezvous that waits out its timeout)."""
+
+    def __init__(self, checkpoint: str | Path, world: int, device: torch.device, dtype: str, num_blocks: int,
+                 block_size: int) -> None:
+        import multiprocessing
+
+        self.device = device
+        port = _free_port()
+        context = multiprocessing.get_context("spawn")
+        if os.environ.get("TRITON_VLM_PYTHON"):  # inside a Triton stub sys.executable is not Python
+            context.set_executable(os.environ["TRITON_VLM_PYTHON"])
+        self.pipes, self.processes = [], []
+        for rank in range(1, world):
+            here, there = context.Pipe()
+            self.pipes.append(here)
+            self.processes.append(context.Process(
+                target=worker_main, name=f"llm-tp-rank{rank}", daemon=True,
+                args=(there, str(checkpoint), rank, world, port, str(device), dtype, num_blocks, block_size)))
+        for process in self.processes:
+            process.start()
+        for pipe in self.pipes:
+            while not pipe.poll(0.5):
+                self.check()
+            pipe.recv()
+        init_group(0, world, port, device)
+        try:
+            dist.barrier()  # every worker's shard loaded
+        except RuntimeError as error:
+            self.check()
+            raise WorkerGone(f"llm tensor-parallel workers failed to start: {error}") from None
+
+    def send(self, h: torch.Tensor, positions: torch.Tensor, seqs: list[SeqRows], logits_rows: torch.Tensor,
+             block_size: int) -> None:
+        """A step to every worker (`send`); WorkerGone if one has exited (or exits meanwhile)."""
+        self.check()
+        try:
+            send(self.pipes, h, positions, seqs, logits_rows, block_size)
+        except (RuntimeError, OSError):
+            self.check()
+            raise
+
+    def check(self, wait: float = 0.0) -> None:
+        """WorkerGone naming the first worker that exited; `wait`: seconds each worker may take to
+        be seen exiting (after a failed collective, the peer that broke it may not be reaped yet)."""
+        for rank, process in enumerate(self.processes, start=1):
+            process.join(wait)
+            if not process.is_alive():
+                raise WorkerGone(f"llm tensor-parallel rank {rank} exited (code {process.exitcode})")
+
+    def stop(self) -> None:
+        """Tell the workers to stop, wait for them, leave the group."""
+        for pipe in self.pipes:
+            try:
+                pipe.send((STOP, 0, [], []))
+            except OSError:
+                pass
+        for process in self.processes:
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+        dist.destroy_process_group()
