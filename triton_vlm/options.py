@@ -104,6 +104,7 @@ class EncoderOptions(ModelParams):
     max_batch_patches: int
     batch_instances: int = 1
     query_num: int = 0  # embedding rows per grid row where a resampler makes them (`batching.embedding_rows`)
+    extra_rows: int = 0  # embedding rows per frame beyond one per merge^2 patches (LLaVA; `batching.embedding_rows`)
 
 
 @dataclass(frozen=True)

@@ -216,7 +216,7 @@ class VisionEncoderModel:
         grid = np.repeat(np.concatenate([np.ones_like(items[:, :1]), items[:, 1:]], axis=1), items[:, 0], axis=0)
         embeddings = encode_in_shares(pixels, grid, self._encode_rows, shares=o.batch_instances,
                                       max_rows=o.max_batch_patches, hidden=o.hidden,
-                                      rows_per_item=embedding_rows(grid, o.spatial_merge_size, o.query_num))
+                                      rows_per_item=embedding_rows(grid, o.spatial_merge_size, o.query_num, o.extra_rows))
         embeddings, kept = prune(embeddings, items, o.spatial_merge_size, rate)
         return [pb_utils.Tensor("embeddings", np.ascontiguousarray(embeddings, dtype=np.float32)),
                 pb_utils.Tensor("kept_rows", kept)]
