@@ -40,7 +40,6 @@ from triton_vlm.mrope import MediaSpan
 
 IMAGE_TOKEN, VIDEO_TOKEN = "<image>", "<video>"
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
-MAX_ASPECT_RATIO = 200
 
 
 def encoder_dims(config: dict) -> tuple[int, int]:
@@ -51,13 +50,11 @@ def encoder_dims(config: dict) -> tuple[int, int]:
 
 def resize_rule(height: int, width: int, settings: VisionSettings, num_frames: int, name: str) -> tuple[int, int]:
     """`get_resize_output_image_size(size=shortest_edge, default_to_square=False)`: the shorter
-    side becomes `shortest_edge`, the longer `int(shortest_edge * long / short)`. An aspect ratio
-    over 200 raises `InvalidInput` (as for the other families: the resized image would be huge)."""
+    side becomes `shortest_edge`, the longer `int(shortest_edge * long / short)` (the request limits
+    have refused aspect ratios over 200 before: the longer side stays bounded)."""
     if height <= 0 or width <= 0:
         raise InvalidInput(f"{name}: image has no pixels")
     short, long = (width, height) if width <= height else (height, width)
-    if long / short > MAX_ASPECT_RATIO:
-        raise InvalidInput(f"{name}: aspect ratio {long / short:.1f} exceeds max_aspect_ratio={MAX_ASPECT_RATIO}")
     if settings.shortest_edge <= 0:
         raise ValueError("LLaVA: the image processor config has no size.shortest_edge")
     new_short, new_long = settings.shortest_edge, int(settings.shortest_edge * long / short)
