@@ -38,9 +38,23 @@ SIZES = [(640, 480), (200, 100), (112, 112), (60, 300), (1920, 1080), (31, 17)]
 
 
 def llava_checkpoint(variant: str, out):
+    """The variant's tiny demo checkpoint with every 1-D vision and projector parameter moved off
+    its initial value (transformers starts biases at zero and norm weights at one, which would hide
+    a missing bias or norm), saved again."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
     from triton_vlm.checkpoint import write_demo_checkpoint
 
-    return write_demo_checkpoint("llava", out, "tiny", overrides=VARIANTS[variant])
+    checkpoint = write_demo_checkpoint("llava", out, "tiny", overrides=VARIANTS[variant])
+    model = AutoModelForImageTextToText.from_pretrained(checkpoint)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1 and ("vision_tower" in name or "multi_modal_projector" in name):
+                p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+    model.save_pretrained(checkpoint)
+    return checkpoint
 
 
 @pytest.fixture(scope="session")
