@@ -16,8 +16,11 @@ Follows transformers' text models closely enough that greedy tokens equal Huggin
   layers have q/k RMSNorms, a sigmoid output gate and partial rotate-half rotary; linear-attention
   layers (Gated DeltaNet, `triton_vlm.llm.linear_attention`) keep a per-sequence recurrent state
   (the runner's `StateCache`) instead of K/V. Its RMSNorms scale by `1 + weight`.
-All split the rotary frequencies by `mrope_section` over the temporal / height / width axes, in
-runs (t.., h.., w..) or interleaved (t, h, w, t, h, w, ...: `mrope_interleaved`).
+- Llama and Qwen2 under LLaVA (`llava`, the decoder picked by `text_config.model_type`): Llama is
+  Qwen2's layer without q/k/v biases; both have 1-D RoPE (one section, turned by the first of the
+  three position rows, which `preprocess` sends equal).
+The others split the rotary frequencies by `mrope_section` over the temporal / height / width axes,
+in runs (t.., h.., w..) or interleaved (t, h, w, t, h, w, ...: `mrope_interleaved`).
 
 Every size, token id, eos id, rope theta, `mrope_section` and `partial_rotary_factor` comes from
 the checkpoint's files.
