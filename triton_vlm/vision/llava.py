@@ -234,11 +234,13 @@ class LlavaTower(Tower):
 
     @classmethod
     def example_inputs(cls, settings: dict[str, Any], grid_thw=None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Two images of the checkpoint's S x S (the export's trace: a batch dimension that varies)."""
         side = settings["side"]
         return common.example_inputs(settings, cls.encoder_metadata, grid_thw or ((1, side, side),) * 2)
 
     @classmethod
     def warmup_grid(cls, settings: dict[str, Any], min_patches: int = 1) -> np.ndarray:
+        """Whole S x S images, as many as `min_patches` needs, as one item of several frames."""
         side, images = settings["side"], 1
         while images * side * side < min_patches:
             images += 1
@@ -246,6 +248,8 @@ class LlavaTower(Tower):
 
     @classmethod
     def load_tower(cls, checkpoint_dir, dtype: torch.dtype = torch.float32) -> nn.Module:
+        """The torch tower with the checkpoint's weights of every one of its parameters (strictly);
+        the checkpoint's others are not used."""
         tower = cls.module(cls.read_vision_config(checkpoint_dir))
         wanted = set(tower.state_dict())
         state = {k: v for k, v in common.load_state_dict(checkpoint_dir, cls.PREFIXES).items() if k in wanted}
