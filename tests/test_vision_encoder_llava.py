@@ -106,3 +106,40 @@ def test_a_grid_of_another_size_is_refused(case, onnx_path):
     side = int(grid[0, 1])
     with pytest.raises(InvalidInput, match=f"grid_thw: LLaVA's tower takes images of {side} x {side} patches"):
         VisionEncoder(onnx_path).encode(pixels[:side * (side - 1)], np.array([[1, side, side - 1]]))
+
+
+def test_float16_export_within_1e_2(case, tmp_path):
+    from triton_vlm.vision.encoder import VisionEncoder
+    from triton_vlm.vision.export import export_onnx
+
+    checkpoint, pixels, grid, ref = case
+    encoder = VisionEncoder(export_onnx(checkpoint, tmp_path / "float16.onnx", dtype="float16"))
+    assert encoder.dtype == "float16"
+    out = encoder.encode(pixels, grid)
+    assert out.dtype == np.float32 and rel_err(out, ref) < 1e-2
+
+
+def test_unfused_graph_runs_standard_ops_and_matches(case, onnx_path, tmp_path):
+    from tests.encoder_checks import check_unfused_matches
+
+    checkpoint, pixels, grid, ref = case
+    check_unfused_matches(onnx_path, LlavaTower, LlavaTower.read_vision_config(checkpoint), {"images": (pixels, grid, ref)},
+                          tmp_path)
+
+
+def test_tensorrt_engines_are_built_from_the_export_of_their_precision(case, onnx_path, tmp_path):
+    from tests.encoder_checks import check_engine_graphs
+
+    check_engine_graphs(case[0], onnx_path, tmp_path)
+
+
+def test_tensorrt_profile_covers_the_inputs(case):
+    """Whole images only: the profile's bounds are multiples of S^2, at least one image."""
+    from tests.encoder_checks import check_profile_covers
+    from triton_vlm.vision.tensorrt_engine import EngineProfile
+
+    settings = LlavaTower.read_vision_config(case[0])
+    side = settings["side"]
+    check_profile_covers("llava", LlavaTower, settings, EngineProfile(16, 1024, 4096),
+                         ([[1, side, side]], [[1, side, side]] * 8, [[16, side, side]]))
+    assert LlavaTower.warmup_grid(settings, 3 * side * side - 1).tolist() == [[3, side, side]]
