@@ -1,7 +1,7 @@
-"""Issue #28: LLaVA's `preprocess` against transformers' `LlavaProcessor` (`CLIPImageProcessor`,
-torchvision backend) on the same random-weight checkpoints, for the four tower variants the
-other LLaVA tests share (`VARIANTS`: CLIP and SigLIP towers, one and three feature layers, both
-select strategies, Llama and Qwen2 decoders).
+"""Issue #28: LLaVA's `preprocess` against transformers' `LlavaProcessor` (`CLIPImageProcessor`, or
+`SiglipImageProcessor` for one variant; torchvision backend) on the same random-weight
+checkpoints, for the four tower variants the other LLaVA tests share (`VARIANTS`: CLIP and SigLIP
+towers, one and three feature layers, both select strategies, Llama and Qwen2 decoders).
 
 `input_ids` (each `<image>` expanded to the processor's count), `pixel_values` (bit for bit, as
 rows: `patch_rows` of the processor's [B, 3, H, W]), the images' sizes (`grid_thw` = the cropped
@@ -30,7 +30,8 @@ VARIANTS: dict[str, dict] = {
     "clip-qwen2-3layers-full": dict(text_model="qwen2", vision_feature_layer=[0, -3, -1],
                                     vision_feature_select_strategy="full"),
     "siglip-qwen2-3layers-default": dict(vision_model="siglip_vision_model", text_model="qwen2",
-                                         vision_feature_layer=[-1, 0, 1], vision_feature_select_strategy="default"),
+                                         vision_feature_layer=[-1, 0, 1], vision_feature_select_strategy="default",
+                                         image_processor="siglip"),
     "siglip-llama-full": dict(vision_model="siglip_vision_model", vision_feature_layer=-1,
                               vision_feature_select_strategy="full"),
 }
@@ -123,14 +124,18 @@ def test_several_images_match_llava_processor(case):
 
 
 def test_placeholder_count_is_the_processors(case):
-    """Each image's run of `<image>` is the processor's count (patches, the class token, the
-    strategy), which is also the tower's embedding rows for its grid."""
+    """Each image's run of `<image>` is the processor's (patches, the class token, the strategy),
+    which is also the tower's embedding rows for its grid."""
     from triton_vlm.vision.llava import LlavaTower
 
     pre, oracle = case
-    out = pre(chat(IMG + IMG), [image(640, 480), image(90, 200)])
-    counts = oracle.processor._get_num_multimodal_tokens(image_sizes=[(480, 640), (200, 90)])["num_image_tokens"]
-    assert int((out.input_ids == pre.image_token_id).sum()) == sum(counts)
+    prompt, images = chat(IMG + " and " + IMG), [image(640, 480), image(90, 200)]
+    out = pre(prompt, images)
+    ids = hf_inputs(oracle, prompt, images)["input_ids"][0].numpy()
+    is_image = np.concatenate([[0], (ids == pre.image_token_id).astype(np.int8), [0]])
+    starts, ends = np.flatnonzero(np.diff(is_image) == 1), np.flatnonzero(np.diff(is_image) == -1)
+    counts = (ends - starts).tolist()
+    assert len(counts) == 2 and int((out.input_ids == pre.image_token_id).sum()) == sum(counts)
     settings = LlavaTower.read_vision_config(oracle.checkpoint)
     assert LlavaTower.embedding_rows(out.grid_thw, settings).tolist() == counts
 
@@ -145,7 +150,7 @@ def test_video_and_size_options_are_refused_naming_the_family(case):
     with pytest.raises(InvalidInput, match=r"videos: this model \(llava\) takes no videos"):
         pre(chat("<video>"), [], [samples.video_bytes(seconds=1.0, fps=4, width=64, height=64)])
     with pytest.raises(InvalidInput, match="min_pixels does not apply: llava sizes images by the checkpoint's "
-                                           "size.shortest_edge and crop_size"):
+                                           "size and crop_size"):
         pre(chat(IMG), [image(64, 64)], mm_options={"min_pixels": 1000})
 
 
@@ -169,3 +174,24 @@ def test_center_crop_pads_as_transformers_does():
     for crop in [(40, 40), (30, 60), (37, 52), (11, 13), (41, 55)]:
         ref = processor.center_crop(torch.from_numpy(frames).permute(0, 3, 1, 2), SizeDict(height=crop[0], width=crop[1]))
         np.testing.assert_array_equal(center_crop(frames, crop), ref.permute(0, 2, 3, 1).numpy())
+
+
+def test_unsupported_processor_and_decoder_flags_are_refused(llava_checkpoints, tmp_path):
+    """`LlavaImageProcessor`'s do_pad and Llama's attention_bias / mlp_bias are refused, not ignored."""
+    import json
+    import shutil
+
+    from triton_vlm.llm import DecoderConfig
+    from triton_vlm.preprocess import Preprocessor
+
+    checkpoint = shutil.copytree(llava_checkpoints["clip-llama"], tmp_path / "ckpt")
+    processor = json.loads((checkpoint / "processor_config.json").read_text())
+    processor["image_processor"]["do_pad"] = True
+    (checkpoint / "processor_config.json").write_text(json.dumps(processor))
+    with pytest.raises(ValueError, match="do_pad"):
+        Preprocessor(checkpoint).warmup()
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["text_config"]["mlp_bias"] = True
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    with pytest.raises(NotImplementedError, match="llava: text_config mlp_bias is not supported"):
+        DecoderConfig.from_checkpoint(checkpoint)

@@ -178,7 +178,8 @@ MINICPMV4_5_SIZES: dict[str, dict[str, Any]] = {
 # LLaVA: the tower (`vision_model`: clip_vision_model or siglip_vision_model) sees image_size
 # squares (CLIPImageProcessor: shortest edge, then the centre crop, both image_size); `small` has
 # LLaVA-1.5's 24 x 24 patches. `text_model` (llama, qwen2), `vision_feature_layer` and
-# `vision_feature_select_strategy` are the variants the tests cover.
+# `vision_feature_select_strategy` are the variants the tests cover, and `image_processor` ("clip",
+# the default: shortest edge and centre crop; "siglip": resized to the square, no crop).
 LLAVA_SIZES: dict[str, dict[str, Any]] = {
     "tiny": dict(
         vocab_size=1024, text_model="llama", vision_model="clip_vision_model",
@@ -316,7 +317,7 @@ def _write_llava(out: Path, shape: dict[str, Any], tokenizer, seed: int) -> None
     """Write a random-weight LLaVA checkpoint (`LlavaForConditionalGeneration`, `LlavaProcessor`
     with a `CLIPImageProcessor`) that transformers loads offline."""
     from transformers import (CLIPImageProcessor, GenerationConfig, LlavaConfig, LlavaForConditionalGeneration,
-                              LlavaProcessor)
+                              LlavaProcessor, SiglipImageProcessor)
 
     from triton_vlm.vision.llava import TOWER_KINDS
 
@@ -338,9 +339,11 @@ def _write_llava(out: Path, shape: dict[str, Any], tokenizer, seed: int) -> None
     model.save_pretrained(out)
 
     side = vision["image_size"]
+    image_processors = {  # LLaVA-1.5's; llava-interleave's (SigLIP tower)
+        "clip": lambda: CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side}),
+        "siglip": lambda: SiglipImageProcessor(size={"height": side, "width": side})}
     processor = LlavaProcessor(
-        image_processor=CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side}),
-        tokenizer=tokenizer, patch_size=vision["patch_size"],
+        image_processor=image_processors[shape.get("image_processor", "clip")](), tokenizer=tokenizer, patch_size=vision["patch_size"],
         vision_feature_select_strategy=shape["vision_feature_select_strategy"],
         num_additional_image_tokens=int(TOWER_KINDS[shape["vision_model"]].class_token), chat_template=LLAVA_TEMPLATE)
     processor.save_pretrained(out)

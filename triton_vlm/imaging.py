@@ -62,6 +62,11 @@ class VisionSettings:
     shortest_edge: int = 0
     do_center_crop: bool = False
     crop_size: tuple[int, int] = (0, 0)
+    # Processors that resize every image to one (height, width) (`size.height`, `size.width`:
+    # SigLIP's `SiglipImageProcessor`); (0, 0): none.
+    resize_to: tuple[int, int] = (0, 0)
+    # `LlavaImageProcessor`'s padding to a square before the resize (not supported: refused).
+    do_pad: bool = False
     # LLaVA's processor (its own fields, beside the image processor's): tokens an image adds beyond
     # one per patch (CLIP's class token: 1), and "default" (drop the first token) or "full" (what
     # the processor does when its config gives none).

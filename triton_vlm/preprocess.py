@@ -100,6 +100,8 @@ def _settings(section: dict, size_default: tuple[int, int], defaults: dict) -> V
         values["crop_size"] = (int(values["crop_size"]["height"]), int(values["crop_size"]["width"]))
     if size.get("shortest_edge"):  # read as an edge by CLIP-style resize rules only (GLM's is a pixel count)
         values["shortest_edge"] = int(size["shortest_edge"])
+    if size.get("height") and size.get("width"):
+        values["resize_to"] = (int(size["height"]), int(size["width"]))
     return dataclasses.replace(base, min_pixels=int(min_pixels), max_pixels=int(max_pixels), **values)
 
 

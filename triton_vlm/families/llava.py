@@ -8,9 +8,10 @@ Images only: a request with a video is refused (INVALID_ARG naming the family).
 The prompt holds `<image>` once per image (the tokenizer's `image_token`); `preprocess` resizes
 and crops each image as the checkpoint's `CLIPImageProcessor` does (torchvision backend: the
 shorter side to `size.shortest_edge`, bicubic with antialias on uint8, the centre `crop_size`,
-then the fused rescale + normalise) and writes `<image>` as many times as `LlavaProcessor` does:
-(crop height / patch) * (crop width / patch) + `num_additional_image_tokens`, less one with the
-"default" strategy (the processor's own fields).
+then the fused rescale + normalise), or a `SiglipImageProcessor` (resized to `size.height` x
+`size.width`, no crop), and writes `<image>` as many times as `LlavaProcessor` does:
+(height / patch) * (width / patch) + `num_additional_image_tokens`, less one with the "default"
+strategy (the processor's own fields).
 
 `preprocess` outputs (the contract's, for this family):
 
@@ -49,14 +50,21 @@ def encoder_dims(config: dict) -> tuple[int, int]:
 
 
 def resize_rule(height: int, width: int, settings: VisionSettings, num_frames: int, name: str) -> tuple[int, int]:
-    """`get_resize_output_image_size(size=shortest_edge, default_to_square=False)`: the shorter
-    side becomes `shortest_edge`, the longer `int(shortest_edge * long / short)` (the request limits
-    have refused aspect ratios over 200 before: the longer side stays bounded)."""
+    """The torchvision backend's resize size: with `size.shortest_edge` (CLIP's processor),
+    `get_resize_output_image_size(size=shortest_edge, default_to_square=False)`: the shorter side
+    becomes `shortest_edge`, the longer `int(shortest_edge * long / short)` (the request limits have
+    refused aspect ratios over 200 before: the longer side stays bounded); with `size.height` and
+    `size.width` (SigLIP's), that size."""
+    if settings.do_pad:  # (the preprocess model's warm-up meets this first: the model does not load)
+        raise ValueError("LLaVA: the image processor's do_pad (padding to a square) is not supported")
     if height <= 0 or width <= 0:
         raise InvalidInput(f"{name}: image has no pixels")
-    short, long = (width, height) if width <= height else (height, width)
     if settings.shortest_edge <= 0:
-        raise ValueError("LLaVA: the image processor config has no size.shortest_edge")
+        if not all(settings.resize_to):
+            raise ValueError("LLaVA: the image processor config has neither size.shortest_edge nor size.height "
+                             "and size.width")
+        return settings.resize_to
+    short, long = (width, height) if width <= height else (height, width)
     new_short, new_long = settings.shortest_edge, int(settings.shortest_edge * long / short)
     return (new_long, new_short) if width <= height else (new_short, new_long)
 
@@ -90,5 +98,5 @@ LLAVA = Family(
     # One frame per item, patches in raster order (no temporal patches, no merge blocks).
     vision_defaults=dict(temporal_patch_size=1, merge_size=1),
     takes_videos=False,
-    sized_by="the checkpoint's size.shortest_edge and crop_size",
+    sized_by="the checkpoint's size and crop_size",
 )

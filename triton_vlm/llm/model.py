@@ -158,6 +158,8 @@ class DecoderConfig:
             raise ValueError("config.json: rope_theta and mrope_section are required")
         if text.get("use_sliding_window"):
             raise NotImplementedError("sliding-window attention is not supported")
+        if refused := [key for key in spec.refused_flags if text.get(key)]:
+            raise NotImplementedError(f"{family.name}: text_config {', '.join(refused)} is not supported")
         act = text.get("hidden_act", "silu")
         if act != "silu":
             raise NotImplementedError(f"hidden_act {act!r} is not supported")
@@ -430,7 +432,7 @@ class Glm4MoeLayer(Qwen2Layer):
 
 class LlamaLayer(Qwen2Layer):
     """A Llama decoder layer (`LlamaDecoderLayer` with `attention_bias` and `mlp_bias` false, their
-    defaults, as LLaVA's checkpoints have them): Qwen2's without q/k/v biases."""
+    defaults, as LLaVA's checkpoints have them; others are refused): Qwen2's without q/k/v biases."""
     qkv_bias = False
 
 
@@ -498,6 +500,8 @@ class DecoderSpec:
     eos_tokens: tuple[str, ...] = ()
     # False: 1-D RoPE (the config has no mrope_section); the first position row turns every dim.
     mrope: bool = True
+    # Text config flags this decoder does not implement: a checkpoint that sets one is refused.
+    refused_flags: tuple[str, ...] = ()
 
     def layer_class(self, layer_type: str, moe: bool) -> type:
         """The class of a layer of `layer_type` (config `layer_types`) whose MLP is (`moe`) or is
@@ -520,7 +524,8 @@ QWEN3 = DecoderSpec(Qwen3Layer, HalfPairs, (), placeholder_tokens=("<unk>",),
                     eos_tokens=("<|im_end|>", "<|endoftext|>"), mrope=False)
 # LLaVA's language models (by `text_config.model_type`): 1-D RoPE (the positions are plain 0..S-1,
 # given as three equal `mrope_position_ids` rows), image rows replacing `image_token_index`.
-LLAVA_LLAMA = DecoderSpec(LlamaLayer, HalfPairs, ("image_token_index",), mrope=False)
+LLAVA_LLAMA = DecoderSpec(LlamaLayer, HalfPairs, ("image_token_index",), mrope=False,
+                          refused_flags=("attention_bias", "mlp_bias"))
 LLAVA_QWEN2 = DecoderSpec(Qwen2Layer, HalfPairs, ("image_token_index",), mrope=False)
 
 
