@@ -143,3 +143,23 @@ def test_tensorrt_profile_covers_the_inputs(case):
     check_profile_covers("llava", LlavaTower, settings, EngineProfile(16, 1024, 4096),
                          ([[1, side, side]], [[1, side, side]] * 8, [[16, side, side]]))
     assert LlavaTower.warmup_grid(settings, 3 * side * side - 1).tolist() == [[3, side, side]]
+
+
+def test_build_configs_batch_whole_images_and_tell_the_front_the_rows(case):
+    """`vision_encoder_batch` gets every tower's `max_batch_size` (`--encoder-max-batch-patches` patch
+    rows: 65536 by default, 1024 images of 8 x 8 patches here), and the `vision_encoder` front the
+    rows an image gives beyond one per patch (`extra_rows`)."""
+    import json
+
+    from triton_vlm.families import detect_family
+    from triton_vlm.options import EncoderOptions
+    from triton_vlm.repository import ENCODER_BATCH_MODEL, BuildOptions, model_configs
+
+    checkpoint = case[0]
+    configs = model_configs(detect_family(checkpoint), json.loads((checkpoint / "config.json").read_text()),
+                            BuildOptions())
+    assert configs[ENCODER_BATCH_MODEL].max_batch_size == BuildOptions().encoder_max_batch_patches == 65536
+    params = {k: v.string_value for k, v in configs["vision_encoder"].parameters.items()}
+    front = EncoderOptions.from_params(params)
+    settings = LlavaTower.read_vision_config(checkpoint)
+    assert (front.spatial_merge_size, front.extra_rows) == (1, settings["extra_rows"])

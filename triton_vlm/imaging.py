@@ -2,7 +2,8 @@
 processors (`Qwen2VLImageProcessor`, `Qwen2VLVideoProcessor`, and GLM's, which share the layout)
 compute them:
 
-resize on uint8 (torchvision BICUBIC, antialias), then float32 with the fused
+resize on uint8 (torchvision BICUBIC, antialias; CLIP's processors then cut the centre crop,
+`View.crop`), then float32 with the fused
 rescale + normalize (mean and std scaled by 1 / rescale_factor), then the patch layout
 `[grid_t * grid_h * grid_w, C * temporal_patch_size * patch * patch]`.
 
