@@ -172,7 +172,8 @@ def test_center_crop_pads_as_transformers_does():
     frames = np.random.default_rng(0).integers(0, 256, (1, 37, 52, 3), dtype=np.uint8)
     processor = CLIPImageProcessor()
     for crop in [(40, 40), (30, 60), (37, 52), (11, 13), (41, 55)]:
-        ref = processor.center_crop(torch.from_numpy(frames).permute(0, 3, 1, 2), SizeDict(height=crop[0], width=crop[1]))
+        chw = torch.from_numpy(frames).permute(0, 3, 1, 2)
+        ref = processor.center_crop(chw, SizeDict(height=crop[0], width=crop[1]))
         np.testing.assert_array_equal(center_crop(frames, crop), ref.permute(0, 2, 3, 1).numpy())
 
 

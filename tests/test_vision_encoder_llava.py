@@ -54,7 +54,8 @@ def test_settings_read_from_the_checkpoint(case):
     checkpoint = case[0]
     config = Oracle(checkpoint).model.config
     settings = LlavaTower.read_vision_config(checkpoint)
-    layers = config.vision_feature_layer if isinstance(config.vision_feature_layer, list) else [config.vision_feature_layer]
+    layers = config.vision_feature_layer
+    layers = layers if isinstance(layers, list) else [layers]
     depth = config.vision_config.num_hidden_layers
     assert settings["feature_layers"] == [i % (depth + 1) for i in layers]
     side = config.vision_config.image_size // config.vision_config.patch_size
@@ -123,8 +124,8 @@ def test_unfused_graph_runs_standard_ops_and_matches(case, onnx_path, tmp_path):
     from tests.encoder_checks import check_unfused_matches
 
     checkpoint, pixels, grid, ref = case
-    check_unfused_matches(onnx_path, LlavaTower, LlavaTower.read_vision_config(checkpoint), {"images": (pixels, grid, ref)},
-                          tmp_path)
+    settings = LlavaTower.read_vision_config(checkpoint)
+    check_unfused_matches(onnx_path, LlavaTower, settings, {"images": (pixels, grid, ref)}, tmp_path)
 
 
 def test_tensorrt_engines_are_built_from_the_export_of_their_precision(case, onnx_path, tmp_path):
