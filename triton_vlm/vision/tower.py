@@ -50,7 +50,7 @@ class Tower:
     @classmethod
     def embedding_rows(cls, grid_thw: np.ndarray, settings: dict[str, Any]) -> np.ndarray:
         """Embedding rows of each grid row (`batching.embedding_rows`: a resampler's `query_num`, or
-        one per merge^2 patches)."""
+        one per merge^2 patches plus the settings' `extra_rows` per frame)."""
         return batching.embedding_rows(grid_thw, settings["spatial_merge_size"], settings.get("query_num", 0),
                                        settings.get("extra_rows", 0))
 
