@@ -4,7 +4,7 @@
                                       [--max-patches-per-run 2048] [--run-sizes 1024,2048,16384]
 
 Writes the `small` demo checkpoint of `--family` (random weights; qwen2_5_vl, glm4v, glm46v,
-glmga, minicpmv4_6) to a temporary folder, exports its vision tower to ONNX (float32), and times, on the same
+glmga, minicpmv4_6, llava) to a temporary folder, exports its vision tower to ONNX (float32), and times, on the same
 inputs, interleaved (the two alternate, and which goes first alternates too, so machine noise hits
 both alike):
 
@@ -90,9 +90,9 @@ def main() -> int:
               f"{encoder.max_patches_per_run} patches")
 
         def inputs(sizes):
-            """(HF pixel_values, HF grid, our pixel rows, our grid_thw): MiniCPM-V's processor packs
-            slices [1, C, patch, L] with `target_sizes` [slices, 2]; the others give rows and
-            `image_grid_thw` as they are."""
+            """(HF get_image_features arguments, our pixel rows, our grid_thw): MiniCPM-V's processor
+            packs slices [1, C, patch, L] with `target_sizes` [slices, 2]; LLaVA's gives images
+            [B, C, S, S] and no grid; the others give rows and `image_grid_thw` as they are."""
             images = [Image.open(__import__("io").BytesIO(samples.image_bytes(w, h, seed=float(i)))).convert("RGB")
                       for i, (w, h) in enumerate(sizes)]
             out = processor.image_processor(images=images, return_tensors="pt")
@@ -101,8 +101,16 @@ def main() -> int:
 
                 sizes = out["target_sizes"].numpy().astype(np.int64)
                 grid = np.concatenate([np.ones_like(sizes[:, :1]), sizes], axis=1)
-                return out["pixel_values"], out["target_sizes"], patch_rows(out["pixel_values"].numpy()), grid
-            return out["pixel_values"], out["image_grid_thw"], out["pixel_values"].numpy(), out["image_grid_thw"].numpy()
+                return (out["pixel_values"], out["target_sizes"]), patch_rows(out["pixel_values"].numpy()), grid
+            if "image_grid_thw" not in out:
+                from triton_vlm.vision.llava import patch_rows
+
+                b, _, h, w = out["pixel_values"].shape
+                p = processor.patch_size
+                grid = np.array([[1, h // p, w // p]] * b, dtype=np.int64)
+                return (out["pixel_values"],), patch_rows(out["pixel_values"].numpy(), p), grid
+            return ((out["pixel_values"], out["image_grid_thw"]), out["pixel_values"].numpy(),
+                    out["image_grid_thw"].numpy())
 
         if args.run_sizes:
             return compare_run_sizes(onnx_path, inputs([(448, 448)] * 16), threads, clock, args.repeats,
@@ -115,11 +123,11 @@ def main() -> int:
               f"{'best ORT':>9} {'HF/ORT':>7} {'rel err':>9} {'GFLOP':>7} {'HF peak':>8} {'ORT peak':>9} {'bound':>7}")
         ratios, best_ratios, bounds = [], [], []
         for name, sizes in cases.items():
-            pixels, grid, px_np, grid_np = inputs(sizes)
+            hf_args, px_np, grid_np = inputs(sizes)
 
             def hf():
                 with torch.no_grad():
-                    return torch.cat(model.model.get_image_features(pixels, grid).pooler_output).numpy()
+                    return torch.cat(list(model.model.get_image_features(*hf_args).pooler_output)).numpy()
 
             def ort():
                 return encoder.encode(px_np, grid_np)
@@ -201,7 +209,7 @@ def compare_run_sizes(onnx_path, case, threads: int, clock, repeats: int, sizes:
 
     from triton_vlm.vision.encoder import VisionEncoder
 
-    _, _, pixels, grid = case
+    _, pixels, grid = case
     encoders = {m: VisionEncoder(onnx_path, intra_op_threads=threads, max_patches_per_run=m) for m in sizes}
     reference = encoders[max(sizes)].encode(pixels, grid)
     for m, encoder in encoders.items():  # warm-up, and the check that the results agree

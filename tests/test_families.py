@@ -64,13 +64,14 @@ def test_the_family_names_its_tower_decoder_and_demo():
     from triton_vlm.vision.tower import Tower
 
     for family in FAMILIES.values():
-        assert issubclass(family.tower_class(), Tower) and isinstance(family.decoder_spec(), DecoderSpec)
+        specs = [family.decoder_spec(t) for t in family.text_decoders] or [family.decoder_spec()]
+        assert issubclass(family.tower_class(), Tower) and all(isinstance(s, DecoderSpec) for s in specs)
     assert set(DEMOS) == set(FAMILIES)
 
 
 def test_unsupported_model_type_names_the_supported_ones(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava"}))
-    with pytest.raises(ValueError, match="model_type 'llava' is not supported; supported: qwen2_5_vl, glm4v"):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "paligemma"}))
+    with pytest.raises(ValueError, match="model_type 'paligemma' is not supported; supported: qwen2_5_vl, glm4v"):
         detect_family(tmp_path)
 
 

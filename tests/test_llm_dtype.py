@@ -34,6 +34,7 @@ FAMILIES = {
               "<|begin_of_video|><|video|><|end_of_video|>", "describe the red car on the road"),
     "minicpmv4_6": ("<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n", "<|image_pad|>", None,
                     MINICPMV_PROMPTS["text"]),
+    "llava": ("USER: {} ASSISTANT:", "<image>\n", None, "describe the red car on the road"),
 }
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device")])]
@@ -83,15 +84,14 @@ def bf16(request, checkpoint):
         on_device = {k: v.to(device) for k, v in inputs.items()}
         with torch.no_grad():
             rows = []
-            if "pixel_values" in inputs:
-                grid = "target_sizes" if family == "minicpmv4_6" else "image_grid_thw"
-                rows += model.model.get_image_features(on_device["pixel_values"],
-                                                       on_device[grid]).pooler_output
+            if "pixel_values" in inputs:  # with the family's grid, if it has one (LLaVA's has none)
+                grids = [on_device[k] for k in ("target_sizes", "image_grid_thw") if k in on_device]
+                rows += model.model.get_image_features(on_device["pixel_values"], *grids).pooler_output
             if "pixel_values_videos" in inputs:
                 rows += model.model.get_video_features(on_device["pixel_values_videos"],
                                                        on_device["video_grid_thw"]).pooler_output
             pos = delta = None
-            if family != "minicpmv4_6":
+            if hasattr(model.model, "get_rope_index"):  # M-RoPE (MiniCPM-V 4.6 and LLaVA: 1-D positions)
                 pos, delta = (t.cpu() for t in model.model.get_rope_index(
                     on_device["input_ids"], mm_token_type_ids=on_device["mm_token_type_ids"],
                     image_grid_thw=on_device.get("image_grid_thw"), video_grid_thw=on_device.get("video_grid_thw"),

@@ -19,7 +19,7 @@ import tritonclient.grpc as grpcclient
 
 from tests.metrics import wait_for
 from triton_vlm import samples
-from triton_vlm.checkpoint import GLM_TEMPLATE, MINICPMV_TEMPLATE, QWEN_TEMPLATE
+from triton_vlm.checkpoint import GLM_TEMPLATE, LLAVA_TEMPLATE, MINICPMV_TEMPLATE, QWEN_TEMPLATE
 from triton_vlm.chat import load_chat_template, render_chat
 from triton_vlm.client import generate, grpc_inputs, request_values
 from triton_vlm.errors import InvalidInput
@@ -245,6 +245,7 @@ def test_a_body_beyond_the_media_limits_is_413_before_it_is_read(api):
 
 
 @pytest.mark.parametrize("template,families", [(QWEN_TEMPLATE, ["qwen2_5_vl"]), (MINICPMV_TEMPLATE, ["minicpmv4_6"]),
+                                               (LLAVA_TEMPLATE, ["llava"]),
                                                (GLM_TEMPLATE, ["glm4v", "glm46v", "glmga", "glm_ocr", "glm4v_moe"])])
 def test_render_chat_places_each_familys_placeholders_in_order(template, families):
     for family in map(FAMILIES.get, families):

@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping
 
 from triton_vlm.families import get_family
 from triton_vlm.families import glm4v as glm
+from triton_vlm.families import llava
 from triton_vlm.families import minicpmv as mc
 from triton_vlm.families import minicpmv4_5 as mc45
 from triton_vlm.families import qwen2_5_vl as qwen
@@ -99,6 +100,10 @@ MINICPMV_TEMPLATE = chat_template(
     prefix="", message_start="<|im_start|>{{ message['role'] }}\n", message_end="<|im_end|>\n",
     image=mc.IMAGE_TOKEN, video=mc.VIDEO_TOKEN, generation_prompt="<|im_start|>assistant\n")
 
+LLAVA_TEMPLATE = chat_template(
+    prefix="", message_start="{{ message['role'] | upper }}: ", message_end="\n", image=llava.IMAGE_TOKEN + "\n",
+    video=llava.VIDEO_TOKEN + "\n", generation_prompt="ASSISTANT:")
+
 MINICPMV4_5_TEMPLATE = chat_template(
     prefix="", message_start="<|im_start|>{{ message['role'] }}\n", message_end="<|im_end|>\n",
     image=mc45.IMAGE_PLACEHOLDER, video=mc45.VIDEO_PLACEHOLDER, generation_prompt="<|im_start|>assistant\n")
@@ -167,6 +172,30 @@ MINICPMV4_5_SIZES: dict[str, dict[str, Any]] = {
         vision=dict(hidden_size=256, intermediate_size=704, num_hidden_layers=8, num_attention_heads=4,
                     image_size=980, patch_size=14),
         query_num=64, scale_resolution=448, max_slice_nums=9,
+    ),
+}
+
+# LLaVA: the tower (`vision_model`: clip_vision_model or siglip_vision_model) sees image_size
+# squares (CLIPImageProcessor: shortest edge, then the centre crop, both image_size); `small` has
+# LLaVA-1.5's 24 x 24 patches. `text_model` (llama, qwen2), `vision_feature_layer` and
+# `vision_feature_select_strategy` are the variants the tests cover, and `image_processor` ("clip",
+# the default: shortest edge and centre crop; "siglip": resized to the square, no crop).
+LLAVA_SIZES: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        vocab_size=1024, text_model="llama", vision_model="clip_vision_model",
+        vision_feature_layer=-2, vision_feature_select_strategy="default",
+        text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2),
+        vision=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+                    image_size=112, patch_size=14),
+    ),
+    "small": dict(
+        vocab_size=8192, text_model="llama", vision_model="clip_vision_model",
+        vision_feature_layer=-2, vision_feature_select_strategy="default",
+        text=dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=2),
+        vision=dict(hidden_size=256, intermediate_size=704, num_hidden_layers=8, num_attention_heads=4,
+                    image_size=336, patch_size=14),
     ),
 }
 
@@ -281,6 +310,42 @@ def _write_minicpmv4_6(out: Path, shape: dict[str, Any], tokenizer, seed: int) -
     processor = MiniCPMV4_6Processor(
         image_processor=MiniCPMV4_6ImageProcessor(**common), video_processor=MiniCPMV4_6VideoProcessor(**common),
         tokenizer=tokenizer, chat_template=MINICPMV_TEMPLATE)
+    processor.save_pretrained(out)
+
+
+def _write_llava(out: Path, shape: dict[str, Any], tokenizer, seed: int) -> None:
+    """Write a random-weight LLaVA checkpoint (`LlavaForConditionalGeneration`, `LlavaProcessor`
+    with a `CLIPImageProcessor`) that transformers loads offline."""
+    from transformers import (CLIPImageProcessor, GenerationConfig, LlavaConfig, LlavaForConditionalGeneration,
+                              LlavaProcessor, SiglipImageProcessor)
+
+    from triton_vlm.vision.llava import TOWER_KINDS
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in llava.LLAVA.special_tokens}
+    vision = dict(model_type=shape["vision_model"], **shape["vision"])
+    config = LlavaConfig(
+        text_config=dict(
+            model_type=shape["text_model"], vocab_size=shape["model_vocab_size"], max_position_embeddings=4096,
+            rms_norm_eps=1e-6, rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+            bos_token_id=ids[llava.BOS], eos_token_id=ids[llava.EOS], pad_token_id=ids[llava.PAD],
+            tie_word_embeddings=False, **shape["text"]),
+        vision_config=vision, image_token_id=ids[llava.IMAGE_TOKEN],
+        vision_feature_layer=shape["vision_feature_layer"],
+        vision_feature_select_strategy=shape["vision_feature_select_strategy"], tie_word_embeddings=False,
+    )
+    model = random_model(LlavaForConditionalGeneration, config, shape, seed)
+    model.generation_config = GenerationConfig(bos_token_id=ids[llava.BOS], eos_token_id=ids[llava.EOS],
+                                               pad_token_id=ids[llava.PAD], do_sample=False)
+    model.save_pretrained(out)
+
+    side = vision["image_size"]
+    image_processors = {  # LLaVA-1.5's; llava-interleave's (SigLIP tower)
+        "clip": lambda: CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side}),
+        "siglip": lambda: SiglipImageProcessor(size={"height": side, "width": side})}
+    processor = LlavaProcessor(
+        image_processor=image_processors[shape.get("image_processor", "clip")](), tokenizer=tokenizer, patch_size=vision["patch_size"],
+        vision_feature_select_strategy=shape["vision_feature_select_strategy"],
+        num_additional_image_tokens=int(TOWER_KINDS[shape["vision_model"]].class_token), chat_template=LLAVA_TEMPLATE)
     processor.save_pretrained(out)
 
 
@@ -435,6 +500,7 @@ DEMOS: dict[str, Demo] = {
     "glm4v_moe": _glm("glm4v_moe", GLM4V_MOE_SIZES),
     "minicpmv4_6": Demo(MINICPMV4_6_SIZES, _write_minicpmv4_6),
     "minicpmv4_5": Demo(MINICPMV4_5_SIZES, _write_minicpmv4_5),
+    "llava": Demo(LLAVA_SIZES, _write_llava),
 }
 
 

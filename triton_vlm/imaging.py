@@ -2,7 +2,8 @@
 processors (`Qwen2VLImageProcessor`, `Qwen2VLVideoProcessor`, and GLM's, which share the layout)
 compute them:
 
-resize on uint8 (torchvision BICUBIC, antialias), then float32 with the fused
+resize on uint8 (torchvision BICUBIC, antialias; CLIP's processors then cut the centre crop,
+`View.crop`), then float32 with the fused
 rescale + normalize (mean and std scaled by 1 / rescale_factor), then the patch layout
 `[grid_t * grid_h * grid_w, C * temporal_patch_size * patch * patch]`.
 
@@ -56,6 +57,27 @@ class VisionSettings:
     # MiniCPM-V 4.5's official one: Pillow's resize of each uint8 frame, then x / 255, then
     # (x - mean) / std in float32). The resizes differ by one level in places.
     backend: str = "torchvision"
+    # CLIP-style processors (LLaVA's `CLIPImageProcessor`): the shorter side resized to
+    # `shortest_edge` pixels, the aspect ratio kept (`size.shortest_edge`), then with
+    # `do_center_crop` the centre `crop_size` (height, width) cut out.
+    shortest_edge: int = 0
+    do_center_crop: bool = False
+    crop_size: tuple[int, int] = (0, 0)
+    # Processors that resize every image to one (height, width) (`size.height`, `size.width`:
+    # SigLIP's `SiglipImageProcessor`); (0, 0): none.
+    resize_to: tuple[int, int] = (0, 0)
+    # `LlavaImageProcessor`'s padding to a square before the resize (not supported: refused).
+    do_pad: bool = False
+    # LLaVA's processor (its own fields, beside the image processor's): tokens an image adds beyond
+    # one per patch (CLIP's class token: 1), and "default" (drop the first token) or "full" (what
+    # the processor does when its config gives none).
+    num_additional_image_tokens: int = 0
+    vision_feature_select_strategy: str = "full"
+
+    @property
+    def center_crop(self) -> tuple[int, int] | None:
+        """The (height, width) resized frames are cropped to, None without a crop."""
+        return tuple(self.crop_size) if self.do_center_crop else None
 
     @property
     def factor(self) -> int:
@@ -119,14 +141,39 @@ def grid_thw(num_frames: int, size: tuple[int, int], settings: VisionSettings) -
 
 @dataclass(frozen=True)
 class View:
-    """A frame resized to `size`, then cut into `rows` x `cols` equal slices (1 x 1: kept whole)."""
+    """A frame resized to `size`, centre-cropped to `crop` (None: not cropped), then cut into
+    `rows` x `cols` equal slices (1 x 1: kept whole)."""
     size: tuple[int, int]
     rows: int = 1
     cols: int = 1
+    crop: tuple[int, int] | None = None
+
+    @property
+    def pixels(self) -> tuple[int, int]:
+        """(height, width) of the view's pixels: the crop, else the resized size."""
+        return self.crop or self.size
 
     @property
     def slice_size(self) -> tuple[int, int]:
-        return self.size[0] // self.rows, self.size[1] // self.cols
+        return self.pixels[0] // self.rows, self.pixels[1] // self.cols
+
+    def resize(self, frames: np.ndarray, settings: VisionSettings) -> np.ndarray:
+        """uint8 frames [T, H, W, 3] resized to `size`, then cropped."""
+        frames = resize_frames(frames, self.size, settings)
+        return frames if self.crop is None else center_crop(frames, self.crop)
+
+
+def center_crop(frames: np.ndarray, crop: tuple[int, int]) -> np.ndarray:
+    """transformers' torchvision-backend `center_crop` of uint8 frames [T, H, W, 3]: a side shorter
+    than the crop is first padded with zeros (the extra pixel, if odd, at the end), then the
+    window at (int((H - h) / 2), int((W - w) / 2)) is kept (a view, no copy)."""
+    (ch, cw), (h, w) = crop, frames.shape[1:3]
+    if ch > h or cw > w:
+        pad_h, pad_w = max(ch - h, 0), max(cw - w, 0)
+        frames = np.pad(frames, ((0, 0), (pad_h // 2, (pad_h + 1) // 2), (pad_w // 2, (pad_w + 1) // 2), (0, 0)))
+        h, w = frames.shape[1:3]
+    top, left = int((h - ch) / 2.0), int((w - cw) / 2.0)
+    return frames[:, top:top + ch, left:left + cw]
 
 
 @dataclass(frozen=True)
@@ -154,13 +201,13 @@ class FrameLayout:
     @property
     def stored(self) -> tuple[int, int]:
         if len(self.views) == 1:
-            return self.views[0].size
-        return 1, sum(v.size[0] * v.size[1] for v in self.views)
+            return self.views[0].pixels
+        return 1, sum(v.pixels[0] * v.pixels[1] for v in self.views)
 
     def grids(self, num_frames: int, settings: VisionSettings) -> list[tuple[int, int, int]]:
         """The item's grid_thw rows, prompt order."""
         if not self.per_frame:
-            return [grid_thw(num_frames, self.views[0].size, settings)]
+            return [grid_thw(num_frames, self.views[0].pixels, settings)]
         p = settings.patch_size
         one = [(1, v.slice_size[0] // p, v.slice_size[1] // p) for v in self.views for _ in range(v.rows * v.cols)]
         if self.packing:
@@ -172,14 +219,14 @@ class FrameLayout:
     def resize(self, frames: np.ndarray, settings: VisionSettings) -> np.ndarray:
         """uint8 frames [T, H, W, 3] -> [T, *stored, 3]: every view resized from the frame itself."""
         if len(self.views) == 1:
-            return resize_frames(frames, self.views[0].size, settings)
-        return np.concatenate([resize_frames(frames, v.size, settings).reshape(frames.shape[0], 1, -1, 3)
+            return self.views[0].resize(frames, settings)
+        return np.concatenate([v.resize(frames, settings).reshape(frames.shape[0], 1, -1, 3)
                                for v in self.views], axis=2)
 
     def write(self, stored: np.ndarray, settings: VisionSettings, out: np.ndarray) -> None:
         """Normalise and patchify stored frames [T, *stored, 3] into `out` (the frames' rows)."""
         if not self.per_frame:
-            write_pixel_values(stored, self.views[0].size, settings, out)
+            write_pixel_values(stored, self.views[0].pixels, settings, out)
             return
         if settings.temporal_patch_size != 1:
             raise ValueError("per-frame layouts need temporal_patch_size 1")
@@ -187,7 +234,7 @@ class FrameLayout:
         for frame in stored:
             pixels = frame.reshape(-1, 3)
             for view in self.views:
-                h, w = view.size
+                h, w = view.pixels
                 whole, pixels = pixels[:h * w].reshape(1, h, w, 3), pixels[h * w:]
                 sh, sw = view.slice_size
                 for r in range(view.rows):

@@ -107,6 +107,7 @@ class EncoderOptions(ModelParams):
     batch_instances: int = 1
     query_num: int = 0  # embedding rows per grid row where a resampler makes them (`batching.embedding_rows`)
     packed_frames: bool = False  # grid rows are packed frame groups, taken whole (`Tower.PACKED_FRAMES`)
+    extra_rows: int = 0  # embedding rows per frame beyond one per merge^2 patches (LLaVA; `batching.embedding_rows`)
 
 
 @dataclass(frozen=True)

@@ -102,22 +102,32 @@ def _settings(section: dict, size_default: tuple[int, int], defaults: dict) -> V
     for key in ("image_mean", "image_std"):
         if key in values:
             values[key] = tuple(float(v) for v in values[key])
+    if isinstance(values.get("crop_size"), dict):
+        values["crop_size"] = (int(values["crop_size"]["height"]), int(values["crop_size"]["width"]))
+    if size.get("shortest_edge"):  # read as an edge by CLIP-style resize rules only (GLM's is a pixel count)
+        values["shortest_edge"] = int(size["shortest_edge"])
+    if size.get("height") and size.get("width"):
+        values["resize_to"] = (int(size["height"]), int(size["width"]))
     return dataclasses.replace(base, min_pixels=int(min_pixels), max_pixels=int(max_pixels), **values)
 
 
 def load_processor_sections(checkpoint: Path) -> tuple[dict, dict]:
     """(image section, video section) of a checkpoint's processor config, v5 nested layout
-    (`processor_config.json`) or the older separate files."""
+    (`processor_config.json`) or the older separate files. The processor's own scalar fields
+    (LLaVA's `patch_size`, `vision_feature_select_strategy`, ...) are in the image section too,
+    under the image processor's."""
     image = video = None
+    processor: dict = {}
     nested = checkpoint / "processor_config.json"
     if nested.is_file():
         data = json.loads(nested.read_text(encoding="utf-8"))
         image, video = data.get("image_processor"), data.get("video_processor")
+        processor = {key: value for key, value in data.items() if not isinstance(value, dict)}
     if image is None and (checkpoint / "preprocessor_config.json").is_file():
         image = json.loads((checkpoint / "preprocessor_config.json").read_text(encoding="utf-8"))
     if video is None and (checkpoint / "video_preprocessor_config.json").is_file():
         video = json.loads((checkpoint / "video_preprocessor_config.json").read_text(encoding="utf-8"))
-    image = image or {}
+    image = {**processor, **(image or {})}
     return image, (video if video is not None else dict(image))
 
 
@@ -172,7 +182,9 @@ class Preprocessor:
                 "(" + "|".join(map(re.escape, (self.family.image_placeholder, self.family.video_placeholder))) + ")")
         else:
             self.image_token_id = self._token_id("image_token_id", named["image_token"])
-            self.video_token_id = self._token_id("video_token_id", named["video_token"])
+            # A family that takes no videos may have no video token (LLaVA's tokenizers have none).
+            self.video_token_id = (self._token_id("video_token_id", named["video_token"])
+                                   if self.family.takes_videos else VIDEO_MARK)
 
     def warmup(self) -> None:
         """One small image and video through every stage, so no request pays for lazy imports."""
@@ -238,9 +250,11 @@ class Preprocessor:
                 raise InvalidInput(f"mm_options: {key}={opts[key]} exceeds max_frames={limits.max_video_frames}")
 
         sizes = {k: opts[k] for k in ("min_pixels", "max_pixels") if k in opts}
-        if sizes and self.family.slice_rule is not None:
+        sized_by = self.family.sized_by or (self.family.slice_rule is not None
+                                            and "the checkpoint's scale_resolution and max_slice_nums")
+        if sizes and sized_by:
             raise InvalidInput(f"mm_options: {', '.join(sizes)} does not apply: {self.family.name} sizes images "
-                               f"by the checkpoint's scale_resolution and max_slice_nums")
+                               f"by {sized_by}")
         # A max_pixels below min_pixels is what transformers takes too: smart_resize caps at
         # max_pixels first, so the smaller bound wins.
         image, video = self.image_settings, self.video_settings
@@ -327,7 +341,7 @@ class Preprocessor:
         if self.family.slice_rule is not None:
             return FrameLayout(self.family.slice_rule(height, width, settings, name), per_frame=True)
         size = target_size(height, width, settings, name, num_frames, self.family.resize_rule)
-        return FrameLayout((View(size),))
+        return FrameLayout((View(size, crop=settings.center_crop),))
 
     def _plan(self, item: _Item, options: RequestOptions) -> _Item:
         """Phase 1 (items in parallel threads: Pillow, PyAV and torch release the GIL): the item's

@@ -330,7 +330,7 @@ def model_configs(family: Family, checkpoint_config: dict, options: BuildOptions
                            spatial_merge_size=int(tower_settings["spatial_merge_size"]),
                            max_batch_patches=options.encoder_max_batch_patches,
                            batch_instances=encoder_instances(options), query_num=int(tower_settings.get("query_num", 0)),
-                           packed_frames=tower.PACKED_FRAMES)
+                           packed_frames=tower.PACKED_FRAMES, extra_rows=int(tower_settings.get("extra_rows", 0)))
     encoder = _bounded_queue(_python_model("vision_encoder", enc_in, enc_out, options.encoder_frontends,
                                            {**common, **front.to_params()}), options)
     encoder_batch = _encoder_batch_model(patch_dim, hidden, options, common)

@@ -225,7 +225,7 @@ class VisionEncoderModel:
             rows_temporal = None
         embeddings = encode_in_shares(pixels, grid, self._encode_rows, shares=o.batch_instances,
                                       max_rows=o.max_batch_patches, hidden=o.hidden,
-                                      rows_per_item=embedding_rows(grid, o.spatial_merge_size, o.query_num),
+                                      rows_per_item=embedding_rows(grid, o.spatial_merge_size, o.query_num, o.extra_rows),
                                       rows_temporal=rows_temporal)
         embeddings, kept = prune(embeddings, items, o.spatial_merge_size, rate)
         return [pb_utils.Tensor("embeddings", np.ascontiguousarray(embeddings, dtype=np.float32)),

@@ -124,12 +124,24 @@ class Family:
     # carried to the tower (`temporal_ids`). None: frames are not packed, and `force_packing` is
     # refused.
     pack_frames: Callable[..., list[list[int]]] | None = None
+    # What sizes images where the request's `min_pixels` / `max_pixels` play no part (they are then
+    # refused naming it); empty: they apply (or the family's `slice_rule` says why not).
+    sized_by: str = ""
+    # Decoders by the checkpoint's `text_config.model_type`, for a family whose checkpoints pair its
+    # tower with several language models (LLaVA: llama, qwen2); empty: `decoder` serves every one.
+    text_decoders: dict[str, str] = field(default_factory=dict)
 
     def tower_class(self) -> type:
         return _import(self.tower)
 
-    def decoder_spec(self) -> Any:
-        return _import(self.decoder)
+    def decoder_spec(self, text_model_type: str = "") -> Any:
+        """The decoder of a checkpoint whose `text_config.model_type` is `text_model_type`."""
+        if not self.text_decoders:
+            return _import(self.decoder)
+        if text_model_type not in self.text_decoders:
+            raise ValueError(f"{self.name}: text_config.model_type {text_model_type!r} is not supported; "
+                             f"supported: {', '.join(self.text_decoders)}")
+        return _import(self.text_decoders[text_model_type])
 
 
 def _import(path: str) -> Any:

@@ -16,8 +16,11 @@ Follows transformers' text models closely enough that greedy tokens equal Huggin
   layers have q/k RMSNorms, a sigmoid output gate and partial rotate-half rotary; linear-attention
   layers (Gated DeltaNet, `triton_vlm.llm.linear_attention`) keep a per-sequence recurrent state
   (the runner's `StateCache`) instead of K/V. Its RMSNorms scale by `1 + weight`.
-All split the rotary frequencies by `mrope_section` over the temporal / height / width axes, in
-runs (t.., h.., w..) or interleaved (t, h, w, t, h, w, ...: `mrope_interleaved`).
+- Llama and Qwen2 under LLaVA (`llava`, the decoder picked by `text_config.model_type`): Llama is
+  Qwen2's layer without q/k/v biases; both have 1-D RoPE (one section, turned by the first of the
+  three position rows, which `preprocess` sends equal).
+The others split the rotary frequencies by `mrope_section` over the temporal / height / width axes,
+in runs (t.., h.., w..) or interleaved (t, h, w, t, h, w, ...: `mrope_interleaved`).
 
 Every size, token id, eos id, rope theta, `mrope_section` and `partial_rotary_factor` comes from
 the checkpoint's files.
@@ -67,7 +70,8 @@ _LAYER_KEY = re.compile("^(?:" + "|".join(map(re.escape, _DECODER_PREFIXES)) + r
 # Weights transformers keeps in float32 whatever the model's dtype (`_keep_in_fp32_modules_strict`).
 _FLOAT32_WEIGHTS = ("e_score_correction_bias",)
 # Vision weights whose names say neither "visual" nor "vision" (MiniCPM-V 4.5: `vpm`, `resampler`).
-_VISION_PREFIXES = ("mlp1", "model.merger.", "vpm.", "resampler.")
+_VISION_PREFIXES = ("mlp1", "model.merger.", "vpm.", "resampler.", "model.multi_modal_projector.",
+                    "multi_modal_projector.")
 
 
 def _ids(value: Any) -> list[int]:
@@ -110,6 +114,7 @@ class DecoderConfig:
     linear_attention: LinearAttentionConfig | None = None  # set when some layer is linear attention
     mrope_interleaved: bool = False
     moe: MoeConfig | None = None  # set for mixture-of-experts decoders (config `n_routed_experts`)
+    text_model_type: str = ""  # `text_config.model_type`: picks the decoder where a family has several
 
     @property
     def moe_layers(self) -> tuple[bool, ...]:
@@ -138,7 +143,8 @@ class DecoderConfig:
         root = Path(checkpoint_dir)
         cfg = json.loads((root / "config.json").read_text(encoding="utf-8"))
         family = detect_family(root)
-        spec = family.decoder_spec()
+        text_model_type = str((cfg.get("text_config") or {}).get("model_type", ""))
+        spec = family.decoder_spec(text_model_type)
         # Older Qwen2.5-VL configs hold the text fields at top level; v5 (and GLM) nest them in text_config.
         text = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")}
         text.update(cfg.get("text_config") or {})
@@ -154,6 +160,8 @@ class DecoderConfig:
             raise ValueError("config.json: rope_theta and mrope_section are required")
         if text.get("use_sliding_window"):
             raise NotImplementedError("sliding-window attention is not supported")
+        if refused := [key for key in spec.refused_flags if text.get(key)]:
+            raise NotImplementedError(f"{family.name}: text_config {', '.join(refused)} is not supported")
         act = text.get("hidden_act", "silu")
         if act != "silu":
             raise NotImplementedError(f"hidden_act {act!r} is not supported")
@@ -203,7 +211,7 @@ class DecoderConfig:
             placeholder_token_ids=placeholders, eos_token_ids=tuple(dict.fromkeys(eos)), family=family.name,
             layer_types=layer_types, linear_attention=linear,
             mrope_interleaved=bool(rope.get("mrope_interleaved", legacy.get("mrope_interleaved", False))),
-            moe=moe,
+            moe=moe, text_model_type=text_model_type,
         )
 
 
@@ -431,6 +439,12 @@ class Glm4MoeLayer(Qwen2Layer):
         return self.reduce(self.moe(x))
 
 
+class LlamaLayer(Qwen2Layer):
+    """A Llama decoder layer (`LlamaDecoderLayer` with `attention_bias` and `mlp_bias` false, their
+    defaults, as LLaVA's checkpoints have them; others are refused): Qwen2's without q/k/v biases."""
+    qkv_bias = False
+
+
 class Qwen3Layer(Qwen2Layer):
     """A Qwen3 decoder layer (`Qwen3DecoderLayer`): Qwen2's without q/k/v biases; q and k are
     RMS-normed per head before the rotary (`q_norm`, `k_norm`)."""
@@ -495,6 +509,8 @@ class DecoderSpec:
     eos_tokens: tuple[str, ...] = ()
     # False: 1-D RoPE (the config has no mrope_section); the first position row turns every dim.
     mrope: bool = True
+    # Text config flags this decoder does not implement: a checkpoint that sets one is refused.
+    refused_flags: tuple[str, ...] = ()
 
     def layer_class(self, layer_type: str, moe: bool) -> type:
         """The class of a layer of `layer_type` (config `layer_types`) whose MLP is (`moe`) or is
@@ -515,6 +531,11 @@ QWEN3_5 = DecoderSpec(Qwen35AttentionLayer, HalfPairs, ("image_token_id", "video
 # MiniCPM-V 4.5's Qwen3: its image rows replace `<unk>` runs (the processor's `image_bound`).
 QWEN3 = DecoderSpec(Qwen3Layer, HalfPairs, (), placeholder_tokens=("<unk>",),
                     eos_tokens=("<|im_end|>", "<|endoftext|>"), mrope=False)
+# LLaVA's language models (by `text_config.model_type`): 1-D RoPE (the positions are plain 0..S-1,
+# given as three equal `mrope_position_ids` rows), image rows replacing `image_token_index`.
+LLAVA_LLAMA = DecoderSpec(LlamaLayer, HalfPairs, ("image_token_index",), mrope=False,
+                          refused_flags=("attention_bias", "mlp_bias"))
+LLAVA_QWEN2 = DecoderSpec(Qwen2Layer, HalfPairs, ("image_token_index",), mrope=False)
 
 
 class DecoderModel:
@@ -532,7 +553,7 @@ class DecoderModel:
         self.device, self.dtype = parse_device(device), parse_dtype(dtype)
         if self.device.type == "cuda" and self.device.index is None:  # by its index, as tensors name it
             self.device = torch.device("cuda", torch.cuda.current_device())
-        spec = get_family(c.family).decoder_spec()
+        spec = get_family(c.family).decoder_spec(c.text_model_type)
         prefix = next((p for p in _DECODER_PREFIXES if p + "embed_tokens.weight" in weights), None)
         if prefix is None:
             raise ValueError("checkpoint has no embed_tokens.weight for the language model")

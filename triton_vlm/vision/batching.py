@@ -179,13 +179,14 @@ def encode_in_shares(pixels: np.ndarray, grid_thw: np.ndarray, send: Callable[..
     return join_shares(split, embeddings, rows_per_item)
 
 
-def embedding_rows(grid_thw: np.ndarray, merge: int, query_num: int = 0) -> np.ndarray:
+def embedding_rows(grid_thw: np.ndarray, merge: int, query_num: int = 0, extra_rows: int = 0) -> np.ndarray:
     """Embedding rows of each grid row: `query_num` (a resampler's learned queries, whatever the
-    row's size), or with none one per merge^2 patches."""
+    row's size), or with none one per merge^2 patches plus `extra_rows` per frame (LLaVA: its
+    class token kept, +1, or its first token dropped, -1)."""
     grid = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
     if query_num:
         return np.full(len(grid), query_num, dtype=np.int64)
-    return grid.prod(axis=1) // merge ** 2
+    return grid.prod(axis=1) // merge ** 2 + extra_rows * grid[:, 0]
 
 
 def balance_items(grid_thw: np.ndarray, shares: int) -> list[np.ndarray]:

@@ -37,7 +37,7 @@ class TowerEncoder:
 
     def warmup(self) -> None:
         """One smallest item through the runtime: runtimes allocate on their first run."""
-        grid = np.array([[1, self.tower_merge, self.tower_merge]], dtype=np.int64)
+        grid = self.tower.warmup_grid(self.settings)
         self.encode(np.zeros((int(grid.prod()), self.patch_dim), np.float32), grid)
 
     def _validate(self, pixel_values, grid_thw, temporal_ids) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:

@@ -194,8 +194,5 @@ class TensorRTEncoder(TowerEncoder):
         return result.numpy()
 
     def warmup(self) -> None:
-        side = self.tower_merge
-        while side * side < self.min_patches:
-            side += self.tower_merge
-        grid = np.array([[1, side, side]], dtype=np.int64)
-        self.encode(np.zeros((side * side, self.patch_dim), np.float32), grid)
+        grid = self.tower.warmup_grid(self.settings, self.min_patches)
+        self.encode(np.zeros((int(grid.prod()), self.patch_dim), np.float32), grid)

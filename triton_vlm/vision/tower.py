@@ -63,8 +63,18 @@ class Tower:
     @classmethod
     def embedding_rows(cls, grid_thw: np.ndarray, settings: dict[str, Any]) -> np.ndarray:
         """Embedding rows of each grid row (`batching.embedding_rows`: a resampler's `query_num`, or
-        one per merge^2 patches)."""
-        return batching.embedding_rows(grid_thw, settings["spatial_merge_size"], settings.get("query_num", 0))
+        one per merge^2 patches plus the settings' `extra_rows` per frame)."""
+        return batching.embedding_rows(grid_thw, settings["spatial_merge_size"], settings.get("query_num", 0),
+                                       settings.get("extra_rows", 0))
+
+    @classmethod
+    def warmup_grid(cls, settings: dict[str, Any], min_patches: int = 1) -> np.ndarray:
+        """grid_thw [1, 3] of the smallest item of at least `min_patches` patches the tower takes (a
+        runtime's first run): a square of whole merge blocks."""
+        merge = side = settings["spatial_merge_size"]
+        while side * side < min_patches:
+            side += merge
+        return np.array([[1, side, side]], dtype=np.int64)
 
     @classmethod
     def profile_shapes(cls, settings: dict[str, Any], patches: tuple[int, int, int]) -> common.Shapes:
