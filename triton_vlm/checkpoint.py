@@ -247,22 +247,25 @@ def _write_qwen2_5_vl(out: Path, shape: dict[str, Any], tokenizer, seed: int) ->
     processor.save_pretrained(out)
 
 
-def _write_minicpmv4_6(out: Path, shape: dict[str, Any], tokenizer, seed: int) -> None:
-    """Write a random-weight MiniCPM-V 4.6 checkpoint that transformers loads offline."""
-    from transformers import (
-        GenerationConfig,
-        MiniCPMV4_6Config,
-        MiniCPMV4_6ForConditionalGeneration,
-        MiniCPMV4_6ImageProcessor,
-        MiniCPMV4_6Processor,
-        MiniCPMV4_6VideoProcessor,
-    )
+def _write_minicpmv(out: Path, shape: dict[str, Any], tokenizer, seed: int, *, variant: str) -> None:
+    """Write a random-weight MiniCPM-V 4.6 or 4.7 checkpoint that transformers loads offline (4.7:
+    its config also names the canvas M-RoPE markers, as the conversion script stores them). A
+    shape's `downsample_mode` goes to the model and both processors."""
+    import transformers
+    from transformers import GenerationConfig, MiniCPMV4_6ImageProcessor, MiniCPMV4_6VideoProcessor
 
+    prefix = {"minicpmv4_6": "MiniCPMV4_6", "minicpmv4_7": "MiniCPMV4_7"}[variant]
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in mc.SPECIAL_TOKENS}
     eos_ids = [ids[t] for t in mc.MINICPMV4_6.eos_tokens]
     text = dict(shape["text"])
     mrope_section = text.pop("mrope_section")
-    config = MiniCPMV4_6Config(
+    downsample = {"downsample_mode": shape["downsample_mode"]} if "downsample_mode" in shape else {}
+    markers = {}
+    if variant == "minicpmv4_7":
+        (newline,) = tokenizer.encode("\n", add_special_tokens=False)
+        markers = dict(image_start_id=ids[mc.IMAGE_START], image_end_id=ids[mc.IMAGE_END],
+                       slice_start_id=ids[mc.SLICE_START], slice_end_id=ids[mc.SLICE_END], newline_id=newline)
+    config = getattr(transformers, f"{prefix}Config")(
         text_config=dict(
             vocab_size=shape["model_vocab_size"], max_position_embeddings=4096, rms_norm_eps=1e-6,
             rope_parameters=dict(rope_type="default", rope_theta=10000000.0, mrope_section=mrope_section,
@@ -271,14 +274,16 @@ def _write_minicpmv4_6(out: Path, shape: dict[str, Any], tokenizer, seed: int) -
         vision_config=dict(shape["vision"]),
         insert_layer_id=shape["insert_layer_id"], image_size=shape["scale_resolution"],
         image_token_id=ids[mc.IMAGE_TOKEN], video_token_id=ids[mc.VIDEO_TOKEN], tie_word_embeddings=False,
+        **downsample, **markers,
     )
-    model = random_model(MiniCPMV4_6ForConditionalGeneration, config, shape, seed)
+    model = random_model(getattr(transformers, f"{prefix}ForConditionalGeneration"), config, shape, seed)
     model.generation_config = GenerationConfig(eos_token_id=eos_ids, pad_token_id=ids[mc.ENDOFTEXT], do_sample=False)
     model.save_pretrained(out)
 
     patch = shape["vision"]["patch_size"]
-    common = dict(scale_resolution=shape["scale_resolution"], max_slice_nums=shape["max_slice_nums"], patch_size=patch)
-    processor = MiniCPMV4_6Processor(
+    common = dict(scale_resolution=shape["scale_resolution"], max_slice_nums=shape["max_slice_nums"], patch_size=patch,
+                  **downsample)
+    processor = getattr(transformers, f"{prefix}Processor")(
         image_processor=MiniCPMV4_6ImageProcessor(**common), video_processor=MiniCPMV4_6VideoProcessor(**common),
         tokenizer=tokenizer, chat_template=MINICPMV_TEMPLATE)
     processor.save_pretrained(out)
@@ -433,7 +438,8 @@ DEMOS: dict[str, Demo] = {
     "qwen2_5_vl": Demo(QWEN2_5_VL_SIZES, _write_qwen2_5_vl),
     "glm4v": _glm("glm4v"), "glm46v": _glm("glm46v"), "glmga": _glm("glmga"), "glm_ocr": _glm("glm_ocr"),
     "glm4v_moe": _glm("glm4v_moe", GLM4V_MOE_SIZES),
-    "minicpmv4_6": Demo(MINICPMV4_6_SIZES, _write_minicpmv4_6),
+    "minicpmv4_6": Demo(MINICPMV4_6_SIZES, partial(_write_minicpmv, variant="minicpmv4_6")),
+    "minicpmv4_7": Demo(MINICPMV4_6_SIZES, partial(_write_minicpmv, variant="minicpmv4_7")),
     "minicpmv4_5": Demo(MINICPMV4_5_SIZES, _write_minicpmv4_5),
 }
 

@@ -412,7 +412,11 @@ class Preprocessor:
         pieces.append(ids[previous:])
         input_ids = np.concatenate(pieces).astype(np.int32, copy=False)
         grids = np.array([g for item in items for g in item.grids], dtype=np.int64).reshape(-1, 3)
-        if rate > 0:
+        if self.family.prompt_positions is not None:
+            kinds = np.select([input_ids == self.image_token_id, input_ids == self.video_token_id], [1, 2], 0)
+            positions, delta = self.family.prompt_positions(input_ids, kinds, grids, self.config)
+            media = np.zeros((3, 0), np.int64)
+        elif rate > 0:
             positions, delta, media = pruned_mrope_positions(input_ids.shape[0], spans)
         else:
             (positions, delta), media = mrope_positions(input_ids.shape[0], spans), np.zeros((3, 0), np.int64)

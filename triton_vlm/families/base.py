@@ -106,6 +106,10 @@ class Family:
     # The config `version`s served, where one `model_type` spans versions (MiniCPM-V's `minicpmv`:
     # 2.0 to 4.5); empty: any.
     versions: tuple[str, ...] = ()
+    # Positions laid out over the whole expanded prompt instead of from the `MediaSpan`s (MiniCPM-V
+    # 4.7's canvas M-RoPE): `prompt_positions(input_ids, kinds, grid_thw, config_json) -> (positions
+    # int64 [3, S], delta)`, `kinds` per token 0 text, 1 image, 2 video (HF's `mm_token_type_ids`).
+    prompt_positions: Callable[..., tuple[np.ndarray, int]] | None = None
     # Whether requests may hold videos (MiniCPM-V 4.5's packed frames with temporal ids are not
     # served yet: a video is refused rather than encoded otherwise than the official code does).
     takes_videos: bool = True
