@@ -1,0 +1,101 @@
+"""MiniCPM-V 4.7's vision tower (4.6's, `triton_vlm.vision.minicpmv`) in both `downsample_mode`s
+against transformers: the torch tower (`TorchEncoder`, the `torch` back end) within 1e-5 and the
+ONNX export through ONNX Runtime within 1e-4 of `get_image_features` / `get_video_features`.
+
+"16x" runs the window merger after `insert_layer_id` then the 2x2 merger (4 patches a token per
+side); "4x" skips the window merger (`use_vit_merger=False`, 2 patches a token per side). The
+tiny demo checkpoint of each mode, its 1-D vision parameters moved off their initial values (see
+`tests/test_vision_encoder_minicpmv.py`), inputs from its own processors.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np
+import pytest
+import torch
+
+from tests.encoder_checks import rel_err
+from tests.test_vision_encoder_minicpmv import CASES, Oracle
+from triton_vlm.vision.minicpmv import MiniCPMV4_6Tower as MC
+
+MODES = {"16x": 4, "4x": 2}  # downsample_mode -> patches per token side
+
+
+@pytest.fixture(scope="module", params=list(MODES))
+def mode(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def checkpoint(mode, tmp_path_factory):
+    from transformers import AutoModelForImageTextToText
+
+    from triton_vlm.checkpoint import write_demo_checkpoint
+
+    path = write_demo_checkpoint("minicpmv4_7", tmp_path_factory.mktemp(f"minicpmv4_7_{mode}") / "ckpt", "tiny",
+                                 overrides={"downsample_mode": mode})
+    model = AutoModelForImageTextToText.from_pretrained(path).eval()
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for module in (model.model.vision_tower, model.model.merger):
+            for param in module.parameters():
+                if param.ndim == 1:
+                    param.add_(0.1 * torch.randn(param.shape, generator=gen))
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def oracle(checkpoint):
+    return Oracle(checkpoint, CASES)
+
+
+@pytest.fixture(scope="module")
+def onnx_encoder(checkpoint, tmp_path_factory):
+    from triton_vlm.vision.encoder import VisionEncoder
+    from triton_vlm.vision.export import export_onnx
+
+    return VisionEncoder(export_onnx(checkpoint, tmp_path_factory.mktemp("minicpmv4_7_onnx") / "encoder.onnx"))
+
+
+@pytest.fixture(scope="module")
+def torch_encoder(checkpoint):
+    from triton_vlm.vision.torch_encoder import TorchEncoder
+
+    return TorchEncoder(checkpoint)
+
+
+def test_settings_follow_the_mode(checkpoint, mode, torch_encoder):
+    settings = MC.read_vision_config(checkpoint)
+    assert settings["downsample_mode"] == mode and settings["window_merger"] == (mode == "16x")
+    assert settings["spatial_merge_size"] == MODES[mode]
+    assert torch_encoder.family == "minicpmv4_7"
+    assert torch_encoder.embedding_rows(np.array([[1, 8, 12]])).tolist() == [96 // MODES[mode] ** 2]
+
+
+def test_onnx_graph_drops_the_window_merger_inputs_in_4x(onnx_encoder, mode):
+    names = {i.name for i in onnx_encoder.session.get_inputs()}
+    merged = {"merged_index", "merged_mask", "merged_inverse"}
+    assert merged <= names if mode == "16x" else not merged & names
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_torch_tower_matches_hf(case, oracle, torch_encoder):
+    pixels, grid, ref = oracle(case)
+    assert rel_err(torch_encoder.encode(pixels, grid), ref) < 1e-5
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_onnx_matches_hf(case, oracle, onnx_encoder):
+    pixels, grid, ref = oracle(case)
+    out = onnx_encoder.encode(pixels, grid)
+    assert out.dtype == np.float32
+    assert rel_err(out, ref) < 1e-4
+
+
+def test_onnx_one_run_with_padded_slices(oracle, onnx_encoder):
+    pixels, grid, ref = oracle("images and video")
+    assert rel_err(onnx_encoder._run(pixels, grid), ref) < 1e-4
