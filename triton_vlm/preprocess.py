@@ -336,9 +336,17 @@ class Preprocessor:
             item.frames = decode_image(item.data, item.name, self.limits)[None]
             probed = item.frames.shape[1:3]
         item.layout = self._layout(probed[0], probed[1], settings, item.name, 1)
+        if self.family.refine_layout is not None:
+            item.layout = self.family.refine_layout(item.layout, settings, lambda: self._decoded(item), item.name)
         item.probed = tuple(probed)
         if item.frames is not None:
             item.frames = item.layout.resize(item.frames, settings)
+
+    def _decoded(self, item: _Item) -> np.ndarray:
+        """An image's uint8 pixels [H, W, 3], decoded now if its header was all phase 1 had read."""
+        if item.frames is None:
+            item.frames = decode_image(item.data, item.name, self.limits)[None]
+        return item.frames[0]
 
     def _check_frame_patches(self, items: list[_Item]) -> None:
         """No frame larger than one encoder run takes (`max_frame_patches`)."""

@@ -32,6 +32,7 @@ per-slice attention groups before (`full_*`) and after (`merged_*`) the window m
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -46,7 +47,7 @@ METADATA_INPUTS = ("patch_order", "position_ids") + common.FULL_INPUTS + ("merge
 
 # Fields read from the model config (`MiniCPMV4_6Config`, top level) and its vision_config
 # (`MiniCPMV4_6VisionConfig`), with Hugging Face's defaults.
-_DEFAULTS: dict[str, Any] = dict(insert_layer_id=6, downsample_mode="16x", merge_kernel_size=(2, 2), merger_times=1)
+_DEFAULTS: dict[str, Any] = dict(insert_layer_id=6, merge_kernel_size=(2, 2), merger_times=1)
 _VISION_DEFAULTS: dict[str, Any] = dict(
     hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12, num_channels=3,
     image_size=224, patch_size=16, hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6, window_kernel_size=(2, 2),
@@ -56,15 +57,16 @@ PREFIXES = {"model.vision_tower.": "vision_tower.", "model.merger.": "merger.",
             "vision_tower.": "vision_tower.", "merger.": "merger."}
 
 
-def vision_settings(config: Any) -> dict[str, Any]:
+def vision_settings(config: Any, downsample_mode: str = "16x") -> dict[str, Any]:
     """Normalise a MiniCPM-V 4.6 model config (HF config object or `config.json` dict: the top
     level, which holds the merger fields, with `vision_config` and `text_config` inside) into a
-    plain JSON-able dict of the fields this module uses."""
+    plain JSON-able dict of the fields this module uses. `downsample_mode`: the config class's
+    default, where the config leaves it out (MiniCPM-OCR's is "4x")."""
     cfg = common.as_dict(config)
     vision = common.as_dict(cfg.get("vision_config") or {})
     text = common.as_dict(cfg.get("text_config") or {})
     out = {key: vision.get(key, default) for key, default in _VISION_DEFAULTS.items()}
-    out.update({key: cfg.get(key, default) for key, default in _DEFAULTS.items()})
+    out.update({key: cfg.get(key, default) for key, default in {**_DEFAULTS, "downsample_mode": downsample_mode}.items()})
     # "16x": the window merger after `insert_layer_id`, then the merger; "4x" skips the window merger.
     out["window_merger"] = out["downsample_mode"] != "4x"
     if out["downsample_mode"] not in ("4x", "16x") or (
@@ -319,3 +321,8 @@ class MiniCPMV4_6Tower(Tower):
     encoder_metadata = staticmethod(encoder_metadata)
     profile_shapes = staticmethod(profile_shapes)
     WHOLE_CONFIG = True
+
+
+class MiniCPMOcrTower(MiniCPMV4_6Tower):
+    """MiniCPM-OCR's tower (`minicpm_ocr`): 4.6's, its config defaulting to `downsample_mode` "4x"."""
+    vision_settings = staticmethod(partial(vision_settings, downsample_mode="4x"))
