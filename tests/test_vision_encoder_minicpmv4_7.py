@@ -1,6 +1,7 @@
-"""MiniCPM-V 4.7's vision tower (4.6's, `triton_vlm.vision.minicpmv`) in both `downsample_mode`s
-against transformers: the torch tower (`TorchEncoder`, the `torch` back end) within 1e-5 and the
-ONNX export through ONNX Runtime within 1e-4 of `get_image_features` / `get_video_features`.
+"""MiniCPM-V 4.7's vision tower (4.6's, `triton_vlm.vision.minicpmv`) in both `downsample_mode`s,
+and MiniCPM-OCR's (the same, "4x" by default), against transformers: the torch tower
+(`TorchEncoder`, the `torch` back end) within 1e-5 and the ONNX export through ONNX Runtime within
+1e-4 of `get_image_features` / `get_video_features`.
 
 "16x" runs the window merger after `insert_layer_id` then the 2x2 merger (4 patches a token per
 side); "4x" skips the window merger (`use_vit_merger=False`, 2 patches a token per side). The
@@ -9,6 +10,7 @@ tiny demo checkpoint of each mode, its 1-D vision parameters moved off their ini
 """
 from __future__ import annotations
 
+import json
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -19,23 +21,32 @@ import torch
 
 from tests.encoder_checks import rel_err
 from tests.test_vision_encoder_minicpmv import CASES, Oracle
+from triton_vlm.vision import get_tower
+from triton_vlm.vision.minicpmv import MiniCPMOcrTower
 from triton_vlm.vision.minicpmv import MiniCPMV4_6Tower as MC
 
 MODES = {"16x": 4, "4x": 2}  # downsample_mode -> patches per token side
+TOWERS = {("minicpmv4_7", "16x"): MC, ("minicpmv4_7", "4x"): MC, ("minicpm_ocr", "4x"): MiniCPMOcrTower}
 
 
-@pytest.fixture(scope="module", params=list(MODES))
-def mode(request) -> str:
+@pytest.fixture(scope="module", params=list(TOWERS), ids=lambda key: f"{key[0]}-{key[1]}")
+def variant(request) -> tuple[str, str]:
     return request.param
 
 
 @pytest.fixture(scope="module")
-def checkpoint(mode, tmp_path_factory):
+def mode(variant) -> str:
+    return variant[1]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(variant, tmp_path_factory):
     from transformers import AutoModelForImageTextToText
 
     from triton_vlm.checkpoint import write_demo_checkpoint
 
-    path = write_demo_checkpoint("minicpmv4_7", tmp_path_factory.mktemp(f"minicpmv4_7_{mode}") / "ckpt", "tiny",
+    family, mode = variant
+    path = write_demo_checkpoint(family, tmp_path_factory.mktemp(f"{family}_{mode}") / "ckpt", "tiny",
                                  overrides={"downsample_mode": mode})
     model = AutoModelForImageTextToText.from_pretrained(path).eval()
     gen = torch.Generator().manual_seed(5)
@@ -68,11 +79,16 @@ def torch_encoder(checkpoint):
     return TorchEncoder(checkpoint)
 
 
-def test_settings_follow_the_mode(checkpoint, mode, torch_encoder):
-    settings = MC.read_vision_config(checkpoint)
+def test_settings_follow_the_mode(checkpoint, variant, torch_encoder):
+    family, mode = variant
+    tower = TOWERS[variant]
+    settings = tower.read_vision_config(checkpoint)
     assert settings["downsample_mode"] == mode and settings["window_merger"] == (mode == "16x")
     assert settings["spatial_merge_size"] == MODES[mode]
-    assert torch_encoder.family == "minicpmv4_7"
+    assert torch_encoder.family == family and get_tower(family) is tower
+    # where config.json leaves the mode out, the config class's default: OCR's "4x", 4.x's "16x"
+    config = {k: v for k, v in json.loads((checkpoint / "config.json").read_text()).items() if k != "downsample_mode"}
+    assert tower.vision_settings(config)["downsample_mode"] == ("4x" if family == "minicpm_ocr" else "16x")
     assert torch_encoder.embedding_rows(np.array([[1, 8, 12]])).tolist() == [96 // MODES[mode] ** 2]
 
 
