@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from tests.oracle import Oracle
-from tests.test_llm import assert_matches_generate, assert_prefill_logits_match, hf_greedy_with_logits, llm_request, submit
+from tests.test_llm import (assert_matches_generate, assert_prefill_logits_match, hf_greedy_with_logits, llm_request,
+                             submit)
 from tests.test_llm_minicpmv import perturbed_checkpoint
 from tests.test_preprocess_minicpm_ocr import DOCUMENTS
 from tests.test_preprocess_minicpmv import IMG, _media, chat

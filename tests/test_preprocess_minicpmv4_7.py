@@ -22,7 +22,8 @@ from triton_vlm.preprocess import Preprocessor
 
 SIZES = [(448, 448), (640, 480), (1920, 1080), (4000, 1000), (200, 100)]
 PROMPTS = {
-    "several images": (chat(IMG + "and" + IMG + " " + IMG + "?"), [image(640, 480), image(448, 448), image(200, 100)], []),
+    "several images": (chat(IMG + "and" + IMG + " " + IMG + "?"), [image(640, 480), image(448, 448), image(200, 100)],
+                       []),
     "video": (chat(VID + "What moves?"), [], [video(2, 4, 320, 240)]),
     "two videos": (chat(VID + "What moves?" + VID), [], [video(3.5, 4), video(2, 5, 320, 240)]),
     "mix": (chat(IMG + "and" + VID + "then" + IMG + "\n" + VID), [image(640, 480), image(20, 90, "PNG")],

@@ -66,7 +66,8 @@ def vision_settings(config: Any, downsample_mode: str = "16x") -> dict[str, Any]
     vision = common.as_dict(cfg.get("vision_config") or {})
     text = common.as_dict(cfg.get("text_config") or {})
     out = {key: vision.get(key, default) for key, default in _VISION_DEFAULTS.items()}
-    out.update({key: cfg.get(key, default) for key, default in {**_DEFAULTS, "downsample_mode": downsample_mode}.items()})
+    defaults = {**_DEFAULTS, "downsample_mode": downsample_mode}
+    out.update({key: cfg.get(key, default) for key, default in defaults.items()})
     # "16x": the window merger after `insert_layer_id`, then the merger; "4x" skips the window merger.
     out["window_merger"] = out["downsample_mode"] != "4x"
     if out["downsample_mode"] not in ("4x", "16x") or (
