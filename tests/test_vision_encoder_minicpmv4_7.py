@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.encoder_checks import rel_err
+from tests.encoder_checks import check_profile_covers, check_unfused_matches, rel_err
 from tests.test_vision_encoder_minicpmv import CASES, Oracle
 from triton_vlm.vision import get_tower
 from triton_vlm.vision.minicpmv import MiniCPMOcrTower
@@ -65,11 +65,17 @@ def oracle(checkpoint):
 
 
 @pytest.fixture(scope="module")
-def onnx_encoder(checkpoint, tmp_path_factory):
-    from triton_vlm.vision.encoder import VisionEncoder
+def onnx_path(checkpoint, tmp_path_factory):
     from triton_vlm.vision.export import export_onnx
 
-    return VisionEncoder(export_onnx(checkpoint, tmp_path_factory.mktemp("minicpmv4_7_onnx") / "encoder.onnx"))
+    return export_onnx(checkpoint, tmp_path_factory.mktemp("minicpmv4_7_onnx") / "encoder.onnx")
+
+
+@pytest.fixture(scope="module")
+def onnx_encoder(onnx_path):
+    from triton_vlm.vision.encoder import VisionEncoder
+
+    return VisionEncoder(onnx_path)
 
 
 @pytest.fixture(scope="module")
@@ -115,3 +121,16 @@ def test_onnx_matches_hf(case, oracle, onnx_encoder):
 def test_onnx_one_run_with_padded_slices(oracle, onnx_encoder):
     pixels, grid, ref = oracle("images and video")
     assert rel_err(onnx_encoder._run(pixels, grid), ref) < 1e-4
+
+
+def test_tensorrt_inputs_unfused_graph_and_profile(onnx_path, variant, oracle, tmp_path):
+    """What a TensorRT build takes (no TensorRT here): the standard-op graph matches, and the
+    profile covers the metadata of slices of every size (in "4x" the `merged_*` shapes name inputs
+    the graph does not have: `tensorrt_engine` sets only the network's own)."""
+    from triton_vlm.vision.tensorrt_engine import EngineProfile
+
+    tower = TOWERS[variant]
+    settings = tower.read_vision_config(oracle.checkpoint)
+    check_unfused_matches(onnx_path, tower, settings, {c: oracle(c) for c in ("448x448", "images and video")}, tmp_path)
+    grids = ([[1, 64, 64]], [[1, 4, 4]] * 256, [[1, 32, 32]], [[1, 4, 4]], [[1, 8, 12], [1, 4, 16]])
+    check_profile_covers(variant[0], tower, settings, EngineProfile(16, 1024, 4096), grids)
