@@ -137,3 +137,70 @@ def test_checkpoint_without_markers_is_refused(ckpt, tmp_path):
     (changed / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="newline_id"):
         Preprocessor(changed).warmup()
+
+
+def random_prompt(rng: np.random.Generator, markers: dict, tokens: dict, merge: int):
+    """(input_ids, kinds, crop sizes in prompt order) of a random prompt in the processor's layout:
+    text runs (possibly empty, so items sit against each other) between images and videos of 1 to 3
+    frames, each frame `<image>` + overview + `</image>` then maybe a grid of `<slice>` runs, rows
+    joined by a newline; crop sides random multiples of `merge`. Sizes come with each crop's kind."""
+    ids, kinds, sizes, crop_kinds = [], [], [], []
+
+    def text(n):
+        ids.extend(rng.integers(20, 200, n).tolist())
+        kinds.extend([0] * n)
+
+    def crop(kind, token):
+        h, w = (int(v) * merge for v in rng.integers(1, 5, 2))
+        sizes.append((h, w))
+        crop_kinds.append(kind)
+        ids.extend([token] * (h * w // merge ** 2))
+        kinds.extend([kind] * (h * w // merge ** 2))
+
+    def marker(name):
+        ids.append(markers[name])
+        kinds.append(0)
+
+    text(int(rng.integers(0, 4)))
+    for _ in range(int(rng.integers(1, 4))):
+        kind = int(rng.integers(1, 3))
+        for _ in range(int(rng.integers(1, 4)) if kind == 2 else 1):
+            marker("image_start_id")
+            crop(kind, tokens[kind])
+            marker("image_end_id")
+            rows, cols = (int(v) for v in rng.integers(0, 3, 2)) if rng.random() < 0.6 else (0, 0)
+            for r in range(rows if cols else 0):
+                if r:
+                    marker("newline_id")
+                for _ in range(cols):
+                    marker("slice_start_id")
+                    crop(kind, tokens[kind])
+                    marker("slice_end_id")
+        text(int(rng.integers(0, 3)))
+    return np.array(ids), np.array(kinds), np.array(sizes), np.array(crop_kinds)
+
+
+@pytest.mark.parametrize("mode", ["16x", "4x"])
+def test_canvas_positions_equal_get_rope_index_on_random_layouts(mc, mode):
+    """Prompts the processor would rarely give (items against each other, one-slice rows, frames
+    without slices among sliced ones, crops of any size): `canvas_positions` equals the model's
+    `get_rope_index` position for position, and the delta."""
+    from triton_vlm.canvas_mrope import canvas_positions
+    from triton_vlm.families.minicpmv4_7 import markers
+
+    _, hf = mc
+    config = hf.model.config
+    names = ("image_start_id", "image_end_id", "slice_start_id", "slice_end_id", "newline_id")
+    marker_ids = {name: getattr(config, name) for name in names}
+    merge = 2 if mode == "4x" else 4
+    rng = np.random.default_rng(7)
+    for _ in range(150):
+        ids, kinds, sizes, crop_kinds = random_prompt(rng, marker_ids, {1: config.image_token_id,
+                                                                         2: config.video_token_id}, merge)
+        ref, delta = hf.model.model.get_rope_index(
+            torch.from_numpy(ids)[None], torch.from_numpy(kinds)[None],
+            target_sizes=torch.from_numpy(sizes[crop_kinds == 1]),
+            target_sizes_videos=torch.from_numpy(sizes[crop_kinds == 2]), downsample_mode=mode)
+        ours, our_delta = canvas_positions(ids, kinds, sizes, markers(config.to_dict()), merge)
+        np.testing.assert_array_equal(ours, ref[:, 0].numpy())
+        assert our_delta == int(delta[0, 0])
