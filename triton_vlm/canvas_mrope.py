@@ -12,8 +12,9 @@ The rule, over one unpadded sequence (`canvas_positions`):
   over the whole canvas (`torch.linspace` rounded), slices take their (row, column) place, their
   `<slice>`/`</slice>` pin their corners, `</image>` the canvas's far corner and the newline that
   ends a row of slices sits just past that row's right edge; every other token of the frame gets
-  `origin` on all axes. The next frame or text starts at origin + max(canvas h, w) + 1, a frame
-  after tokens that are not markers one step later still;
+  `origin` on all axes. The next frame or text starts at origin + max(canvas h, w) + 1 (the
+  reference's extra step for text between two frames of a group is kept, though its grouping
+  leaves no such text);
 - the decode delta is max(position) + 1 - length, as for every M-RoPE family.
 
 Crop sizes come in prompt order (`grid_thw` rows: the overview of each frame, then its slices),
