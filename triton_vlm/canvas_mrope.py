@@ -93,7 +93,9 @@ def _stretch(canvas: int, n: int) -> np.ndarray:
     """`torch.linspace(0, canvas - 1, n).round()` (float32, as the reference computes it)."""
     import torch
 
-    return torch.linspace(0, canvas - 1, n).round().long().numpy()
+    values = torch.linspace(0, canvas - 1, n).round().long().numpy()
+    values.setflags(write=False)  # cached: shared by every caller
+    return values
 
 
 def crop_positions(origin: int, size: tuple[int, int], merge: int, canvas: tuple[int, int] = (0, 0),
