@@ -4,8 +4,8 @@
                                       [--max-patches-per-run 2048] [--run-sizes 1024,2048,16384]
 
 Writes the `small` demo checkpoint of `--family` (random weights; qwen2_5_vl, glm4v, glm46v,
-glmga, minicpmv4_6, llava) to a temporary folder, exports its vision tower to ONNX (float32), and times, on the same
-inputs, interleaved (the two alternate, and which goes first alternates too, so machine noise hits
+glmga, minicpmv4_6, minicpmv4_7, llava) to a temporary folder, exports its vision tower to ONNX
+(float32), and times, on the same inputs, interleaved (the two alternate, and which goes first alternates too, so machine noise hits
 both alike):
 
 - HF: `model.model.get_image_features(...)` of `AutoModelForImageTextToText` (the tower and its

@@ -116,8 +116,9 @@ def test_settings(settings, checkpoint):
     assert settings["patch_dim"] == 3 * 14 * 14 and settings["spatial_merge_size"] == 4
     assert settings["out_hidden_size"] == config["text_config"]["hidden_size"]
     assert settings["insert_layer_id"] == config["insert_layer_id"] == 0
-    with pytest.raises(ValueError, match="16x"):
-        MC.vision_settings({**config, "downsample_mode": "4x"})
+    assert MC.vision_settings({**config, "downsample_mode": "4x"})["spatial_merge_size"] == 2  # no window merger
+    with pytest.raises(ValueError, match="downsample_mode must be"):
+        MC.vision_settings({**config, "downsample_mode": "8x"})
 
 
 @pytest.mark.parametrize("side", [16, 32, 70, 27])

@@ -154,6 +154,11 @@ MINICPMV4_6_SIZES: dict[str, dict[str, Any]] = {
     ),
 }
 
+# MiniCPM-OCR: MiniCPM-V 4.6's shapes, documents read in "4x" and small images and slices sized by
+# their glyphs ("adaptive").
+MINICPM_OCR_SIZES: dict[str, dict[str, Any]] = {
+    size: {**shape, "small_image_upsize": "adaptive"} for size, shape in MINICPMV4_6_SIZES.items()}
+
 # MiniCPM-V 4.5: a Qwen3 decoder (its width a multiple of 128: the resampler's heads are 128 wide),
 # SigLIP with a 980 px position table, `query_num` rows per slice.
 MINICPMV4_5_SIZES: dict[str, dict[str, Any]] = {
@@ -276,40 +281,58 @@ def _write_qwen2_5_vl(out: Path, shape: dict[str, Any], tokenizer, seed: int) ->
     processor.save_pretrained(out)
 
 
-def _write_minicpmv4_6(out: Path, shape: dict[str, Any], tokenizer, seed: int) -> None:
-    """Write a random-weight MiniCPM-V 4.6 checkpoint that transformers loads offline."""
-    from transformers import (
-        GenerationConfig,
-        MiniCPMV4_6Config,
-        MiniCPMV4_6ForConditionalGeneration,
-        MiniCPMV4_6ImageProcessor,
-        MiniCPMV4_6Processor,
-        MiniCPMV4_6VideoProcessor,
-    )
+# transformers class prefix, image and video processor classes of the MiniCPM-V variants written
+# by `_write_minicpmv`: 4.7 processes pixels with 4.6's processors, MiniCPM-OCR with its own.
+MINICPMV_CLASSES = {
+    "minicpmv4_6": ("MiniCPMV4_6", "MiniCPMV4_6ImageProcessor", "MiniCPMV4_6VideoProcessor"),
+    "minicpmv4_7": ("MiniCPMV4_7", "MiniCPMV4_6ImageProcessor", "MiniCPMV4_6VideoProcessor"),
+    "minicpm_ocr": ("MiniCPMOcr", "MiniCPMOcrImageProcessor", "MiniCPMOcrVideoProcessor"),
+}
 
+
+def _write_minicpmv(out: Path, shape: dict[str, Any], tokenizer, seed: int, *, variant: str) -> None:
+    """Write a random-weight MiniCPM-V 4.6 / 4.7 or MiniCPM-OCR checkpoint that transformers loads
+    offline (4.7: its config also names the canvas M-RoPE markers, as the conversion script stores
+    them; OCR: tied word embeddings, as its config class defaults). A shape's `downsample_mode`
+    goes to the model and both processors, its `small_image_upsize` (OCR) to the image processor."""
+    import transformers
+    from transformers import GenerationConfig
+
+    prefix, image_class, video_class = MINICPMV_CLASSES[variant]
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in mc.SPECIAL_TOKENS}
     eos_ids = [ids[t] for t in mc.MINICPMV4_6.eos_tokens]
     text = dict(shape["text"])
     mrope_section = text.pop("mrope_section")
-    config = MiniCPMV4_6Config(
+    downsample = {"downsample_mode": shape["downsample_mode"]} if "downsample_mode" in shape else {}
+    extra: dict[str, Any] = dict(image_size=shape["scale_resolution"], tie_word_embeddings=False)
+    if variant == "minicpmv4_7":
+        (newline,) = tokenizer.encode("\n", add_special_tokens=False)
+        extra.update(image_start_id=ids[mc.IMAGE_START], image_end_id=ids[mc.IMAGE_END],
+                     slice_start_id=ids[mc.SLICE_START], slice_end_id=ids[mc.SLICE_END], newline_id=newline)
+    elif variant == "minicpm_ocr":
+        extra = dict(tie_word_embeddings=True)
+    config = getattr(transformers, f"{prefix}Config")(
         text_config=dict(
             vocab_size=shape["model_vocab_size"], max_position_embeddings=4096, rms_norm_eps=1e-6,
             rope_parameters=dict(rope_type="default", rope_theta=10000000.0, mrope_section=mrope_section,
                                  mrope_interleaved=True, partial_rotary_factor=0.25),
-            eos_token_id=eos_ids, pad_token_id=ids[mc.ENDOFTEXT], tie_word_embeddings=False, **text),
-        vision_config=dict(shape["vision"]),
-        insert_layer_id=shape["insert_layer_id"], image_size=shape["scale_resolution"],
-        image_token_id=ids[mc.IMAGE_TOKEN], video_token_id=ids[mc.VIDEO_TOKEN], tie_word_embeddings=False,
+            eos_token_id=eos_ids, pad_token_id=ids[mc.ENDOFTEXT], tie_word_embeddings=extra["tie_word_embeddings"],
+            **text),
+        vision_config=dict(shape["vision"]), insert_layer_id=shape["insert_layer_id"],
+        image_token_id=ids[mc.IMAGE_TOKEN], video_token_id=ids[mc.VIDEO_TOKEN], **downsample, **extra,
     )
-    model = random_model(MiniCPMV4_6ForConditionalGeneration, config, shape, seed)
+    model = random_model(getattr(transformers, f"{prefix}ForConditionalGeneration"), config, shape, seed)
     model.generation_config = GenerationConfig(eos_token_id=eos_ids, pad_token_id=ids[mc.ENDOFTEXT], do_sample=False)
     model.save_pretrained(out)
 
     patch = shape["vision"]["patch_size"]
-    common = dict(scale_resolution=shape["scale_resolution"], max_slice_nums=shape["max_slice_nums"], patch_size=patch)
-    processor = MiniCPMV4_6Processor(
-        image_processor=MiniCPMV4_6ImageProcessor(**common), video_processor=MiniCPMV4_6VideoProcessor(**common),
-        tokenizer=tokenizer, chat_template=MINICPMV_TEMPLATE)
+    common = dict(scale_resolution=shape["scale_resolution"], max_slice_nums=shape["max_slice_nums"], patch_size=patch,
+                  **downsample)
+    upsize = {"small_image_upsize": shape["small_image_upsize"]} if "small_image_upsize" in shape else {}
+    processor = getattr(transformers, f"{prefix}Processor")(
+        image_processor=getattr(transformers, image_class)(**common, **upsize),
+        video_processor=getattr(transformers, video_class)(**common), tokenizer=tokenizer,
+        chat_template=MINICPMV_TEMPLATE)
     processor.save_pretrained(out)
 
 
@@ -498,7 +521,9 @@ DEMOS: dict[str, Demo] = {
     "qwen2_5_vl": Demo(QWEN2_5_VL_SIZES, _write_qwen2_5_vl),
     "glm4v": _glm("glm4v"), "glm46v": _glm("glm46v"), "glmga": _glm("glmga"), "glm_ocr": _glm("glm_ocr"),
     "glm4v_moe": _glm("glm4v_moe", GLM4V_MOE_SIZES),
-    "minicpmv4_6": Demo(MINICPMV4_6_SIZES, _write_minicpmv4_6),
+    "minicpmv4_6": Demo(MINICPMV4_6_SIZES, partial(_write_minicpmv, variant="minicpmv4_6")),
+    "minicpmv4_7": Demo(MINICPMV4_6_SIZES, partial(_write_minicpmv, variant="minicpmv4_7")),
+    "minicpm_ocr": Demo(MINICPM_OCR_SIZES, partial(_write_minicpmv, variant="minicpm_ocr")),
     "minicpmv4_5": Demo(MINICPMV4_5_SIZES, _write_minicpmv4_5),
     "llava": Demo(LLAVA_SIZES, _write_llava),
 }

@@ -52,6 +52,9 @@ class VisionSettings:
     downsample_mode: str = "16x"
     use_image_id: bool = True
     image_feature_size: int = 64
+    # MiniCPM-OCR: how an image or slice no larger than `scale_resolution`^2 is sized: "always"
+    # upscaled to it, "never" kept native, "adaptive" by its glyphs (`Family.refine_layout`).
+    small_image_upsize: str = "always"
     # How the processor computes pixels: "torchvision" (transformers' processors: torch's resize,
     # rescale fused into the normalisation) or "pil" (processors written on PIL images and numpy,
     # MiniCPM-V 4.5's official one: Pillow's resize of each uint8 frame, then x / 255, then
@@ -141,12 +144,14 @@ def grid_thw(num_frames: int, size: tuple[int, int], settings: VisionSettings) -
 
 @dataclass(frozen=True)
 class View:
-    """A frame resized to `size`, centre-cropped to `crop` (None: not cropped), then cut into
+    """A frame (or only its `region` (top, bottom, left, right): MiniCPM-OCR's tiles) resized to
+    `size`, centre-cropped to `crop` (LLaVA's CLIP processor; None: not cropped), then cut into
     `rows` x `cols` equal slices (1 x 1: kept whole)."""
     size: tuple[int, int]
     rows: int = 1
     cols: int = 1
     crop: tuple[int, int] | None = None
+    region: tuple[int, int, int, int] | None = None
 
     @property
     def pixels(self) -> tuple[int, int]:
@@ -158,7 +163,10 @@ class View:
         return self.pixels[0] // self.rows, self.pixels[1] // self.cols
 
     def resize(self, frames: np.ndarray, settings: VisionSettings) -> np.ndarray:
-        """uint8 frames [T, H, W, 3] resized to `size`, then cropped."""
+        """uint8 frames [T, H, W, 3] (their region) resized to `size`, then cropped."""
+        if self.region is not None:
+            top, bottom, left, right = self.region
+            frames = frames[:, top:bottom, left:right]
         frames = resize_frames(frames, self.size, settings)
         return frames if self.crop is None else center_crop(frames, self.crop)
 
@@ -185,31 +193,56 @@ class FrameLayout:
     every slice of every view of every frame is its own image: a grid row [1, h, w] each, frame
     by frame, views and slices in order (slices row-major). Between decoding and writing the
     pixel rows a frame is kept as `stored` uint8 pixels: the single view's (h, w), or all views'
-    pixels one after the other as one (1, n) row.
+    pixels one after the other as one (1, n) row, then the `tiles`'.
 
+    `tiles` (MiniCPM-OCR's adaptive slices): per slice of the sliced view, row-major, None for the
+    slice itself or a whole `View` (its own size, from a region of the frame) that takes its place.
     `packing` (per-frame layouts of one unsliced view: MiniCPM-V 4.5's packed video frames) groups
     consecutive frames into one grid row [frames, h, w] each; the pixel rows are the same.
     """
     views: tuple[View, ...]
     per_frame: bool = False
+    tiles: tuple[View | None, ...] = ()
     packing: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.packing and (not self.per_frame or len(self.views) != 1 or self.views[0].rows * self.views[0].cols != 1):
+        if self.packing and (not self.per_frame or len(self._parts) != 1 or self.views[0].rows * self.views[0].cols != 1):
             raise ValueError("packed frames need a per-frame layout of one unsliced view")
 
     @property
+    def _parts(self) -> tuple[View, ...]:
+        """What is resized and stored: the views, then the tiles."""
+        return self.views + tuple(t for t in self.tiles if t is not None)
+
+    @property
     def stored(self) -> tuple[int, int]:
-        if len(self.views) == 1:
+        if len(self._parts) == 1:
             return self.views[0].pixels
-        return 1, sum(v.pixels[0] * v.pixels[1] for v in self.views)
+        return 1, sum(v.pixels[0] * v.pixels[1] for v in self._parts)
+
+    def _pieces(self) -> list[tuple[int, tuple[int, int], tuple[int, int]]]:
+        """Each grid row's pixels, prompt order, as (index into `_parts`, (top, left) in its pixels,
+        (h, w)): every view's slices row-major, a tile in the place of the slice it replaces."""
+        pieces, next_tile, k = [], len(self.views), 0
+        for i, view in enumerate(self.views):
+            sh, sw = view.slice_size
+            for r in range(view.rows):
+                for c in range(view.cols):
+                    tile = self.tiles[k] if self.tiles and view.rows * view.cols > 1 else None
+                    k += view.rows * view.cols > 1
+                    if tile is None:
+                        pieces.append((i, (r * sh, c * sw), (sh, sw)))
+                    else:
+                        pieces.append((next_tile, (0, 0), tile.pixels))
+                        next_tile += 1
+        return pieces
 
     def grids(self, num_frames: int, settings: VisionSettings) -> list[tuple[int, int, int]]:
         """The item's grid_thw rows, prompt order."""
         if not self.per_frame:
             return [grid_thw(num_frames, self.views[0].pixels, settings)]
         p = settings.patch_size
-        one = [(1, v.slice_size[0] // p, v.slice_size[1] // p) for v in self.views for _ in range(v.rows * v.cols)]
+        one = [(1, h // p, w // p) for _, _, (h, w) in self._pieces()]
         if self.packing:
             if sum(self.packing) != num_frames:
                 raise ValueError(f"packing {list(self.packing)} does not cover {num_frames} frames")
@@ -218,10 +251,10 @@ class FrameLayout:
 
     def resize(self, frames: np.ndarray, settings: VisionSettings) -> np.ndarray:
         """uint8 frames [T, H, W, 3] -> [T, *stored, 3]: every view resized from the frame itself."""
-        if len(self.views) == 1:
+        if len(self._parts) == 1:
             return self.views[0].resize(frames, settings)
-        return np.concatenate([v.resize(frames, settings).reshape(frames.shape[0], 1, -1, 3)
-                               for v in self.views], axis=2)
+        return np.concatenate([v.resize(frames, settings).reshape(frames.shape[0], 1, -1, 3) for v in self._parts],
+                              axis=2)
 
     def write(self, stored: np.ndarray, settings: VisionSettings, out: np.ndarray) -> None:
         """Normalise and patchify stored frames [T, *stored, 3] into `out` (the frames' rows)."""
@@ -230,19 +263,17 @@ class FrameLayout:
             return
         if settings.temporal_patch_size != 1:
             raise ValueError("per-frame layouts need temporal_patch_size 1")
-        p, row = settings.patch_size, 0
+        p, row, pieces = settings.patch_size, 0, self._pieces()
         for frame in stored:
-            pixels = frame.reshape(-1, 3)
-            for view in self.views:
-                h, w = view.pixels
-                whole, pixels = pixels[:h * w].reshape(1, h, w, 3), pixels[h * w:]
-                sh, sw = view.slice_size
-                for r in range(view.rows):
-                    for c in range(view.cols):
-                        n = (sh // p) * (sw // p)
-                        write_pixel_values(whole[:, r * sh:(r + 1) * sh, c * sw:(c + 1) * sw], (sh, sw), settings,
-                                           out[row:row + n])
-                        row += n
+            pixels, parts = frame.reshape(-1, 3), []
+            for part in self._parts:
+                h, w = part.pixels
+                parts.append(pixels[:h * w].reshape(1, h, w, 3))
+                pixels = pixels[h * w:]
+            for i, (top, left), (h, w) in pieces:
+                n = (h // p) * (w // p)
+                write_pixel_values(parts[i][:, top:top + h, left:left + w], (h, w), settings, out[row:row + n])
+                row += n
 
 
 def _interpolation(resample: int):

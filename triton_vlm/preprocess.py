@@ -361,9 +361,17 @@ class Preprocessor:
             item.frames = decode_image(item.data, item.name, self.limits)[None]
             probed = item.frames.shape[1:3]
         item.layout = self._layout(probed[0], probed[1], settings, item.name, 1)
+        if self.family.refine_layout is not None:
+            item.layout = self.family.refine_layout(item.layout, settings, lambda: self._decoded(item), item.name)
         item.probed = tuple(probed)
         if item.frames is not None:
             item.frames = item.layout.resize(item.frames, settings)
+
+    def _decoded(self, item: _Item) -> np.ndarray:
+        """An image's uint8 pixels [H, W, 3], decoded now if its header was all phase 1 had read."""
+        if item.frames is None:
+            item.frames = decode_image(item.data, item.name, self.limits)[None]
+        return item.frames[0]
 
     def _check_frame_patches(self, items: list[_Item]) -> None:
         """No frame (no packed group of frames, which the tower takes whole) larger than one
@@ -448,7 +456,11 @@ class Preprocessor:
         input_ids = np.concatenate(pieces).astype(np.int32, copy=False)
         grids = np.array([g for item in items for g in item.grids], dtype=np.int64).reshape(-1, 3)
         temporal_ids = np.concatenate([_frame_temporal_ids(item) for item in items] + [np.zeros(0, np.int64)])
-        if rate > 0:
+        if self.family.prompt_positions is not None:
+            kinds = np.select([input_ids == self.image_token_id, input_ids == self.video_token_id], [1, 2], 0)
+            positions, delta = self.family.prompt_positions(input_ids, kinds, grids, self.config)
+            media = np.zeros((3, 0), np.int64)
+        elif rate > 0:
             positions, delta, media = pruned_mrope_positions(input_ids.shape[0], spans)
         else:
             (positions, delta), media = mrope_positions(input_ids.shape[0], spans), np.zeros((3, 0), np.int64)

@@ -40,3 +40,22 @@ def video_bytes(seconds: float = 2.0, fps: int = 10, width: int = 160, height: i
         for packet in stream.encode():
             output.mux(packet)
     return buffer.getvalue()
+
+
+def document_bytes(width: int = 200, height: int = 150, text_box: tuple[int, int, int, int] | None = None,
+                   dark: bool = False, seed: int = 0, fmt: str = "PNG") -> bytes:
+    """A page of small dense "glyphs" (3 x 7 pixel marks on a 6 x 11 pitch, as small print) inside
+    `text_box` (left, top, right, bottom; default the whole page), the rest blank; `dark`: light
+    text on a dark page."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    page = np.full((height, width, 3), 245, np.uint8)
+    left, top, right, bottom = text_box or (0, 0, width, height)
+    for y in range(top + 2, bottom - 7, 11):
+        for x in range(left + 2, right - 3, 6):
+            if rng.random() < 0.85:
+                page[y:y + 7, x:x + 3] = rng.integers(0, 60)
+    buffer = io.BytesIO()
+    Image.fromarray(255 - page if dark else page).save(buffer, format=fmt)
+    return buffer.getvalue()

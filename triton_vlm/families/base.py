@@ -113,6 +113,14 @@ class Family:
     # The config `version`s served, where one `model_type` spans versions (MiniCPM-V's `minicpmv`:
     # 2.0 to 4.5); empty: any.
     versions: tuple[str, ...] = ()
+    # An image's views from its pixels, where its size alone does not fix them (MiniCPM-OCR's
+    # adaptive sizes): `refine_layout(layout, settings, pixels, name) -> FrameLayout`, `layout` the
+    # `slice_rule`'s, `pixels()` the decoded uint8 image [H, W, 3] (decoded on the first call).
+    refine_layout: Callable[..., Any] | None = None
+    # Positions laid out over the whole expanded prompt instead of from the `MediaSpan`s (MiniCPM-V
+    # 4.7's canvas M-RoPE): `prompt_positions(input_ids, kinds, grid_thw, config_json) -> (positions
+    # int64 [3, S], delta)`, `kinds` per token 0 text, 1 image, 2 video (HF's `mm_token_type_ids`).
+    prompt_positions: Callable[..., tuple[np.ndarray, int]] | None = None
     # Whether requests may hold videos (a family whose processor takes images only refuses them).
     takes_videos: bool = True
     # `VisionSettings` values a video's frames take over the processor config's (MiniCPM-V 4.5's

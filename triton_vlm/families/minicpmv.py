@@ -74,10 +74,11 @@ def _run_tokens(settings: VisionSettings, h: int, w: int) -> int:
     return h * w // _merge_factor(settings) ** 2
 
 
-def _best_resize(height: float, width: float, settings: VisionSettings, allow_upscale: bool) -> tuple[int, int]:
-    """`find_best_resize`: about `scale_resolution`^2 pixels at the same aspect ratio (only
-    shrinking unless `allow_upscale`), sides multiples of patch_size * merge factor."""
-    scale = settings.scale_resolution
+def best_resize(height: float, width: float, settings: VisionSettings, allow_upscale: bool,
+                resolution: int | None = None) -> tuple[int, int]:
+    """`find_best_resize`: about `resolution`^2 pixels (default `scale_resolution`) at the same
+    aspect ratio (only shrinking unless `allow_upscale`), sides multiples of patch_size * merge factor."""
+    scale = resolution or settings.scale_resolution
     if height * width > scale * scale or allow_upscale:
         aspect_ratio = width / height
         height = int(scale / math.sqrt(aspect_ratio))
@@ -116,11 +117,14 @@ def slice_rule(height: int, width: int, settings: VisionSettings, name: str) -> 
         raise InvalidInput(f"{name}: aspect ratio {max(height, width) / min(height, width):.1f} "
                            f"exceeds max_aspect_ratio={MAX_ASPECT_RATIO}")
     grid = _sliced_grid(height, width, settings) if settings.slice_mode else None
-    overview = View(_best_resize(height, width, settings, allow_upscale=grid is None))
+    # MiniCPM-OCR's `small_image_upsize` "never" (and "adaptive", until `refine_layout` looks at
+    # the pixels) keeps a small unsliced image's size.
+    overview = View(best_resize(height, width, settings,
+                                allow_upscale=grid is None and settings.small_image_upsize == "always"))
     if grid is None:
         return (overview,)
     rows, cols = grid
-    slice_h, slice_w = _best_resize(_ensure_divide(height, rows) / rows, _ensure_divide(width, cols) / cols,
+    slice_h, slice_w = best_resize(_ensure_divide(height, rows) / rows, _ensure_divide(width, cols) / cols,
                                     settings, allow_upscale=True)
     return overview, View((slice_h * rows, slice_w * cols), rows, cols)
 

@@ -10,7 +10,9 @@ with t = 1 (a row with t > 1 is t slices of h x w). `patch_rows` turns transform
 `pixel_values` into these rows. Each slice is encoded on its own (attention never crosses
 slices) and gives (h / 4) x (w / 4) embedding rows, row-major, slices in order: the rows that
 replace the slice's placeholder tokens (`spatial_merge_size` 4 = the 2x2 window merger times the
-2x2 merger).
+2x2 merger). With `downsample_mode` "4x" the window merger is skipped (`get_image_features`'
+`use_vit_merger=False`): (h / 2) x (w / 2) rows, `spatial_merge_size` 2. MiniCPM-V 4.7 and
+MiniCPM-OCR run this same tower.
 
 Op order, as transformers runs it: the patch embedding (Conv2d with bias) plus learned position
 embeddings picked by nearest bucket on a square grid (`get_vision_nearest_position_ids`);
@@ -30,6 +32,7 @@ per-slice attention groups before (`full_*`) and after (`merged_*`) the window m
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -44,7 +47,7 @@ METADATA_INPUTS = ("patch_order", "position_ids") + common.FULL_INPUTS + ("merge
 
 # Fields read from the model config (`MiniCPMV4_6Config`, top level) and its vision_config
 # (`MiniCPMV4_6VisionConfig`), with Hugging Face's defaults.
-_DEFAULTS: dict[str, Any] = dict(insert_layer_id=6, downsample_mode="16x", merge_kernel_size=(2, 2), merger_times=1)
+_DEFAULTS: dict[str, Any] = dict(insert_layer_id=6, merge_kernel_size=(2, 2), merger_times=1)
 _VISION_DEFAULTS: dict[str, Any] = dict(
     hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12, num_channels=3,
     image_size=224, patch_size=16, hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6, window_kernel_size=(2, 2),
@@ -54,18 +57,23 @@ PREFIXES = {"model.vision_tower.": "vision_tower.", "model.merger.": "merger.",
             "vision_tower.": "vision_tower.", "merger.": "merger."}
 
 
-def vision_settings(config: Any) -> dict[str, Any]:
+def vision_settings(config: Any, downsample_mode: str = "16x") -> dict[str, Any]:
     """Normalise a MiniCPM-V 4.6 model config (HF config object or `config.json` dict: the top
     level, which holds the merger fields, with `vision_config` and `text_config` inside) into a
-    plain JSON-able dict of the fields this module uses."""
+    plain JSON-able dict of the fields this module uses. `downsample_mode`: the config class's
+    default, where the config leaves it out (MiniCPM-OCR's is "4x")."""
     cfg = common.as_dict(config)
     vision = common.as_dict(cfg.get("vision_config") or {})
     text = common.as_dict(cfg.get("text_config") or {})
     out = {key: vision.get(key, default) for key, default in _VISION_DEFAULTS.items()}
-    out.update({key: cfg.get(key, default) for key, default in _DEFAULTS.items()})
-    if out["downsample_mode"] == "4x" or not 0 <= int(out["insert_layer_id"]) < int(out["num_hidden_layers"]):
-        raise ValueError("MiniCPM-V: only the window merger's 16x mode is supported (downsample_mode "
-                         f"{out['downsample_mode']!r}, insert_layer_id {out['insert_layer_id']})")
+    defaults = {**_DEFAULTS, "downsample_mode": downsample_mode}
+    out.update({key: cfg.get(key, default) for key, default in defaults.items()})
+    # "16x": the window merger after `insert_layer_id`, then the merger; "4x" skips the window merger.
+    out["window_merger"] = out["downsample_mode"] != "4x"
+    if out["downsample_mode"] not in ("4x", "16x") or (
+            out["window_merger"] and not 0 <= int(out["insert_layer_id"]) < int(out["num_hidden_layers"])):
+        raise ValueError("MiniCPM-V: downsample_mode must be 16x (with the window merger inside the tower) or 4x "
+                         f"(downsample_mode {out['downsample_mode']!r}, insert_layer_id {out['insert_layer_id']})")
     for key in ("image_size", "patch_size", "window_kernel_size", "merge_kernel_size"):
         out[key] = common.square(out[key], key)
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_channels",
@@ -75,7 +83,8 @@ def vision_settings(config: Any) -> dict[str, Any]:
     out["out_hidden_size"] = int(text.get("hidden_size", out["hidden_size"]))
     out["pos_embed_size"] = out["image_size"] // out["patch_size"]  # position-embedding grid side
     # patches per embedding row along each side
-    out["spatial_merge_size"] = out["window_kernel_size"] * out["merge_kernel_size"] ** out["merger_times"]
+    out["spatial_merge_size"] = (out["window_kernel_size"] if out["window_merger"] else 1) \
+        * out["merge_kernel_size"] ** out["merger_times"]
     out.update(depth=out["num_hidden_layers"], num_heads=out["num_attention_heads"],
                in_channels=out["num_channels"], temporal_patch_size=1)
     return common.add_derived(out)
@@ -119,7 +128,8 @@ def merge_order(h: int, w: int, factors: list[int]) -> np.ndarray:
 
 def _slice_layout(h: int, w: int, cfg: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
     """One slice: patch order and the position id of each gathered patch."""
-    order = merge_order(h, w, [cfg["window_kernel_size"]] + [cfg["merge_kernel_size"]] * cfg["merger_times"])
+    window = [cfg["window_kernel_size"]] if cfg["window_merger"] else []
+    order = merge_order(h, w, window + [cfg["merge_kernel_size"]] * cfg["merger_times"])
     side = cfg["pos_embed_size"]
     pos = (nearest_buckets(h, side)[:, None] * side + nearest_buckets(w, side)[None, :]).reshape(-1)
     return order, pos[order]
@@ -135,17 +145,18 @@ def encoder_metadata(grid_thw: np.ndarray, settings: dict[str, Any]) -> dict[str
         for f in range(t):
             orders.append(order + offset + f * h * w)
             positions.append(pos)
-    window = settings["window_kernel_size"]
-    merged = {f"merged_{key[5:]}": value for key, value in common.frame_groups(
-        np.concatenate([grid[:, :1], grid[:, 1:] // window], axis=1)).items()}
-    return dict(patch_order=np.concatenate(orders), position_ids=np.concatenate(positions),
-                **common.frame_groups(grid), **merged)
+    full = common.frame_groups(grid)
+    # Without the window merger ("4x") the merged groups are never read: the full ones stand in.
+    window = settings["window_kernel_size"] if settings["window_merger"] else 1
+    merged = full if window == 1 else common.frame_groups(np.concatenate([grid[:, :1], grid[:, 1:] // window], axis=1))
+    return dict(patch_order=np.concatenate(orders), position_ids=np.concatenate(positions), **full,
+                **{f"merged_{key[5:]}": value for key, value in merged.items()})
 
 
 def profile_shapes(settings: dict[str, Any], patches: tuple[int, int, int]) -> common.Shapes:
     """TensorRT (min, opt, max) shape of every input for runs of `patches` (min, opt, max) rows:
     a slice holds at least merge^2 patches, and merge^2 / window^2 rows after the window merger."""
-    window_unit = settings["window_kernel_size"] ** 2
+    window_unit = settings["window_kernel_size"] ** 2 if settings["window_merger"] else 1
     unit = settings["spatial_merge_size"] ** 2
     merged_rows = tuple(max(1, p // window_unit) for p in patches)
     return {"pixel_values": common.per_patch(patches, settings["patch_dim"]),
@@ -264,7 +275,7 @@ class MiniCPMV4_6VisionTower(nn.Module):
 
     def __init__(self, cfg: dict[str, Any]):
         super().__init__()
-        self.insert_layer_id = cfg["insert_layer_id"]
+        self.insert_layer_id = cfg["insert_layer_id"] if cfg["window_merger"] else -1
         self.vision_tower = nn.Module()
         self.vision_tower.embeddings = Embeddings(cfg)
         self.vision_tower.encoder = nn.Module()
@@ -311,3 +322,8 @@ class MiniCPMV4_6Tower(Tower):
     encoder_metadata = staticmethod(encoder_metadata)
     profile_shapes = staticmethod(profile_shapes)
     WHOLE_CONFIG = True
+
+
+class MiniCPMOcrTower(MiniCPMV4_6Tower):
+    """MiniCPM-OCR's tower (`minicpm_ocr`): 4.6's, its config defaulting to `downsample_mode` "4x"."""
+    vision_settings = staticmethod(partial(vision_settings, downsample_mode="4x"))
