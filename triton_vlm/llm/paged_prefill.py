@@ -13,14 +13,13 @@ repeating K/V), walking the context `TOKENS` tokens at a time up to the tile's l
 flash attention's online softmax (float32 statistics; IEEE dot products in float32, the
 probabilities cast to the cache's dtype otherwise, as `paged_decode` does). The tiles of every
 chunk of a step are one launch (`PagedPrefill.tile_chunk` / `tile_offset`, built on the host with
-the step's metadata).
+the step's metadata). The kernel itself is `triton_vlm.llm.attention_kernels.paged_prefill`.
 
 `PagedPrefillAttention` is the backend (`LLMOptions.paged_prefill`); off, prompt chunks keep SDPA,
 until a GPU measures which is faster (`bench/decoder.py --paged-prefill`).
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -61,67 +60,6 @@ def tile_rows(heads: int, kv_heads: int, block_m: int = 64) -> int:
     return max(1, block_m // pow2(heads // kv_heads))
 
 
-@functools.cache
-def _kernel():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def paged_prefill(q_ptr, k_ptr, v_ptr, out_ptr, block_tables, chunk_row, chunk_len, chunk_start,
-                      tile_chunk, tile_offset, scale, stride_qt, stride_qh, stride_kslot, stride_khead,
-                      stride_ot, stride_oh, stride_bt,
-                      G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, D: tl.constexpr,
-                      D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr, IEEE: tl.constexpr):
-        tile = tl.program_id(0)
-        kv_head = tl.program_id(1)
-        chunk = tl.load(tile_chunk + tile)
-        offset = tl.load(tile_offset + tile)
-        row0 = tl.load(chunk_row + chunk)
-        n = tl.load(chunk_len + chunk)
-        start = tl.load(chunk_start + chunk)
-        # the tile's [BLOCK_Q * G_PAD, D] queries: row m is query offset + m // G_PAD, head m % G_PAD
-        m = tl.arange(0, BLOCK_Q * G_PAD)
-        qi = offset + m // G_PAD
-        g = m % G_PAD
-        d = tl.arange(0, D_PAD)
-        q_mask = ((qi < n) & (g < G))[:, None] & (d < D)[None, :]
-        q_offsets = (row0 + qi).to(tl.int64)[:, None] * stride_qt + (kv_head * G + g)[:, None] * stride_qh + d[None, :]
-        q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0)
-        position = start + qi  # every row sees token 0 at least: no row's softmax is empty
-        end = start + tl.minimum(offset + BLOCK_Q, n)  # one past the tile's last position
-        mx = tl.full([BLOCK_Q * G_PAD], float("-inf"), tl.float32)
-        total = tl.zeros([BLOCK_Q * G_PAD], tl.float32)
-        acc = tl.zeros([BLOCK_Q * G_PAD, D_PAD], tl.float32)
-        t = tl.arange(0, TOKENS)
-        for first in range(0, end, TOKENS):
-            token = first + t
-            valid = token < end
-            block = tl.load(block_tables + chunk * stride_bt + token // BLOCK_SIZE, mask=valid, other=0)
-            slot = block.to(tl.int64) * BLOCK_SIZE + token % BLOCK_SIZE
-            kv_offsets = slot[:, None] * stride_kslot + kv_head * stride_khead + d[None, :]
-            kv_mask = valid[:, None] & (d < D)[None, :]
-            k = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = tl.where(valid[None, :] & (token[None, :] <= position[:, None]), s * scale, float("-inf"))
-            m_new = tl.maximum(mx, tl.max(s, 1))
-            alpha = tl.exp(mx - m_new)
-            p = tl.exp(s - m_new[:, None])
-            total = total * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            mx = m_new
-        out_offsets = (row0 + qi).to(tl.int64)[:, None] * stride_ot + (kv_head * G + g)[:, None] * stride_oh + d[None, :]
-        tl.store(out_ptr + out_offsets, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
-
-    return paged_prefill
-
-
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedPrefill,
                             block_size: int, scale: float, out: torch.Tensor, block_q: int) -> None:
     """Write into `out` [T, heads, d] the attention of every chunk row of `meta` (the step's q
@@ -135,8 +73,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return
     if q.stride(2) != 1:
         q = q.contiguous()
+    from triton_vlm.llm.attention_kernels import paged_prefill
+
     G = H // KVH
-    _kernel()[(tiles, KVH)](
+    paged_prefill[(tiles, KVH)](
         q, k_cache, v_cache, out, meta.block_tables, meta.chunk_row, meta.chunk_len, meta.chunk_start,
         meta.tile_chunk, meta.tile_offset, scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         out.stride(0), out.stride(1), meta.block_tables.stride(0),
