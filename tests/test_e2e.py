@@ -82,6 +82,18 @@ def http_tokens(server, prompt, images, videos, max_tokens: int, mm_options: dic
     return [int(i) for i in np.atleast_1d(answer["output_ids"])]
 
 
+def assert_served_tokens(server, request: tuple, expected: list[int], new_tokens: int) -> None:
+    """The ensemble's greedy tokens for `request` (prompt, images, videos) are `expected`, over gRPC
+    streaming and over HTTP generate."""
+    assert grpc_tokens(server, *request, new_tokens) == expected
+    assert http_tokens(server, *request, new_tokens) == expected
+
+
+def served_concurrently(server, requests: dict, new_tokens: int) -> dict:
+    """{key: the ensemble's gRPC tokens} for every request of `requests`, all in flight at once."""
+    return concurrently(lambda key: grpc_tokens(server, *requests[key], new_tokens), requests)
+
+
 def concurrently(run: Callable, keys) -> dict:
     """{key: run(key)}, each key in a thread of its own, all started before any is joined."""
     answers: dict = {}

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.oracle import Oracle
-from tests.test_e2e import family_server, grpc_tokens, http_tokens, infer_direct, media_values
+from tests.test_e2e import assert_served_tokens, family_server, grpc_tokens, infer_direct, media_values
 from triton_vlm import samples
 from triton_vlm.families.glm4v import BEGIN_VIDEO, GLM4V
 
@@ -119,8 +119,7 @@ def expected_tokens(glm) -> dict[str, list[int]]:
 @pytest.mark.parametrize("kind", list(PROMPTS))
 def test_greedy_tokens_equal_hf_generate(glm, expected_tokens, kind):
     _, server, _ = glm
-    assert grpc_tokens(server, *PROMPTS[kind], NEW_TOKENS) == expected_tokens[kind]
-    assert http_tokens(server, *PROMPTS[kind], NEW_TOKENS) == expected_tokens[kind]
+    assert_served_tokens(server, PROMPTS[kind], expected_tokens[kind], NEW_TOKENS)
 
 
 def test_concurrent_requests_each_equal_alone(glm, expected_tokens):

@@ -17,7 +17,7 @@ import torch
 from tritonclient.utils import InferenceServerException
 
 from tests.oracle import Oracle
-from tests.test_e2e import concurrently, grpc_tokens, http_tokens, infer_direct, media_values
+from tests.test_e2e import assert_served_tokens, served_concurrently, grpc_tokens, infer_direct, media_values
 from tests.test_preprocess_llava import chat, hf_inputs, hf_rows, image, llava_checkpoints  # noqa: F401 (fixture)
 from triton_vlm import samples
 from triton_vlm.families.llava import IMAGE_TOKEN as IMG
@@ -82,13 +82,12 @@ def expected_tokens(served) -> dict[str, list[int]]:
 @pytest.mark.parametrize("kind", list(PROMPTS))
 def test_greedy_tokens_equal_hf_generate(served, expected_tokens, kind):
     server, _ = served
-    assert grpc_tokens(server, *PROMPTS[kind], NEW_TOKENS) == expected_tokens[kind]
-    assert http_tokens(server, *PROMPTS[kind], NEW_TOKENS) == expected_tokens[kind]
+    assert_served_tokens(server, PROMPTS[kind], expected_tokens[kind], NEW_TOKENS)
 
 
 def test_concurrent_requests_each_get_their_own_answer(served, expected_tokens):
     server, _ = served
-    assert concurrently(lambda kind: grpc_tokens(server, *PROMPTS[kind], NEW_TOKENS), PROMPTS) == expected_tokens
+    assert served_concurrently(server, PROMPTS, NEW_TOKENS) == expected_tokens
 
 
 def test_a_video_is_invalid_arg_and_the_server_keeps_serving(served, expected_tokens):

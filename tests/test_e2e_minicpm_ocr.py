@@ -14,7 +14,7 @@ import pytest
 import torch
 from tritonclient.utils import InferenceServerException
 
-from tests.test_e2e import concurrently, family_server, grpc_tokens, http_tokens, infer_direct, media_values
+from tests.test_e2e import assert_served_tokens, served_concurrently, family_server, grpc_tokens, infer_direct, media_values
 from tests.test_preprocess_minicpm_ocr import DOCUMENTS, document
 from tests.test_preprocess_minicpmv import _media, chat, hf_in_prompt_order, video
 from triton_vlm.families.minicpmv import IMAGE_TOKEN as IMG
@@ -80,13 +80,12 @@ def expected_tokens(ocr) -> dict[str, list[int]]:
 @pytest.mark.parametrize("kind", list(PROMPTS))
 def test_greedy_tokens_equal_hf_generate(ocr, expected_tokens, kind):
     server, _ = ocr
-    assert grpc_tokens(server, *PROMPTS[kind], NEW_TOKENS) == expected_tokens[kind]
-    assert http_tokens(server, *PROMPTS[kind], NEW_TOKENS) == expected_tokens[kind]
+    assert_served_tokens(server, PROMPTS[kind], expected_tokens[kind], NEW_TOKENS)
 
 
 def test_concurrent_requests_each_get_their_own_answer(ocr, expected_tokens):
     server, _ = ocr
-    assert concurrently(lambda kind: grpc_tokens(server, *PROMPTS[kind], NEW_TOKENS), PROMPTS) == expected_tokens
+    assert served_concurrently(server, PROMPTS, NEW_TOKENS) == expected_tokens
 
 
 def test_an_image_it_cannot_read_is_invalid_arg_and_the_server_keeps_serving(ocr, expected_tokens):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.test_e2e import concurrently, family_server, grpc_tokens, http_tokens, infer_direct, media_values
+from tests.test_e2e import assert_served_tokens, served_concurrently, family_server, infer_direct, media_values
 from tests.test_preprocess_minicpmv import _media, chat, hf_in_prompt_order, image, video
 from tests.test_preprocess_minicpmv4_7 import rope_index
 from triton_vlm.families.minicpmv import IMAGE_TOKEN as IMG
@@ -65,10 +65,9 @@ def expected_tokens(minicpmv) -> dict[str, list[int]]:
 @pytest.mark.parametrize("kind", list(PROMPTS))
 def test_greedy_tokens_equal_hf_generate(minicpmv, expected_tokens, kind):
     server, _ = minicpmv
-    assert grpc_tokens(server, *PROMPTS[kind], NEW_TOKENS) == expected_tokens[kind]
-    assert http_tokens(server, *PROMPTS[kind], NEW_TOKENS) == expected_tokens[kind]
+    assert_served_tokens(server, PROMPTS[kind], expected_tokens[kind], NEW_TOKENS)
 
 
 def test_concurrent_requests_each_get_their_own_answer(minicpmv, expected_tokens):
     server, _ = minicpmv
-    assert concurrently(lambda kind: grpc_tokens(server, *PROMPTS[kind], NEW_TOKENS), PROMPTS) == expected_tokens
+    assert served_concurrently(server, PROMPTS, NEW_TOKENS) == expected_tokens

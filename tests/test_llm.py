@@ -154,6 +154,22 @@ def hf_greedy_with_logits(hf_model, req, max_new_tokens: int) -> tuple[list[int]
     return out.sequences[0, inputs["input_ids"].shape[1]:].tolist(), out.logits
 
 
+def greedy_in_steps(engine, checkpoint, req, request_id: str, max_tokens: int, budget: int) -> tuple[Collector, int]:
+    """A greedy request through `engine`, or, with a `budget` other than its step size, through an
+    engine on the same model whose steps hold at most `budget` tokens (the prompt prefilled in
+    chunks), shut down after: the finished request and the steps it took."""
+    eng = engine if budget == engine.settings.max_num_tokens else Engine(
+        checkpoint, model=engine.model, max_num_tokens=budget, return_logits=True)
+    try:
+        steps = eng.num_steps
+        col = submit(eng, req, SamplingParams(max_tokens=max_tokens), request_id).wait()
+        assert eng.kv_blocks_used == 0
+        return col, eng.num_steps - steps
+    finally:
+        if eng is not engine:
+            eng.shutdown()
+
+
 def assert_matches_generate(col, eos_token_ids, expected: list[int], logits) -> None:
     """The request's tokens and finish reason are HF's, every step's logits within 1e-4 of HF's
     (needs an engine with return_logits)."""

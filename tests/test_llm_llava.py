@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from tests.oracle import Oracle
-from tests.test_llm import (assert_matches_generate, assert_prefill_logits_match, hf_greedy_with_logits, llm_request,
-                            submit)
+from tests.test_llm import (assert_matches_generate, assert_prefill_logits_match, greedy_in_steps, hf_greedy_with_logits,
+                            llm_request)
 from tests.test_preprocess_llava import chat, hf_inputs, image, llava_checkpoints  # noqa: F401 (fixture)
 from triton_vlm.families.llava import IMAGE_TOKEN as IMG
-from triton_vlm.llm import DecoderConfig, Engine, SamplingParams
+from triton_vlm.llm import DecoderConfig, Engine
 
 # One checkpoint per decoder (text_config.model_type).
 DECODERS = {"llama": "clip-llama", "qwen2": "siglip-qwen2-3layers-default"}
@@ -77,15 +77,8 @@ def test_prefill_logits_match_hf(hf, engine, requests, name):
 def test_greedy_matches_hf_generate(hf, engine, requests, name, budget):
     req = requests[name]
     expected, logits = hf_greedy_with_logits(hf.model, req, MAX_TOKENS)
-    eng = engine if budget == 512 else Engine(hf.checkpoint, model=engine.model, max_num_tokens=budget,
-                                              return_logits=True)
-    try:
-        col = submit(eng, req, SamplingParams(max_tokens=MAX_TOKENS), f"greedy-{name}-{budget}").wait()
-    finally:
-        if eng is not engine:
-            eng.shutdown()
+    col, _ = greedy_in_steps(engine, hf.checkpoint, req, f"greedy-{name}-{budget}", MAX_TOKENS, budget)
     assert_matches_generate(col, engine.eos_token_ids, expected, logits)
-    assert eng.kv_blocks_used == 0
 
 
 def test_embedding_rows_must_match_the_image_tokens(engine, requests):

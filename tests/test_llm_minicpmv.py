@@ -25,6 +25,7 @@ from tests.test_llm import (
     assert_matches_generate,
     assert_prefill_logits_match,
     assert_same,
+    greedy_in_steps,
     hf_greedy_with_logits,
     llm_request,
     submit,
@@ -144,17 +145,10 @@ def test_greedy_matches_hf_generate(hf, engine, requests, name, budget):
     inputs = req["hf_inputs"]
     assert inputs["input_ids"].shape[1] > 2 * 16
     expected, logits = hf_greedy_with_logits(hf.model, req, MAX_TOKENS)
-    eng = engine if budget == 512 else Engine(hf.checkpoint, model=engine.model, max_num_tokens=budget,
-                                              return_logits=True)
-    try:
-        steps = eng.num_steps
-        col = submit(eng, req, SamplingParams(max_tokens=MAX_TOKENS), f"greedy-{name}-{budget}").wait()
-        assert eng.num_steps - steps == len(col.ids) - 1 + -(-inputs["input_ids"].shape[1] // budget)
-    finally:
-        if eng is not engine:
-            eng.shutdown()
+    col, steps = greedy_in_steps(engine, hf.checkpoint, req, f"greedy-{name}-{budget}", MAX_TOKENS, budget)
+    assert steps == len(col.ids) - 1 + -(-inputs["input_ids"].shape[1] // budget)
     assert_matches_generate(col, engine.eos_token_ids, expected, logits)
-    assert eng.blocks.num_states_used == 0 and eng.kv_blocks_used == 0
+    assert engine.blocks.num_states_used == 0
 
 
 def _jobs() -> list[tuple[str, SamplingParams]]:

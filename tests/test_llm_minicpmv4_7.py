@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from tests.oracle import Oracle
-from tests.test_llm import (assert_matches_generate, assert_prefill_logits_match, hf_greedy_with_logits, llm_request,
-                             submit)
+from tests.test_llm import (assert_matches_generate, assert_prefill_logits_match, greedy_in_steps, hf_greedy_with_logits,
+                            llm_request)
 from tests.test_llm_minicpmv import perturbed_checkpoint
 from tests.test_preprocess_minicpmv import IMG, VID, _media, chat, image, video
-from triton_vlm.llm import Engine, SamplingParams
+from triton_vlm.llm import Engine
 
 MAX_TOKENS = 12
 PROMPTS = {
@@ -83,13 +83,7 @@ def test_greedy_matches_hf_generate(hf, engine, requests, name, budget):
     the canvas delta."""
     req = requests[name]
     expected, logits = hf_greedy_with_logits(hf.model, req, MAX_TOKENS)
-    eng = engine if budget == 512 else Engine(hf.checkpoint, model=engine.model, max_num_tokens=budget,
-                                              return_logits=True)
-    try:
-        col = submit(eng, req, SamplingParams(max_tokens=MAX_TOKENS), f"greedy-{name}-{budget}").wait()
-    finally:
-        if eng is not engine:
-            eng.shutdown()
+    col, _ = greedy_in_steps(engine, hf.checkpoint, req, f"greedy-{name}-{budget}", MAX_TOKENS, budget)
     assert_matches_generate(col, engine.eos_token_ids, expected, logits)
 
 

@@ -157,7 +157,7 @@ class TorchAttention:
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """q [T, heads, d], k, v [T, kv_heads, d] (rotated) -> attention output [T, heads, d]."""
-        T, H, KVH, d = q.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        T, H, d = q.shape[0], self.num_heads, self.head_dim
         kp, vp = self.kv.k[layer], self.kv.v[layer]
         kp.index_copy_(0, meta.slot_mapping, k)
         vp.index_copy_(0, meta.slot_mapping, v)

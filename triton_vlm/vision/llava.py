@@ -29,8 +29,7 @@ import torch
 import torch.nn as nn
 
 from triton_vlm.errors import InvalidInput
-from triton_vlm.vision import common
-from triton_vlm.vision.minicpmv import SiglipAttention, SiglipMLP
+from triton_vlm.vision import common, minicpmv
 from triton_vlm.vision.tower import Tower
 
 
@@ -136,15 +135,9 @@ def profile_shapes(settings: dict[str, Any], patches: tuple[int, int, int]) -> c
 # Torch tower (parameter names match the Hugging Face state_dict under `model.`)
 # --------------------------------------------------------------------------------------------
 
-class EncoderLayer(nn.Module):
-    """CLIP's / SigLIP's encoder layer over runs of `length` adjacent rows (one image each)."""
-
-    def __init__(self, cfg: dict[str, Any]):
-        super().__init__()
-        dim, eps = cfg["hidden_size"], cfg["layer_norm_eps"]
-        self.layer_norm1, self.layer_norm2 = common.LayerNorm(dim, eps=eps), common.LayerNorm(dim, eps=eps)
-        self.self_attn = SiglipAttention(dim, cfg["num_heads"])
-        self.mlp = SiglipMLP(dim, cfg["intermediate_size"], cfg["hidden_act"])
+class EncoderLayer(minicpmv.EncoderLayer):
+    """CLIP's / SigLIP's encoder layer (MiniCPM-V's SigLIP layer, the same weights) over runs of
+    `length` adjacent rows (one image each)."""
 
     def forward(self, x: torch.Tensor, length: int) -> torch.Tensor:
         x = x + self.self_attn.windows(self.layer_norm1(x), length)
