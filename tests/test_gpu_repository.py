@@ -57,6 +57,24 @@ def test_gpu_build_places_llm_and_encoder_on_the_gpus(tiny_checkpoint, tmp_path)
     assert not (repo / "vision_encoder" / "1" / "encoder.onnx").exists()
 
 
+def test_a_tensor_parallel_llm_instance_takes_a_run_of_gpus(tiny_checkpoint):
+    """--tensor-parallel 2 on GPUs 0-3: two llm instances, on GPUs 0 and 2 (their ranks on 1 and 3);
+    GPUs that do not come in runs of 2 are refused naming the flag; the encoder keeps every GPU."""
+    import json
+
+    from triton_vlm.families import detect_family
+    from triton_vlm.repository import BuildOptions, model_configs
+
+    config = json.loads((tiny_checkpoint / "config.json").read_text())
+    options = BuildOptions(device="gpu", gpus="0,1,2,3", tensor_parallel=2, encoder_backend="torch")
+    configs = model_configs(detect_family(tiny_checkpoint), config, options)
+    assert placement(configs["llm"]) == (GPU, [0, 2], 1)
+    assert LLMOptions.from_params(params(configs["llm"])).tensor_parallel == 2
+    assert placement(configs["vision_encoder_batch"])[1] == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="--tensor-parallel 2: the GPUs \\(0,2\\) must come in runs of 2"):
+        model_configs(detect_family(tiny_checkpoint), config, BuildOptions(device="gpu", gpus="0,2", tensor_parallel=2))
+
+
 def test_instance_device():
     from triton_vlm.options import instance_device
 

@@ -3,7 +3,9 @@ and logits of the unsplit model, float32 within 1e-5: Qwen2.5-VL (KV heads split
 replicated), GLM-4.1V (interleaved partial rotary, fused gate_up, one KV head replicated) and
 GLM-4.5V (routed experts split by expert, shared experts by width), text and image prompts, several
 requests at once, prompts in chunks. A killed worker ends the requests with an error naming it,
-and the engine refuses new ones; a decoder whose layers are not split yet is refused at start."""
+and the engine refuses new ones; a decoder whose layers are not split yet is refused at start (and
+by the build). Behind a real tritonserver (`build --tensor-parallel 2`, the llm's ranks spawned by
+its stub), the ensemble's greedy tokens for text, image and video prompts are `generate`'s."""
 from __future__ import annotations
 
 import os
@@ -92,3 +94,25 @@ def test_layers_not_split_yet_are_refused_at_start(checkpoints):
         Engine(checkpoints["minicpmv4_6"], tensor_parallel=2)
     with pytest.raises(ValueError, match="tensor parallel 3: 4 attention heads do not split evenly"):
         Engine(checkpoints["qwen2_5_vl"], tensor_parallel=3)
+
+
+def test_served_split_llm_gives_generates_tokens(checkpoints, tmp_path_factory):
+    from tests.oracle import Oracle
+    from tests.servers import served
+    from tests.test_e2e import assert_served_tokens
+    from triton_vlm import samples
+    from triton_vlm.families.qwen2_5_vl import QWEN2_5_VL
+    from triton_vlm.repository import BuildOptions, build_repository
+
+    checkpoint = checkpoints["qwen2_5_vl"]
+    with pytest.raises(ValueError, match="--tensor-parallel 3: tensor parallel 3: 4 attention heads"):
+        build_repository(checkpoint, tmp_path_factory.mktemp("refused") / "repository", BuildOptions(tensor_parallel=3))
+    oracle = Oracle(checkpoint)
+    image, video = samples.image_bytes(64, 48), samples.video_bytes(seconds=1.0, fps=4, width=64, height=48)
+    img, vid = QWEN2_5_VL.image_placeholder, QWEN2_5_VL.video_placeholder
+    prompts = {"text": ("count the trees", [], []), "image": (img + "what is this?", [image], []),
+               "image+video": (img + vid + "compare them", [image], [video])}
+    with served(checkpoint, tmp_path_factory, "tp2", BuildOptions(tensor_parallel=2)) as server:
+        for prompt, images, videos in prompts.values():
+            expected = oracle.generate(oracle.inputs(prompt, images, videos), 8)
+            assert_served_tokens(server, (prompt, images, videos), expected, 8)

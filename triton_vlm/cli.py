@@ -262,6 +262,8 @@ def parser() -> argparse.ArgumentParser:
            "apart, so that on CUDA every decode-only step replays a graph", action=argparse.BooleanOptionalAction)
     option("llm_paged_prefill", "llm on CUDA: every prompt chunk of a step through one paged prefill kernel "
            "(the cache read in place) instead of SDPA per chunk", action=argparse.BooleanOptionalAction)
+    option("tensor_parallel", "ranks each llm instance splits its decoder over (worker processes it starts; on "
+           "CUDA rank r on the GPU r places after the instance's, NCCL; on the CPU gloo)")
     option("llm_queue_timeout_ms",
            "a request waiting longer for its first place in the llm batch gets UNAVAILABLE; 0: no limit")
     option("video_pruning_rate", "default EVS video pruning rate in [0, 1) (Qwen2.5-VL; per request: "

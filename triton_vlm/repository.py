@@ -80,6 +80,7 @@ class BuildOptions:
     llm_cuda_graphs: str = "on"         # on | off: CUDA graphs of the llm's decode steps (CUDA only)
     llm_mixed_steps: bool = True        # prompt chunks and decodes in one step (off: apart; Scheduler)
     llm_paged_prefill: bool = False     # CUDA: prompt chunks through the paged prefill kernel (PagedPrefillAttention)
+    tensor_parallel: int = 1            # ranks each llm instance splits its decoder over (llm/tensor_parallel.py)
     max_inflight_requests: int = 64     # `ensemble`: requests beyond this are refused at once (UNAVAILABLE)
     # Triton's queues of preprocess, vision_encoder and vision_encoder_batch: a request finding
     # max_queue_size waiting is refused at once, one that waited queue_timeout_ms is refused
@@ -229,11 +230,18 @@ def gpu_list(options: BuildOptions) -> list[int]:
     return list(range(torch.cuda.device_count())) or [0]
 
 
-def _on_gpus(config: mc.ModelConfig, options: BuildOptions) -> mc.ModelConfig:
-    """The model's instances (count per GPU) on the build's GPUs."""
+def _on_gpus(config: mc.ModelConfig, options: BuildOptions, per_instance: int = 1) -> mc.ModelConfig:
+    """The model's instances (count per GPU) on the build's GPUs; with `per_instance` GPUs an
+    instance (the llm's tensor-parallel ranks: rank r on the GPU r after the instance's), on the
+    first of each run of that many consecutive GPUs."""
+    gpus = gpu_list(options)
+    runs = [gpus[i:i + per_instance] for i in range(0, len(gpus), per_instance)]
+    if any(run != list(range(run[0], run[0] + per_instance)) for run in runs):
+        raise ValueError(f"--tensor-parallel {per_instance}: the GPUs ({','.join(map(str, gpus))}) must come in "
+                         f"runs of {per_instance} consecutive ones, one run per llm instance")
     group = config.instance_group[0]
     group.kind = mc.ModelInstanceGroup.KIND_GPU
-    group.gpus.extend(gpu_list(options))
+    group.gpus.extend(run[0] for run in runs)
     return config
 
 
@@ -343,7 +351,7 @@ def model_configs(family: Family, checkpoint_config: dict, options: BuildOptions
     llm_inputs = tuple(dataclasses.replace(t, optional=True) for t in llm_in + SAMPLING_INPUTS)
     llm = _python_model("llm", llm_inputs + (STOP_INPUT,), GENERATION_OUTPUTS, 1, llm_params, decoupled=True)
     if options.device == "gpu" and llm_params["device"].startswith("cuda"):
-        _on_gpus(llm, options)
+        _on_gpus(llm, options, per_instance=options.tensor_parallel)
     ensemble = _pipeline([preprocess, encoder, llm], options, chat_template)
     return {c.name: c for c in (preprocess, encoder, encoder_batch, llm, ensemble)}
 
@@ -373,7 +381,7 @@ def llm_options(options: BuildOptions) -> LLMOptions:
                       prefix_caching=options.prefix_caching, max_running=options.llm_max_running,
                       max_num_tokens=options.llm_max_num_tokens, queue_timeout_ms=options.llm_queue_timeout_ms,
                       cuda_graphs=options.llm_cuda_graphs == "on", mixed_steps=options.llm_mixed_steps,
-                      paged_prefill=options.llm_paged_prefill)
+                      paged_prefill=options.llm_paged_prefill, tensor_parallel=options.tensor_parallel)
 
 
 def write_config(config: mc.ModelConfig, path: Path) -> None:
@@ -437,6 +445,19 @@ def _copy_checkpoint(checkpoint: Path, dst: Path, weights: bool) -> None:
             _link_or_copy(path, dst / path.name)
 
 
+def check_tensor_parallel(checkpoint: Path, ranks: int) -> None:
+    """ValueError naming --tensor-parallel unless the checkpoint's decoder splits over `ranks`."""
+    from triton_vlm.llm.model import DecoderConfig
+    from triton_vlm.llm.sharding import Shard
+
+    if ranks < 1:
+        raise ValueError(f"--tensor-parallel {ranks}: expected 1 or more")
+    try:
+        Shard(0, ranks).check(DecoderConfig.from_checkpoint(checkpoint))
+    except ValueError as error:
+        raise ValueError(f"--tensor-parallel {ranks}: {error}") from None
+
+
 def build_repository(checkpoint: str | Path, repo: str | Path, options: BuildOptions = BuildOptions()) -> Path:
     checkpoint, repo = Path(checkpoint).resolve(), Path(repo)
     family = detect_family(checkpoint)
@@ -444,6 +465,7 @@ def build_repository(checkpoint: str | Path, repo: str | Path, options: BuildOpt
     if options.device not in ("cpu", "gpu"):
         raise ValueError(f"--device {options.device}: expected cpu or gpu")
     check_pruning(family, options.video_pruning_rate, "--video-pruning-rate")
+    check_tensor_parallel(checkpoint, options.tensor_parallel)
     configs = model_configs(family, checkpoint_config, options, load_chat_template(checkpoint))
     check_pipeline(configs)
     backend, dtype = encoder_backend(options)

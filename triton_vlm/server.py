@@ -62,6 +62,9 @@ def server_env() -> dict[str, str]:
     paths = [str(PROJECT_ROOT), *site.getsitepackages()]
     env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [env.get("PYTHONPATH", "")] if p])
     env.setdefault("HF_HUB_OFFLINE", "1")
+    # The interpreter a model's own processes run (the llm's tensor-parallel ranks): inside a stub
+    # sys.executable is the stub.
+    env["TRITON_VLM_PYTHON"] = sys.executable
     # Every stub's OpenMP workers (torch's) spin 1000 rounds, not libgomp's 300000, before they
     # sleep: the models share the cores, and a spinning llm worker took them from preprocess and
     # the encoder (2 cores: image requests at concurrency 4, 26 -> 43 req/s; bench/RESULTS.md).

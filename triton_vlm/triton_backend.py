@@ -443,7 +443,7 @@ class LLMModel:
         version_dir, params = _model_dir(args)
         options = LLMOptions.from_params(params)
         options = dataclasses.replace(options, device=instance_device(args, options.device))
-        self.engine = Engine(version_dir / params["checkpoint"], **dataclasses.asdict(options))
+        self.engine = Engine(version_dir / params["checkpoint"], on_failure=_exit_stub, **dataclasses.asdict(options))
         self._next_id = 0
         self._lock = threading.Lock()
         labels = {"model": args["model_name"], "version": args["model_version"]}
@@ -535,6 +535,13 @@ class LLMModel:
         self._metrics_thread.join()
         self.engine.shutdown()
         _release_metrics(self._metrics, self._families)
+
+
+def _exit_stub(message: str) -> None:
+    """The llm engine serves no more (a tensor-parallel rank exited; its requests have had their
+    errors): end this stub, so that `triton-vlm serve` reloads the model with new ranks."""
+    log.error("llm: %s; exiting the stub for a reload", message)
+    os._exit(1)
 
 
 def _release_metrics(*holders: dict | list) -> None:
