@@ -1,10 +1,11 @@
 """Issue #31 on the CPU: the llm split over 2 and 4 ranks (worker processes, gloo) gives the tokens
 and logits of the unsplit model, float32 within 1e-5: Qwen2.5-VL (KV heads split, and at 4 ranks
-replicated), GLM-4.1V (interleaved partial rotary, fused gate_up, one KV head replicated) and
-GLM-4.5V (routed experts split by expert, shared experts by width), text and image prompts, several
+replicated), GLM-4.1V (interleaved partial rotary, fused gate_up, one KV head replicated), GLM-4.5V
+(routed experts split by expert, shared experts by width) and MiniCPM-V 4.6 (Gated DeltaNet layers
+by head, their states per rank, beside gated full attention), text and image prompts, several
 requests at once, prompts in chunks. A killed worker ends the requests with an error naming it,
-and the engine refuses new ones; a decoder whose layers are not split yet is refused at start (and
-by the build). Behind a real tritonserver (`build --tensor-parallel 2`, the llm's ranks spawned by
+and the engine refuses new ones; a decoder that does not split is refused at start (and by the
+build). Behind a real tritonserver (`build --tensor-parallel 2`, the llm's ranks spawned by
 its stub), the ensemble's greedy tokens for text, image and video prompts are `generate`'s."""
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ def generate(engine: Engine, tag: str) -> list[Collector]:
     return [c.wait() for c in cols]
 
 
-@pytest.mark.parametrize("family, ranks", [("qwen2_5_vl", 2), ("qwen2_5_vl", 4), ("glm4v", 2), ("glm4v_moe", 2)])
+@pytest.mark.parametrize("family, ranks", [("qwen2_5_vl", 2), ("qwen2_5_vl", 4), ("glm4v", 2), ("glm4v_moe", 2),
+                                           ("minicpmv4_6", 2)])
 def test_split_model_gives_the_whole_models_tokens_and_logits(checkpoints, family, ranks):
     settings = dict(return_logits=True, max_num_tokens=12, max_running=8)  # prompts of several chunks
     whole = Engine(checkpoints[family], **settings)
@@ -89,9 +91,9 @@ def test_a_killed_worker_fails_its_requests_and_the_engine(checkpoints):
         engine.shutdown()
 
 
-def test_layers_not_split_yet_are_refused_at_start(checkpoints):
-    with pytest.raises(ValueError, match="linear-attention layers are not split yet"):
-        Engine(checkpoints["minicpmv4_6"], tensor_parallel=2)
+def test_a_decoder_that_does_not_split_is_refused_at_start(checkpoints):
+    with pytest.raises(ValueError, match="tensor parallel 4: 2 linear-attention key heads do not split evenly"):
+        Engine(checkpoints["minicpmv4_6"], tensor_parallel=4)
     with pytest.raises(ValueError, match="tensor parallel 3: 4 attention heads do not split evenly"):
         Engine(checkpoints["qwen2_5_vl"], tensor_parallel=3)
 

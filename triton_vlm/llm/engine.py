@@ -134,7 +134,7 @@ class Engine:
         workers = None
         if self.model.shard.world > 1:  # the other ranks, each with its shard and a KV cache of as many blocks
             workers = Workers(self.checkpoint_dir, self.model.shard.world, self.model.device,
-                              dtype_name(self.model.dtype), num_blocks, block_size)
+                              dtype_name(self.model.dtype), num_blocks, block_size, max_running)
         self.runner = ModelRunner(self.model, num_blocks, block_size, max_batch=max_running,
                                   cuda_graphs=s.cuda_graphs, max_context=self.context_length,
                                   paged_prefill=s.paged_prefill, workers=workers)

@@ -485,7 +485,7 @@ class Qwen35LinearLayer(SwiGLULayer):
 
     def forward(self, h: torch.Tensor, rows: RecurrentRows, conv_state: torch.Tensor,
                 recurrent_state: torch.Tensor) -> torch.Tensor:
-        h = h + self.mixer(_rms(h, self.ln1, self.c.rms_norm_eps), rows, conv_state, recurrent_state)
+        h = h + self.reduce(self.mixer(_rms(h, self.ln1, self.c.rms_norm_eps), rows, conv_state, recurrent_state))
         return self.mlp_block(h)
 
 

@@ -121,7 +121,7 @@ class ModelRunner:
         if self.workers is None:
             return self.model.forward(self.prepare(chunks), self.attention, self.states)
         h, positions, seq_rows, recurrent, logits_rows = self.inputs(chunks)
-        self.workers.send(h, positions, seq_rows, logits_rows, self.kv.block_size)
+        self.workers.send(h, positions, seq_rows, recurrent, logits_rows, self.kv.block_size)
         return self.model.forward(StepBatch(h, positions, self.attention.build(seq_rows), recurrent, logits_rows),
                                   self.attention, self.states)
 

@@ -14,9 +14,12 @@ Megatron's split, as vLLM and nano-vllm do it:
   which samples: a vocabulary-parallel embedding would need an all-reduce of every step's input
   rows for a table of 1 to 2.5 GB at these vocabularies, a gathered head one gather of the rows
   that sample;
+- linear attention (MiniCPM-V 4.6's Gated DeltaNet) by head: each rank its key heads and the value
+  heads that read them (in_proj_qkv and the conv's channels per part, z, b, a, A_log, dt_bias),
+  out_proj row-parallel; each rank keeps its heads' conv and delta-rule states;
 - norms, rotary and the router replicated.
-Row-parallel outputs (o_proj, down, the MoE) are partial sums, all-reduced by the layer
-(`SwiGLULayer.reduce`). Linear-attention layers (MiniCPM-V 4.6's Gated DeltaNet) are not split yet.
+Row-parallel outputs (o_proj, down, the MoE, out_proj) are partial sums, all-reduced by the layer
+(`SwiGLULayer.reduce`).
 
 `plan(name, shape)` says which slices of a checkpoint tensor a rank reads (the safetensors reader
 reads only those: no rank holds a full copy of a split tensor).
@@ -38,6 +41,9 @@ _ROW = re.compile(r"mlp\.(shared_experts\.)?down_proj\.weight$")
 _EXPERTS = re.compile(r"mlp\.experts\.(gate_up_proj|down_proj)$")
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.")
 _HEAD = re.compile(r"(^|\.)lm_head\.weight$")
+_LINEAR_MIXED = re.compile(r"linear_attn\.(in_proj_qkv|conv1d)\.weight$")
+_LINEAR_HEADS = re.compile(r"linear_attn\.(in_proj_[zba]\.weight|A_log|dt_bias)$")
+_LINEAR_OUT = re.compile(r"linear_attn\.out_proj\.weight$")
 
 
 def _part(total: int, rank: int, world: int, what: str) -> slice:
@@ -57,9 +63,9 @@ class Shard:
         """ValueError naming what does not split (`config`: the whole model's `DecoderConfig`)."""
         if self.world == 1:
             return
-        if config.linear_attention is not None:
-            raise ValueError(f"tensor parallel {self.world}: {config.family}'s linear-attention layers are not "
-                             "split yet; serve it with --tensor-parallel 1")
+        if (lin := config.linear_attention) is not None:
+            _part(lin.num_k_heads, 0, self.world, "linear-attention key heads")
+            _part(lin.num_v_heads, 0, self.world, "linear-attention value heads")
         kv, world = config.num_kv_heads, self.world
         _part(config.num_heads, 0, world, "attention heads")
         if kv % world and world % kv:
@@ -93,8 +99,11 @@ class Shard:
             return config
         self.check(config)
         kv = self.kv_heads(config.num_kv_heads)
+        lin = config.linear_attention and dataclasses.replace(
+            config.linear_attention, num_k_heads=config.linear_attention.num_k_heads // self.world,
+            num_v_heads=config.linear_attention.num_v_heads // self.world)
         return dataclasses.replace(config, num_heads=config.num_heads // self.world, num_kv_heads=kv.stop - kv.start,
-                                   intermediate_size=config.intermediate_size // self.world)
+                                   intermediate_size=config.intermediate_size // self.world, linear_attention=lin)
 
     def plan(self, name: str, shape: tuple[int, ...], config) -> list[Slices] | None:
         """The slices of checkpoint tensor `name` (of `shape`) this rank reads, concatenated along
@@ -126,4 +135,14 @@ class Shard:
             return None if int(expert[1]) in self.experts(config.moe.num_experts) else []
         if _HEAD.search(name):
             return [(self.vocab_rows(shape[0]),)]
+        if _LINEAR_MIXED.search(name):  # channels: the keys' q, their k, the values' v
+            lin = config.linear_attention
+            parts = (lin.key_dim, lin.key_dim, lin.value_dim)
+            starts = (0, lin.key_dim, 2 * lin.key_dim)
+            return [(slice(start + mine.start, start + mine.stop),)
+                    for start, size in zip(starts, parts) for mine in (_part(size, r, n, "linear-attention channels"),)]
+        if _LINEAR_HEADS.search(name):
+            return [(_part(shape[0], r, n, "linear-attention value heads"),)]
+        if _LINEAR_OUT.search(name):
+            return [(slice(None), _part(shape[1], r, n, "linear-attention value columns"))]
         return None

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from triton_vlm.llm.attention import SeqRows
+from triton_vlm.llm.linear_attention import RecurrentRows
 
 log = logging.getLogger(__name__)
 
@@ -77,12 +78,15 @@ def gather_logits(logits: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 # ---- one step's message ----------------------------------------------------------------------------
-def send(pipes: list, h: torch.Tensor, positions: torch.Tensor, seqs: list[SeqRows], logits_rows: torch.Tensor,
-         block_size: int) -> None:
-    """Rank 0: a step to the workers: its sequences and sampling rows on each worker's pipe, then its
-    input rows h [T, hidden] and positions [3, T] broadcast."""
+def send(pipes: list, h: torch.Tensor, positions: torch.Tensor, seqs: list[SeqRows], recurrent: RecurrentRows | None,
+         logits_rows: torch.Tensor, block_size: int) -> None:
+    """Rank 0: a step to the workers: its sequences, their linear-attention rows and state slots
+    and its sampling rows on each worker's pipe, then its input rows h [T, hidden] and positions
+    [3, T] broadcast."""
     tables = [s.blocks[:-(-(s.start + s.n) // block_size)] for s in seqs]
-    message = (STEP, h.shape[0], [(s.row, s.n, s.start, t) for s, t in zip(seqs, tables)], logits_rows.tolist())
+    states = recurrent and (recurrent.decode_rows.tolist(), recurrent.decode_slots.tolist(), recurrent.prefill)
+    message = (STEP, h.shape[0], [(s.row, s.n, s.start, t) for s, t in zip(seqs, tables)], states,
+               logits_rows.tolist())
     for pipe in pipes:
         pipe.send(message)
     dist.broadcast(h.contiguous(), src=0)
@@ -90,10 +94,10 @@ def send(pipes: list, h: torch.Tensor, positions: torch.Tensor, seqs: list[SeqRo
 
 
 def receive(pipe, hidden: int, dtype: torch.dtype, device: torch.device
-            ) -> tuple[torch.Tensor, torch.Tensor, list[SeqRows], torch.Tensor] | None:
+            ) -> tuple[torch.Tensor, torch.Tensor, list[SeqRows], RecurrentRows | None, torch.Tensor] | None:
     """A worker: the next step rank 0 sends (`send`), None when told to stop or rank 0 is gone."""
     try:
-        command, rows, seqs, logits_rows = pipe.recv()
+        command, rows, seqs, states, logits_rows = pipe.recv()
     except EOFError:
         return None
     if command == STOP:
@@ -102,13 +106,25 @@ def receive(pipe, hidden: int, dtype: torch.dtype, device: torch.device
     positions = torch.empty((3, rows), dtype=torch.long, device=device)
     dist.broadcast(h, src=0)
     dist.broadcast(positions, src=0)
-    return (h, positions, [SeqRows(*seq) for seq in seqs],
+    recurrent = states and RecurrentRows(torch.tensor(states[0], dtype=torch.long, device=device),
+                                         torch.tensor(states[1], dtype=torch.long, device=device), states[2])
+    return (h, positions, [SeqRows(*seq) for seq in seqs], recurrent,
             torch.tensor(logits_rows, dtype=torch.long, device=device))
+
+
+def reset_states(seqs: list[SeqRows], recurrent: RecurrentRows, states) -> None:
+    """A worker: the state slot of every sequence starting at token 0 zeroed, as rank 0's runner
+    does (`ModelRunner.inputs`)."""
+    slot_of = dict(zip(recurrent.decode_rows.tolist(), recurrent.decode_slots.tolist()))
+    slot_of.update((row, slot) for row, _, slot in recurrent.prefill)
+    for s in seqs:
+        if s.start == 0:
+            states.reset(slot_of[s.row])
 
 
 # ---- the worker processes --------------------------------------------------------------------------
 def worker_main(pipe, checkpoint: str, rank: int, world: int, port: int, device: str, dtype: str, num_blocks: int,
-                block_size: int) -> None:
+                block_size: int, max_batch: int) -> None:
     """A worker process: its shard of the model and of the KV cache, then every step rank 0 sends."""
     from triton_vlm.llm.model import DecoderModel, StepBatch
     from triton_vlm.llm.runner import ModelRunner
@@ -120,13 +136,15 @@ def worker_main(pipe, checkpoint: str, rank: int, world: int, port: int, device:
     init_group(rank, world, port, here)
     try:
         model = DecoderModel.from_checkpoint(checkpoint, device=here, dtype=dtype, shard=Shard(rank, world))
-        runner = ModelRunner(model, num_blocks, block_size)
+        runner = ModelRunner(model, num_blocks, block_size, max_batch=max_batch)
         dist.barrier()  # loaded: rank 0's `Workers` waits for this
         hidden = model.config.hidden_size
         while (step := receive(pipe, hidden, model.dtype, here)) is not None:
-            h, positions, seqs, logits_rows = step
-            model.forward(StepBatch(h, positions, runner.attention.build(seqs), None, logits_rows),
-                          runner.attention, None)
+            h, positions, seqs, recurrent, logits_rows = step
+            if recurrent is not None:
+                reset_states(seqs, recurrent, runner.states)
+            model.forward(StepBatch(h, positions, runner.attention.build(seqs), recurrent, logits_rows),
+                          runner.attention, runner.states)
     finally:
         dist.destroy_process_group()
 
@@ -138,7 +156,7 @@ class Workers:
     at once instead of a rendezvous that waits out its timeout)."""
 
     def __init__(self, checkpoint: str | Path, world: int, device: torch.device, dtype: str, num_blocks: int,
-                 block_size: int) -> None:
+                 block_size: int, max_batch: int) -> None:
         import multiprocessing
 
         self.device = device
@@ -152,7 +170,7 @@ class Workers:
             self.pipes.append(here)
             self.processes.append(context.Process(
                 target=worker_main, name=f"llm-tp-rank{rank}", daemon=True,
-                args=(there, str(checkpoint), rank, world, port, str(device), dtype, num_blocks, block_size)))
+                args=(there, str(checkpoint), rank, world, port, str(device), dtype, num_blocks, block_size, max_batch)))
         for process in self.processes:
             process.start()
         for pipe in self.pipes:
@@ -166,12 +184,12 @@ class Workers:
             self.check()
             raise WorkerGone(f"llm tensor-parallel workers failed to start: {error}") from None
 
-    def send(self, h: torch.Tensor, positions: torch.Tensor, seqs: list[SeqRows], logits_rows: torch.Tensor,
-             block_size: int) -> None:
+    def send(self, h: torch.Tensor, positions: torch.Tensor, seqs: list[SeqRows], recurrent: RecurrentRows | None,
+             logits_rows: torch.Tensor, block_size: int) -> None:
         """A step to every worker (`send`); WorkerGone if one has exited (or exits meanwhile)."""
         self.check()
         try:
-            send(self.pipes, h, positions, seqs, logits_rows, block_size)
+            send(self.pipes, h, positions, seqs, recurrent, logits_rows, block_size)
         except (RuntimeError, OSError):
             self.check()
             raise
