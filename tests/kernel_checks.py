@@ -108,7 +108,7 @@ def check_rotary(device: str, dtype: torch.dtype, pairing: str, head_dim: int, r
     (measured on an H100: about 1 element in 3 differs by one ulp in float32). q is a view into a
     fused q/k/v output (strided rows), as the model passes it."""
     from triton_vlm.llm import cuda_ops
-    from triton_vlm.llm.model import HalfPairs, InterleavedPairs, Rotary
+    from triton_vlm.llm.rotary import HalfPairs, InterleavedPairs, Rotary
 
     pairs = {"half": HalfPairs, "interleaved": InterleavedPairs}[pairing]
     config = SimpleNamespace(rotary_dim=rotary_dim, head_dim=head_dim, mrope_section=(rotary_dim // 2, 0, 0),
@@ -127,7 +127,7 @@ def check_rms_norm(device: str, dtype: torch.dtype, weight_f32: bool, shape: tup
     the float32 sum of squares differs, and the cast to the dtype hides it. In float32 nothing hides
     it, and Triton's rsqrt is the fast approximate one on CUDA: within 8 ulps (measured: 4)."""
     from triton_vlm.llm import cuda_ops
-    from triton_vlm.llm.model import rms_torch
+    from triton_vlm.llm.layers import rms_torch
 
     x = torch.randn(shape, device=device, dtype=dtype) * 3
     weight = (1 + 0.1 * torch.randn(shape[-1], device=device)).to(torch.float32 if weight_f32 else dtype)

@@ -60,7 +60,7 @@ def test_every_family_detects_its_own_model_type(glm_checkpoints):
 def test_the_family_names_its_tower_decoder_and_demo():
     """One registry: each family names its tower class and decoder spec; each has a demo checkpoint."""
     from triton_vlm.checkpoint import DEMOS
-    from triton_vlm.llm.model import DecoderSpec
+    from triton_vlm.llm.decoders import DecoderSpec
     from triton_vlm.vision.tower import Tower
 
     for family in FAMILIES.values():

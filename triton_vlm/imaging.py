@@ -302,7 +302,6 @@ def resize_frames(frames: np.ndarray, size: tuple[int, int], settings: VisionSet
     torch kernel, frame by frame identical to the batched call): uint8 [T, h, w, 3]. Resizing a
     frame to its own size returns it unchanged, as torchvision does."""
     import torch
-    import torchvision.transforms.v2.functional as tvF
 
     if not settings.do_resize or tuple(frames.shape[1:3]) == tuple(size):
         return frames
@@ -338,7 +337,6 @@ def write_pixel_values(frames: np.ndarray, size: tuple[int, int], settings: Visi
     """Resize, normalise and patchify uint8 frames [T, H, W, 3] into `out` (float32, C-contiguous,
     shape [grid_t * grid_h * grid_w, row_size]). Returns the grid (t, h, w)."""
     import torch
-    import torchvision.transforms.v2.functional as tvF
 
     p, m, tps = settings.patch_size, settings.merge_size, settings.temporal_patch_size
     height, width = size

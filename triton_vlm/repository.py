@@ -447,7 +447,7 @@ def _copy_checkpoint(checkpoint: Path, dst: Path, weights: bool) -> None:
 
 def check_tensor_parallel(checkpoint: Path, ranks: int) -> None:
     """ValueError naming --tensor-parallel unless the checkpoint's decoder splits over `ranks`."""
-    from triton_vlm.llm.model import DecoderConfig
+    from triton_vlm.llm.config import DecoderConfig
     from triton_vlm.llm.sharding import Shard
 
     if ranks < 1:

@@ -56,7 +56,7 @@ class Family:
     named_special_tokens: dict[str, str]
     # (pixel_values row width, embedding width) from the checkpoint's config.json.
     encoder_dims: Callable[[dict], tuple[int, int]]
-    # Its vision tower class (`triton_vlm.vision.tower.Tower`) and decoder (`triton_vlm.llm.model.
+    # Its vision tower class (`triton_vlm.vision.tower.Tower`) and decoder (`triton_vlm.llm.decoders.
     # DecoderSpec`) as "module:name", imported when used (`tower_class`, `decoder_spec`): the
     # preprocess model needs neither.
     tower: str

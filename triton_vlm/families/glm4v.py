@@ -197,7 +197,7 @@ def _family(name: str, model_types: tuple[str, ...], video_processor: str, sampl
         named_special_tokens={"image_token": IMAGE_TOKEN, "video_token": VIDEO_TOKEN},
         encoder_dims=patch_encoder_dims,
         tower=f"triton_vlm.vision.glm4v:{tower}",
-        decoder=f"triton_vlm.llm.model:{decoder}",
+        decoder=f"triton_vlm.llm.decoders:{decoder}",
         sample_frames=sample_frames,
         default_video_fps=2.0,
         video_sampler_keys=video_sampler_keys,

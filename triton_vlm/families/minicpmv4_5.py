@@ -2,7 +2,7 @@
 transformers 5 lacks): a SigLIP-NaViT tower and `Resampler4_5` on a Qwen3 decoder.
 
 Its oracle is the official code's golden set (`shared/reference/minicpmv4_5/`). The decoder
-(`triton_vlm.llm.model.QWEN3`) takes image rows in place of the `<unk>` runs that the processor puts
+(`triton_vlm.llm.decoders.QWEN3`) takes image rows in place of the `<unk>` runs that the processor puts
 between `<image>`/`<slice>` and their end tokens (the `image_bound` rows), positions 1-D. A prompt's
 `(<image>./</image>)` (several tokens: found in the text) becomes `slice_runs` of
 `image_feature_size` (`query_num`) `<unk>` each, the slices cut as MiniCPM-V 4.6 cuts them but with
@@ -151,7 +151,7 @@ MINICPMV4_5 = Family(
     named_special_tokens=NAMED_TOKENS,
     encoder_dims=encoder_dims,
     tower="triton_vlm.vision.minicpmv4_5:MiniCPMV4_5Tower",
-    decoder="triton_vlm.llm.model:QWEN3",
+    decoder="triton_vlm.llm.decoders:QWEN3",
     eos_tokens=(IM_END, ENDOFTEXT),
     placeholders_in_text=True,
     chat_content_as_text=True,

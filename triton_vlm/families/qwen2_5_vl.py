@@ -54,7 +54,7 @@ QWEN2_5_VL = Family(
                           "vision_start_token": VISION_START, "vision_end_token": VISION_END},
     encoder_dims=patch_encoder_dims,
     tower="triton_vlm.vision.qwen2_5_vl:Qwen2_5_VLTower",
-    decoder="triton_vlm.llm.model:QWEN2",
+    decoder="triton_vlm.llm.decoders:QWEN2",
     sample_frames=sample_frames,
     default_video_fps=2.0,
     video_t_factor=video_t_factor,

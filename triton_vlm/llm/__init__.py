@@ -2,7 +2,8 @@
 float16, paged KV cache, in-flight batching."""
 from triton_vlm.llm.block_manager import BlockManager
 from triton_vlm.llm.engine import Engine
-from triton_vlm.llm.model import DecoderConfig, DecoderModel
+from triton_vlm.llm.config import DecoderConfig
+from triton_vlm.llm.model import DecoderModel
 from triton_vlm.llm.output import GenerationOutput, IncrementalDetokenizer
 from triton_vlm.llm.runner import ModelRunner, prompt_logits
 from triton_vlm.llm.sampling import NO_TOKEN, SamplingParams, make_generator, sample_batch

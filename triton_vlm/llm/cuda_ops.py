@@ -71,7 +71,7 @@ def _kernels():
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`triton_vlm.llm.model._rms` over the last dim of x (any leading shape), one kernel."""
+    """`triton_vlm.llm.layers._rms` over the last dim of x (any leading shape), one kernel."""
     x = x.contiguous()
     n = x.shape[-1]
     out = torch.empty_like(x)

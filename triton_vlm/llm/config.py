@@ -1,0 +1,156 @@
+"""`DecoderConfig`: a checkpoint's decoder as the llm computes it, read from its own files (every size,
+token id, eos id, rope theta, `mrope_section` and `partial_rotary_factor`), and the layer layout
+(attention or linear attention, dense or mixture-of-experts MLP) of each layer."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from triton_vlm.families import detect_family
+from triton_vlm.llm.linear_attention import LinearAttentionConfig
+from triton_vlm.llm.moe import MoeConfig
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value]
+    return [int(value)]
+
+
+def _added_token_ids(root: Path, tokens: tuple[str, ...]) -> tuple[int, ...]:
+    """The ids of `tokens` among the checkpoint tokenizer's added tokens (tokenizer.json)."""
+    if not tokens:
+        return ()
+    added = {t["content"]: int(t["id"]) for t in json.loads((root / "tokenizer.json").read_text(encoding="utf-8")).get("added_tokens", [])}
+    if missing := [t for t in tokens if t not in added]:
+        raise ValueError(f"tokenizer.json: no added token {missing}")
+    return tuple(added[t] for t in tokens)
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int  # the first `rotary_dim` dims of each head rotate (`partial_rotary_factor`)
+    rms_norm_eps: float
+    rope_theta: float
+    mrope_section: tuple[int, ...]
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    placeholder_token_ids: tuple[int, ...]  # prompt tokens replaced by image/video embedding rows
+    eos_token_ids: tuple[int, ...]
+    family: str = "qwen2_5_vl"  # the serving family (`triton_vlm.families`), which names the `DecoderSpec`
+    layer_types: tuple[str, ...] = ()  # per layer: "full_attention" or "linear_attention"
+    linear_attention: LinearAttentionConfig | None = None  # set when some layer is linear attention
+    mrope_interleaved: bool = False
+    moe: MoeConfig | None = None  # set for mixture-of-experts decoders (config `n_routed_experts`)
+    text_model_type: str = ""  # `text_config.model_type`: picks the decoder where a family has several
+
+    @property
+    def moe_layers(self) -> tuple[bool, ...]:
+        """Per layer: whether its MLP is the mixture of experts (layers from the MoE config's
+        `first_k_dense_replace` on; none in a dense model)."""
+        first = self.num_layers if self.moe is None else self.moe.first_k_dense_replace
+        return tuple(i >= first for i in range(self.num_layers))
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers that attend over K/V (the pool holds K/V for these only)."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
+
+    @property
+    def recurrent(self) -> bool:
+        """Some layer carries a per-sequence recurrent state: a cached K/V prefix alone cannot resume
+        a sequence, so prefix caching is off."""
+        return len(self.kv_layers) < self.num_layers
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """K and V of one token over the attention layers, in the KV pool's dtype (the model's)."""
+        return 2 * len(self.kv_layers) * self.num_kv_heads * self.head_dim * dtype.itemsize
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint_dir: str | Path) -> "DecoderConfig":
+        root = Path(checkpoint_dir)
+        cfg = json.loads((root / "config.json").read_text(encoding="utf-8"))
+        family = detect_family(root)
+        text_model_type = str((cfg.get("text_config") or {}).get("model_type", ""))
+        spec = family.decoder_spec(text_model_type)
+        # Older Qwen2.5-VL configs hold the text fields at top level; v5 (and GLM) nest them in text_config.
+        text = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")}
+        text.update(cfg.get("text_config") or {})
+
+        rope = dict(text.get("rope_parameters") or {})
+        legacy = text.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type") or legacy.get("rope_type") or legacy.get("type") or "default"
+        if rope_type not in ("default", "mrope"):
+            raise NotImplementedError(f"rope_type {rope_type!r} is not supported (only default M-RoPE)")
+        theta = rope.get("rope_theta", text.get("rope_theta"))
+        section = rope.get("mrope_section", legacy.get("mrope_section"))
+        if theta is None or (section is None and spec.mrope):
+            raise ValueError("config.json: rope_theta and mrope_section are required")
+        if text.get("use_sliding_window"):
+            raise NotImplementedError("sliding-window attention is not supported")
+        if refused := [key for key in spec.refused_flags if text.get(key)]:
+            raise NotImplementedError(f"{family.name}: text_config {', '.join(refused)} is not supported")
+        act = text.get("hidden_act", "silu")
+        if act != "silu":
+            raise NotImplementedError(f"hidden_act {act!r} is not supported")
+
+        hidden, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
+        head_dim = int(text.get("head_dim") or hidden // heads)
+        factor = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0))
+        rotary_dim = int(head_dim * float(factor))
+        if not spec.mrope:  # 1-D RoPE: one section, turned by the first position row
+            section = (rotary_dim // 2,)
+        if sum(section) * 2 != rotary_dim:
+            raise ValueError(f"mrope_section {section} does not cover the {rotary_dim} rotary dims of each head")
+
+        eos = _ids(cfg.get("eos_token_id")) + _ids((cfg.get("text_config") or {}).get("eos_token_id"))
+        gen_path = root / "generation_config.json"
+        if gen_path.exists():
+            eos = _ids(json.loads(gen_path.read_text(encoding="utf-8")).get("eos_token_id")) + eos
+        eos += _added_token_ids(root, spec.eos_tokens)
+        tie = bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+        placeholders = (tuple(int(cfg[k]) for k in spec.placeholder_keys if cfg.get(k) is not None)
+                        + _added_token_ids(root, spec.placeholder_tokens))
+        num_layers = int(text["num_hidden_layers"])
+        # without use_sliding_window (refused above) transformers' "sliding_attention" layers attend fully
+        layer_types = tuple("full_attention" if t == "sliding_attention" else t
+                            for t in text.get("layer_types") or ("full_attention",) * num_layers)
+        unknown = set(layer_types) - {"full_attention", "linear_attention"}
+        if len(layer_types) != num_layers or unknown:
+            raise ValueError(f"config.json: layer_types {list(layer_types)} for {num_layers} layers")
+        linear = None
+        if "linear_attention" in layer_types:
+            if spec.linear_layer is None:
+                raise NotImplementedError(f"{family.name}: no linear-attention layer registered")
+            linear = LinearAttentionConfig(
+                num_k_heads=int(text["linear_num_key_heads"]), num_v_heads=int(text["linear_num_value_heads"]),
+                k_head_dim=int(text["linear_key_head_dim"]), v_head_dim=int(text["linear_value_head_dim"]),
+                conv_kernel=int(text["linear_conv_kernel_dim"]))
+        moe = MoeConfig.from_text_config(text)
+        if moe is not None and spec.moe_layer is None:
+            raise NotImplementedError(f"{family.name}: no mixture-of-experts layer registered")
+        return cls(
+            vocab_size=int(text["vocab_size"]), hidden_size=hidden,
+            intermediate_size=int(text["intermediate_size"]), num_layers=num_layers,
+            num_heads=heads, num_kv_heads=int(text.get("num_key_value_heads") or heads), head_dim=head_dim,
+            rotary_dim=rotary_dim, rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
+            mrope_section=tuple(int(s) for s in section),
+            max_position_embeddings=int(text["max_position_embeddings"]), tie_word_embeddings=tie,
+            placeholder_token_ids=placeholders, eos_token_ids=tuple(dict.fromkeys(eos)), family=family.name,
+            layer_types=layer_types, linear_attention=linear,
+            mrope_interleaved=bool(rope.get("mrope_interleaved", legacy.get("mrope_interleaved", False))),
+            moe=moe, text_model_type=text_model_type,
+        )
