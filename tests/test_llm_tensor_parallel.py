@@ -6,11 +6,14 @@ by head, their states per rank, beside gated full attention), text and image pro
 requests at once, prompts in chunks. A killed worker ends the requests with an error naming it,
 and the engine refuses new ones; a decoder that does not split is refused at start (and by the
 build). Behind a real tritonserver (`build --tensor-parallel 2`, the llm's ranks spawned by
-its stub), the ensemble's greedy tokens for text, image and video prompts are `generate`'s."""
+its stub), the ensemble's greedy tokens for text, image and video prompts are `generate`'s, and a
+rank killed under load ends its requests and the llm is reloaded by `serve`'s supervisor."""
 from __future__ import annotations
 
 import os
 import signal
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -118,3 +121,30 @@ def test_served_split_llm_gives_generates_tokens(checkpoints, tmp_path_factory):
         for prompt, images, videos in prompts.values():
             expected = oracle.generate(oracle.inputs(prompt, images, videos), 8)
             assert_served_tokens(server, (prompt, images, videos), expected, 8)
+
+
+def test_a_dead_rank_under_serve_ends_its_requests_and_the_llm_is_reloaded(tiny_checkpoint, tmp_path, hf):
+    """Under load, rank 1 of the served llm (a process its stub spawned) is SIGKILLed: requests in
+    flight end within 5 s with an error (the rank named, or the llm step restarted), the llm stub
+    exits, `serve`'s supervisor reloads the model with new ranks, and later requests get
+    transformers' tokens again."""
+    from tests.test_step_faults import IMAGE, N, PROMPT, Load, check_recovery, supervised, wait_for_event
+    from triton_vlm.repository import BuildOptions, build_repository
+
+    repo = build_repository(tiny_checkpoint, tmp_path / "repository", BuildOptions(tensor_parallel=2))
+    expected = hf.generate(hf.inputs(PROMPT, [IMAGE]), N)
+    with supervised(repo, tmp_path) as (server, events), Load(server) as load:
+        stub = next(pid for pid, name in server.stub_processes().items() if name == "llm_0_0")
+        rank1 = next(pid for pid in _children(stub) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes())
+        os.kill(rank1, signal.SIGKILL)
+        killed = time.monotonic()
+        event, back = wait_for_event(events, "model 'llm' reloaded", "tritonserver restarted")
+        time.sleep(4.0)
+        failed = check_recovery(load.stop(), killed, back, expected)
+        assert event == "model 'llm' reloaded", "\n".join(events)
+        assert failed and all("rank 1 exited" in o.error or "the llm step restarted" in o.error for o in failed), failed
+        assert any("rank 1 exited (code -9)" in o.error for o in failed), failed
+
+
+def _children(pid: int) -> list[int]:
+    return [int(p) for task in Path(f"/proc/{pid}/task").iterdir() for p in (task / "children").read_text().split()]
