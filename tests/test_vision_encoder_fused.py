@@ -62,13 +62,13 @@ def test_float32_graph_has_fused_attention_under_if_float16_does_not(exported):
 @pytest.mark.parametrize("case", ["full windows, one frame", "two frames, full windows", "partial windows",
                                   "two sizes (padded frames)"])
 def test_fused_and_unfused_match_the_torch_tower(exported, tiny_checkpoint, case):
-    from triton_vlm.vision import common
+    from triton_vlm.vision import attention_groups
     from triton_vlm.vision.qwen2_5_vl import Qwen2_5_VLTower as q
 
     settings = q.read_vision_config(tiny_checkpoint)
     grid = np.array(_grids(settings)[case], dtype=np.int64)
     rng = np.random.default_rng(7)
-    pixels = rng.standard_normal((common.num_patches(grid), settings["patch_dim"])).astype(np.float32)
+    pixels = rng.standard_normal((attention_groups.num_patches(grid), settings["patch_dim"])).astype(np.float32)
     md = q.encoder_metadata(grid, settings)
     tower = q.load_tower(tiny_checkpoint)
     with torch.no_grad():

@@ -25,7 +25,7 @@ def export_onnx(checkpoint_dir: str | Path, out_path: str | Path, dtype: str = "
     dtype inside the graph ("float32", "float16" or "bfloat16"); inputs and output stay FP32, and
     the residual stream, norms and rotary compute in float32 whatever `dtype` is (as the torch
     tower does); a float16 / bfloat16 graph's attention is TensorRT's fusable chain in `dtype`
-    (`common.group_attention`).
+    (`tower_layers.group_attention`).
     ONNX Runtime's CPU provider runs float32 and float16 graphs; bfloat16 graphs are for TensorRT.
     Float32 graphs use ONNX Runtime's fused `com.microsoft::MultiHeadAttention` (its CPU kernel),
     masked only when some group is padded (`mask_only_when_padded`); `unfuse_attention` gives the

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from triton_vlm.vision import common
+from triton_vlm.vision import attention_groups, tower_config, tower_layers, trt_profile
 from triton_vlm.vision.tower import Tower
 
 # The vision-config fields the tower and its metadata read, with Hugging Face's defaults
@@ -51,16 +51,16 @@ _OCR_DEFAULTS: dict[str, Any] = {**_DEFAULTS, **dict(hidden_size=1024, attention
 def vision_settings(vision_config: Any, defaults: dict[str, Any] = _DEFAULTS) -> dict[str, Any]:
     """Normalise a vision config (HF config object or dict, e.g. `config.json`'s `vision_config`)
     into a plain JSON-able dict of the fields this module uses."""
-    out = common.config_fields(vision_config, defaults)
+    out = tower_config.config_fields(vision_config, defaults)
     for key in ("image_size", "patch_size", "temporal_patch_size"):
-        out[key] = common.square(out[key], key)
+        out[key] = tower_config.square(out[key], key)
     for key in ("depth", "hidden_size", "num_heads", "in_channels", "spatial_merge_size", "out_hidden_size",
                 "intermediate_size"):
         out[key] = int(out[key])
     out["attention_bias"] = bool(out["attention_bias"])
     out["rms_norm_eps"] = float(out["rms_norm_eps"])
     out["pos_embed_size"] = out["image_size"] // out["patch_size"]  # position-embedding grid side
-    return common.add_derived(out)
+    return tower_config.add_derived(out)
 
 
 
@@ -71,8 +71,8 @@ def vision_settings(vision_config: Any, defaults: dict[str, Any] = _DEFAULTS) ->
 def _frame_layout(h: int, w: int, m: int, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One frame of an h x w patch grid, processor order: rotary cos / sin [h*w, head_dim] and the
     position-embedding sample points [h*w, 2] (x from the column, y from the row)."""
-    hpos, wpos = common.patch_positions(h, w, m)
-    cos, sin = common.rotary_tables(hpos, wpos, inv_freq)
+    hpos, wpos = attention_groups.patch_positions(h, w, m)
+    cos, sin = attention_groups.rotary_tables(hpos, wpos, inv_freq)
     half, two, one = np.float32(0.5), np.float32(2.0), np.float32(1.0)
     x = (wpos.astype(np.float32) + half) / np.float32(w) * two - one
     y = (hpos.astype(np.float32) + half) / np.float32(h) * two - one
@@ -84,17 +84,17 @@ def encoder_metadata(grid_thw: np.ndarray, settings: dict[str, Any]) -> dict[str
 
     Keys: `Glm4vTower.METADATA_INPUTS`. Requires at least one item."""
     m = settings["spatial_merge_size"]
-    grid = common.check_grid(grid_thw, m)
-    inv_freq = common.rotary_inv_freq(settings["head_dim"], settings["rope_theta"])
+    grid = attention_groups.check_grid(grid_thw, m)
+    inv_freq = attention_groups.rotary_inv_freq(settings["head_dim"], settings["rope_theta"])
     parts = [tuple(np.tile(a, (t, 1)) if t > 1 else a for a in layout)
-             for t, _, _, _, layout in common.item_layouts(grid, lambda h, w: _frame_layout(h, w, m, inv_freq))]
+             for t, _, _, _, layout in attention_groups.item_layouts(grid, lambda h, w: _frame_layout(h, w, m, inv_freq))]
     cos, sin, pos = (np.concatenate(column) for column in zip(*parts))
-    return dict(rotary_cos=cos, rotary_sin=sin, pos_grid=pos, **common.frame_groups(grid))
+    return dict(rotary_cos=cos, rotary_sin=sin, pos_grid=pos, **attention_groups.frame_groups(grid))
 
 
-def profile_shapes(settings: dict[str, Any], patches: tuple[int, int, int]) -> common.Shapes:
+def profile_shapes(settings: dict[str, Any], patches: tuple[int, int, int]) -> trt_profile.Shapes:
     """TensorRT (min, opt, max) shape of every input for runs of `patches` (min, opt, max) rows."""
-    return {**common.frame_profile(settings, patches), "pos_grid": common.per_patch(patches, 2)}
+    return {**trt_profile.frame_profile(settings, patches), "pos_grid": trt_profile.per_patch(patches, 2)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -115,16 +115,16 @@ class PositionEmbedding(nn.Module):
         table = weight.float().reshape(self.side, self.side, -1).permute(2, 0, 1).unsqueeze(0)
         sampled = nn.functional.grid_sample(table, pos_grid.float()[None, :, None, :], mode="bicubic",
                                             padding_mode="border", align_corners=False)  # [1, C, N, 1]
-        return common.residual_stream(x) + sampled[0, :, :, 0].t()
+        return tower_layers.residual_stream(x) + sampled[0, :, :, 0].t()
 
 
-class PatchMerger(common.VisionMLP):
+class PatchMerger(tower_layers.VisionMLP):
     """proj -> LayerNorm -> GELU -> SwiGLU (gate / up / down)."""
 
     def __init__(self, dim: int, context: int, act: str):
         super().__init__(dim, context, act, bias=False)
         self.proj = nn.Linear(dim, dim, bias=False)
-        self.post_projection_norm = common.LayerNorm(dim)
+        self.post_projection_norm = tower_layers.LayerNorm(dim)
         self.act1 = nn.GELU()
 
     def forward(self, x):
@@ -139,12 +139,12 @@ class _GlmVisionTower(nn.Module):
         """`bias`: the attention output and MLP projections have biases (qkv's: `attention_bias`)."""
         super().__init__()
         dim, m, eps = cfg["hidden_size"], cfg["spatial_merge_size"], cfg["rms_norm_eps"]
-        self.patch_embed = common.PatchEmbed(cfg, bias=True)
+        self.patch_embed = tower_layers.PatchEmbed(cfg, bias=True)
         self.blocks = nn.ModuleList([
-            common.VisionBlock(dim, cfg["num_heads"], mlp_hidden, cfg["hidden_act"], eps,
+            tower_layers.VisionBlock(dim, cfg["num_heads"], mlp_hidden, cfg["hidden_act"], eps,
                                qkv_bias=cfg["attention_bias"], proj_bias=bias, mlp_bias=bias, qk_norm=qk_norm)
             for _ in range(cfg["depth"])])
-        self.post_layernorm = common.RMSNorm(dim, eps)
+        self.post_layernorm = tower_layers.RMSNorm(dim, eps)
         self.downsample = nn.Conv2d(dim, cfg["out_hidden_size"], kernel_size=m, stride=m)
         self.merger = PatchMerger(cfg["out_hidden_size"], merger_context, cfg["hidden_act"])
 
@@ -159,7 +159,7 @@ class _GlmVisionTower(nn.Module):
         """The blocks onward, from the embedded patches x [N, hidden]."""
         cos, sin = rotary_cos.float()[:, None, None, :], rotary_sin.float()[:, None, None, :]
         full_mask = full_mask.float()
-        full_len = common.key_lengths(full_mask)
+        full_len = tower_layers.key_lengths(full_mask)
         for block in self.blocks:
             x = block(x, cos, sin, full_index, full_mask, full_inverse, full_len)
         x = self._downsample(self.post_layernorm(x))
@@ -174,7 +174,7 @@ class Glm4vVisionTower(_GlmVisionTower):
         # The block MLP is out_hidden_size wide, the merger's intermediate_size (as in transformers).
         super().__init__(cfg, mlp_hidden=cfg["out_hidden_size"], bias=False, qk_norm=False,
                          merger_context=cfg["intermediate_size"])
-        self.post_conv_layernorm = common.RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        self.post_conv_layernorm = tower_layers.RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
         self.embeddings = PositionEmbedding(cfg["pos_embed_size"], cfg["hidden_size"])
 
     def forward(self, pixel_values, rotary_cos, rotary_sin, pos_grid, full_index, full_mask, full_inverse):
@@ -190,14 +190,14 @@ class GlmOcrVisionTower(_GlmVisionTower):
                          merger_context=cfg["out_hidden_size"] * cfg["in_channels"])
 
     def forward(self, pixel_values, rotary_cos, rotary_sin, full_index, full_mask, full_inverse):
-        return self.encode(common.residual_stream(self.patch_embed(pixel_values)), rotary_cos, rotary_sin, full_index, full_mask,
+        return self.encode(tower_layers.residual_stream(self.patch_embed(pixel_values)), rotary_cos, rotary_sin, full_index, full_mask,
                            full_inverse)
 
 
 class Glm4vTower(Tower):
     module = Glm4vVisionTower
-    METADATA_INPUTS = common.ROTARY_INPUTS + ("pos_grid",) + common.FULL_INPUTS
-    METADATA_AXES = {**common.FRAME_AXES, "pos_grid": {0: "patches"}}
+    METADATA_INPUTS = attention_groups.ROTARY_INPUTS + ("pos_grid",) + attention_groups.FULL_INPUTS
+    METADATA_AXES = {**attention_groups.FRAME_AXES, "pos_grid": {0: "patches"}}
     vision_settings = staticmethod(vision_settings)
     encoder_metadata = staticmethod(encoder_metadata)
     profile_shapes = staticmethod(profile_shapes)
@@ -206,8 +206,8 @@ class Glm4vTower(Tower):
 class GlmOcrTower(Tower):
     """GLM-4.1V's metadata less `pos_grid`."""
     module = GlmOcrVisionTower
-    METADATA_INPUTS = common.ROTARY_INPUTS + common.FULL_INPUTS
-    METADATA_AXES = common.FRAME_AXES
+    METADATA_INPUTS = attention_groups.ROTARY_INPUTS + attention_groups.FULL_INPUTS
+    METADATA_AXES = attention_groups.FRAME_AXES
 
     @staticmethod
     def vision_settings(vision_config: Any) -> dict[str, Any]:
@@ -219,5 +219,5 @@ class GlmOcrTower(Tower):
         return {name: metadata[name] for name in cls.METADATA_INPUTS}
 
     @classmethod
-    def profile_shapes(cls, settings: dict[str, Any], patches: tuple[int, int, int]) -> common.Shapes:
-        return common.frame_profile(settings, patches)
+    def profile_shapes(cls, settings: dict[str, Any], patches: tuple[int, int, int]) -> trt_profile.Shapes:
+        return trt_profile.frame_profile(settings, patches)

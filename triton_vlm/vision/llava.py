@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 
 from triton_vlm.errors import InvalidInput
-from triton_vlm.vision import common, minicpmv
+from triton_vlm.vision import attention_groups, tower_config, tower_layers, trt_profile, minicpmv
 from triton_vlm.vision.tower import Tower
 
 
@@ -65,9 +65,9 @@ def vision_settings(config: Any) -> dict[str, Any]:
     """A LLaVA model config (HF config object or `config.json` dict: the top level, which holds the
     feature selection and projector fields, with `vision_config` and `text_config` inside) as a
     plain JSON-able dict of the fields this module uses."""
-    cfg = common.as_dict(config)
-    vision = common.as_dict(cfg.get("vision_config") or {})
-    text = common.as_dict(cfg.get("text_config") or {})
+    cfg = tower_config.as_dict(config)
+    vision = tower_config.as_dict(cfg.get("vision_config") or {})
+    text = tower_config.as_dict(cfg.get("text_config") or {})
     model_type = vision.get("model_type", "clip_vision_model")
     if model_type not in TOWER_KINDS:
         raise ValueError(f"LLaVA: vision_config.model_type {model_type!r} is not supported; "
@@ -76,7 +76,7 @@ def vision_settings(config: Any) -> dict[str, Any]:
     out = {key: vision.get(key, default) for key, default in kind.defaults.items()}
     out.update({key: cfg.get(key, default) for key, default in _LLAVA_DEFAULTS.items()})
     for key in ("image_size", "patch_size"):
-        out[key] = common.square(out[key], key)
+        out[key] = tower_config.square(out[key], key)
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_channels"):
         out[key] = int(out[key])
     out["layer_norm_eps"] = float(out["layer_norm_eps"])
@@ -93,7 +93,7 @@ def vision_settings(config: Any) -> dict[str, Any]:
                extra_rows=int(kind.class_token) - int(strategy == "default"),
                spatial_merge_size=1, temporal_patch_size=1, num_heads=out["num_attention_heads"],
                in_channels=out["num_channels"])
-    return common.add_derived(out)
+    return tower_config.add_derived(out)
 
 
 def _layer_index(index: int, num_layers: int) -> int:
@@ -116,7 +116,7 @@ def patch_rows(pixel_values: Any, patch_size: int) -> np.ndarray:
 
 def encoder_metadata(grid_thw: np.ndarray, settings: dict[str, Any]) -> dict[str, np.ndarray]:
     """None: every image is the same static [S, S] grid, which is checked here."""
-    grid = common.check_grid(grid_thw, 1)
+    grid = attention_groups.check_grid(grid_thw, 1)
     side = settings["side"]
     if (grid[:, 1:] != side).any():
         raise InvalidInput(f"grid_thw: LLaVA's tower takes images of {side} x {side} patches "
@@ -124,11 +124,11 @@ def encoder_metadata(grid_thw: np.ndarray, settings: dict[str, Any]) -> dict[str
     return {}
 
 
-def profile_shapes(settings: dict[str, Any], patches: tuple[int, int, int]) -> common.Shapes:
+def profile_shapes(settings: dict[str, Any], patches: tuple[int, int, int]) -> trt_profile.Shapes:
     """TensorRT (min, opt, max) shape of `pixel_values`: whole images of S * S patches each."""
     image = settings["side"] ** 2
     rows = tuple(max(image, p // image * image) for p in patches)
-    return {"pixel_values": common.per_patch(rows, settings["patch_dim"])}
+    return {"pixel_values": trt_profile.per_patch(rows, settings["patch_dim"])}
 
 
 # --------------------------------------------------------------------------------------------
@@ -157,7 +157,7 @@ class Embeddings(nn.Module):
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[N, patch_dim] -> [N / S^2 * tokens, dim] (tokens: S^2, plus the class token), the float32
         residual stream."""
-        x = common.residual_stream(common.patch_linear(pixel_values, self.patch_embedding))
+        x = tower_layers.residual_stream(tower_layers.patch_linear(pixel_values, self.patch_embedding))
         dim = x.shape[1]
         x = x.reshape(-1, self.patches, dim)
         if self.class_token:
@@ -173,7 +173,7 @@ class Projector(nn.Module):
         joined, out, bias = cfg["hidden_size"] * len(cfg["feature_layers"]), cfg["out_hidden_size"], \
             cfg["multimodal_projector_bias"]
         self.linear_1 = nn.Linear(joined, out, bias=bias)
-        self.act = common.activation(cfg["projector_hidden_act"])
+        self.act = tower_layers.activation(cfg["projector_hidden_act"])
         self.linear_2 = nn.Linear(out, out, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -191,7 +191,7 @@ class LlavaVisionTower(nn.Module):
         self.vision_tower = model = nn.Module()
         model.embeddings = Embeddings(cfg)
         if cfg["pre_norm"]:
-            model.pre_layrnorm = common.LayerNorm(cfg["hidden_size"], eps=cfg["layer_norm_eps"])
+            model.pre_layrnorm = tower_layers.LayerNorm(cfg["hidden_size"], eps=cfg["layer_norm_eps"])
         model.encoder = nn.Module()
         model.encoder.layers = nn.ModuleList([EncoderLayer(cfg) for _ in range(max(self.feature_layers))])
         self.multi_modal_projector = Projector(cfg)
@@ -229,7 +229,7 @@ class LlavaTower(Tower):
     def example_inputs(cls, settings: dict[str, Any], grid_thw=None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """Two images of the checkpoint's S x S (the export's trace: a batch dimension that varies)."""
         side = settings["side"]
-        return common.example_inputs(settings, cls.encoder_metadata, grid_thw or ((1, side, side),) * 2)
+        return attention_groups.example_inputs(settings, cls.encoder_metadata, grid_thw or ((1, side, side),) * 2)
 
     @classmethod
     def warmup_grid(cls, settings: dict[str, Any], min_patches: int = 1) -> np.ndarray:
@@ -245,6 +245,6 @@ class LlavaTower(Tower):
         the checkpoint's others are not used."""
         tower = cls.module(cls.read_vision_config(checkpoint_dir))
         wanted = set(tower.state_dict())
-        state = {k: v for k, v in common.load_state_dict(checkpoint_dir, cls.PREFIXES).items() if k in wanted}
+        state = {k: v for k, v in tower_config.load_state_dict(checkpoint_dir, cls.PREFIXES).items() if k in wanted}
         tower.load_state_dict(state, strict=True)
         return tower.to(dtype).eval()

@@ -39,10 +39,10 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from triton_vlm.vision import common
+from triton_vlm.vision import attention_groups, tower_config, tower_layers, trt_profile
 from triton_vlm.vision.tower import Tower
 
-METADATA_INPUTS = ("patch_order", "position_ids") + common.FULL_INPUTS + ("merged_index", "merged_mask",
+METADATA_INPUTS = ("patch_order", "position_ids") + attention_groups.FULL_INPUTS + ("merged_index", "merged_mask",
                                                                           "merged_inverse")
 
 # Fields read from the model config (`MiniCPMV4_6Config`, top level) and its vision_config
@@ -62,9 +62,9 @@ def vision_settings(config: Any, downsample_mode: str = "16x") -> dict[str, Any]
     level, which holds the merger fields, with `vision_config` and `text_config` inside) into a
     plain JSON-able dict of the fields this module uses. `downsample_mode`: the config class's
     default, where the config leaves it out (MiniCPM-OCR's is "4x")."""
-    cfg = common.as_dict(config)
-    vision = common.as_dict(cfg.get("vision_config") or {})
-    text = common.as_dict(cfg.get("text_config") or {})
+    cfg = tower_config.as_dict(config)
+    vision = tower_config.as_dict(cfg.get("vision_config") or {})
+    text = tower_config.as_dict(cfg.get("text_config") or {})
     out = {key: vision.get(key, default) for key, default in _VISION_DEFAULTS.items()}
     defaults = {**_DEFAULTS, "downsample_mode": downsample_mode}
     out.update({key: cfg.get(key, default) for key, default in defaults.items()})
@@ -75,7 +75,7 @@ def vision_settings(config: Any, downsample_mode: str = "16x") -> dict[str, Any]
         raise ValueError("MiniCPM-V: downsample_mode must be 16x (with the window merger inside the tower) or 4x "
                          f"(downsample_mode {out['downsample_mode']!r}, insert_layer_id {out['insert_layer_id']})")
     for key in ("image_size", "patch_size", "window_kernel_size", "merge_kernel_size"):
-        out[key] = common.square(out[key], key)
+        out[key] = tower_config.square(out[key], key)
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_channels",
                 "insert_layer_id", "merger_times"):
         out[key] = int(out[key])
@@ -87,7 +87,7 @@ def vision_settings(config: Any, downsample_mode: str = "16x") -> dict[str, Any]
         * out["merge_kernel_size"] ** out["merger_times"]
     out.update(depth=out["num_hidden_layers"], num_heads=out["num_attention_heads"],
                in_channels=out["num_channels"], temporal_patch_size=1)
-    return common.add_derived(out)
+    return tower_config.add_derived(out)
 
 
 def patch_rows(pixel_values: Any) -> np.ndarray:
@@ -139,30 +139,30 @@ def encoder_metadata(grid_thw: np.ndarray, settings: dict[str, Any]) -> dict[str
     """The tower's metadata inputs for `grid_thw` [M, 3] (one row per slice), computed with numpy.
 
     Keys: `METADATA_INPUTS`. Requires at least one slice."""
-    grid = common.check_grid(grid_thw, settings["spatial_merge_size"])
+    grid = attention_groups.check_grid(grid_thw, settings["spatial_merge_size"])
     orders, positions = [], []
-    for t, h, w, offset, (order, pos) in common.item_layouts(grid, lambda h, w: _slice_layout(h, w, settings)):
+    for t, h, w, offset, (order, pos) in attention_groups.item_layouts(grid, lambda h, w: _slice_layout(h, w, settings)):
         for f in range(t):
             orders.append(order + offset + f * h * w)
             positions.append(pos)
-    full = common.frame_groups(grid)
+    full = attention_groups.frame_groups(grid)
     # Without the window merger ("4x") the merged groups are never read: the full ones stand in.
     window = settings["window_kernel_size"] if settings["window_merger"] else 1
-    merged = full if window == 1 else common.frame_groups(np.concatenate([grid[:, :1], grid[:, 1:] // window], axis=1))
+    merged = full if window == 1 else attention_groups.frame_groups(np.concatenate([grid[:, :1], grid[:, 1:] // window], axis=1))
     return dict(patch_order=np.concatenate(orders), position_ids=np.concatenate(positions), **full,
                 **{f"merged_{key[5:]}": value for key, value in merged.items()})
 
 
-def profile_shapes(settings: dict[str, Any], patches: tuple[int, int, int]) -> common.Shapes:
+def profile_shapes(settings: dict[str, Any], patches: tuple[int, int, int]) -> trt_profile.Shapes:
     """TensorRT (min, opt, max) shape of every input for runs of `patches` (min, opt, max) rows:
     a slice holds at least merge^2 patches, and merge^2 / window^2 rows after the window merger."""
     window_unit = settings["window_kernel_size"] ** 2 if settings["window_merger"] else 1
     unit = settings["spatial_merge_size"] ** 2
     merged_rows = tuple(max(1, p // window_unit) for p in patches)
-    return {"pixel_values": common.per_patch(patches, settings["patch_dim"]),
-            "patch_order": common.per_patch(patches), "position_ids": common.per_patch(patches),
-            **common.group_profile("full", patches, unit),
-            **common.group_profile("merged", merged_rows, unit // window_unit)}
+    return {"pixel_values": trt_profile.per_patch(patches, settings["patch_dim"]),
+            "patch_order": trt_profile.per_patch(patches), "position_ids": trt_profile.per_patch(patches),
+            **trt_profile.group_profile("full", patches, unit),
+            **trt_profile.group_profile("merged", merged_rows, unit // window_unit)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -172,7 +172,7 @@ def profile_shapes(settings: dict[str, Any], patches: tuple[int, int, int]) -> c
 class SiglipAttention(nn.Module):
     """q / k / v / out projections with biases, no rotary; q, k and v from one MatMul."""
 
-    fused = True  # see common.VisionAttention
+    fused = True  # see tower_layers.VisionAttention
 
     def __init__(self, dim: int, num_heads: int):
         super().__init__()
@@ -185,25 +185,25 @@ class SiglipAttention(nn.Module):
         return nn.functional.linear(x, weight, bias)
 
     def forward(self, x, index, mask, inverse, lengths):
-        """Attention inside the groups of `index` / `mask` / `inverse` (see `common.groups`)."""
+        """Attention inside the groups of `index` / `mask` / `inverse` (see `attention_groups.groups`)."""
         dim = x.shape[1]
         groups, length = index.shape
         q, k, v = self._qkv(x).index_select(0, index.reshape(-1)).reshape(groups, length, 3, dim).unbind(2)
-        out = common.attention(q, k, v, mask, lengths, self.num_heads, self.fused)
+        out = tower_layers.attention(q, k, v, mask, lengths, self.num_heads, self.fused)
         return self.out_proj(out.reshape(groups * length, dim).index_select(0, inverse))
 
     def windows(self, x: torch.Tensor, size: int) -> torch.Tensor:
         """Attention inside each run of `size` adjacent rows."""
         n, dim = x.shape
         q, k, v = self._qkv(x).reshape(n // size, size, 3, dim).unbind(2)
-        return self.out_proj(common.attention(q, k, v, None, None, self.num_heads, self.fused).reshape(n, dim))
+        return self.out_proj(tower_layers.attention(q, k, v, None, None, self.num_heads, self.fused).reshape(n, dim))
 
 
 class SiglipMLP(nn.Module):
     def __init__(self, dim: int, hidden: int, act: str):
         super().__init__()
         self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
-        self.act = common.activation(act)
+        self.act = tower_layers.activation(act)
 
     def forward(self, x):
         return self.fc2(self.act(self.fc1(x)))
@@ -213,7 +213,7 @@ class EncoderLayer(nn.Module):
     def __init__(self, cfg: dict[str, Any]):
         super().__init__()
         dim, eps = cfg["hidden_size"], cfg["layer_norm_eps"]
-        self.layer_norm1, self.layer_norm2 = common.LayerNorm(dim, eps=eps), common.LayerNorm(dim, eps=eps)
+        self.layer_norm1, self.layer_norm2 = tower_layers.LayerNorm(dim, eps=eps), tower_layers.LayerNorm(dim, eps=eps)
         self.self_attn = SiglipAttention(dim, cfg["num_heads"])
         self.mlp = SiglipMLP(dim, cfg["intermediate_size"], cfg["hidden_act"])
 
@@ -230,7 +230,7 @@ class Embeddings(nn.Module):
         self.position_embedding = nn.Embedding(cfg["pos_embed_size"] ** 2, cfg["hidden_size"])
 
     def forward(self, pixel_values, position_ids):
-        return (common.residual_stream(common.patch_linear(pixel_values, self.patch_embedding))
+        return (tower_layers.residual_stream(tower_layers.patch_linear(pixel_values, self.patch_embedding))
                 + self.position_embedding(position_ids))
 
 
@@ -242,10 +242,10 @@ class WindowMerger(nn.Module):
         dim, eps = cfg["hidden_size"], cfg["layer_norm_eps"]
         self.size = cfg["window_kernel_size"] ** 2
         self.self_attn = SiglipAttention(dim, cfg["num_heads"])
-        self.layer_norm1 = common.LayerNorm(dim, eps=eps)
-        self.pre_norm = common.LayerNorm(dim * self.size, eps=eps)
+        self.layer_norm1 = tower_layers.LayerNorm(dim, eps=eps)
+        self.pre_norm = tower_layers.LayerNorm(dim * self.size, eps=eps)
         self.linear_1 = nn.Linear(dim * self.size, cfg["intermediate_size"] * self.size)
-        self.act = common.activation("gelu_pytorch_tanh")
+        self.act = tower_layers.activation("gelu_pytorch_tanh")
         self.linear_2 = nn.Linear(cfg["intermediate_size"] * self.size, dim)
 
     def forward(self, x):
@@ -261,7 +261,7 @@ class DownsampleMLP(nn.Module):
 
     def __init__(self, dim: int, out: int):
         super().__init__()
-        self.pre_norm = common.LayerNorm(dim, eps=MERGER_EPS)
+        self.pre_norm = tower_layers.LayerNorm(dim, eps=MERGER_EPS)
         self.linear_1 = nn.Linear(dim, dim)
         self.act = nn.GELU()
         self.linear_2 = nn.Linear(dim, out)
@@ -280,7 +280,7 @@ class MiniCPMV4_6VisionTower(nn.Module):
         self.vision_tower.embeddings = Embeddings(cfg)
         self.vision_tower.encoder = nn.Module()
         self.vision_tower.encoder.layers = nn.ModuleList([EncoderLayer(cfg) for _ in range(cfg["depth"])])
-        self.vision_tower.post_layernorm = common.LayerNorm(cfg["hidden_size"], eps=cfg["layer_norm_eps"])
+        self.vision_tower.post_layernorm = tower_layers.LayerNorm(cfg["hidden_size"], eps=cfg["layer_norm_eps"])
         self.vision_tower.vit_merger = WindowMerger(cfg)
         self.merger = nn.Module()
         joined = cfg["hidden_size"] * cfg["merge_kernel_size"] ** 2
@@ -292,13 +292,13 @@ class MiniCPMV4_6VisionTower(nn.Module):
         tower = self.vision_tower
         x = tower.embeddings(pixel_values.index_select(0, patch_order), position_ids)
         full_mask = full_mask.float()
-        groups = (full_index, full_mask, full_inverse, common.key_lengths(full_mask))
+        groups = (full_index, full_mask, full_inverse, tower_layers.key_lengths(full_mask))
         for i, layer in enumerate(tower.encoder.layers):
             x = layer(x, *groups)
             if i == self.insert_layer_id:
                 x = tower.vit_merger(x)
                 merged_mask = merged_mask.float()
-                groups = (merged_index, merged_mask, merged_inverse, common.key_lengths(merged_mask))
+                groups = (merged_index, merged_mask, merged_inverse, tower_layers.key_lengths(merged_mask))
         x = tower.post_layernorm(x)
         for mlp in self.merger.mlp:
             x = mlp(x.reshape(-1, mlp.pre_norm.normalized_shape[0]))

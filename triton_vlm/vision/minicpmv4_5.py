@@ -22,12 +22,12 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from triton_vlm.vision import common
+from triton_vlm.vision import attention_groups, tower_config, tower_layers, trt_profile
 from triton_vlm.vision.minicpmv import Embeddings, EncoderLayer
 from triton_vlm.vision.tower import Tower
 
 LAYER_NORM_EPS = 1e-6  # SigLIP's, and the resampler's LayerNorms (`partial(nn.LayerNorm, eps=1e-6)`)
-METADATA_INPUTS = ("position_ids",) + common.FULL_INPUTS + ("key_positions", "group_index", "group_mask")
+METADATA_INPUTS = ("position_ids",) + attention_groups.FULL_INPUTS + ("key_positions", "group_index", "group_mask")
 _VISION_DEFAULTS: dict[str, Any] = dict(
     hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16, num_channels=3,
     image_size=980, patch_size=14, hidden_act="gelu_pytorch_tanh", layer_norm_eps=LAYER_NORM_EPS,
@@ -38,8 +38,8 @@ PREFIXES = {"vpm.": "vpm.", "resampler.": "resampler."}
 def vision_settings(config: Any) -> dict[str, Any]:
     """A MiniCPM-V 4.5 `config.json` (its top level holds `query_num` and the decoder's
     `hidden_size`, the resampler's width) as the plain dict of the fields this module uses."""
-    cfg = common.as_dict(config)
-    vision = common.as_dict(cfg.get("vision_config") or {})
+    cfg = tower_config.as_dict(config)
+    vision = tower_config.as_dict(cfg.get("vision_config") or {})
     out = {key: vision.get(key, default) for key, default in _VISION_DEFAULTS.items()}
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_channels",
                 "image_size", "patch_size"):
@@ -50,7 +50,7 @@ def vision_settings(config: Any) -> dict[str, Any]:
     out["pos_embed_size"] = out["image_size"] // out["patch_size"]
     out.update(depth=out["num_hidden_layers"], num_heads=out["num_attention_heads"], in_channels=out["num_channels"],
                temporal_patch_size=1, spatial_merge_size=1)
-    return common.add_derived(out)
+    return tower_config.add_derived(out)
 
 
 # --------------------------------------------------------------------------------------------
@@ -71,7 +71,7 @@ def metadata(grid_thw: np.ndarray, settings: dict[str, Any], temporal_ids: np.nd
              ) -> dict[str, np.ndarray]:
     """The metadata inputs for `grid_thw` [M, 3]; `temporal_ids`: each frame's temporal id, int64
     [sum of grid_thw[:, 0]] (a video's packed group, `choose_frames`), -1 (or None: all) for none."""
-    grid = common.check_grid(grid_thw, 1)
+    grid = attention_groups.check_grid(grid_thw, 1)
     side = settings["pos_embed_size"]
     frames = int(grid[:, 0].sum())
     ids = np.full(frames, -1, np.int64) if temporal_ids is None else np.asarray(temporal_ids, np.int64).reshape(-1)
@@ -79,23 +79,23 @@ def metadata(grid_thw: np.ndarray, settings: dict[str, Any], temporal_ids: np.nd
         raise ValueError(f"grid_thw holds {frames} frames but {len(ids)} temporal ids were given")
     starts = np.concatenate([[0], np.cumsum(grid[:, 0])])
     positions, keys = [], []
-    for i, (t, h, w, _, pos) in enumerate(common.item_layouts(grid, lambda h, w: navit_position_ids(h, w, side))):
+    for i, (t, h, w, _, pos) in enumerate(attention_groups.item_layouts(grid, lambda h, w: navit_position_ids(h, w, side))):
         rows, cols = np.divmod(np.arange(h * w, dtype=np.int64), w)
         for frame in ids[starts[i]:starts[i + 1]].tolist():
             positions.append(pos)
             keys.append(np.stack([rows, cols, np.full(h * w, frame, dtype=np.int64)], axis=1))
     patches = grid.prod(axis=1)
-    index, mask, _ = common.groups(np.arange(int(patches.sum()), dtype=np.int64), patches)
-    return dict(position_ids=np.concatenate(positions), **common.frame_groups(grid),
+    index, mask, _ = attention_groups.groups(np.arange(int(patches.sum()), dtype=np.int64), patches)
+    return dict(position_ids=np.concatenate(positions), **attention_groups.frame_groups(grid),
                 key_positions=np.concatenate(keys), group_index=index, group_mask=mask)
 
 
-def profile_shapes(settings: dict[str, Any], patches: tuple[int, int, int]) -> common.Shapes:
+def profile_shapes(settings: dict[str, Any], patches: tuple[int, int, int]) -> trt_profile.Shapes:
     """TensorRT (min, opt, max) shapes for runs of `patches` rows (a slice or a group holds one patch
     at the least)."""
-    groups = common.group_profile("group", patches, 1)
-    return {"pixel_values": common.per_patch(patches, settings["patch_dim"]), "position_ids": common.per_patch(patches),
-            **common.group_profile("full", patches, 1), "key_positions": common.per_patch(patches, 3),
+    groups = trt_profile.group_profile("group", patches, 1)
+    return {"pixel_values": trt_profile.per_patch(patches, settings["patch_dim"]), "position_ids": trt_profile.per_patch(patches),
+            **trt_profile.group_profile("full", patches, 1), "key_positions": trt_profile.per_patch(patches, 3),
             "group_index": groups["group_index"], "group_mask": groups["group_mask"]}
 
 
@@ -122,7 +122,7 @@ class Resampler(nn.Module):
         self.query = nn.Parameter(torch.zeros(q, dim))
         self.kv_proj = nn.Linear(cfg["hidden_size"], dim, bias=False)
         self.attn = nn.MultiheadAttention(dim, self.num_heads)
-        self.ln_q, self.ln_kv, self.ln_post = (common.LayerNorm(dim, eps=LAYER_NORM_EPS) for _ in range(3))
+        self.ln_q, self.ln_kv, self.ln_post = (tower_layers.LayerNorm(dim, eps=LAYER_NORM_EPS) for _ in range(3))
         self.proj = nn.Parameter(torch.zeros(dim, dim))
 
     def forward(self, x, key_positions, group_index, group_mask):
@@ -157,7 +157,7 @@ class MiniCPMV4_5VisionTower(nn.Module):
         self.vpm.embeddings = Embeddings(cfg)
         self.vpm.encoder = nn.Module()
         self.vpm.encoder.layers = nn.ModuleList([EncoderLayer(cfg) for _ in range(cfg["depth"])])
-        self.vpm.post_layernorm = common.LayerNorm(cfg["hidden_size"], eps=cfg["layer_norm_eps"])
+        self.vpm.post_layernorm = tower_layers.LayerNorm(cfg["hidden_size"], eps=cfg["layer_norm_eps"])
         self.resampler = Resampler(cfg)
 
     def hidden(self, pixel_values, position_ids, full_index, full_mask, full_inverse):
@@ -165,7 +165,7 @@ class MiniCPMV4_5VisionTower(nn.Module):
         x = self.vpm.embeddings(pixel_values, position_ids)
         full_mask = full_mask.float()
         for layer in self.vpm.encoder.layers:
-            x = layer(x, full_index, full_mask, full_inverse, common.key_lengths(full_mask))
+            x = layer(x, full_index, full_mask, full_inverse, tower_layers.key_lengths(full_mask))
         return self.vpm.post_layernorm(x)
 
     def forward(self, pixel_values, position_ids, full_index, full_mask, full_inverse, key_positions,

@@ -15,11 +15,11 @@ from typing import Any
 import numpy as np
 import torch.nn as nn
 
-from triton_vlm.vision import common
+from triton_vlm.vision import attention_groups, tower_config, tower_layers, trt_profile
 from triton_vlm.vision.tower import Tower
 
 RMS_EPS = 1e-6  # fixed in the Hugging Face implementation (not a config field)
-METADATA_INPUTS = common.ROTARY_INPUTS + ("window_index", "window_mask", "window_inverse") + common.FULL_INPUTS
+METADATA_INPUTS = attention_groups.ROTARY_INPUTS + ("window_index", "window_mask", "window_inverse") + attention_groups.FULL_INPUTS
 
 # The vision-config fields the tower and its metadata read, with Hugging Face's defaults.
 _DEFAULTS: dict[str, Any] = dict(
@@ -32,17 +32,17 @@ _DEFAULTS: dict[str, Any] = dict(
 def vision_settings(vision_config: Any) -> dict[str, Any]:
     """Normalise a vision config (HF config object or dict, e.g. `config.json`'s `vision_config`)
     into a plain JSON-able dict of the fields this module uses."""
-    cfg = common.as_dict(vision_config)
-    out = common.config_fields(cfg, _DEFAULTS)
+    cfg = tower_config.as_dict(vision_config)
+    out = tower_config.config_fields(cfg, _DEFAULTS)
     if "in_channels" not in cfg and "in_chans" in cfg:  # original Qwen2.5-VL config.json spelling
         out["in_channels"] = cfg["in_chans"]
     for key in ("patch_size", "temporal_patch_size"):
-        out[key] = common.square(out[key], key)
+        out[key] = tower_config.square(out[key], key)
     out["fullatt_block_indexes"] = [int(i) for i in out["fullatt_block_indexes"]]
     for key in ("depth", "hidden_size", "intermediate_size", "num_heads", "in_channels",
                 "spatial_merge_size", "window_size", "out_hidden_size"):
         out[key] = int(out[key])
-    return common.add_derived(out)
+    return tower_config.add_derived(out)
 
 
 
@@ -53,7 +53,7 @@ def vision_settings(vision_config: Any) -> dict[str, Any]:
 def _frame_layout(h: int, w: int, m: int, vws: int, inv_freq: np.ndarray):
     """One frame of an h x w patch grid: rotary cos/sin [h*w, head_dim] in processor order, the
     window order of its patches and the (non-empty) window sizes in patches."""
-    cos, sin = common.rotary_tables(*common.patch_positions(h, w, m), inv_freq)
+    cos, sin = attention_groups.rotary_tables(*attention_groups.patch_positions(h, w, m), inv_freq)
     lh, lw = h // m, w // m
     # Windows of vws x vws merge units (ceil division: edge windows are smaller, none empty),
     # row-major inside each window as transformers orders them.
@@ -75,11 +75,11 @@ def encoder_metadata(grid_thw: np.ndarray, settings: dict[str, Any]) -> dict[str
     vws = settings["window_size"] // m // settings["patch_size"]  # window edge in merge units
     if vws <= 0:
         raise ValueError(f"window_size {settings['window_size']} is smaller than one merge unit")
-    grid = common.check_grid(grid_thw, m)
-    inv_freq = common.rotary_inv_freq(settings["head_dim"], settings["rope_theta"])
+    grid = attention_groups.check_grid(grid_thw, m)
+    inv_freq = attention_groups.rotary_inv_freq(settings["head_dim"], settings["rope_theta"])
 
     cos_parts, sin_parts, win_order, win_sizes = [], [], [], []
-    items = common.item_layouts(grid, lambda h, w: _frame_layout(h, w, m, vws, inv_freq))
+    items = attention_groups.item_layouts(grid, lambda h, w: _frame_layout(h, w, m, vws, inv_freq))
     for t, h, w, offset, (cos, sin, patch_order, counts) in items:
         cos_parts.append(np.tile(cos, (t, 1)) if t > 1 else cos)
         sin_parts.append(np.tile(sin, (t, 1)) if t > 1 else sin)
@@ -87,12 +87,12 @@ def encoder_metadata(grid_thw: np.ndarray, settings: dict[str, Any]) -> dict[str
         win_order.append((frames + patch_order[None, :]).reshape(-1))
         win_sizes.append(np.tile(counts, t))
 
-    w_index, w_mask, w_inv = common.groups(np.concatenate(win_order), np.concatenate(win_sizes))
+    w_index, w_mask, w_inv = attention_groups.groups(np.concatenate(win_order), np.concatenate(win_sizes))
     return dict(rotary_cos=np.concatenate(cos_parts), rotary_sin=np.concatenate(sin_parts),
-                window_index=w_index, window_mask=w_mask, window_inverse=w_inv, **common.frame_groups(grid))
+                window_index=w_index, window_mask=w_mask, window_inverse=w_inv, **attention_groups.frame_groups(grid))
 
 
-def profile_shapes(settings: dict[str, Any], patches: tuple[int, int, int]) -> common.Shapes:
+def profile_shapes(settings: dict[str, Any], patches: tuple[int, int, int]) -> trt_profile.Shapes:
     """TensorRT (min, opt, max) shape of every input for runs of `patches` (min, opt, max) rows.
     Windows <= patches / merge^2 (a window holds at least one merge unit), window length <= the
     window's area in patches; opt is one square image of opt patches."""
@@ -100,8 +100,8 @@ def profile_shapes(settings: dict[str, Any], patches: tuple[int, int, int]) -> c
     merge_unit = settings["spatial_merge_size"] ** 2
     window = max(merge_unit, (settings["window_size"] // settings["patch_size"]) ** 2)
     windows = ((1, 1), (max(1, opt // window), min(window, opt)), (max(1, hi // merge_unit), min(window, hi)))
-    return {**common.frame_profile(settings, patches), "window_index": windows, "window_mask": windows,
-            "window_inverse": common.per_patch(patches)}
+    return {**trt_profile.frame_profile(settings, patches), "window_index": windows, "window_mask": windows,
+            "window_inverse": trt_profile.per_patch(patches)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -113,7 +113,7 @@ class PatchMerger(nn.Module):
         super().__init__()
         context = cfg["hidden_size"]
         self.hidden = context * cfg["spatial_merge_size"] ** 2
-        self.ln_q = common.RMSNorm(context, RMS_EPS)
+        self.ln_q = tower_layers.RMSNorm(context, RMS_EPS)
         self.mlp = nn.Sequential(nn.Linear(self.hidden, self.hidden), nn.GELU(),
                                  nn.Linear(self.hidden, cfg["out_hidden_size"]))
 
@@ -127,19 +127,19 @@ class Qwen2_5_VLVisionTower(nn.Module):
     def __init__(self, cfg: dict[str, Any]):
         super().__init__()
         self.full_blocks = set(cfg["fullatt_block_indexes"])
-        self.patch_embed = common.PatchEmbed(cfg, bias=False)
+        self.patch_embed = tower_layers.PatchEmbed(cfg, bias=False)
         self.blocks = nn.ModuleList([
-            common.VisionBlock(cfg["hidden_size"], cfg["num_heads"], cfg["intermediate_size"], cfg["hidden_act"],
+            tower_layers.VisionBlock(cfg["hidden_size"], cfg["num_heads"], cfg["intermediate_size"], cfg["hidden_act"],
                                RMS_EPS, qkv_bias=True, proj_bias=True, mlp_bias=True)
             for _ in range(cfg["depth"])])
         self.merger = PatchMerger(cfg)
 
     def forward(self, pixel_values, rotary_cos, rotary_sin, window_index, window_mask, window_inverse,
                 full_index, full_mask, full_inverse):
-        x = common.residual_stream(self.patch_embed(pixel_values))
+        x = tower_layers.residual_stream(self.patch_embed(pixel_values))
         cos, sin = rotary_cos.float()[:, None, None, :], rotary_sin.float()[:, None, None, :]
         window_mask, full_mask = window_mask.float(), full_mask.float()
-        window_len, full_len = common.key_lengths(window_mask), common.key_lengths(full_mask)
+        window_len, full_len = tower_layers.key_lengths(window_mask), tower_layers.key_lengths(full_mask)
         for i, block in enumerate(self.blocks):
             if i in self.full_blocks:
                 x = block(x, cos, sin, full_index, full_mask, full_inverse, full_len)
@@ -151,7 +151,7 @@ class Qwen2_5_VLVisionTower(nn.Module):
 class Qwen2_5_VLTower(Tower):
     module = Qwen2_5_VLVisionTower
     METADATA_INPUTS = METADATA_INPUTS
-    METADATA_AXES = {**common.FRAME_AXES, "window_index": {0: "windows", 1: "window_len"},
+    METADATA_AXES = {**attention_groups.FRAME_AXES, "window_index": {0: "windows", 1: "window_len"},
                      "window_mask": {0: "windows", 1: "window_len"}, "window_inverse": {0: "patches"}}
     vision_settings = staticmethod(vision_settings)
     encoder_metadata = staticmethod(encoder_metadata)

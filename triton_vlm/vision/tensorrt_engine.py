@@ -26,7 +26,7 @@ Frames over the profile's max never reach the engine: the build writes `trt_max_
 refuses it as INVALID_ARG too, before `set_input_shape`, whose result is checked).
 
 Attention memory: a float16 / bfloat16 export writes each group's attention in TensorRT's
-attention-fusion form (`common.group_attention`): q scaled before MatMul(q, k^T), the additive key
+attention-fusion form (`tower_layers.group_attention`): q scaled before MatMul(q, k^T), the additive key
 mask, Softmax, MatMul(p, v), all in the graph's precision with no Cast inside the chain, which is
 the pattern TensorRT 10 fuses into its flash-attention kernel (no [heads, L, L] tensor: a 16k-patch
 frame needs its q, k, v and output, 16384 x 1280 x 2 bytes = 40 MiB each at the 7B's width); the
@@ -35,7 +35,7 @@ KNOWN, since no engine has been built; unfused, the scores of a 16k-patch full-a
 heads would take 16 x 16384^2 x 2 bytes = 8 GiB (and the float32 graph's 16 GiB), which is why
 `trt_max_patches` defaults to 16384 and is the bound to lower on smaller GPUs. The `torch` back end
 (`torch_encoder`) avoids the tensor by construction: fused SDPA per attention group
-(`common.sdpa_groups`).
+(`tower_layers.sdpa_groups`).
 
 Run: `TensorRTEncoder` has the interface of the ONNX Runtime `VisionEncoder` (`encode`,
 `warmup`, `embedding_rows`, ...): host metadata from the tower class, runs of at most `max` patches

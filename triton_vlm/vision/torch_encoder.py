@@ -2,8 +2,8 @@
 weights) run eagerly, on CUDA in bfloat16 / float16 (float32 too, and on the CPU for tests).
 
 Same host metadata and run plan as the compiled back ends (`TowerEncoder`); attention is
-`common.sdpa_groups` (fused SDPA per attention group, no score tensor). Inputs and outputs stay
-float32 on the host; the residual stream (`common.residual_stream`), norms, rotary and softmax
+`tower_layers.sdpa_groups` (fused SDPA per attention group, no score tensor). Inputs and outputs stay
+float32 on the host; the residual stream (`tower_layers.residual_stream`), norms, rotary and softmax
 statistics run in float32 inside the tower.
 """
 from __future__ import annotations

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from triton_vlm.vision import batching, common
+from triton_vlm.vision import batching, attention_groups, tower_config, trt_profile
 
 
 class Tower:
@@ -25,7 +25,7 @@ class Tower:
     # ONNX dynamic axes of the metadata inputs (`pixel_values` and the output are added).
     METADATA_AXES: ClassVar[dict[str, dict[int, str]]]
     # checkpoint name prefix -> the module's name prefix
-    PREFIXES: ClassVar[Mapping[str, str]] = common.PREFIXES
+    PREFIXES: ClassVar[Mapping[str, str]] = tower_config.PREFIXES
     # Settings read from the whole `config.json` rather than its `vision_config` (MiniCPM-V keeps
     # tower fields, such as the merger's or `query_num`, at the top level).
     WHOLE_CONFIG: ClassVar[bool] = False
@@ -77,7 +77,7 @@ class Tower:
         return np.array([[1, side, side]], dtype=np.int64)
 
     @classmethod
-    def profile_shapes(cls, settings: dict[str, Any], patches: tuple[int, int, int]) -> common.Shapes:
+    def profile_shapes(cls, settings: dict[str, Any], patches: tuple[int, int, int]) -> trt_profile.Shapes:
         """TensorRT (min, opt, max) shape of every input for runs of `patches` (min, opt, max) rows."""
         raise NotImplementedError
 
@@ -88,18 +88,18 @@ class Tower:
 
     @classmethod
     def read_vision_config(cls, checkpoint_dir: str | Path) -> dict[str, Any]:
-        return cls.checkpoint_settings(common.read_config_json(checkpoint_dir))
+        return cls.checkpoint_settings(tower_config.read_config_json(checkpoint_dir))
 
     @classmethod
     def load_tower(cls, checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
         """The torch tower with the checkpoint's weights (every one of them, strictly), in `dtype`."""
-        return common.load_strict(cls.module(cls.read_vision_config(checkpoint_dir)), checkpoint_dir, dtype,
+        return tower_config.load_strict(cls.module(cls.read_vision_config(checkpoint_dir)), checkpoint_dir, dtype,
                                   cls.PREFIXES)
 
     @classmethod
     def example_inputs(cls, settings: dict[str, Any], grid_thw=None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """Random float32 pixel rows for `grid_thw` (default `EXAMPLE_GRID`) and their metadata."""
-        return common.example_inputs(settings, cls.encoder_metadata, grid_thw or cls.EXAMPLE_GRID)
+        return attention_groups.example_inputs(settings, cls.encoder_metadata, grid_thw or cls.EXAMPLE_GRID)
 
     @classmethod
     def dynamic_axes(cls) -> dict[str, dict[int, str]]:
