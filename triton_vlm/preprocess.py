@@ -102,6 +102,8 @@ def _settings(section: dict, size_default: tuple[int, int], defaults: dict) -> V
     for key in ("image_mean", "image_std"):
         if key in values:
             values[key] = tuple(float(v) for v in values[key])
+    if values.get("image_grid_pinpoints"):
+        values["image_grid_pinpoints"] = tuple((int(h), int(w)) for h, w in values["image_grid_pinpoints"])
     if isinstance(values.get("crop_size"), dict):
         values["crop_size"] = (int(values["crop_size"]["height"]), int(values["crop_size"]["width"]))
     if size.get("shortest_edge"):  # read as an edge by CLIP-style resize rules only (GLM's is a pixel count)
@@ -209,6 +211,9 @@ class Preprocessor:
                  mm_options: dict | str | bytes | None = None) -> PreprocessOutput:
         images, videos = list(images or []), list(videos or [])
         options = self._options(parse_mm_options(mm_options))
+        if len(images) > 1 and self.family.several_images_settings:
+            options = dataclasses.replace(
+                options, image=dataclasses.replace(options.image, **self.family.several_images_settings))
         ids = self._prompt_ids(_text_input(text), len(images), len(videos))
         items = self._items(ids, self._item_bytes(images, videos))
         items = _map(lambda item: self._plan(item, options), items)
@@ -339,7 +344,9 @@ class Preprocessor:
     def _layout(self, height: int, width: int, settings: VisionSettings, name: str, num_frames: int) -> FrameLayout:
         """The family's views of an item's frames: its `slice_rule`, else one `resize_rule` size."""
         if self.family.slice_rule is not None:
-            return FrameLayout(self.family.slice_rule(height, width, settings, name), per_frame=True)
+            views = self.family.slice_rule(height, width, settings, name)
+            packing = (num_frames * sum(v.rows * v.cols for v in views),) if self.family.pack_views else ()
+            return FrameLayout(views, per_frame=True, packing=packing)
         size = target_size(height, width, settings, name, num_frames, self.family.resize_rule)
         return FrameLayout((View(size, crop=settings.center_crop),))
 
@@ -425,7 +432,7 @@ class Preprocessor:
                                 token=self.video_token_id if item.video else self.image_token_id,
                                 grids=item.grids, views=item.layout.views, num_frames=item.num_frames,
                                 settings=item.settings, timestamps=item.timestamps, t_factor=item.t_factor,
-                                pruning_rate=rate if item.video else 0.0)
+                                pruning_rate=rate if item.video else 0.0, source=item.probed)
             expansions.append(self.family.expand_media(media, self._vocab_id, self._encode_pieces))
         n_tokens = int(ids.shape[0]) - len(items) + sum(int(e.shape[0]) for e, _ in expansions)
         if n_tokens > self.limits.max_prompt_tokens:
