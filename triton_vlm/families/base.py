@@ -140,6 +140,9 @@ class Family:
     # row [rows, h, w], which the tower takes whole (`Tower.PACKED_FRAMES`; LLaVA-OneVision's base
     # view and tiles, a video's frames before their one newline).
     pack_views: bool = False
+    # Each grid row's image size (height, width; a video's (0, 0)) goes from preprocess to the tower
+    # (`image_sizes`, `Tower.IMAGE_SIZES`: LLaVA-OneVision unpads the tiles' features by it).
+    image_sizes: bool = False
     # What sizes images where the request's `min_pixels` / `max_pixels` play no part (they are then
     # refused naming it); empty: they apply (or the family's `slice_rule` says why not).
     sized_by: str = ""

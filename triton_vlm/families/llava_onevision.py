@@ -135,5 +135,6 @@ LLAVA_ONEVISION = Family(
     several_images_settings=dict(image_grid_pinpoints=(), pad_to_square=True),
     video_settings=dict(image_grid_pinpoints=()),
     pack_views=True,
+    image_sizes=True,
     sized_by="the checkpoint's size and image_grid_pinpoints",
 )
