@@ -58,8 +58,8 @@ class PreprocessOutput:
     # int64 [sum of grid_thw[:, 0]]: the temporal id of each frame of each grid row (a packed video
     # group's frames, `Family.pack_frames`), -1 where there is none.
     temporal_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    # int64 [M, 2]: each grid row's image's own (height, width), (0, 0) for a video's, where the
-    # family's tower unpads images (`Family.image_sizes`); zero rows otherwise.
+    # int64 [M, 2]: each grid row's image's own (height, width) where the family's tower unpads
+    # images (`Family.image_sizes`); (0, 0) for a video's row and for every row otherwise.
     image_sizes: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))
 
 
@@ -466,8 +466,8 @@ class Preprocessor:
         input_ids = np.concatenate(pieces).astype(np.int32, copy=False)
         grids = np.array([g for item in items for g in item.grids], dtype=np.int64).reshape(-1, 3)
         temporal_ids = np.concatenate([_frame_temporal_ids(item) for item in items] + [np.zeros(0, np.int64)])
-        image_sizes = np.array([item.probed or (0, 0) for item in items for _ in item.grids] if self.family.image_sizes
-                               else [], dtype=np.int64).reshape(-1, 2)
+        image_sizes = np.array([(item.probed if self.family.image_sizes and item.probed else (0, 0))
+                                for item in items for _ in item.grids], dtype=np.int64).reshape(-1, 2)
         if self.family.prompt_positions is not None:
             kinds = np.select([input_ids == self.image_token_id, input_ids == self.video_token_id], [1, 2], 0)
             positions, delta = self.family.prompt_positions(input_ids, kinds, grids, self.config)
