@@ -45,37 +45,39 @@ def _plain(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return index, weight
 
 
+def _tiles_canvas(views: int, size: tuple[int, int], settings: dict[str, Any], first: int, newline: int
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """One image's tiles (views 1.. of its row) as transformers' feature canvas, unpadded, cut, each
+    of its rows ended by the newline."""
+    side, tile = settings["side"], settings["image_size"]
+    height, width = size
+    bh, bw = best_resolution(height, width, settings["image_grid_pinpoints"])
+    tiles = (bh // tile, bw // tile)
+    if views != 1 + tiles[0] * tiles[1]:
+        raise InvalidInput(f"grid_thw: an image of {height} x {width} has {1 + tiles[0] * tiles[1]} views, got {views}")
+    (uh, uw), cut = anyres_shape(height, width, side, tiles, settings["vision_aspect_ratio"])
+    y, x = np.arange(tiles[0] * side)[:, None], np.arange(tiles[1] * side)[None, :]
+    canvas = first + side * side * (1 + (y // side) * tiles[1] + x // side) + (y % side) * side + x % side
+    top, left = (canvas.shape[0] - uh) // 2, (canvas.shape[1] - uw) // 2
+    index, weight = _resized(canvas[top:top + uh, left:left + uw], cut)
+    end_index, end_weight = _plain(np.full(cut[0], newline))
+    return (np.concatenate([index.reshape(*cut, 4), end_index[:, None]], 1).reshape(-1, 4),
+            np.concatenate([weight.reshape(*cut, 4), end_weight[:, None]], 1).reshape(-1, 4))
+
+
 def item_plan(views: int, size: tuple[int, int], settings: dict[str, Any], first: int, newline: int
               ) -> tuple[np.ndarray, np.ndarray]:
     """(index, weight) [rows, 4] of one grid row's output, its view features starting at row
     `first` of the table, `newline` the table's newline row."""
     side = settings["side"]
-    per_view = side * side
-    height, width = size
-    if height == 0 and width == 0:  # a video: each frame pooled to ceil(S / 2) a side, one newline
+    views_grid = first + np.arange(views * side * side).reshape(views, side, side)
+    if size == (0, 0):  # a video: each frame pooled to ceil(S / 2) a side, one newline after the frames
         pooled = math.ceil(side / 2)
-        parts = [_resized(first + f * per_view + np.arange(per_view).reshape(side, side), (pooled, pooled))
-                 for f in range(views)]
+        parts = [_resized(frame, (pooled, pooled)) for frame in views_grid] + [_plain(np.array([newline]))]
     elif views == 1:  # one of several images: its features, one newline
-        parts = [_plain(first + np.arange(per_view))]
-    else:  # one image: the base view, then the tiles' canvas unpadded, cut, a newline ending each row
-        tile = settings["image_size"]
-        bh, bw = best_resolution(height, width, settings["image_grid_pinpoints"])
-        tiles = (bh // tile, bw // tile)
-        if views != 1 + tiles[0] * tiles[1]:
-            raise InvalidInput(f"grid_thw: an image of {height} x {width} has {1 + tiles[0] * tiles[1]} views, "
-                               f"got {views}")
-        (uh, uw), cut = anyres_shape(height, width, side, tiles, settings["vision_aspect_ratio"])
-        y, x = np.arange(tiles[0] * side)[:, None], np.arange(tiles[1] * side)[None, :]
-        canvas = first + per_view * (1 + (y // side) * tiles[1] + x // side) + (y % side) * side + x % side
-        top, left = (canvas.shape[0] - uh) // 2, (canvas.shape[1] - uw) // 2
-        index, weight = _resized(canvas[top:top + uh, left:left + uw], cut)
-        ends = _plain(np.full(cut[0], newline))
-        rows = [np.concatenate([index.reshape(cut[0], cut[1], 4), ends[0][:, None]], 1).reshape(-1, 4),
-                np.concatenate([weight.reshape(cut[0], cut[1], 4), ends[1][:, None]], 1).reshape(-1, 4)]
-        parts = [_plain(first + np.arange(per_view)), tuple(rows)]
-        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
-    parts.append(_plain(np.array([newline])))
+        parts = [_plain(views_grid[0].reshape(-1)), _plain(np.array([newline]))]
+    else:  # one image: the base view's features, then its tiles' canvas
+        parts = [_plain(views_grid[0].reshape(-1)), _tiles_canvas(views, size, settings, first, newline)]
     return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
 

@@ -68,7 +68,8 @@ class Tower:
     def embedding_rows(cls, grid_thw: np.ndarray, settings: dict[str, Any],
                        image_sizes: np.ndarray | None = None) -> np.ndarray:
         """Embedding rows of each grid row (`batching.embedding_rows`: a resampler's `query_num`, or
-        one per merge^2 patches plus the settings' `extra_rows` per frame)."""
+        one per merge^2 patches plus the settings' `extra_rows` per frame); `image_sizes` count only
+        where the tower takes them (`IMAGE_SIZES`)."""
         return batching.embedding_rows(grid_thw, settings["spatial_merge_size"], settings.get("query_num", 0),
                                        settings.get("extra_rows", 0))
 
