@@ -1,5 +1,7 @@
 """Issue #28: LLaVA-OneVision's `preprocess` against transformers' `LlavaOnevisionProcessor` on the
-tiny demo checkpoint (70 px tiles, pinpoints up to 3 x 3 tiles, "anyres_max_4").
+tiny demo checkpoint (70 px tiles of 14 px patches, pinpoints up to 3 x 3 tiles, "anyres_max_4"),
+and on one whose tiles are not a whole number of patches (40 px in 14 px patches, as the real
+384 px in 14: the patch embedding leaves the remainder out).
 
 `input_ids` (each `<image>` / `<video>` expanded to the processor's count), `pixel_values` (bit
 for bit, as rows: `patch_rows` of the processor's views of each item, which are its base view and
@@ -19,6 +21,7 @@ import pytest
 
 from tests.oracle import decode_frames
 from triton_vlm import samples
+from triton_vlm.checkpoint import grid_pinpoints
 from triton_vlm.families.llava_onevision import IMAGE_TOKEN as IMG, VIDEO_TOKEN as VID
 from triton_vlm.vision.llava import patch_rows
 
@@ -26,11 +29,19 @@ CASES = [[(640, 480)], [(60, 300)], [(1920, 1080)], [(70, 70)], [(31, 17)], [(20
          [(640, 480), (90, 700), (70, 70)]]
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
+TILES = {"70px": dict(), "40px-remainder": dict(vision=dict(image_size=40), pinpoints=grid_pinpoints(40, 3))}
+PATCH = 14
+
+
+@pytest.fixture(scope="module", params=list(TILES))
+def checkpoint(request, tmp_path_factory):
     from triton_vlm.checkpoint import write_demo_checkpoint
 
-    return write_demo_checkpoint("llava_onevision", tmp_path_factory.mktemp("ov"), "tiny")
+    return write_demo_checkpoint("llava_onevision", tmp_path_factory.mktemp("ov"), "tiny", overrides=TILES[request.param])
+
+
+def tile(processor) -> int:
+    return processor.image_processor.size["height"]
 
 
 @pytest.fixture(scope="module")
@@ -71,11 +82,12 @@ def test_images_match_processor(sizes, processor, preprocessor):
     np.testing.assert_array_equal(out.input_ids, ref["input_ids"][0])
     from transformers.models.llava_onevision.modeling_llava_onevision import image_size_to_num_patches
 
-    views = [image_size_to_num_patches((h, w), processor.image_processor.image_grid_pinpoints, 70)
+    side = tile(processor) // PATCH
+    views = [image_size_to_num_patches((h, w), processor.image_processor.image_grid_pinpoints, tile(processor))
              if len(sizes) == 1 else 1 for w, h in sizes]
-    assert out.grid_thw.tolist() == [[v, 5, 5] for v in views]
+    assert out.grid_thw.tolist() == [[v, side, side] for v in views]
     np.testing.assert_array_equal(ref["image_sizes"], [[h, w] for w, h in sizes])
-    assert_views(ref["pixel_values"], out.grid_thw, out.pixel_values, 14)
+    assert_views(ref["pixel_values"], out.grid_thw, out.pixel_values, PATCH)
     counts = processor._get_num_multimodal_tokens(image_sizes=[[h, w] for w, h in sizes])["num_image_tokens"]
     if len(sizes) == 1:
         assert int((out.input_ids == preprocessor.image_token_id).sum()) == counts[0]
@@ -91,10 +103,10 @@ def test_video_matches_processor(with_image, processor, preprocessor):
     ref = processor(text=[text], images=[[pil]] if with_image else None, videos=[frames], return_tensors="np")
     out = preprocessor(text, [raw] if with_image else [], [video])
     np.testing.assert_array_equal(out.input_ids, ref["input_ids"][0])
-    n = len(frames)
-    assert out.grid_thw[-1].tolist() == [n, 5, 5]
-    video_rows = patch_rows(ref["pixel_values_videos"][0], 14)
+    n, side = len(frames), tile(processor) // PATCH
+    assert out.grid_thw[-1].tolist() == [n, side, side]
+    video_rows = patch_rows(ref["pixel_values_videos"][0], PATCH)
     np.testing.assert_array_equal(out.pixel_values[-len(video_rows):], video_rows)
     if with_image:
-        assert_views(ref["pixel_values"], out.grid_thw[:1], out.pixel_values[:-len(video_rows)], 14)
-    assert int((out.input_ids == preprocessor.video_token_id).sum()) == n * 3 * 3 + 1
+        assert_views(ref["pixel_values"], out.grid_thw[:1], out.pixel_values[:-len(video_rows)], PATCH)
+    assert int((out.input_ids == preprocessor.video_token_id).sum()) == n * ((side + 1) // 2) ** 2 + 1

@@ -213,20 +213,20 @@ LLAVA_SIZES: dict[str, dict[str, Any]] = {
 # LLaVA-OneVision: tiles of `image_size` pixels (S = image_size / patch_size features a side, odd
 # here so that the video pooling rounds up), pinpoints up to 3 x 3 tiles, and "anyres_max_4" in the
 # tiny shape so that large images take the bilinear cut.
-def _pinpoints(tile: int, most: int) -> list[list[int]]:
+def grid_pinpoints(tile: int, most: int) -> list[list[int]]:
     return [[tile * r, tile * c] for r in range(1, most + 1) for c in range(1, most + 1)]
 
 
 LLAVA_ONEVISION_SIZES: dict[str, dict[str, Any]] = {
     "tiny": dict(
-        vocab_size=1024, vision_aspect_ratio="anyres_max_4", pinpoints=_pinpoints(70, 3),
+        vocab_size=1024, vision_aspect_ratio="anyres_max_4", pinpoints=grid_pinpoints(70, 3),
         text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2),
         vision=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
                     image_size=70, patch_size=14),
     ),
     "small": dict(
-        vocab_size=8192, vision_aspect_ratio="anyres_max_9", pinpoints=_pinpoints(384, 6),
+        vocab_size=8192, vision_aspect_ratio="anyres_max_9", pinpoints=grid_pinpoints(384, 6),
         text=dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
                   num_key_value_heads=2),
         vision=dict(hidden_size=256, intermediate_size=704, num_hidden_layers=8, num_attention_heads=4,

@@ -415,6 +415,8 @@ def write_pixel_values(frames: np.ndarray, size: tuple[int, int], settings: Visi
         if pad := (g1 - g0) * tps - (f1 - f0):  # repeat the last frame up to a whole temporal patch
             planar = torch.cat((planar, planar[-1:].expand(pad, -1, -1, -1)), 0) if f1 - f0 > 1 \
                 else planar.expand(tps, -1, -1, -1)
-        src = planar.reshape(g1 - g0, tps, channels, gh // m, m, p, gw // m, m, p)
+        # A size that is not a whole number of patches (SigLIP's 384 px in 14 px patches) keeps its
+        # whole patches: the patch embedding's stride leaves the rest out.
+        src = planar[..., :gh * p, :gw * p].reshape(g1 - g0, tps, channels, gh // m, m, p, gw // m, m, p)
         dest[g0:g1].copy_(src.permute(0, 3, 6, 4, 7, 2, 1, 5, 8))
     return gt, gh, gw
