@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from tests.oracle import decode_frames
+from triton_vlm.errors import InvalidInput
 from triton_vlm import samples
 from triton_vlm.checkpoint import grid_pinpoints
 from triton_vlm.families.llava_onevision import IMAGE_TOKEN as IMG, VIDEO_TOKEN as VID
@@ -110,3 +111,11 @@ def test_video_matches_processor(with_image, processor, preprocessor):
     if with_image:
         assert_views(ref["pixel_values"], out.grid_thw[:1], out.pixel_values[:-len(video_rows)], PATCH)
     assert int((out.input_ids == preprocessor.video_token_id).sum()) == n * ((side + 1) // 2) ** 2 + 1
+
+
+@pytest.mark.parametrize("option", [{"fps": 1.0}, {"num_frames": 2}, {"max_frames": 3}, {"min_pixels": 1000}])
+def test_sampling_and_size_options_are_refused(option, preprocessor):
+    """The processor takes every frame (no `do_sample_frames`) and sizes images by its own config."""
+    video = samples.video_bytes(seconds=1.0, fps=5, width=96, height=64)
+    with pytest.raises(InvalidInput, match=rf"mm_options: {next(iter(option))} does not apply: llava_onevision"):
+        preprocessor(VID, [], [video], option)

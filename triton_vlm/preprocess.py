@@ -247,6 +247,10 @@ class Preprocessor:
                 raise InvalidInput(f"mm_options: {key} must be {kind}")
         if "fps" in opts and "num_frames" in opts:
             raise InvalidInput("mm_options: fps and num_frames are mutually exclusive")
+        sampled = [k for k in ("fps", "num_frames", "max_frames") if k in opts]
+        if sampled and self.family.sample_frames is None and self.family.takes_videos:
+            raise InvalidInput(f"mm_options: {', '.join(sampled)} does not apply: {self.family.name} takes every "
+                               "frame of a video (its video processor samples none)")
         if "force_packing" in opts and self.family.pack_frames is None:
             raise InvalidInput(f"mm_options: force_packing does not apply: {self.family.name} does not pack video frames")
         limits = self.limits
