@@ -101,3 +101,14 @@ def test_image_sizes_checked(all_cases, checkpoint):
         encoder.encode(out.pixel_values, out.grid_thw, image_sizes=np.zeros((2, 2), np.int64) + 5)
     with pytest.raises(InvalidInput, match="views"):
         encoder.encode(out.pixel_values, out.grid_thw, image_sizes=np.array([[70, 70]]))
+
+
+def test_tensorrt_profile_bounds_every_case(all_cases, checkpoint):
+    """The engine profile's gather rows (`profile_shapes`) hold every case's at its patch count."""
+    from triton_vlm.vision.llava_onevision import LlavaOnevisionTower
+
+    settings = LlavaOnevisionTower.read_vision_config(checkpoint)
+    for name, out, ref in all_cases:
+        patches = len(out.pixel_values)
+        shapes = LlavaOnevisionTower.profile_shapes(settings, (1, patches, patches))
+        assert shapes["feature_index"][0][0] <= len(ref) <= shapes["feature_index"][2][0], name

@@ -38,6 +38,16 @@ def vision_settings(config: Any) -> dict[str, Any]:
     return out
 
 
+def profile_shapes(settings: dict[str, Any], patches: tuple[int, int, int]) -> common.Shapes:
+    """TensorRT (min, opt, max) shapes: LLaVA's whole views of `pixel_values`, and the gather's rows,
+    at most one per patch, one newline per S patches (a canvas row) and one per item."""
+    shapes = llava.profile_shapes(settings, patches)
+    side = settings["side"]
+    (_, opt, most) = (p for p, _ in shapes["pixel_values"])
+    rows = (1, opt + 2 * (opt // side), most + 2 * (most // side))  # (a pooled frame gives fewer rows)
+    return {**shapes, "feature_index": common.per_patch(rows, 4), "feature_weight": common.per_patch(rows, 4)}
+
+
 class LlavaOnevisionVisionTower(LlavaVisionTower):
     """Input `pixel_values` [views * S^2, patch_dim], `feature_index` / `feature_weight` [R, 4];
     output float32 [R, out_hidden]."""
@@ -60,7 +70,7 @@ class LlavaOnevisionTower(LlavaTower):
     PACKED_FRAMES = True
     IMAGE_SIZES = True
     vision_settings = staticmethod(vision_settings)
-    profile_shapes = staticmethod(llava.profile_shapes)
+    profile_shapes = staticmethod(profile_shapes)
 
     @classmethod
     def encoder_metadata(cls, grid_thw: np.ndarray, settings: dict[str, Any]) -> dict[str, np.ndarray]:
