@@ -4,7 +4,7 @@
                                       [--max-patches-per-run 2048] [--run-sizes 1024,2048,16384]
 
 Writes the `small` demo checkpoint of `--family` (random weights; qwen2_5_vl, glm4v, glm46v,
-glmga, minicpmv4_6, minicpmv4_7, llava) to a temporary folder, exports its vision tower to ONNX
+glmga, minicpmv4_6, minicpmv4_7, llava, llava_onevision) to a temporary folder, exports its vision tower to ONNX
 (float32), and times, on the same inputs, interleaved (the two alternate, and which goes first alternates too, so machine noise hits
 both alike):
 
@@ -90,27 +90,42 @@ def main() -> int:
               f"{encoder.max_patches_per_run} patches")
 
         def inputs(sizes):
-            """(HF get_image_features arguments, our pixel rows, our grid_thw): MiniCPM-V's processor
-            packs slices [1, C, patch, L] with `target_sizes` [slices, 2]; LLaVA's gives images
-            [B, C, S, S] and no grid; the others give rows and `image_grid_thw` as they are."""
+            """(HF get_image_features arguments, our pixel rows, our grid_thw, our further encode
+            arguments): MiniCPM-V's processor packs slices [1, C, patch, L] with `target_sizes`
+            [slices, 2]; LLaVA-OneVision's gives each image's views [B, views, C, S, S] (padded) with
+            `image_sizes`; LLaVA's gives images [B, C, S, S] and no grid; the others give rows and
+            `image_grid_thw` as they are."""
             images = [Image.open(__import__("io").BytesIO(samples.image_bytes(w, h, seed=float(i)))).convert("RGB")
                       for i, (w, h) in enumerate(sizes)]
             out = processor.image_processor(images=images, return_tensors="pt")
+            if "image_sizes" in out:
+                from transformers.models.llava_onevision.modeling_llava_onevision import image_size_to_num_patches
+
+                from triton_vlm.vision.llava import patch_rows
+
+                config, p = model.config, model.config.vision_config.patch_size
+                views = [image_size_to_num_patches(s, config.image_grid_pinpoints, config.vision_config.image_size)
+                         for s in out["image_sizes"]]
+                rows = np.concatenate([patch_rows(out["pixel_values"][i, :v].numpy(), p) for i, v in enumerate(views)])
+                grid = np.array([[v, *out["pixel_values"].shape[-2:]] for v in views], dtype=np.int64)
+                grid[:, 1:] //= p
+                return ((out["pixel_values"], out["image_sizes"]), rows, grid,
+                        (None, out["image_sizes"].numpy().astype(np.int64)))
             if "target_sizes" in out:
                 from triton_vlm.vision.minicpmv import patch_rows
 
                 sizes = out["target_sizes"].numpy().astype(np.int64)
                 grid = np.concatenate([np.ones_like(sizes[:, :1]), sizes], axis=1)
-                return (out["pixel_values"], out["target_sizes"]), patch_rows(out["pixel_values"].numpy()), grid
+                return (out["pixel_values"], out["target_sizes"]), patch_rows(out["pixel_values"].numpy()), grid, ()
             if "image_grid_thw" not in out:
                 from triton_vlm.vision.llava import patch_rows
 
                 b, _, h, w = out["pixel_values"].shape
                 p = processor.patch_size
                 grid = np.array([[1, h // p, w // p]] * b, dtype=np.int64)
-                return (out["pixel_values"],), patch_rows(out["pixel_values"].numpy(), p), grid
+                return (out["pixel_values"],), patch_rows(out["pixel_values"].numpy(), p), grid, ()
             return ((out["pixel_values"], out["image_grid_thw"]), out["pixel_values"].numpy(),
-                    out["image_grid_thw"].numpy())
+                    out["image_grid_thw"].numpy(), ())
 
         if args.run_sizes:
             return compare_run_sizes(onnx_path, inputs([(448, 448)] * 16), threads, clock, args.repeats,
@@ -123,14 +138,14 @@ def main() -> int:
               f"{'best ORT':>9} {'HF/ORT':>7} {'rel err':>9} {'GFLOP':>7} {'HF peak':>8} {'ORT peak':>9} {'bound':>7}")
         ratios, best_ratios, bounds = [], [], []
         for name, sizes in cases.items():
-            hf_args, px_np, grid_np = inputs(sizes)
+            hf_args, px_np, grid_np, extra = inputs(sizes)
 
             def hf():
                 with torch.no_grad():
                     return torch.cat(list(model.model.get_image_features(*hf_args).pooler_output)).numpy()
 
             def ort():
-                return encoder.encode(px_np, grid_np)
+                return encoder.encode(px_np, grid_np, *extra)
 
             ref, ours = hf(), ort()  # warm-up (and the accuracy check)
             flops = count_flops(hf)
@@ -209,17 +224,17 @@ def compare_run_sizes(onnx_path, case, threads: int, clock, repeats: int, sizes:
 
     from triton_vlm.vision.encoder import VisionEncoder
 
-    _, pixels, grid = case
+    _, pixels, grid, extra = case
     encoders = {m: VisionEncoder(onnx_path, intra_op_threads=threads, max_patches_per_run=m) for m in sizes}
-    reference = encoders[max(sizes)].encode(pixels, grid)
+    reference = encoders[max(sizes)].encode(pixels, grid, *extra)
     for m, encoder in encoders.items():  # warm-up, and the check that the results agree
-        err = float(np.abs(encoder.encode(pixels, grid) - reference).max() / np.abs(reference).max())
+        err = float(np.abs(encoder.encode(pixels, grid, *extra) - reference).max() / np.abs(reference).max())
         assert err < 1e-5, (m, err)
     times: dict[int, list[float]] = {m: [] for m in sizes}
     for r in range(repeats):
         for m in sizes[r % len(sizes):] + sizes[:r % len(sizes)]:
             start = clock()
-            encoders[m].encode(pixels, grid)
+            encoders[m].encode(pixels, grid, *extra)
             times[m].append(clock() - start)
     base = min(times[max(sizes)])
     print(f"16 x 448x448 ({int(grid.prod(1).sum())} patches), ONNX Runtime only, {threads} threads, "

@@ -269,9 +269,11 @@ def test_encoder_configs_cpu_and_gpu(checkpoint):
         assert front.max_batch_size == 0 and [list(t.dims) for t in front.input][1] == [-1, 3]
         assert batch.max_batch_size == options.encoder_max_batch_patches
         assert batch.dynamic_batching.max_queue_delay_microseconds == 1234
-        assert [t.name for t in batch.input] == ["pixel_values", "patch_grid", "odd_share", "patch_temporal_id"]
-        assert list(batch.input[1].dims) == [3] and batch.input[2].optional and batch.input[3].optional
-        assert [t.name for t in front.input][-1] == "temporal_ids" and front.input[-1].optional
+        assert [t.name for t in batch.input] == ["pixel_values", "patch_grid", "odd_share", "patch_temporal_id",
+                                                "patch_image_size"]
+        assert list(batch.input[1].dims) == [3] and all(t.optional for t in batch.input[2:])
+        assert [t.name for t in front.input][-2:] == ["temporal_ids", "image_sizes"]
+        assert all(t.optional for t in front.input[-2:])
         assert front.parameters["packed_frames"].string_value == "false"  # Qwen2.5-VL's frames are independent
         assert batch.parameters["cache_bytes"].string_value == str(1 << 20)
         assert batch.instance_group[0].count == 2

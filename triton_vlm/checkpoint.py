@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping
 from triton_vlm.families import get_family
 from triton_vlm.families import glm4v as glm
 from triton_vlm.families import llava
+from triton_vlm.families import llava_onevision as ov
 from triton_vlm.families import minicpmv as mc
 from triton_vlm.families import minicpmv4_5 as mc45
 from triton_vlm.families import qwen2_5_vl as qwen
@@ -103,6 +104,11 @@ MINICPMV_TEMPLATE = chat_template(
 LLAVA_TEMPLATE = chat_template(
     prefix="", message_start="{{ message['role'] | upper }}: ", message_end="\n", image=llava.IMAGE_TOKEN + "\n",
     video=llava.VIDEO_TOKEN + "\n", generation_prompt="ASSISTANT:")
+
+# LLaVA-OneVision's (Qwen2's im_start / im_end turns, media before the text).
+LLAVA_ONEVISION_TEMPLATE = chat_template(
+    prefix="", message_start="<|im_start|>{{ message['role'] }}\n", message_end="<|im_end|>\n",
+    image=ov.IMAGE_TOKEN + "\n", video=ov.VIDEO_TOKEN + "\n", generation_prompt="<|im_start|>assistant\n")
 
 MINICPMV4_5_TEMPLATE = chat_template(
     prefix="", message_start="<|im_start|>{{ message['role'] }}\n", message_end="<|im_end|>\n",
@@ -201,6 +207,30 @@ LLAVA_SIZES: dict[str, dict[str, Any]] = {
                   num_key_value_heads=2),
         vision=dict(hidden_size=256, intermediate_size=704, num_hidden_layers=8, num_attention_heads=4,
                     image_size=336, patch_size=14),
+    ),
+}
+
+# LLaVA-OneVision: tiles of `image_size` pixels (S = image_size / patch_size features a side, odd
+# here so that the video pooling rounds up), pinpoints up to 3 x 3 tiles, and "anyres_max_4" in the
+# tiny shape so that large images take the bilinear cut.
+def grid_pinpoints(tile: int, most: int) -> list[list[int]]:
+    return [[tile * r, tile * c] for r in range(1, most + 1) for c in range(1, most + 1)]
+
+
+LLAVA_ONEVISION_SIZES: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        vocab_size=1024, vision_aspect_ratio="anyres_max_4", pinpoints=grid_pinpoints(70, 3),
+        text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2),
+        vision=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+                    image_size=70, patch_size=14),
+    ),
+    "small": dict(
+        vocab_size=8192, vision_aspect_ratio="anyres_max_9", pinpoints=grid_pinpoints(384, 6),
+        text=dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=2),
+        vision=dict(hidden_size=256, intermediate_size=704, num_hidden_layers=8, num_attention_heads=4,
+                    image_size=384, patch_size=14),
     ),
 }
 
@@ -372,6 +402,46 @@ def _write_llava(out: Path, shape: dict[str, Any], tokenizer, seed: int) -> None
     processor.save_pretrained(out)
 
 
+def _write_llava_onevision(out: Path, shape: dict[str, Any], tokenizer, seed: int) -> None:
+    """Write a random-weight LLaVA-OneVision checkpoint (`LlavaOnevisionForConditionalGeneration`,
+    `LlavaOnevisionProcessor` with its image and video processors) that transformers loads offline:
+    SigLIP tower, the last layer's features ("full"), Qwen2 decoder."""
+    import torch
+    from transformers import (GenerationConfig, LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration,
+                              LlavaOnevisionImageProcessor, LlavaOnevisionProcessor,
+                              LlavaOnevisionVideoProcessor)
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ov.LLAVA_ONEVISION.special_tokens}
+    vision = dict(model_type="siglip_vision_model", **shape["vision"])
+    config = LlavaOnevisionConfig(
+        text_config=dict(
+            model_type="qwen2", vocab_size=shape["model_vocab_size"], max_position_embeddings=4096,
+            rms_norm_eps=1e-6, rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+            bos_token_id=ids[ov.IM_START], eos_token_id=ids[ov.EOS], pad_token_id=ids[ov.PAD],
+            tie_word_embeddings=False, **shape["text"]),
+        vision_config=vision, image_token_id=ids[ov.IMAGE_TOKEN], video_token_id=ids[ov.VIDEO_TOKEN],
+        vision_feature_layer=-1, vision_feature_select_strategy="full", image_grid_pinpoints=shape["pinpoints"],
+        vision_aspect_ratio=shape["vision_aspect_ratio"], tie_word_embeddings=False,
+    )
+    model = random_model(LlavaOnevisionForConditionalGeneration, config, shape, seed)
+    with torch.no_grad():  # SigLIP's biases start at zero and its norms at one: move them
+        gen = torch.Generator().manual_seed(seed + 1)
+        for name, p in model.named_parameters():
+            if p.ndim == 1 and ("vision_tower" in name or "multi_modal_projector" in name):
+                p.add_(torch.randn(p.shape, generator=gen).to(p) * 0.1)
+    model.generation_config = GenerationConfig(eos_token_id=ids[ov.EOS], pad_token_id=ids[ov.PAD], do_sample=False)
+    model.save_pretrained(out)
+
+    side, patch = vision["image_size"], vision["patch_size"]
+    size = {"height": side, "width": side}
+    processor = LlavaOnevisionProcessor(
+        image_processor=LlavaOnevisionImageProcessor(size=size, image_grid_pinpoints=shape["pinpoints"]),
+        video_processor=LlavaOnevisionVideoProcessor(size=size), tokenizer=tokenizer,
+        num_image_tokens=(side // patch) ** 2, vision_feature_select_strategy="full",
+        vision_aspect_ratio=shape["vision_aspect_ratio"], chat_template=LLAVA_ONEVISION_TEMPLATE)
+    processor.save_pretrained(out)
+
+
 def _write_minicpmv4_5(out: Path, shape: dict[str, Any], tokenizer, seed: int) -> None:
     """A random-weight MiniCPM-V 4.5 checkpoint as the official remote code reads it (transformers
     has no class for it): the decoder's weights made by transformers' Qwen3 under `llm.`, the
@@ -526,6 +596,7 @@ DEMOS: dict[str, Demo] = {
     "minicpm_ocr": Demo(MINICPM_OCR_SIZES, partial(_write_minicpmv, variant="minicpm_ocr")),
     "minicpmv4_5": Demo(MINICPMV4_5_SIZES, _write_minicpmv4_5),
     "llava": Demo(LLAVA_SIZES, _write_llava),
+    "llava_onevision": Demo(LLAVA_ONEVISION_SIZES, _write_llava_onevision),
 }
 
 

@@ -76,6 +76,14 @@ class VisionSettings:
     # the processor does when its config gives none).
     num_additional_image_tokens: int = 0
     vision_feature_select_strategy: str = "full"
+    # LLaVA-OneVision's image processor: tiles of the best of `image_grid_pinpoints` (height, width)
+    # beside the base view; with none, `pad_to_square` (each image of a prompt with several) pads
+    # the image to a square of the mean colour before the resize. "anyres_max_N": the tiles'
+    # features are cut down to about N views' worth (the model's `vision_aspect_ratio`).
+    image_grid_pinpoints: tuple[tuple[int, int], ...] = ()
+    pad_to_square: bool = False
+    vision_aspect_ratio: str = "anyres_max_9"
+    num_image_tokens: int = 0   # its processor's tokens per view (LLaVA-OneVision's)
 
     @property
     def center_crop(self) -> tuple[int, int] | None:
@@ -144,14 +152,16 @@ def grid_thw(num_frames: int, size: tuple[int, int], settings: VisionSettings) -
 
 @dataclass(frozen=True)
 class View:
-    """A frame (or only its `region` (top, bottom, left, right): MiniCPM-OCR's tiles) resized to
-    `size`, centre-cropped to `crop` (LLaVA's CLIP processor; None: not cropped), then cut into
-    `rows` x `cols` equal slices (1 x 1: kept whole)."""
+    """A frame (or only its `region` (top, bottom, left, right): MiniCPM-OCR's tiles), padded to a
+    square of colour `fill` (LLaVA-OneVision; None: not padded), resized to `size`, centre-cropped
+    to `crop` (LLaVA's CLIP processor; None: not cropped; larger than `size`: padded with zeros,
+    LLaVA-OneVision's tile canvas), then cut into `rows` x `cols` equal slices (1 x 1: kept whole)."""
     size: tuple[int, int]
     rows: int = 1
     cols: int = 1
     crop: tuple[int, int] | None = None
     region: tuple[int, int, int, int] | None = None
+    fill: tuple[int, int, int] | None = None
 
     @property
     def pixels(self) -> tuple[int, int]:
@@ -167,8 +177,24 @@ class View:
         if self.region is not None:
             top, bottom, left, right = self.region
             frames = frames[:, top:bottom, left:right]
+        if self.fill is not None:
+            frames = pad_to_square(frames, self.fill)
         frames = resize_frames(frames, self.size, settings)
         return frames if self.crop is None else center_crop(frames, self.crop)
+
+
+def pad_to_square(frames: np.ndarray, fill: tuple[int, int, int]) -> np.ndarray:
+    """transformers' `pad_to_square` of uint8 frames [T, H, W, 3]: the shorter side padded with
+    `fill` to the longer, the odd pixel at the end."""
+    h, w = frames.shape[1:3]
+    if h == w:
+        return frames
+    side = max(h, w)
+    out = np.empty((frames.shape[0], side, side, 3), dtype=np.uint8)
+    out[:] = np.asarray(fill, dtype=np.uint8)
+    top, left = (side - h) // 2, (side - w) // 2
+    out[:, top:top + h, left:left + w] = frames
+    return out
 
 
 def center_crop(frames: np.ndarray, crop: tuple[int, int]) -> np.ndarray:
@@ -197,8 +223,9 @@ class FrameLayout:
 
     `tiles` (MiniCPM-OCR's adaptive slices): per slice of the sliced view, row-major, None for the
     slice itself or a whole `View` (its own size, from a region of the frame) that takes its place.
-    `packing` (per-frame layouts of one unsliced view: MiniCPM-V 4.5's packed video frames) groups
-    consecutive frames into one grid row [frames, h, w] each; the pixel rows are the same.
+    `packing` (per-frame layouts: MiniCPM-V 4.5's packed video frames, LLaVA-OneVision's base view
+    and tiles) groups consecutive grid rows, all of one size, into one grid row [rows, h, w] each;
+    the pixel rows are the same.
     """
     views: tuple[View, ...]
     per_frame: bool = False
@@ -206,8 +233,8 @@ class FrameLayout:
     packing: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.packing and (not self.per_frame or len(self._parts) != 1 or self.views[0].rows * self.views[0].cols != 1):
-            raise ValueError("packed frames need a per-frame layout of one unsliced view")
+        if self.packing and (not self.per_frame or self.tiles):
+            raise ValueError("packed rows need a per-frame layout without tiles")
 
     @property
     def _parts(self) -> tuple[View, ...]:
@@ -242,12 +269,18 @@ class FrameLayout:
         if not self.per_frame:
             return [grid_thw(num_frames, self.views[0].pixels, settings)]
         p = settings.patch_size
-        one = [(1, h // p, w // p) for _, _, (h, w) in self._pieces()]
-        if self.packing:
-            if sum(self.packing) != num_frames:
-                raise ValueError(f"packing {list(self.packing)} does not cover {num_frames} frames")
-            return [(frames, *one[0][1:]) for frames in self.packing]
-        return one * num_frames
+        rows = [(1, h // p, w // p) for _, _, (h, w) in self._pieces()] * num_frames
+        if not self.packing:
+            return rows
+        if sum(self.packing) != len(rows):
+            raise ValueError(f"packing {list(self.packing)} does not cover {len(rows)} grid rows")
+        packed, start = [], 0
+        for n in self.packing:
+            if len(set(rows[start:start + n])) != 1:
+                raise ValueError("packed grid rows differ in size")
+            packed.append((n, *rows[start][1:]))
+            start += n
+        return packed
 
     def resize(self, frames: np.ndarray, settings: VisionSettings) -> np.ndarray:
         """uint8 frames [T, H, W, 3] -> [T, *stored, 3]: every view resized from the frame itself."""
@@ -380,6 +413,8 @@ def write_pixel_values(frames: np.ndarray, size: tuple[int, int], settings: Visi
         if pad := (g1 - g0) * tps - (f1 - f0):  # repeat the last frame up to a whole temporal patch
             planar = torch.cat((planar, planar[-1:].expand(pad, -1, -1, -1)), 0) if f1 - f0 > 1 \
                 else planar.expand(tps, -1, -1, -1)
-        src = planar.reshape(g1 - g0, tps, channels, gh // m, m, p, gw // m, m, p)
+        # A size that is not a whole number of patches (SigLIP's 384 px in 14 px patches) keeps its
+        # whole patches: the patch embedding's stride leaves the rest out.
+        src = planar[..., :gh * p, :gw * p].reshape(g1 - g0, tps, channels, gh // m, m, p, gw // m, m, p)
         dest[g0:g1].copy_(src.permute(0, 3, 6, 4, 7, 2, 1, 5, 8))
     return gt, gh, gw

@@ -108,6 +108,9 @@ class EncoderOptions(ModelParams):
     query_num: int = 0  # embedding rows per grid row where a resampler makes them (`batching.embedding_rows`)
     packed_frames: bool = False  # grid rows are packed frame groups, taken whole (`Tower.PACKED_FRAMES`)
     extra_rows: int = 0  # embedding rows per frame beyond one per merge^2 patches (LLaVA; `batching.embedding_rows`)
+    # The tower takes each grid row's image size (`Tower.IMAGE_SIZES`), and its settings (JSON) count
+    # the rows (`triton_vlm.vision.anyres.embedding_rows`); "": neither.
+    anyres_settings: str = ""
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,9 @@ class PreprocessOutput:
     # int64 [sum of grid_thw[:, 0]]: the temporal id of each frame of each grid row (a packed video
     # group's frames, `Family.pack_frames`), -1 where there is none.
     temporal_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    # int64 [M, 2]: each grid row's image's own (height, width) where the family's tower unpads
+    # images (`Family.image_sizes`); (0, 0) for a video's row and for every row otherwise.
+    image_sizes: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))
 
 
 def parse_mm_options(raw: dict | str | bytes | None) -> dict:
@@ -102,6 +105,8 @@ def _settings(section: dict, size_default: tuple[int, int], defaults: dict) -> V
     for key in ("image_mean", "image_std"):
         if key in values:
             values[key] = tuple(float(v) for v in values[key])
+    if values.get("image_grid_pinpoints"):
+        values["image_grid_pinpoints"] = tuple((int(h), int(w)) for h, w in values["image_grid_pinpoints"])
     if isinstance(values.get("crop_size"), dict):
         values["crop_size"] = (int(values["crop_size"]["height"]), int(values["crop_size"]["width"]))
     if size.get("shortest_edge"):  # read as an edge by CLIP-style resize rules only (GLM's is a pixel count)
@@ -209,6 +214,9 @@ class Preprocessor:
                  mm_options: dict | str | bytes | None = None) -> PreprocessOutput:
         images, videos = list(images or []), list(videos or [])
         options = self._options(parse_mm_options(mm_options))
+        if len(images) > 1 and self.family.several_images_settings:
+            options = dataclasses.replace(
+                options, image=dataclasses.replace(options.image, **self.family.several_images_settings))
         ids = self._prompt_ids(_text_input(text), len(images), len(videos))
         items = self._items(ids, self._item_bytes(images, videos))
         items = _map(lambda item: self._plan(item, options), items)
@@ -239,6 +247,10 @@ class Preprocessor:
                 raise InvalidInput(f"mm_options: {key} must be {kind}")
         if "fps" in opts and "num_frames" in opts:
             raise InvalidInput("mm_options: fps and num_frames are mutually exclusive")
+        sampled = [k for k in ("fps", "num_frames", "max_frames") if k in opts]
+        if sampled and self.family.sample_frames is None and self.family.takes_videos:
+            raise InvalidInput(f"mm_options: {', '.join(sampled)} does not apply: {self.family.name} takes every "
+                               "frame of a video (its video processor samples none)")
         if "force_packing" in opts and self.family.pack_frames is None:
             raise InvalidInput(f"mm_options: force_packing does not apply: {self.family.name} does not pack video frames")
         limits = self.limits
@@ -339,7 +351,9 @@ class Preprocessor:
     def _layout(self, height: int, width: int, settings: VisionSettings, name: str, num_frames: int) -> FrameLayout:
         """The family's views of an item's frames: its `slice_rule`, else one `resize_rule` size."""
         if self.family.slice_rule is not None:
-            return FrameLayout(self.family.slice_rule(height, width, settings, name), per_frame=True)
+            views = self.family.slice_rule(height, width, settings, name)
+            packing = (num_frames * sum(v.rows * v.cols for v in views),) if self.family.pack_views else ()
+            return FrameLayout(views, per_frame=True, packing=packing)
         size = target_size(height, width, settings, name, num_frames, self.family.resize_rule)
         return FrameLayout((View(size, crop=settings.center_crop),))
 
@@ -425,7 +439,7 @@ class Preprocessor:
                                 token=self.video_token_id if item.video else self.image_token_id,
                                 grids=item.grids, views=item.layout.views, num_frames=item.num_frames,
                                 settings=item.settings, timestamps=item.timestamps, t_factor=item.t_factor,
-                                pruning_rate=rate if item.video else 0.0)
+                                pruning_rate=rate if item.video else 0.0, source=item.probed)
             expansions.append(self.family.expand_media(media, self._vocab_id, self._encode_pieces))
         n_tokens = int(ids.shape[0]) - len(items) + sum(int(e.shape[0]) for e, _ in expansions)
         if n_tokens > self.limits.max_prompt_tokens:
@@ -456,6 +470,8 @@ class Preprocessor:
         input_ids = np.concatenate(pieces).astype(np.int32, copy=False)
         grids = np.array([g for item in items for g in item.grids], dtype=np.int64).reshape(-1, 3)
         temporal_ids = np.concatenate([_frame_temporal_ids(item) for item in items] + [np.zeros(0, np.int64)])
+        image_sizes = np.array([(item.probed if self.family.image_sizes and item.probed else (0, 0))
+                                for item in items for _ in item.grids], dtype=np.int64).reshape(-1, 2)
         if self.family.prompt_positions is not None:
             kinds = np.select([input_ids == self.image_token_id, input_ids == self.video_token_id], [1, 2], 0)
             positions, delta = self.family.prompt_positions(input_ids, kinds, grids, self.config)
@@ -466,7 +482,8 @@ class Preprocessor:
             (positions, delta), media = mrope_positions(input_ids.shape[0], spans), np.zeros((3, 0), np.int64)
         return PreprocessOutput(input_ids=input_ids, pixel_values=pixel_values, grid_thw=grids,
                                 mrope_position_ids=positions, mrope_position_delta=delta,
-                                media_position_ids=media, video_pruning_rate=rate, temporal_ids=temporal_ids)
+                                media_position_ids=media, video_pruning_rate=rate, temporal_ids=temporal_ids,
+                                image_sizes=image_sizes)
 
 
 def _text_input(text: str | bytes) -> str:

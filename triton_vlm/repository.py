@@ -30,6 +30,7 @@ ENGINE_FILE = "encoder.plan"   # --device gpu: TensorRT engine, in vision_encode
 ENCODER_BATCH_MODEL = "vision_encoder_batch"
 ODD_SHARE_INPUT = "odd_share"  # see encoder_batch_io
 PATCH_TEMPORAL_INPUT = "patch_temporal_id"  # see encoder_batch_io
+PATCH_IMAGE_SIZE_INPUT = "patch_image_size"  # see encoder_batch_io
 # Small files every Python model may read; weights go only where they are used.
 _CHECKPOINT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                      "special_tokens_map.json", "chat_template.jinja", "chat_template.json",
@@ -165,6 +166,7 @@ def preprocess_outputs() -> tuple[TensorSpec, ...]:
         PRUNING_RATE,
         MEDIA_POSITIONS,
         TEMPORAL_IDS,
+        IMAGE_SIZES,
     )
 
 
@@ -178,11 +180,15 @@ KEPT_ROWS = TensorSpec("kept_rows", INT64, (-1,))
 # Each frame's temporal id (one per frame of each grid_thw row, -1: none): MiniCPM-V 4.5's packed
 # video frames (`Family.pack_frames`, `Tower.PACKED_FRAMES`), from preprocess to the encoder.
 TEMPORAL_IDS = TensorSpec("temporal_ids", INT64, (-1,))
+# Each grid row's image's own (height, width), (0, 0) for none (a video's): LLaVA-OneVision unpads
+# the tiles' features by it (`Family.image_sizes`, `Tower.IMAGE_SIZES`), from preprocess to the encoder.
+IMAGE_SIZES = TensorSpec("image_sizes", INT64, (-1, 2))
 
 
 def encoder_io(patch_dim: int, hidden: int) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
     return ((TensorSpec("pixel_values", FP32, (-1, patch_dim)), TensorSpec("grid_thw", INT64, (-1, 3)),
-             dataclasses.replace(PRUNING_RATE, optional=True), dataclasses.replace(TEMPORAL_IDS, optional=True)),
+             dataclasses.replace(PRUNING_RATE, optional=True), dataclasses.replace(TEMPORAL_IDS, optional=True),
+             dataclasses.replace(IMAGE_SIZES, optional=True)),
             (TensorSpec("embeddings", FP32, (-1, hidden)), KEPT_ROWS))
 
 
@@ -190,10 +196,12 @@ def encoder_batch_io(patch_dim: int, hidden: int) -> tuple[tuple[TensorSpec, ...
     """`vision_encoder_batch` (max_batch_size > 0): dims are per row; the batch is the patch rows
     (`patch_grid`: the [t, h, w] of each row's item, see triton_vlm.vision.batching). `odd_share`
     is sent with odd shares of a request split over the instances (`VisionEncoderModel`);
-    `patch_temporal_id` where the tower packs frames (each row's frame's temporal id)."""
+    `patch_temporal_id` where the tower packs frames (each row's frame's temporal id);
+    `patch_image_size` where it takes image sizes (each row's item's)."""
     return ((TensorSpec("pixel_values", FP32, (patch_dim,)), TensorSpec("patch_grid", INT64, (3,)),
              TensorSpec(ODD_SHARE_INPUT, BOOL, (1,), optional=True),
-             TensorSpec(PATCH_TEMPORAL_INPUT, INT64, (1,), optional=True)),
+             TensorSpec(PATCH_TEMPORAL_INPUT, INT64, (1,), optional=True),
+             TensorSpec(PATCH_IMAGE_SIZE_INPUT, INT64, (2,), optional=True)),
             (TensorSpec("embeddings", FP32, (hidden,)),))
 
 
@@ -338,7 +346,8 @@ def model_configs(family: Family, checkpoint_config: dict, options: BuildOptions
                            spatial_merge_size=int(tower_settings["spatial_merge_size"]),
                            max_batch_patches=options.encoder_max_batch_patches,
                            batch_instances=encoder_instances(options), query_num=int(tower_settings.get("query_num", 0)),
-                           packed_frames=tower.PACKED_FRAMES, extra_rows=int(tower_settings.get("extra_rows", 0)))
+                           packed_frames=tower.PACKED_FRAMES, extra_rows=int(tower_settings.get("extra_rows", 0)),
+                           anyres_settings=json.dumps(tower_settings) if tower.IMAGE_SIZES else "")
     encoder = _bounded_queue(_python_model("vision_encoder", enc_in, enc_out, options.encoder_frontends,
                                            {**common, **front.to_params()}), options)
     encoder_batch = _encoder_batch_model(patch_dim, hidden, options, common)

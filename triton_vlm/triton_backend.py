@@ -161,6 +161,7 @@ class PreprocessModel:
             pb_utils.Tensor("video_pruning_rate", np.array([out.video_pruning_rate], dtype=np.float64)),
             pb_utils.Tensor("media_position_ids", out.media_position_ids.astype(np.int64, copy=False)),
             pb_utils.Tensor("temporal_ids", out.temporal_ids.astype(np.int64, copy=False)),
+            pb_utils.Tensor("image_sizes", out.image_sizes.astype(np.int64, copy=False)),
         ]
 
     def execute(self, requests):
@@ -182,14 +183,16 @@ class VisionEncoderModel:
         self.options = EncoderOptions.from_params(params)
 
     def _encode_rows(self, pixels: np.ndarray, grid: np.ndarray, rows_temporal: np.ndarray | None,
-                     odd_share: bool) -> np.ndarray:
-        from triton_vlm.repository import ODD_SHARE_INPUT, PATCH_TEMPORAL_INPUT
+                     odd_share: bool, rows_sizes: np.ndarray | None = None) -> np.ndarray:
+        from triton_vlm.repository import ODD_SHARE_INPUT, PATCH_IMAGE_SIZE_INPUT, PATCH_TEMPORAL_INPUT
         from triton_vlm.vision.batching import patch_grid
 
         batch_model = self.options.batch_model
         inputs = {"pixel_values": np.ascontiguousarray(pixels, dtype=np.float32), "patch_grid": patch_grid(grid)}
         if rows_temporal is not None:
             inputs[PATCH_TEMPORAL_INPUT] = rows_temporal.reshape(-1, 1)
+        if rows_sizes is not None:
+            inputs[PATCH_IMAGE_SIZE_INPUT] = np.ascontiguousarray(rows_sizes, dtype=np.int64)
         if odd_share:
             inputs[ODD_SHARE_INPUT] = np.ones((len(pixels), 1), dtype=bool)
         try:
@@ -205,13 +208,15 @@ class VisionEncoderModel:
 
     def _handle(self, request) -> list:
         from triton_vlm.evs import check_rate, prune
-        from triton_vlm.vision.batching import embedding_rows, encode_in_shares, patch_temporal_ids
-        from triton_vlm.vision.encoder import validate_inputs, validate_temporal_ids
+        from triton_vlm.vision import anyres
+        from triton_vlm.vision.batching import embedding_rows, encode_in_shares, patch_image_sizes, patch_temporal_ids
+        from triton_vlm.vision.encoder import validate_image_sizes, validate_inputs, validate_temporal_ids
 
         o = self.options
         pixels, items = validate_inputs(_required(request, "pixel_values"), _required(request, "grid_thw"),
                                         o.patch_dim, o.spatial_merge_size)
         temporal_ids = validate_temporal_ids(_optional(request, "temporal_ids"), items, o.packed_frames)
+        image_sizes = validate_image_sizes(_optional(request, "image_sizes"), items, bool(o.anyres_settings))
         try:
             rate = check_rate(_scalar(request, "video_pruning_rate", float) or 0.0, "video_pruning_rate")
         except ValueError as error:
@@ -223,10 +228,14 @@ class VisionEncoderModel:
             # so a long video splits across batches and instances, and each frame is cached on its own.
             grid = np.repeat(np.concatenate([np.ones_like(items[:, :1]), items[:, 1:]], axis=1), items[:, 0], axis=0)
             rows_temporal = None
+        if o.anyres_settings:  # (packed: the grid is the items)
+            rows_per_item = anyres.embedding_rows(grid, json.loads(o.anyres_settings), image_sizes)
+            rows_sizes = patch_image_sizes(grid, np.zeros((len(grid), 2), np.int64) if image_sizes is None else image_sizes)
+        else:
+            rows_per_item, rows_sizes = embedding_rows(grid, o.spatial_merge_size, o.query_num, o.extra_rows), None
         embeddings = encode_in_shares(pixels, grid, self._encode_rows, shares=o.batch_instances,
-                                      max_rows=o.max_batch_patches, hidden=o.hidden,
-                                      rows_per_item=embedding_rows(grid, o.spatial_merge_size, o.query_num, o.extra_rows),
-                                      rows_temporal=rows_temporal)
+                                      max_rows=o.max_batch_patches, hidden=o.hidden, rows_per_item=rows_per_item,
+                                      rows_temporal=rows_temporal, rows_sizes=rows_sizes)
         embeddings, kept = prune(embeddings, items, o.spatial_merge_size, rate)
         return [pb_utils.Tensor("embeddings", np.ascontiguousarray(embeddings, dtype=np.float32)),
                 pb_utils.Tensor("kept_rows", kept)]
@@ -276,8 +285,8 @@ class VisionEncoderBatchModel:
         _release_metrics(metrics, self._families)
 
     def execute(self, requests):
-        from triton_vlm.repository import PATCH_TEMPORAL_INPUT
-        from triton_vlm.vision.batching import frames_from_rows, items_from_rows
+        from triton_vlm.repository import PATCH_IMAGE_SIZE_INPUT, PATCH_TEMPORAL_INPUT
+        from triton_vlm.vision.batching import frames_from_rows, items_from_row_sizes, items_from_rows
 
         responses: list = [None] * len(requests)
         batch, where = [], []
@@ -287,7 +296,9 @@ class VisionEncoderBatchModel:
                 grid = items_from_rows(pixels, _required(request, "patch_grid"))
                 rows_temporal = _optional(request, PATCH_TEMPORAL_INPUT)
                 temporal_ids = None if rows_temporal is None else frames_from_rows(rows_temporal, grid)
-                batch.append((np.asarray(pixels, dtype=np.float32), grid, temporal_ids))
+                rows_sizes = _optional(request, PATCH_IMAGE_SIZE_INPUT)
+                sizes = () if rows_sizes is None else (items_from_row_sizes(rows_sizes, grid),)
+                batch.append((np.asarray(pixels, dtype=np.float32), grid, temporal_ids, *sizes))
                 where.append(i)
                 self.patches.increment(len(pixels))
             except InvalidInput as error:

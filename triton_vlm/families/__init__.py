@@ -11,6 +11,7 @@ from pathlib import Path
 from triton_vlm.families.base import Family
 from triton_vlm.families.glm4v import GLM4V, GLM4V_MOE, GLM46V, GLM_OCR, GLMGA
 from triton_vlm.families.llava import LLAVA
+from triton_vlm.families.llava_onevision import LLAVA_ONEVISION
 from triton_vlm.families.minicpm_ocr import MINICPM_OCR
 from triton_vlm.families.minicpmv import MINICPMV4_6
 from triton_vlm.families.minicpmv4_5 import MINICPMV4_5
@@ -18,7 +19,8 @@ from triton_vlm.families.minicpmv4_7 import MINICPMV4_7
 from triton_vlm.families.qwen2_5_vl import QWEN2_5_VL
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (QWEN2_5_VL, GLM4V, GLM46V, GLMGA, GLM_OCR, GLM4V_MOE,
-                                                    MINICPMV4_6, MINICPMV4_5, MINICPMV4_7, MINICPM_OCR, LLAVA)}
+                                                    MINICPMV4_6, MINICPMV4_5, MINICPMV4_7, MINICPM_OCR, LLAVA,
+                                                    LLAVA_ONEVISION)}
 
 
 def get_family(name: str) -> Family:

@@ -25,6 +25,7 @@ class MediaLayout:
     timestamps: np.ndarray | None = None  # a video's sampled frames, in seconds
     t_factor: float = 1.0               # M-RoPE temporal scale (`Family.video_t_factor`)
     pruning_rate: float = 0.0           # EVS video pruning (`Family.video_pruning`; triton_vlm.evs)
+    source: tuple[int, int] | None = None  # an image's own (height, width), as decoded
 
     @property
     def merged_grid(self) -> tuple[int, int, int]:
@@ -132,6 +133,16 @@ class Family:
     # carried to the tower (`temporal_ids`). None: frames are not packed, and `force_packing` is
     # refused.
     pack_frames: Callable[..., list[list[int]]] | None = None
+    # `VisionSettings` values every image of a prompt with several takes over the processor config's
+    # (LLaVA-OneVision's processor: no tiles, padded to a square).
+    several_images_settings: dict[str, Any] = field(default_factory=dict)
+    # Each item's grid rows (an image's views and slices, a video's frames) are packed into one grid
+    # row [rows, h, w], which the tower takes whole (`Tower.PACKED_FRAMES`; LLaVA-OneVision's base
+    # view and tiles, a video's frames before their one newline).
+    pack_views: bool = False
+    # Each grid row's image size (height, width; a video's (0, 0)) goes from preprocess to the tower
+    # (`image_sizes`, `Tower.IMAGE_SIZES`: LLaVA-OneVision unpads the tiles' features by it).
+    image_sizes: bool = False
     # What sizes images where the request's `min_pixels` / `max_pixels` play no part (they are then
     # refused naming it); empty: they apply (or the family's `slice_rule` says why not).
     sized_by: str = ""

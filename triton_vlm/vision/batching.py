@@ -9,9 +9,10 @@ has N = 0. So the front sends one row per patch: `pixel_values` [N, D] and `patc
 row at an item's start names its grid, the item spans `t * h * w` rows (two adjacent items of the
 same size are therefore never confused). Requests with no media never reach the batched model.
 A tower that packs frames (`Tower.PACKED_FRAMES`) also gets `patch_temporal_id` [N, 1], the
-temporal id of each row's frame (-1: none); its grid rows are never split into frames.
+temporal id of each row's frame (-1: none); its grid rows are never split into frames. A tower
+that takes image sizes (`Tower.IMAGE_SIZES`) gets `patch_image_size` [N, 2], each row's item's.
 
-Cache key: SHA-256 of an item's grid, its frames' temporal ids and its float32 pixel rows. Hashing the pixel rows (rather
+Cache key: SHA-256 of an item's grid, its frames' temporal ids, its image size and its float32 pixel rows. Hashing the pixel rows (rather
 than the media bytes) is exact by construction: every option that changes pixels (resize bounds,
 fps, frame count, the processor config) changes the key, and nothing else does; it costs about
 1 ms per 448x448 image, against the encoder's tens to thousands of ms. A hit returns the stored
@@ -67,10 +68,13 @@ class EmbeddingCache:
                 self.used -= evicted.nbytes
 
 
-def item_key(pixels: np.ndarray, grid_row, temporal_ids: np.ndarray | None = None) -> bytes:
+def item_key(pixels: np.ndarray, grid_row, temporal_ids: np.ndarray | None = None,
+             image_size: np.ndarray | None = None) -> bytes:
     digest = hashlib.sha256(np.asarray(grid_row, dtype=np.int64).tobytes())
     if temporal_ids is not None:
         digest.update(b"temporal" + np.asarray(temporal_ids, dtype=np.int64).tobytes())
+    if image_size is not None:
+        digest.update(b"size" + np.asarray(image_size, dtype=np.int64).tobytes())
     digest.update(np.ascontiguousarray(pixels, dtype=np.float32).data)
     return digest.digest()
 
@@ -102,6 +106,26 @@ def frames_from_rows(rows_temporal: np.ndarray, grid_thw: np.ndarray) -> np.ndar
     if (np.repeat(ids, frames) != rows).any():
         raise InvalidInput("patch_temporal_id: the rows of a frame disagree")
     return ids
+
+
+def patch_image_sizes(grid_thw: np.ndarray, image_sizes: np.ndarray) -> np.ndarray:
+    """int64 [N, 2]: each patch row's item's image size (one per row of `grid_thw`)."""
+    grid = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
+    return np.repeat(np.asarray(image_sizes, np.int64).reshape(-1, 2), grid.prod(axis=1), axis=0)
+
+
+def items_from_row_sizes(rows_sizes: np.ndarray, grid_thw: np.ndarray) -> np.ndarray:
+    """One image size per item back from the per-row sizes (`patch_image_sizes`); raises
+    InvalidInput if an item's rows disagree."""
+    rows = np.asarray(rows_sizes)
+    grid = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
+    counts = grid.prod(axis=1)
+    if rows.shape != (int(counts.sum()), 2) or not np.issubdtype(rows.dtype, np.integer):
+        raise InvalidInput(f"patch_image_size: expected int64 [{int(counts.sum())}, 2], got {list(rows.shape)}")
+    sizes = rows[offsets(counts)[:-1]].astype(np.int64)
+    if (np.repeat(sizes, counts, axis=0) != rows).any():
+        raise InvalidInput("patch_image_size: the rows of an item disagree")
+    return sizes
 
 
 def items_from_rows(pixels: np.ndarray, rows_grid: np.ndarray) -> np.ndarray:
@@ -143,13 +167,14 @@ def offsets(counts) -> np.ndarray:
 
 def encode_in_shares(pixels: np.ndarray, grid_thw: np.ndarray, send: Callable[..., np.ndarray], *, shares: int,
                      max_rows: int, hidden: int, rows_per_item: np.ndarray,
-                     rows_temporal: np.ndarray | None = None) -> np.ndarray:
+                     rows_temporal: np.ndarray | None = None, rows_sizes: np.ndarray | None = None) -> np.ndarray:
     """Embeddings of the items of `grid_thw` (their patch rows `pixels`; `rows_per_item`: the
     embedding rows each gives, `Tower.embedding_rows`), in item order: the items
     split over `shares` encoder instances (`balance_items`), the shares sent at once, each in
     requests of at most `max_rows` rows (`chunk_items`); `send(pixels, grid, rows_temporal,
     odd_share)` is one request, `rows_temporal` the per-row temporal ids (`patch_temporal_ids`)
-    of its rows where given, else None. Odd shares are sent with `odd_share` true: Triton's
+    of its rows where given, else None; with `rows_sizes` (`patch_image_sizes`), their slice follows
+    as a fifth argument. Odd shares are sent with `odd_share` true: Triton's
     dynamic batcher never puts requests with different inputs in one execution, so two
     neighbouring shares run as two executions, on two instances when both are free."""
     from concurrent.futures import ThreadPoolExecutor
@@ -162,11 +187,14 @@ def encode_in_shares(pixels: np.ndarray, grid_thw: np.ndarray, send: Callable[..
         return np.concatenate([values[rows[i]:rows[i + 1]] for i in items.tolist()], axis=0)
 
     def encode(items: np.ndarray, odd_share: bool) -> np.ndarray:
-        share_pixels, share_temporal = take(pixels, items), take(rows_temporal, items)
+        share_pixels, share_temporal, share_sizes = take(pixels, items), take(rows_temporal, items), take(rows_sizes, items)
         share_grid, share_rows = grid_thw[items], offsets(grid_thw[items].prod(axis=1))
-        parts = [send(share_pixels[share_rows[first]:share_rows[end]], share_grid[first:end],
-                      None if share_temporal is None else share_temporal[share_rows[first]:share_rows[end]], odd_share)
-                 for first, end in chunk_items(share_grid, max_rows)]
+        parts = []
+        for first, end in chunk_items(share_grid, max_rows):
+            a, b = share_rows[first], share_rows[end]
+            sizes = () if share_sizes is None else (share_sizes[a:b],)
+            parts.append(send(share_pixels[a:b], share_grid[first:end],
+                              None if share_temporal is None else share_temporal[a:b], odd_share, *sizes))
         if len(parts) == 1:  # the common case: no copy
             return parts[0]
         return np.concatenate(parts, axis=0) if parts else np.zeros((0, hidden), np.float32)
@@ -227,7 +255,7 @@ class BatchedEncoder:
     """Encodes the media items of many requests in one go, each distinct item once.
 
     `encoder` is anything with `encode(pixels, grid, temporal_ids) -> embeddings` and
-    `embedding_rows(grid)` (a `TowerEncoder`). Items already in `cache` (or repeated within the
+    `embedding_rows(grid)` (a `TowerEncoder`; with `image_sizes` too where a request has them). Items already in `cache` (or repeated within the
     batch) are not computed again; the others are encoded together in one call, which groups them
     by size.
     """
@@ -237,19 +265,24 @@ class BatchedEncoder:
 
     def encode_many(self, batch: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]]
                     ) -> tuple[list[np.ndarray], BatchStats]:
-        """`batch`: (pixel_values [N, D], grid_thw [M, 3], temporal ids [frames] or None) per
-        request, already validated. Returns each request's embeddings [tokens, hidden] and the
+        """`batch`: (pixel_values [N, D], grid_thw [M, 3], temporal ids [frames] or None[, image
+        sizes [M, 2] or None]) per request, already validated. Returns each request's embeddings [tokens, hidden] and the
         counts."""
         stats = BatchStats(requests=len(batch))
         per_request: list[list[bytes]] = []
         found: dict[bytes, np.ndarray] = {}
         todo: dict[bytes, tuple[np.ndarray, tuple[int, int, int], np.ndarray | None]] = {}
-        for pixels, grid, temporal_ids in batch:
+        sizes_of: dict[bytes, np.ndarray] = {}
+        for pixels, grid, temporal_ids, *image_sizes in batch:
             keys, row, frame = [], 0, 0
-            for t, h, w in grid.tolist():
+            image_sizes = image_sizes[0] if image_sizes else None
+            for k, (t, h, w) in enumerate(grid.tolist()):
                 n = t * h * w
                 ids = None if temporal_ids is None else temporal_ids[frame:frame + t]
-                key = item_key(pixels[row:row + n], (t, h, w), ids)
+                size = None if image_sizes is None else image_sizes[k]
+                key = item_key(pixels[row:row + n], (t, h, w), ids, size)
+                if size is not None:
+                    sizes_of[key] = size
                 row, frame = row + n, frame + t
                 keys.append(key)
                 stats.items += 1
@@ -268,10 +301,11 @@ class BatchedEncoder:
             grids = np.array([g for _, g, _ in todo.values()], dtype=np.int64)
             rows = [p for p, _, _ in todo.values()]  # one item (the usual request): its rows as they are
             temporal = [i if i is not None else np.full(g[0], -1, np.int64) for _, g, i in todo.values()]
+            sizes = () if not sizes_of else (np.array([sizes_of.get(key, (0, 0)) for key in todo], np.int64),)
             emb = self.encoder.encode(rows[0] if len(rows) == 1 else np.concatenate(rows, axis=0), grids,
-                                      np.concatenate(temporal))
+                                      np.concatenate(temporal), *sizes)
             row = 0
-            for key, k in zip(todo, self.encoder.embedding_rows(grids).tolist()):
+            for key, k in zip(todo, self.encoder.embedding_rows(grids, *sizes).tolist()):
                 found[key] = emb[row:row + k]
                 self.cache.put(key, found[key])
                 row += k

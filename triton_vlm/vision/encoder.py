@@ -32,7 +32,8 @@ class TowerEncoder:
         self.tower_merge = int(settings["spatial_merge_size"])
         self.max_patches_per_run = int(max_patches_per_run)
 
-    def _run(self, pixels: np.ndarray, grid: np.ndarray, temporal_ids: np.ndarray | None) -> np.ndarray:
+    def _run(self, pixels: np.ndarray, grid: np.ndarray, temporal_ids: np.ndarray | None,
+             image_sizes: np.ndarray | None = None) -> np.ndarray:
         raise NotImplementedError
 
     def warmup(self) -> None:
@@ -40,21 +41,24 @@ class TowerEncoder:
         grid = self.tower.warmup_grid(self.settings)
         self.encode(np.zeros((int(grid.prod()), self.patch_dim), np.float32), grid)
 
-    def _validate(self, pixel_values, grid_thw, temporal_ids) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    def _validate(self, pixel_values, grid_thw, temporal_ids, image_sizes
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
         pixels, grid = validate_inputs(pixel_values, grid_thw, self.patch_dim, self.tower_merge)
-        return pixels, grid, validate_temporal_ids(temporal_ids, grid, self.tower.PACKED_FRAMES)
+        return (pixels, grid, validate_temporal_ids(temporal_ids, grid, self.tower.PACKED_FRAMES),
+                validate_image_sizes(image_sizes, grid, self.tower.IMAGE_SIZES))
 
-    def embedding_rows(self, grid: np.ndarray) -> np.ndarray:
+    def embedding_rows(self, grid: np.ndarray, image_sizes: np.ndarray | None = None) -> np.ndarray:
         """Embedding rows of each grid row (`Tower.embedding_rows`)."""
-        return self.tower.embedding_rows(grid, self.settings)
+        return self.tower.embedding_rows(grid, self.settings, image_sizes)
 
-    def _plan(self, grid: np.ndarray) -> list[list[tuple[int, int, int, int, int, int]]]:
+    def _plan(self, grid: np.ndarray, image_sizes: np.ndarray | None = None
+              ) -> list[list[tuple[int, int, int, int, int, int]]]:
         """Runs of pieces (patch_offset, token_offset, frame_offset, t, h, w) that share a spatial
         size: each frame on its own (frames are independent, `triton_vlm.vision`), or a packed
         tower's grid rows whole."""
         pieces: dict[tuple[int, int], list[tuple[int, int, int, int, int, int]]] = {}
         patch_off = token_off = frame_off = 0
-        for (t, h, w), rows in zip(grid.tolist(), self.embedding_rows(grid).tolist()):
+        for (t, h, w), rows in zip(grid.tolist(), self.embedding_rows(grid, image_sizes).tolist()):
             if self.tower.PACKED_FRAMES:
                 pieces.setdefault((h, w), []).append((patch_off, token_off, frame_off, t, h, w))
             else:
@@ -77,25 +81,29 @@ class TowerEncoder:
             runs.append(run)
         return runs
 
-    def encode(self, pixel_values: np.ndarray, grid_thw: np.ndarray, temporal_ids: np.ndarray | None = None
-               ) -> np.ndarray:
+    def encode(self, pixel_values: np.ndarray, grid_thw: np.ndarray, temporal_ids: np.ndarray | None = None,
+               image_sizes: np.ndarray | None = None) -> np.ndarray:
         """Embeddings float32 [tokens, out_hidden], one row per placeholder token, item order.
-        `temporal_ids`: one per frame of each grid row (`validate_temporal_ids`), or None."""
-        pixels, grid, temporal_ids = self._validate(pixel_values, grid_thw, temporal_ids)
-        total_tokens = int(self.embedding_rows(grid).sum())
+        `temporal_ids`: one per frame of each grid row (`validate_temporal_ids`), or None;
+        `image_sizes`: one (height, width) per grid row (`validate_image_sizes`), or None."""
+        pixels, grid, temporal_ids, image_sizes = self._validate(pixel_values, grid_thw, temporal_ids, image_sizes)
+        total_tokens = int(self.embedding_rows(grid, image_sizes).sum())
         if total_tokens == 0:
             return np.zeros((0, self.out_hidden), dtype=np.float32)
-        runs = self._plan(grid)
+        runs = self._plan(grid, image_sizes)
         if len(runs) == 1 and sum(p[3] * p[4] * p[5] for p in runs[0]) == pixels.shape[0]:
-            return np.ascontiguousarray(self._run(pixels, grid, temporal_ids), dtype=np.float32)
+            return np.ascontiguousarray(self._run(pixels, grid, temporal_ids, image_sizes), dtype=np.float32)
         out = np.empty((total_tokens, self.out_hidden), dtype=np.float32)
+        frame_starts = np.cumsum(grid[:, 0]) - grid[:, 0]
         for run in runs:
             run_grid = np.array([[n, h, w] for *_, n, h, w in run], dtype=np.int64)
             run_pixels = _rows(pixels, [(p, p + n * h * w) for p, _, _, n, h, w in run])
             run_ids = None if temporal_ids is None else np.concatenate([temporal_ids[f:f + n] for _, _, f, n, _, _ in run])
-            emb = self._run(run_pixels, run_grid, run_ids)
+            # (image sizes go with towers that take grid rows whole: a piece's first frame is its row's)
+            run_sizes = None if image_sizes is None else image_sizes[np.searchsorted(frame_starts, [f for _, _, f, *_ in run])]
+            emb = self._run(run_pixels, run_grid, run_ids, run_sizes)
             row = 0
-            for (_, tok, *_), k in zip(run, self.embedding_rows(run_grid).tolist()):
+            for (_, tok, *_), k in zip(run, self.embedding_rows(run_grid, run_sizes).tolist()):
                 out[tok:tok + k] = emb[row:row + k]
                 row += k
         return out
@@ -128,9 +136,10 @@ class VisionEncoder(TowerEncoder):
         self.dtype = meta.get("dtype", "float32")
         self._input_names = {i.name for i in self.session.get_inputs()}
 
-    def _run(self, pixels: np.ndarray, grid: np.ndarray, temporal_ids: np.ndarray | None) -> np.ndarray:
+    def _run(self, pixels: np.ndarray, grid: np.ndarray, temporal_ids: np.ndarray | None,
+             image_sizes: np.ndarray | None = None) -> np.ndarray:
         feeds = {"pixel_values": np.ascontiguousarray(pixels, dtype=np.float32)}
-        for name, value in self.tower.metadata(grid, self.settings, temporal_ids).items():
+        for name, value in self.tower.metadata(grid, self.settings, temporal_ids, image_sizes).items():
             if name in self._input_names:  # the exporter drops inputs a graph does not use
                 feeds[name] = value
         return self.session.run(None, feeds)[0]
@@ -177,6 +186,28 @@ def validate_inputs(pixel_values, grid_thw, patch_dim: int, merge: int) -> tuple
     if expected and not np.issubdtype(pixels.dtype, np.floating):
         raise InvalidInput(f"pixel_values: expected floating point, got {pixels.dtype}")
     return pixels, grid
+
+
+def validate_image_sizes(image_sizes, grid: np.ndarray, takes: bool) -> np.ndarray | None:
+    """The optional `image_sizes` input: int64 [grid rows, 2], each row's image's (height, width),
+    (0, 0) for none, which only a tower that unpads images takes (`Tower.IMAGE_SIZES`). None when
+    absent or all zero; InvalidInput names the input."""
+    if image_sizes is None:
+        return None
+    sizes = np.asarray(image_sizes)
+    if sizes.shape != (len(grid), 2):
+        raise InvalidInput(f"image_sizes: expected shape [{len(grid)}, 2] (one per row of grid_thw), "
+                           f"got {list(sizes.shape)}")
+    if not np.issubdtype(sizes.dtype, np.integer):
+        raise InvalidInput(f"image_sizes: expected integers, got {sizes.dtype}")
+    sizes = sizes.astype(np.int64)
+    if (sizes < 0).any() or (sizes > np.iinfo(np.int32).max).any():
+        raise InvalidInput(f"image_sizes: values must lie in [0, {np.iinfo(np.int32).max}]")
+    if not sizes.any():
+        return None
+    if not takes:
+        raise InvalidInput("image_sizes: this model's vision tower takes none")
+    return sizes
 
 
 def validate_temporal_ids(temporal_ids, grid: np.ndarray, packed: bool) -> np.ndarray | None:

@@ -106,10 +106,12 @@ def _layer_index(index: int, num_layers: int) -> int:
 
 
 def patch_rows(pixel_values: Any, patch_size: int) -> np.ndarray:
-    """transformers' `pixel_values` [B, C, H, W] as this tower's rows [B * (H / p) * (W / p), C * p * p]."""
-    x = np.asarray(pixel_values)
-    b, c, h, w = x.shape
+    """transformers' `pixel_values` [B, C, H, W] as this tower's rows [B * (H // p) * (W // p), C * p * p]
+    (the patch embedding's stride leaves out what is past the last whole patch)."""
     p = patch_size
+    x = np.asarray(pixel_values)
+    x = x[:, :, :x.shape[2] // p * p, :x.shape[3] // p * p]
+    b, c, h, w = x.shape
     x = x.reshape(b, c, h // p, p, w // p, p).transpose(0, 2, 4, 1, 3, 5)
     return np.ascontiguousarray(x.reshape(-1, c * p * p))
 

@@ -194,6 +194,6 @@ class MiniCPMV4_5Tower(Tower):
     WHOLE_CONFIG = True
 
     @classmethod
-    def metadata(cls, grid_thw: np.ndarray, settings: dict[str, Any],
-                 temporal_ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    def metadata(cls, grid_thw: np.ndarray, settings: dict[str, Any], temporal_ids: np.ndarray | None = None,
+                 image_sizes: np.ndarray | None = None) -> dict[str, np.ndarray]:
         return metadata(grid_thw, settings, temporal_ids)

@@ -164,11 +164,12 @@ class TensorRTEncoder(TowerEncoder):
         self._inputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
         self._output = next(n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT)
 
-    def _run(self, pixels: np.ndarray, grid: np.ndarray, temporal_ids: np.ndarray | None) -> np.ndarray:
+    def _run(self, pixels: np.ndarray, grid: np.ndarray, temporal_ids: np.ndarray | None,
+             image_sizes: np.ndarray | None = None) -> np.ndarray:
         import torch
 
         feeds = {"pixel_values": np.ascontiguousarray(pixels, dtype=np.float32)}
-        feeds.update(self.tower.metadata(grid, self.settings, temporal_ids))
+        feeds.update(self.tower.metadata(grid, self.settings, temporal_ids, image_sizes))
         n = feeds["pixel_values"].shape[0]
         if n < self.min_patches:  # the smallest item (one merge unit) is 4 patches: keep min_patches <= 4
             raise ValueError(f"{n} patches is below the engine profile's min_patches={self.min_patches}")

@@ -31,8 +31,9 @@ class TorchEncoder(TowerEncoder):
         self.device = torch.device(device)
         self.module = tower.load_tower(checkpoint_dir, torch_dtype).to(self.device)
 
-    def _run(self, pixels: np.ndarray, grid: np.ndarray, temporal_ids: np.ndarray | None) -> np.ndarray:
-        metadata = self.tower.metadata(grid, self.settings, temporal_ids)
+    def _run(self, pixels: np.ndarray, grid: np.ndarray, temporal_ids: np.ndarray | None,
+             image_sizes: np.ndarray | None = None) -> np.ndarray:
+        metadata = self.tower.metadata(grid, self.settings, temporal_ids, image_sizes)
         feeds = [torch.from_numpy(np.ascontiguousarray(pixels, dtype=np.float32))]
         feeds += [torch.from_numpy(metadata[name]) for name in self.tower.METADATA_INPUTS]
         with torch.inference_mode():

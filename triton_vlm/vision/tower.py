@@ -35,6 +35,9 @@ class Tower:
     # temporal id (MiniCPM-V 4.5's resampler); otherwise every frame of a row is independent
     # (`triton_vlm.vision`), the unit the encoders batch and cache, and temporal ids are refused.
     PACKED_FRAMES: ClassVar[bool] = False
+    # Each grid row's image size (height, width) reaches the tower (`image_sizes`; LLaVA-OneVision's
+    # unpadding), which then also says each row's embedding rows; others refuse them.
+    IMAGE_SIZES: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -52,18 +55,21 @@ class Tower:
         raise NotImplementedError
 
     @classmethod
-    def metadata(cls, grid_thw: np.ndarray, settings: dict[str, Any],
-                 temporal_ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    def metadata(cls, grid_thw: np.ndarray, settings: dict[str, Any], temporal_ids: np.ndarray | None = None,
+                 image_sizes: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """`encoder_metadata` of one run; `temporal_ids` (int64, one per frame of each grid row, -1
-        for none) only where the tower packs frames (`PACKED_FRAMES`)."""
+        for none) only where the tower packs frames (`PACKED_FRAMES`); `image_sizes` (int64 [M, 2])
+        only where it takes them (`IMAGE_SIZES`)."""
         if temporal_ids is not None and (np.asarray(temporal_ids) >= 0).any():
             raise ValueError(f"{cls.__name__} takes no temporal ids")
         return cls.encoder_metadata(grid_thw, settings)
 
     @classmethod
-    def embedding_rows(cls, grid_thw: np.ndarray, settings: dict[str, Any]) -> np.ndarray:
+    def embedding_rows(cls, grid_thw: np.ndarray, settings: dict[str, Any],
+                       image_sizes: np.ndarray | None = None) -> np.ndarray:
         """Embedding rows of each grid row (`batching.embedding_rows`: a resampler's `query_num`, or
-        one per merge^2 patches plus the settings' `extra_rows` per frame)."""
+        one per merge^2 patches plus the settings' `extra_rows` per frame); `image_sizes` count only
+        where the tower takes them (`IMAGE_SIZES`)."""
         return batching.embedding_rows(grid_thw, settings["spatial_merge_size"], settings.get("query_num", 0),
                                        settings.get("extra_rows", 0))
 
