@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from triton_vlm.vision import common, llava
+from triton_vlm.vision import llava, tower_config, trt_profile
 from triton_vlm.vision.anyres import embedding_rows, feature_plan
 from triton_vlm.vision.llava import LlavaTower, LlavaVisionTower
 
@@ -28,7 +28,7 @@ PREFIXES = {**llava.PREFIXES, "model.image_newline": "image_newline", "image_new
 
 def vision_settings(config: Any) -> dict[str, Any]:
     """LLaVA's settings of a OneVision config, with its pinpoints and `vision_aspect_ratio`."""
-    cfg = common.as_dict(config)
+    cfg = tower_config.as_dict(config)
     out = llava.vision_settings(cfg)
     if out["vision_model_type"] != "siglip_vision_model" or out["vision_feature_select_strategy"] != "full":
         raise ValueError("LLaVA-OneVision: only a SigLIP tower with vision_feature_select_strategy 'full' is supported")
@@ -38,14 +38,14 @@ def vision_settings(config: Any) -> dict[str, Any]:
     return out
 
 
-def profile_shapes(settings: dict[str, Any], patches: tuple[int, int, int]) -> common.Shapes:
+def profile_shapes(settings: dict[str, Any], patches: tuple[int, int, int]) -> trt_profile.Shapes:
     """TensorRT (min, opt, max) shapes: LLaVA's whole views of `pixel_values`, and the gather's rows,
     at most one per patch, one newline per S patches (a canvas row) and one per item."""
     shapes = llava.profile_shapes(settings, patches)
     side = settings["side"]
     (_, opt, most) = (p for p, _ in shapes["pixel_values"])
     rows = (1, opt + 2 * (opt // side), most + 2 * (most // side))  # (a pooled frame gives fewer rows)
-    return {**shapes, "feature_index": common.per_patch(rows, 4), "feature_weight": common.per_patch(rows, 4)}
+    return {**shapes, "feature_index": trt_profile.per_patch(rows, 4), "feature_weight": trt_profile.per_patch(rows, 4)}
 
 
 class LlavaOnevisionVisionTower(LlavaVisionTower):
