@@ -358,34 +358,26 @@ class Preprocessor:
         return FrameLayout((View(size, crop=settings.center_crop),))
 
     def _plan(self, item: _Item, options: RequestOptions) -> _Item:
-        """Phase 1 (items in parallel threads: Pillow, PyAV and torch release the GIL): the item's
-        size and grid, from headers where they tell (JPEG images, H.264 videos: nothing decoded
-        yet), else by decoding and resizing."""
-        if item.video:
-            self._plan_video(item, options)
-        else:
-            self._plan_image(item, options.image)
-        item.grids = item.layout.grids(item.num_frames, item.settings)
-        return item
+        """Phase 1 (items in parallel threads: Pillow, PyAV and torch release the GIL): the planned
+        item, its size and grid from headers where they tell (JPEG images, H.264 videos: nothing
+        decoded yet), else by decoding and resizing."""
+        planned = self._plan_video(item, options) if item.video else self._plan_image(item, options.image)
+        return dataclasses.replace(planned, grids=planned.layout.grids(planned.num_frames, planned.settings))
 
-    def _plan_image(self, item: _Item, settings: VisionSettings) -> None:
-        item.settings = settings
-        probed = probe_image(item.data, item.name, self.limits)
-        if probed is None:
-            item.frames = decode_image(item.data, item.name, self.limits)[None]
-            probed = item.frames.shape[1:3]
-        item.layout = self._layout(probed[0], probed[1], settings, item.name, 1)
+    def _plan_image(self, item: _Item, settings: VisionSettings) -> _Item:
+        decoded: list[np.ndarray] = []  # the image's uint8 frames [1, H, W, 3], once something decodes them
+
+        def pixels() -> np.ndarray:
+            if not decoded:
+                decoded.append(decode_image(item.data, item.name, self.limits)[None])
+            return decoded[0]
+
+        probed = probe_image(item.data, item.name, self.limits) or pixels().shape[1:3]
+        layout = self._layout(probed[0], probed[1], settings, item.name, 1)
         if self.family.refine_layout is not None:
-            item.layout = self.family.refine_layout(item.layout, settings, lambda: self._decoded(item), item.name)
-        item.probed = tuple(probed)
-        if item.frames is not None:
-            item.frames = item.layout.resize(item.frames, settings)
-
-    def _decoded(self, item: _Item) -> np.ndarray:
-        """An image's uint8 pixels [H, W, 3], decoded now if its header was all phase 1 had read."""
-        if item.frames is None:
-            item.frames = decode_image(item.data, item.name, self.limits)[None]
-        return item.frames[0]
+            layout = self.family.refine_layout(layout, settings, lambda: pixels()[0], item.name)
+        return dataclasses.replace(item, settings=settings, layout=layout, probed=tuple(probed),
+                                   frames=layout.resize(decoded[0], settings) if decoded else None)
 
     def _check_frame_patches(self, items: list[_Item]) -> None:
         """No frame (no packed group of frames, which the tower takes whole) larger than one
@@ -398,36 +390,36 @@ class Preprocessor:
                 unit = "packed group of frames" if packed else "frame"
                 raise InvalidInput(f"{item.name}: {frame} patches per {unit} exceed max_frame_patches={limit}")
 
-    def _plan_video(self, item: _Item, options: RequestOptions) -> None:
+    def _plan_video(self, item: _Item, options: RequestOptions) -> _Item:
         name, sampling = item.name, options.sampling
         sampler = _bind_sampler(self.family.sample_frames, sampling, options.video)
+        chosen: dict[str, Any] = {}  # settings, layout and temporal ids, once the frames are sampled
 
         def layout(meta) -> FrameLayout:
             n = len(meta.frames_indices)
-            item.settings = _frame_settings(options.video, sampling, n)
-            item.layout = self._layout(meta.height, meta.width, item.settings, name, n)
+            settings = _frame_settings(options.video, sampling, n)
+            frame_layout, temporal_ids = self._layout(meta.height, meta.width, settings, name, n), None
             if self.family.pack_frames is not None:
                 try:
-                    item.temporal_ids = self.family.pack_frames(meta, fps=sampling.fps,
-                                                                force_packing=sampling.force_packing)
+                    temporal_ids = self.family.pack_frames(meta, fps=sampling.fps, force_packing=sampling.force_packing)
                 except InvalidInput as error:
                     raise InvalidInput(f"{name}: {error}") from None
-                item.layout = dataclasses.replace(item.layout, packing=tuple(len(g) for g in item.temporal_ids))
-            return item.layout
+                frame_layout = dataclasses.replace(frame_layout, packing=tuple(len(g) for g in temporal_ids))
+            chosen.update(settings=settings, layout=frame_layout, temporal_ids=temporal_ids)
+            return frame_layout
 
-        item.video_file = demux_video(item.data, name, self.limits)
-        item.planned = item.video_file.plan(sampler)
-        if item.planned is not None:
-            meta = item.planned.meta
+        video_file = demux_video(item.data, name, self.limits)
+        planned, frames = video_file.plan(sampler), None
+        if planned is not None:
+            meta = planned.meta
             layout(meta)
         else:
-            item.frames, meta = item.video_file.decode(
-                sampler, lambda meta: (layout(meta).stored, lambda f: item.layout.resize(f, item.settings)))
-        item.num_frames = len(meta.frames_indices)
-        second_per_grid_ts = item.settings.temporal_patch_size / meta.sampled_fps
-        item.t_factor = (self.family.video_t_factor(self.config, second_per_grid_ts)
-                         if self.family.video_t_factor else 1.0)
-        item.timestamps = meta.timestamps
+            frames, meta = video_file.decode(
+                sampler, lambda meta: (layout(meta).stored, lambda f: chosen["layout"].resize(f, chosen["settings"])))
+        second_per_grid_ts = chosen["settings"].temporal_patch_size / meta.sampled_fps
+        t_factor = self.family.video_t_factor(self.config, second_per_grid_ts) if self.family.video_t_factor else 1.0
+        return dataclasses.replace(item, **chosen, video_file=video_file, planned=planned, frames=frames,
+                                   num_frames=len(meta.frames_indices), t_factor=t_factor, timestamps=meta.timestamps)
 
     def _expansions(self, ids: np.ndarray, items: list[_Item], rate: float) -> list[tuple[np.ndarray, list[MediaSpan]]]:
         """What each placeholder token becomes (media tokens, and for some families per-frame
@@ -497,9 +489,11 @@ def _text_input(text: str | bytes) -> str:
     return text
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Item:
-    """One media item of a request between the two phases of `Preprocessor.__call__`."""
+    """One media item of a request: as the prompt names it (`_items`: name, bytes, index, kind),
+    then planned (`_plan`, phase 1 of `Preprocessor.__call__`: a new item with its settings, views
+    and grid rows, and what phase 2, `_fill`, still has to decode)."""
     name: str
     data: bytes
     index: int = 0                      # among the request's items of its kind
@@ -526,15 +520,14 @@ def _frame_temporal_ids(item: _Item) -> np.ndarray:
 
 def _fill(item: _Item, out: np.ndarray, limits: Limits) -> None:
     """Phase 2: decode what is left of `item` and write its pixel rows into `out`."""
-    settings, layout = item.settings, item.layout
-    if item.frames is None and item.planned is None:  # an image known from its header
-        frames = decode_image(item.data, item.name, limits)[None]
-        if tuple(frames.shape[1:3]) != item.probed:
-            raise not_decodable_image(item.name, item.data, f"decoded to {frames.shape[1:3]}, header said {item.probed}")
-        item.frames = layout.resize(frames, settings)
-    if item.frames is not None:
-        layout.write(item.frames, settings, out)
-        item.frames = None
+    settings, layout, frames = item.settings, item.layout, item.frames
+    if frames is None and item.planned is None:  # an image known from its header
+        decoded = decode_image(item.data, item.name, limits)[None]
+        if tuple(decoded.shape[1:3]) != item.probed:
+            raise not_decodable_image(item.name, item.data, f"decoded to {decoded.shape[1:3]}, header said {item.probed}")
+        frames = layout.resize(decoded, settings)
+    if frames is not None:
+        layout.write(frames, settings, out)
         return
     meta, tps = item.planned.meta, settings.temporal_patch_size
     n = len(meta.frames_indices)
