@@ -10,6 +10,7 @@ its stub), the ensemble's greedy tokens for text, image and video prompts are `g
 rank killed under load ends its requests and the llm is reloaded by `serve`'s supervisor."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -77,6 +78,34 @@ def test_split_model_gives_the_whole_models_tokens_and_logits(checkpoints, famil
     assert all(not p.is_alive() for p in split.runner.workers.processes)
 
 
+def listening_addresses(pid: int) -> set[str]:
+    """The local addresses (hex, as /proc/net/tcp writes them) of the TCP sockets `pid` listens on."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(FileNotFoundError):  # (closed meanwhile)
+            if (target := os.readlink(f"/proc/{pid}/fd/{fd}")).startswith("socket:["):
+                inodes.add(target[8:-1])
+    addresses = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:
+                addresses.add(fields[1].rsplit(":", 1)[0])
+    return addresses
+
+
+def test_the_group_listens_on_the_loopback_only(checkpoints):
+    """Rank 0's store and every rank's connections listen on 127.0.0.1 only: no client elsewhere
+    can reach the group (torch's own TCPStore would listen on every interface)."""
+    engine = Engine(checkpoints["qwen2_5_vl"], tensor_parallel=2)
+    try:
+        for pid in (os.getpid(), engine.runner.workers.processes[0].pid):
+            addresses = listening_addresses(pid)
+            assert addresses and addresses <= {"0100007F"}, (pid, addresses)  # 127.0.0.1
+    finally:
+        engine.shutdown()
+
+
 def test_a_killed_worker_fails_its_requests_and_the_engine(checkpoints):
     engine = Engine(checkpoints["qwen2_5_vl"], tensor_parallel=2)
     try:
@@ -128,6 +157,7 @@ def test_a_dead_rank_under_serve_ends_its_requests_and_the_llm_is_reloaded(tiny_
     flight end within 5 s with an error (the rank named, or the llm step restarted), the llm stub
     exits, `serve`'s supervisor reloads the model with new ranks, and later requests get
     transformers' tokens again."""
+    from tests.test_faults import _children
     from tests.test_step_faults import IMAGE, N, PROMPT, Load, check_recovery, supervised, wait_for_event
     from triton_vlm.repository import BuildOptions, build_repository
 
@@ -144,7 +174,3 @@ def test_a_dead_rank_under_serve_ends_its_requests_and_the_llm_is_reloaded(tiny_
         assert event == "model 'llm' reloaded", "\n".join(events)
         assert failed and all("rank 1 exited" in o.error or "the llm step restarted" in o.error for o in failed), failed
         assert any("rank 1 exited (code -9)" in o.error for o in failed), failed
-
-
-def _children(pid: int) -> list[int]:
-    return [int(p) for task in Path(f"/proc/{pid}/task").iterdir() for p in (task / "children").read_text().split()]

@@ -181,6 +181,8 @@ class VisionEncoderModel:
     def initialize(self, args: dict[str, Any]) -> None:
         _, params = _model_dir(args)
         self.options = EncoderOptions.from_params(params)
+        # the anyres tower's settings, parsed once (not per request)
+        self.anyres = json.loads(self.options.anyres_settings) if self.options.anyres_settings else None
 
     def _encode_rows(self, pixels: np.ndarray, grid: np.ndarray, rows_temporal: np.ndarray | None,
                      odd_share: bool, rows_sizes: np.ndarray | None = None) -> np.ndarray:
@@ -228,8 +230,8 @@ class VisionEncoderModel:
             # so a long video splits across batches and instances, and each frame is cached on its own.
             grid = np.repeat(np.concatenate([np.ones_like(items[:, :1]), items[:, 1:]], axis=1), items[:, 0], axis=0)
             rows_temporal = None
-        if o.anyres_settings:  # (packed: the grid is the items)
-            rows_per_item = anyres.embedding_rows(grid, json.loads(o.anyres_settings), image_sizes)
+        if self.anyres is not None:  # (packed: the grid is the items)
+            rows_per_item = anyres.embedding_rows(grid, self.anyres, image_sizes)
             rows_sizes = patch_image_sizes(grid, np.zeros((len(grid), 2), np.int64) if image_sizes is None else image_sizes)
         else:
             rows_per_item, rows_sizes = embedding_rows(grid, o.spatial_merge_size, o.query_num, o.extra_rows), None

@@ -41,10 +41,13 @@ class WorkerGone(RuntimeError):
     """A tensor-parallel worker exited: the runner cannot run a step any more."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _loopback_listener() -> socket.socket:
+    """Rank 0's rendezvous socket, listening on the loopback only: torch's TCPStore would listen on
+    every interface, where any client on the network could reach the group's store."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    return listener
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -54,10 +57,14 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", (device.index or 0) + rank)
 
 
-def init_group(rank: int, world: int, port: int, device: torch.device) -> None:
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=world, timeout=TIMEOUT,
-                            device_id=device if device.type == "cuda" else None)
+def init_group(rank: int, world: int, port: int, device: torch.device, listener: socket.socket | None = None) -> None:
+    """Join the group through rank 0's store on 127.0.0.1:`port` (rank 0 serves it on `listener`;
+    the store gets a descriptor of its own, which it closes when it stops)."""
+    fd = None if listener is None else os.dup(listener.fileno())
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=listener is not None, timeout=TIMEOUT,
+                          master_listen_fd=fd, use_libuv=False)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=world,
+                            timeout=TIMEOUT, device_id=device if device.type == "cuda" else None)
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -160,7 +167,8 @@ class Workers:
         import multiprocessing
 
         self.device = device
-        port = _free_port()
+        listener = _loopback_listener()
+        port = listener.getsockname()[1]
         context = multiprocessing.get_context("spawn")
         if os.environ.get("TRITON_VLM_PYTHON"):  # inside a Triton stub sys.executable is not Python
             context.set_executable(os.environ["TRITON_VLM_PYTHON"])
@@ -177,7 +185,8 @@ class Workers:
             while not pipe.poll(0.5):
                 self.check()
             pipe.recv()
-        init_group(0, world, port, device)
+        with listener:
+            init_group(0, world, port, device, listener)
         try:
             dist.barrier()  # every worker's shard loaded
         except RuntimeError as error:
