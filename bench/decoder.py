@@ -153,7 +153,7 @@ def transformers_process(conn, write: dict | None, ckpt: str, device: str, dtype
     until None."""
     from transformers import AutoModelForImageTextToText
 
-    from triton_vlm.checkpoint import write_demo_checkpoint
+    from triton_vlm.families.demo import write_demo_checkpoint
 
     torch.set_grad_enabled(False)
     t0 = time.perf_counter()
@@ -219,7 +219,7 @@ def run_engine(engine, inputs: list, max_tokens: int, concurrency: int, min_toke
 def decoder_7b_overrides(layers: int, hidden: int, dtype: torch.dtype, device: torch.device) -> dict:
     """`write_demo_checkpoint` overrides of the `small` Qwen2.5-VL demo: the 7B text stack (scaled to
     `hidden` at the same head size and grouping), its padded vocabulary, `tiny`'s vision tower."""
-    from triton_vlm.checkpoint import DEMOS
+    from triton_vlm.families import get_family
 
     if hidden % (HEAD_DIM_7B * GROUP_7B):
         raise SystemExit(f"--hidden must be a multiple of {HEAD_DIM_7B * GROUP_7B} "
@@ -228,7 +228,7 @@ def decoder_7b_overrides(layers: int, hidden: int, dtype: torch.dtype, device: t
     text = dict(DECODER_7B, num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                 num_key_value_heads=heads // GROUP_7B,
                 intermediate_size=DECODER_7B["intermediate_size"] * hidden // DECODER_7B["hidden_size"])
-    return dict(text=text, vision=DEMOS["qwen2_5_vl"].sizes["tiny"]["vision"], model_vocab_size=VOCAB_7B,
+    return dict(text=text, vision=get_family("qwen2_5_vl").demo_spec().sizes["tiny"]["vision"], model_vocab_size=VOCAB_7B,
                 dtype=str(dtype).removeprefix("torch."), device=str(device))
 
 
@@ -358,7 +358,7 @@ def main() -> None:
         device = torch.device(args.device)
         dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
         with tempfile.TemporaryDirectory() as tmp:
-            from triton_vlm.checkpoint import write_demo_checkpoint
+            from triton_vlm.families.demo import write_demo_checkpoint
 
             ckpt = Path(args.checkpoint) if args.checkpoint else write_demo_checkpoint(
                 "qwen2_5_vl", Path(args.save or tmp) / "small", "small")

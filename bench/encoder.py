@@ -67,7 +67,7 @@ def main() -> int:
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from triton_vlm import samples
-    from triton_vlm.checkpoint import write_demo_checkpoint
+    from triton_vlm.families.demo import write_demo_checkpoint
     from triton_vlm.vision.encoder import VisionEncoder, default_threads
     from triton_vlm.vision.export import export_onnx
 
@@ -101,7 +101,7 @@ def main() -> int:
             if "image_sizes" in out:
                 from transformers.models.llava_onevision.modeling_llava_onevision import image_size_to_num_patches
 
-                from triton_vlm.vision.llava import patch_rows
+                from triton_vlm.families.llava.tower import patch_rows
 
                 config, p = model.config, model.config.vision_config.patch_size
                 views = [image_size_to_num_patches(s, config.image_grid_pinpoints, config.vision_config.image_size)
@@ -112,13 +112,13 @@ def main() -> int:
                 return ((out["pixel_values"], out["image_sizes"]), rows, grid,
                         (None, out["image_sizes"].numpy().astype(np.int64)))
             if "target_sizes" in out:
-                from triton_vlm.vision.minicpmv import patch_rows
+                from triton_vlm.families.minicpmv.tower_v4_6 import patch_rows
 
                 sizes = out["target_sizes"].numpy().astype(np.int64)
                 grid = np.concatenate([np.ones_like(sizes[:, :1]), sizes], axis=1)
                 return (out["pixel_values"], out["target_sizes"]), patch_rows(out["pixel_values"].numpy()), grid, ()
             if "image_grid_thw" not in out:
-                from triton_vlm.vision.llava import patch_rows
+                from triton_vlm.families.llava.tower import patch_rows
 
                 b, _, h, w = out["pixel_values"].shape
                 p = processor.patch_size

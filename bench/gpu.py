@@ -9,7 +9,7 @@ Writes `DIR/gpu.json` (and `DIR/llm.json`, bench/decoder.py's figures, with `--l
 - `copy_bandwidth_GBps`: bytes read + written per second by a large device-to-device copy
   (bench/decoder.py's `copy_bandwidth`), measured in this run;
 - `matmul_bf16_TFLOPs`: the best rate of a bfloat16 [n, n] x [n, n] product, this run;
-- `encoder`: Qwen2.5-VL demo checkpoints (`triton_vlm.checkpoint`, random weights) with the 7B's
+- `encoder`: Qwen2.5-VL demo checkpoints (`triton_vlm.families.demo`, random weights) with the 7B's
   vision tower (depth 32, hidden 1280, 16 heads, MLP 3420, full attention in blocks 7, 15, 23, 31;
   `--quick`: the `tiny` demo), one per stored dtype of `--weights` (`weights.bfloat16`: stored as
   the real Qwen2.5-VL checkpoints are, so the float32 reference and the bfloat16 towers share their
@@ -94,7 +94,7 @@ def checkpoint_figures(device, quick: bool, images: int, repeats: int, stored: s
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from triton_vlm import samples
-    from triton_vlm.checkpoint import write_demo_checkpoint
+    from triton_vlm.families.demo import write_demo_checkpoint
     from triton_vlm.vision.torch_encoder import TorchEncoder
 
     overrides = {"dtype": stored, **({} if quick else {"vision": VISION_7B})}

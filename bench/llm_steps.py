@@ -34,7 +34,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     args = ap.parse_args()
 
-    from triton_vlm.checkpoint import write_demo_checkpoint
+    from triton_vlm.families.demo import write_demo_checkpoint
     from triton_vlm.llm import Engine, SamplingParams
 
     device = torch.device(args.device)

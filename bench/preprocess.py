@@ -42,7 +42,7 @@ VIDEO_PIXELS = (128 * 28 * 28, 768 * 28 * 28)
 
 
 def make_checkpoint(out: Path) -> Path:
-    from triton_vlm.checkpoint import write_demo_checkpoint
+    from triton_vlm.families.demo import write_demo_checkpoint
 
     ckpt = write_demo_checkpoint("qwen2_5_vl", out, "tiny")
     path = ckpt / "processor_config.json"

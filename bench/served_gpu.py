@@ -50,7 +50,7 @@ VIDEO_PROMPT = f"<|im_start|>user\n{QWEN2_5_VL.video_placeholder}What happens?<|
 
 
 def write_checkpoint(size: str, out: Path, device: str) -> Path:
-    from triton_vlm.checkpoint import write_demo_checkpoint
+    from triton_vlm.families.demo import write_demo_checkpoint
 
     if size != "7b":
         return write_demo_checkpoint("qwen2_5_vl", out, size)

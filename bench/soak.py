@@ -33,7 +33,7 @@ from pathlib import Path
 import tritonclient.grpc as grpcclient
 
 from triton_vlm import samples
-from triton_vlm.checkpoint import write_demo_checkpoint
+from triton_vlm.families.demo import write_demo_checkpoint
 from triton_vlm.client import RequestError, generate, grpc_inputs, request_values, send_on_stream, stream_error
 from triton_vlm.families import get_family
 from triton_vlm.pipeline import RESTARTED

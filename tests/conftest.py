@@ -12,7 +12,7 @@ from tests import oracle  # noqa: E402
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
-    from triton_vlm.checkpoint import write_demo_checkpoint
+    from triton_vlm.families.demo import write_demo_checkpoint
 
     return write_demo_checkpoint("qwen2_5_vl", tmp_path_factory.mktemp("qwen2_5_vl-tiny"), "tiny")
 

@@ -58,7 +58,7 @@ def media_values(prompt, images, videos, mm_options: dict | None = None) -> dict
 def family_server(family: str, root: Path) -> Iterator[tuple]:
     """(running server, oracle) on a tiny demo checkpoint of `family` built under `root`; the server
     is stopped after."""
-    from triton_vlm.checkpoint import write_demo_checkpoint
+    from triton_vlm.families.demo import write_demo_checkpoint
     from triton_vlm.repository import build_repository
     from triton_vlm.server import TritonServer
 

@@ -20,7 +20,7 @@ from tests.oracle import Oracle
 from tests.test_e2e import assert_served_tokens, served_concurrently, grpc_tokens, infer_direct, media_values
 from tests.test_preprocess_llava import chat, hf_inputs, hf_rows, image, llava_checkpoints  # noqa: F401 (fixture)
 from triton_vlm import samples
-from triton_vlm.families.llava import IMAGE_TOKEN as IMG
+from triton_vlm.families.llava.processor import IMAGE_TOKEN as IMG
 
 NEW_TOKENS = 8
 PROMPTS = {

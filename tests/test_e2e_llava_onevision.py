@@ -15,7 +15,7 @@ import torch
 from tests.oracle import decode_frames
 from tests.test_e2e import assert_served_tokens, family_server, infer_direct, media_values, served_concurrently
 from triton_vlm import samples
-from triton_vlm.families.llava_onevision import IMAGE_TOKEN as IMG, VIDEO_TOKEN as VID
+from triton_vlm.families.llava.onevision import IMAGE_TOKEN as IMG, VIDEO_TOKEN as VID
 
 NEW_TOKENS = 8
 VIDEO = samples.video_bytes(seconds=1.0, fps=5, width=96, height=64)
@@ -59,7 +59,7 @@ def served(tmp_path_factory):
 
 
 def test_preprocess_matches_the_processor(served):
-    from triton_vlm.vision.llava import patch_rows
+    from triton_vlm.families.llava.tower import patch_rows
 
     server, oracle = served
     for prompt, images, videos in PROMPTS.values():

@@ -16,8 +16,8 @@ import torch
 from tests.oracle import Oracle
 from tests.test_e2e import assert_served_tokens, served_concurrently, family_server, infer_direct, media_values
 from tests.test_preprocess_minicpmv import _media, chat, hf_in_prompt_order, image, model_positions, video
-from triton_vlm.families.minicpmv import IMAGE_TOKEN as IMG
-from triton_vlm.families.minicpmv import VIDEO_TOKEN as VID
+from triton_vlm.families.minicpmv.v4_6 import IMAGE_TOKEN as IMG
+from triton_vlm.families.minicpmv.v4_6 import VIDEO_TOKEN as VID
 
 NEW_TOKENS = 8
 SIZES = [(448, 448), (640, 480), (1920, 1080), (4000, 1000), (200, 100)]

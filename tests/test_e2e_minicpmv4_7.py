@@ -14,8 +14,8 @@ import pytest
 from tests.test_e2e import assert_served_tokens, served_concurrently, family_server, infer_direct, media_values
 from tests.test_preprocess_minicpmv import _media, chat, hf_in_prompt_order, image, video
 from tests.test_preprocess_minicpmv4_7 import rope_index
-from triton_vlm.families.minicpmv import IMAGE_TOKEN as IMG
-from triton_vlm.families.minicpmv import VIDEO_TOKEN as VID
+from triton_vlm.families.minicpmv.v4_6 import IMAGE_TOKEN as IMG
+from triton_vlm.families.minicpmv.v4_6 import VIDEO_TOKEN as VID
 
 NEW_TOKENS = 8
 VIDEO = video(2.0, 4, 96, 64)

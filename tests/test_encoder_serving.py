@@ -106,7 +106,7 @@ def batching_server(tiny_repo, tiny_checkpoint, tmp_path_factory):
 
 
 def test_items_of_concurrent_requests_run_in_one_execution_and_split_back(batching_server, hf, tiny_checkpoint):
-    from triton_vlm.vision.qwen2_5_vl import Qwen2_5_VLTower
+    from triton_vlm.families.qwen2_5_vl.tower import Qwen2_5_VLTower
 
     width = Qwen2_5_VLTower.read_vision_config(tiny_checkpoint)["patch_dim"]
     rng = np.random.default_rng(5)

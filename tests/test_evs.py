@@ -212,7 +212,7 @@ def oracle_pruned_tokens(hf, ckpt_config, prompt: str, images, videos, q: float)
     embeds = model.get_input_embeddings()(torch.as_tensor(ids)[None]).clone()
     embeds[0, torch.as_tensor(np.isin(ids, (image_token, video_token)))] = torch.from_numpy(np.concatenate(rows))
     position_ids = torch.as_tensor(positions)[:, None]
-    eos = set(hf.processor.tokenizer.convert_tokens_to_ids(list(QWEN2_5_VL.eos_tokens)))
+    eos = set(hf.processor.tokenizer.convert_tokens_to_ids(list(QWEN2_5_VL.prompt.eos_tokens)))
     tokens = []
     for _ in range(NEW_TOKENS):
         logits = model(inputs_embeds=embeds, position_ids=position_ids).logits[0, -1]
@@ -283,7 +283,7 @@ def test_build_default_reaches_preprocess(tiny_checkpoint, tmp_path):
 
 @pytest.fixture(scope="module")
 def glm_checkpoint(tmp_path_factory):
-    from triton_vlm.checkpoint import write_demo_checkpoint
+    from triton_vlm.families.demo import write_demo_checkpoint
 
     return write_demo_checkpoint("glm4v", tmp_path_factory.mktemp("glm4v"), "tiny")
 

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from triton_vlm.checkpoint import write_demo_checkpoint
+from triton_vlm.families.demo import write_demo_checkpoint
 from triton_vlm.families import FAMILIES, detect_family
 
 
@@ -59,14 +59,15 @@ def test_every_family_detects_its_own_model_type(glm_checkpoints):
 
 def test_the_family_names_its_tower_decoder_and_demo():
     """One registry: each family names its tower class and decoder spec; each has a demo checkpoint."""
-    from triton_vlm.checkpoint import DEMOS
+    from triton_vlm.families.demo import Demo
     from triton_vlm.llm.decoders import DecoderSpec
     from triton_vlm.vision.tower import Tower
 
     for family in FAMILIES.values():
-        specs = [family.decoder_spec(t) for t in family.text_decoders] or [family.decoder_spec()]
+        by_text_model = family.decoder if not isinstance(family.decoder, str) else {"": family.decoder}
+        specs = [family.decoder_spec(t) for t in by_text_model]
         assert issubclass(family.tower_class(), Tower) and all(isinstance(s, DecoderSpec) for s in specs)
-    assert set(DEMOS) == set(FAMILIES)
+        assert isinstance(family.demo_spec(), Demo) and {"tiny", "small"} <= set(family.demo_spec().sizes)
 
 
 def test_unsupported_model_type_names_the_supported_ones(tmp_path):

@@ -188,7 +188,7 @@ def test_a_request_past_a_triton_queue_timeout_is_unavailable(queue_server, tiny
     import tritonclient.http as httpclient
     from tritonclient.utils import InferenceServerException
 
-    from triton_vlm.vision.qwen2_5_vl import Qwen2_5_VLTower
+    from triton_vlm.families.qwen2_5_vl.tower import Qwen2_5_VLTower
 
     client = httpclient.InferenceServerClient(queue_server.http_url)
     try:

@@ -37,7 +37,7 @@ MAX_TOKENS = 16
 @pytest.fixture(scope="module", params=VARIANTS)
 def glm(request, tmp_path_factory):
     """One variant: its checkpoint, the HF oracle, one engine (per-step logits on)."""
-    from triton_vlm.checkpoint import write_demo_checkpoint
+    from triton_vlm.families.demo import write_demo_checkpoint
 
     ckpt = write_demo_checkpoint(request.param, tmp_path_factory.mktemp(f"{request.param}-tiny"), "tiny")
     engine = Engine(ckpt, return_logits=True)

@@ -18,7 +18,7 @@ from tests.oracle import Oracle
 from tests.test_llm import (assert_matches_generate, assert_prefill_logits_match, greedy_in_steps, hf_greedy_with_logits,
                             llm_request)
 from tests.test_preprocess_llava import chat, hf_inputs, image, llava_checkpoints  # noqa: F401 (fixture)
-from triton_vlm.families.llava import IMAGE_TOKEN as IMG
+from triton_vlm.families.llava.processor import IMAGE_TOKEN as IMG
 from triton_vlm.llm import DecoderConfig, Engine
 
 # One checkpoint per decoder (text_config.model_type).

@@ -44,7 +44,7 @@ def perturbed_checkpoint(out, family: str = "minicpmv4_6"):
     perturbed and its other weights scaled (see the module docstring), saved again."""
     from transformers import AutoModelForImageTextToText
 
-    from triton_vlm.checkpoint import write_demo_checkpoint
+    from triton_vlm.families.demo import write_demo_checkpoint
 
     ckpt = write_demo_checkpoint(family, out, "tiny")
     model = AutoModelForImageTextToText.from_pretrained(ckpt)

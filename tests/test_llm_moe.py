@@ -39,7 +39,7 @@ MAX_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
-    from triton_vlm.checkpoint import write_demo_checkpoint
+    from triton_vlm.families.demo import write_demo_checkpoint
 
     return write_demo_checkpoint("glm4v_moe", tmp_path_factory.mktemp("glm4v_moe-tiny"), "tiny")
 
@@ -102,7 +102,7 @@ def test_config_reads_moe_settings(moe):
 
 def test_dense_configs_have_no_moe(tmp_path):
     """A dense family's config reads no MoE settings: all its layers are dense."""
-    from triton_vlm.checkpoint import write_demo_checkpoint
+    from triton_vlm.families.demo import write_demo_checkpoint
 
     c = DecoderConfig.from_checkpoint(write_demo_checkpoint("qwen2_5_vl", tmp_path, "tiny"))
     assert c.moe is None and c.moe_layers == (False,) * c.num_layers

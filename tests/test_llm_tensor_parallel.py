@@ -29,7 +29,7 @@ ATOL = 1e-5
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    from triton_vlm.checkpoint import write_demo_checkpoint
+    from triton_vlm.families.demo import write_demo_checkpoint
 
     root = tmp_path_factory.mktemp("tensor_parallel")
     return {family: write_demo_checkpoint(family, root / family, "tiny")

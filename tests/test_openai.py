@@ -19,7 +19,10 @@ import tritonclient.grpc as grpcclient
 
 from tests.metrics import wait_for
 from triton_vlm import samples
-from triton_vlm.checkpoint import GLM_TEMPLATE, LLAVA_TEMPLATE, MINICPMV_TEMPLATE, QWEN_TEMPLATE
+from triton_vlm.families.glm4v.demo import GLM_TEMPLATE
+from triton_vlm.families.llava.demo import LLAVA_TEMPLATE
+from triton_vlm.families.minicpmv.demo import MINICPMV_TEMPLATE
+from triton_vlm.families.qwen2_5_vl.demo import QWEN_TEMPLATE
 from triton_vlm.chat import load_chat_template, render_chat
 from triton_vlm.client import generate, grpc_inputs, request_values
 from triton_vlm.errors import InvalidInput

@@ -211,7 +211,7 @@ def test_rotation_metadata_as_the_hf_loader(pre, tmp_path):
     """transformers' pyav loader returns frames as stored (it ignores the display matrix); so do we."""
     from transformers.video_utils import load_video
 
-    from triton_vlm.families.qwen2_5_vl import sample_frames
+    from triton_vlm.families.qwen2_5_vl.processor import sample_frames
     from triton_vlm.media import decode_video
 
     data = _encode(_frames(10, 96, 64), 10, rotation=90)
@@ -252,7 +252,7 @@ def test_fps_missing_or_zero_comes_from_timestamps(rates):
 def test_h264_fast_path_equals_full_decode(monkeypatch):
     """The packet-skipping H.264 path keeps exactly the frames decoding everything would."""
     from triton_vlm import media
-    from triton_vlm.families.qwen2_5_vl import sample_frames
+    from triton_vlm.families.qwen2_5_vl.processor import sample_frames
 
     data = _encode(_frames(150, 64, 48), 30)
     for sampler in (partial(sample_frames, fps=2.0), partial(sample_frames, num_frames=6),

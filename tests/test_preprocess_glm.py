@@ -27,7 +27,8 @@ from tests.oracle import Oracle
 from triton_vlm import samples
 from triton_vlm.errors import InvalidInput
 from triton_vlm.families import get_family
-from triton_vlm.families.glm4v import GLM4V, resize_rule, sample_frames_glm4v
+from triton_vlm.families.glm4v import GLM4V
+from triton_vlm.families.glm4v.processor import resize_rule, sample_frames_glm4v
 from triton_vlm.imaging import VisionSettings
 from triton_vlm.limits import Limits
 from triton_vlm.media import VideoMetadata, video_facts
@@ -46,7 +47,7 @@ def chat(content: str) -> str:
 @pytest.fixture(scope="module")
 def glm(tmp_path_factory):
     """variant -> (Preprocessor, Oracle) of its tiny demo checkpoint, built on first use."""
-    from triton_vlm.checkpoint import write_demo_checkpoint
+    from triton_vlm.families.demo import write_demo_checkpoint
 
     built = {}
 
@@ -70,7 +71,7 @@ def image(width: int, height: int, fmt: str = "JPEG") -> bytes:
 
 def bound_sampler(pre: Preprocessor):
     """The frame sampler `pre` uses for a request without options."""
-    return _bind_sampler(pre.family.sample_frames, pre.video_sampling, pre.video_settings)
+    return _bind_sampler(pre.family.processor.sample_frames, pre.video_sampling, pre.video_settings)
 
 
 def even(indices) -> list[int]:
@@ -452,7 +453,7 @@ def test_no_assert_in_request_path():
 
     root = Path(triton_vlm.__file__).parent
     files = [root / name for name in ("preprocess.py", "media.py", "imaging.py", "mrope.py")]
-    files += sorted((root / "families").glob("*.py"))
+    files += sorted((root / "families").rglob("*.py"))
     for path in files:
         tree = ast.parse(path.read_text())
         asserts = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Assert)]
@@ -471,7 +472,7 @@ def test_sizes_default_to_the_processor_classes(variant, tmp_path):
 
     from transformers import AutoImageProcessor, AutoVideoProcessor
 
-    from triton_vlm.checkpoint import write_demo_checkpoint
+    from triton_vlm.families.demo import write_demo_checkpoint
 
     ckpt = write_demo_checkpoint(variant, tmp_path / variant, "tiny")
     config = json.loads((ckpt / "processor_config.json").read_text())

@@ -22,9 +22,9 @@ import pytest
 from tests.oracle import Oracle
 from triton_vlm import samples
 from triton_vlm.errors import InvalidInput
-from triton_vlm.families.llava import IMAGE_TOKEN as IMG
+from triton_vlm.families.llava.processor import IMAGE_TOKEN as IMG
 
-# Demo checkpoint overrides (`triton_vlm.checkpoint.LLAVA_SIZES`, tiny: 112 px images, 14 px patches).
+# Demo checkpoint overrides (`triton_vlm.families.llava.demo.LLAVA_SIZES`, tiny: 112 px images, 14 px patches).
 VARIANTS: dict[str, dict] = {
     "clip-llama": dict(),  # the tiny demo: CLIP, vision_feature_layer -2, "default"
     "clip-qwen2-3layers-full": dict(text_model="qwen2", vision_feature_layer=[0, -3, -1],
@@ -45,7 +45,7 @@ def llava_checkpoint(variant: str, out):
     import torch
     from transformers import AutoModelForImageTextToText
 
-    from triton_vlm.checkpoint import write_demo_checkpoint
+    from triton_vlm.families.demo import write_demo_checkpoint
 
     checkpoint = write_demo_checkpoint("llava", out, "tiny", overrides=VARIANTS[variant])
     model = AutoModelForImageTextToText.from_pretrained(checkpoint)
@@ -80,7 +80,7 @@ def hf_inputs(oracle: Oracle, prompt: str, images: list[bytes]) -> dict:
 
 def hf_rows(oracle: Oracle, inputs: dict) -> tuple[np.ndarray, np.ndarray]:
     """The processor's pixel_values as the contract's rows and grid_thw (no image: none)."""
-    from triton_vlm.vision.llava import patch_rows
+    from triton_vlm.families.llava.tower import patch_rows
 
     p = oracle.processor.patch_size
     if "pixel_values" not in inputs:
@@ -126,7 +126,7 @@ def test_several_images_match_llava_processor(case):
 def test_placeholder_count_is_the_processors(case):
     """Each image's run of `<image>` is the processor's (patches, the class token, the strategy),
     which is also the tower's embedding rows for its grid."""
-    from triton_vlm.vision.llava import LlavaTower
+    from triton_vlm.families.llava.tower import LlavaTower
 
     pre, oracle = case
     prompt, images = chat(IMG + " and " + IMG), [image(640, 480), image(90, 200)]

@@ -22,9 +22,9 @@ import pytest
 from tests.oracle import decode_frames
 from triton_vlm.errors import InvalidInput
 from triton_vlm import samples
-from triton_vlm.checkpoint import grid_pinpoints
-from triton_vlm.families.llava_onevision import IMAGE_TOKEN as IMG, VIDEO_TOKEN as VID
-from triton_vlm.vision.llava import patch_rows
+from triton_vlm.families.llava.demo import grid_pinpoints
+from triton_vlm.families.llava.onevision import IMAGE_TOKEN as IMG, VIDEO_TOKEN as VID
+from triton_vlm.families.llava.tower import patch_rows
 
 CASES = [[(640, 480)], [(60, 300)], [(1920, 1080)], [(70, 70)], [(31, 17)], [(200, 100), (31, 17)],
          [(640, 480), (90, 700), (70, 70)]]
@@ -36,7 +36,7 @@ PATCH = 14
 
 @pytest.fixture(scope="module", params=list(TILES))
 def checkpoint(request, tmp_path_factory):
-    from triton_vlm.checkpoint import write_demo_checkpoint
+    from triton_vlm.families.demo import write_demo_checkpoint
 
     return write_demo_checkpoint("llava_onevision", tmp_path_factory.mktemp("ov"), "tiny", overrides=TILES[request.param])
 

@@ -21,7 +21,7 @@ from tests.oracle import Oracle
 from tests.test_preprocess_minicpmv import IMG, VID, chat, check_against_hf, image, model_positions, video
 from triton_vlm import samples
 from triton_vlm.errors import InvalidInput
-from triton_vlm.families.minicpm_ocr import glyph_resolution
+from triton_vlm.families.minicpmv.ocr import glyph_resolution
 from triton_vlm.preprocess import Preprocessor
 
 
@@ -46,7 +46,7 @@ DOCUMENTS = {
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from triton_vlm.checkpoint import write_demo_checkpoint
+    from triton_vlm.families.demo import write_demo_checkpoint
 
     return write_demo_checkpoint("minicpm_ocr", tmp_path_factory.mktemp("minicpm_ocr-tiny"), "tiny")
 

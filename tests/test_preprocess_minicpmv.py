@@ -23,7 +23,7 @@ import torch
 from tests.oracle import Oracle, decode_frames
 from triton_vlm import samples
 from triton_vlm.errors import InvalidInput
-from triton_vlm.families.minicpmv import IMAGE_TOKEN, VIDEO_TOKEN, sample_frames
+from triton_vlm.families.minicpmv.v4_6 import IMAGE_TOKEN, VIDEO_TOKEN, sample_frames
 from triton_vlm.media import VideoMetadata
 from triton_vlm.preprocess import Preprocessor
 
@@ -37,7 +37,7 @@ def chat(content: str) -> str:
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from triton_vlm.checkpoint import write_demo_checkpoint
+    from triton_vlm.families.demo import write_demo_checkpoint
 
     return write_demo_checkpoint("minicpmv4_6", tmp_path_factory.mktemp("minicpmv4_6-tiny"), "tiny")
 

@@ -114,7 +114,7 @@ def test_the_chosen_frames_are_the_golden_ones_decoded_alike():
     import hashlib
     from functools import partial
 
-    from triton_vlm.families.minicpmv4_5 import sample_frames
+    from triton_vlm.families.minicpmv.v4_5 import sample_frames
     from triton_vlm.media import decode_video
 
     frames, meta = decode_video(video_bytes(), "videos[0]", partial(sample_frames, fps=VIDEO["video"]["choose_fps"]))

@@ -17,7 +17,7 @@ import torch
 
 from tests.oracle import Oracle
 from tests.test_preprocess_minicpmv import IMG, VID, chat, check_against_hf, image, video
-from triton_vlm.canvas_mrope import crop_positions
+from triton_vlm.families.minicpmv.canvas_mrope import crop_positions
 from triton_vlm.preprocess import Preprocessor
 
 SIZES = [(448, 448), (640, 480), (1920, 1080), (4000, 1000), (200, 100)]
@@ -36,7 +36,7 @@ PROMPTS = {
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from triton_vlm.checkpoint import write_demo_checkpoint
+    from triton_vlm.families.demo import write_demo_checkpoint
 
     return write_demo_checkpoint("minicpmv4_7", tmp_path_factory.mktemp("minicpmv4_7-tiny"), "tiny")
 
@@ -185,8 +185,8 @@ def test_canvas_positions_equal_get_rope_index_on_random_layouts(mc, mode):
     """Prompts the processor would rarely give (items against each other, one-slice rows, frames
     without slices among sliced ones, crops of any size): `canvas_positions` equals the model's
     `get_rope_index` position for position, and the delta."""
-    from triton_vlm.canvas_mrope import canvas_positions
-    from triton_vlm.families.minicpmv4_7 import markers
+    from triton_vlm.families.minicpmv.canvas_mrope import canvas_positions
+    from triton_vlm.families.minicpmv.v4_7 import markers
 
     _, hf = mc
     config = hf.model.config

@@ -17,7 +17,7 @@ import torch
 from tests.encoder_checks import check_engine_graphs, check_profile_covers, rel_err
 from triton_vlm.errors import InvalidInput
 from triton_vlm.vision import get_tower
-from triton_vlm.vision.qwen2_5_vl import Qwen2_5_VLTower as q
+from triton_vlm.families.qwen2_5_vl.tower import Qwen2_5_VLTower as q
 
 GRIDS = {
     "640x480": [[1, 34, 46]],  # partial windows on both axes

@@ -63,7 +63,7 @@ def test_float32_graph_has_fused_attention_under_if_float16_does_not(exported):
                                   "two sizes (padded frames)"])
 def test_fused_and_unfused_match_the_torch_tower(exported, tiny_checkpoint, case):
     from triton_vlm.vision import attention_groups
-    from triton_vlm.vision.qwen2_5_vl import Qwen2_5_VLTower as q
+    from triton_vlm.families.qwen2_5_vl.tower import Qwen2_5_VLTower as q
 
     settings = q.read_vision_config(tiny_checkpoint)
     grid = np.array(_grids(settings)[case], dtype=np.int64)

@@ -25,8 +25,8 @@ from tests.encoder_checks import (check_engine_graphs, check_profile_covers, che
                                   encoder_models, rel_err)
 from tests.oracle import EncoderOracle
 from triton_vlm.vision import get_tower
-from triton_vlm.vision.glm4v import Glm4vTower as g
-from triton_vlm.vision.glm4v import GlmOcrTower
+from triton_vlm.families.glm4v.tower import Glm4vTower as g
+from triton_vlm.families.glm4v.tower import GlmOcrTower
 
 # Image sizes (width, height) -> the tiny processor's grids: 22x22 (merged 11x11: odd, larger than
 # the 8x8 embedding grid), 18x28, 6x6 (smaller than it), 22x14, 72x6.
@@ -55,7 +55,7 @@ def _randomise_weights(checkpoint) -> None:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    from triton_vlm.checkpoint import write_demo_checkpoint
+    from triton_vlm.families.demo import write_demo_checkpoint
 
     root = tmp_path_factory.mktemp("glm_vision")
     out = {v: write_demo_checkpoint(v, root / v, "tiny") for v in ("glm4v", "glm46v", "glmga", "glm_ocr", "glm4v_moe")}

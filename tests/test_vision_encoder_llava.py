@@ -21,7 +21,7 @@ from tests.oracle import Oracle
 from tests.test_preprocess_llava import VARIANTS, hf_rows, llava_checkpoints  # noqa: F401 (fixture)
 from triton_vlm import samples
 from triton_vlm.errors import InvalidInput
-from triton_vlm.vision.llava import LlavaTower
+from triton_vlm.families.llava.tower import LlavaTower
 
 SIZES = [(640, 480), (200, 100), (112, 112), (60, 300), (1920, 1080)]
 

@@ -20,7 +20,7 @@ from tests.oracle import decode_frames
 from tests.test_preprocess_llava_onevision import CASES, checkpoint, image, preprocessor, processor  # noqa: F401
 from triton_vlm import samples
 from triton_vlm.errors import InvalidInput
-from triton_vlm.families.llava_onevision import IMAGE_TOKEN as IMG, VIDEO_TOKEN as VID
+from triton_vlm.families.llava.onevision import IMAGE_TOKEN as IMG, VIDEO_TOKEN as VID
 
 VIDEO = dict(seconds=1.0, fps=5, width=96, height=64)
 
@@ -62,7 +62,7 @@ def all_cases(processor, preprocessor, model):
 
 
 def test_rows_per_item_equal_the_placeholders(all_cases, checkpoint, preprocessor):
-    from triton_vlm.vision.llava_onevision import LlavaOnevisionTower
+    from triton_vlm.families.llava.onevision_tower import LlavaOnevisionTower
 
     settings = LlavaOnevisionTower.read_vision_config(checkpoint)
     for name, out, ref in all_cases:
@@ -105,7 +105,7 @@ def test_image_sizes_checked(all_cases, checkpoint):
 
 def test_tensorrt_profile_bounds_every_case(all_cases, checkpoint):
     """The engine profile's gather rows (`profile_shapes`) hold every case's at its patch count."""
-    from triton_vlm.vision.llava_onevision import LlavaOnevisionTower
+    from triton_vlm.families.llava.onevision_tower import LlavaOnevisionTower
 
     settings = LlavaOnevisionTower.read_vision_config(checkpoint)
     for name, out, ref in all_cases:

@@ -27,8 +27,8 @@ from tests.encoder_checks import (check_engine_graphs, check_profile_covers, che
 from tests.oracle import EncoderOracle
 from triton_vlm.errors import InvalidInput
 from triton_vlm.vision import get_tower
-from triton_vlm.vision import minicpmv as mc
-from triton_vlm.vision.minicpmv import MiniCPMV4_6Tower as MC
+from triton_vlm.families.minicpmv import tower_v4_6 as mc
+from triton_vlm.families.minicpmv.tower_v4_6 import MiniCPMV4_6Tower as MC
 
 # Image sizes (width, height); the tiny processor slices them into 8x8, 8x12 / 12x8, 4x16 and
 # 4x12 patch grids (the overview image first).
@@ -64,7 +64,7 @@ def checkpoint(tmp_path_factory):
     """The tiny demo checkpoint with noise added to every 1-D vision / merger parameter."""
     from transformers import AutoModelForImageTextToText
 
-    from triton_vlm.checkpoint import write_demo_checkpoint
+    from triton_vlm.families.demo import write_demo_checkpoint
 
     path = write_demo_checkpoint("minicpmv4_6", tmp_path_factory.mktemp("minicpmv_vision") / "ckpt", "tiny")
     model = AutoModelForImageTextToText.from_pretrained(path).eval()

@@ -1,4 +1,4 @@
-"""MiniCPM-V 4.7's vision tower (4.6's, `triton_vlm.vision.minicpmv`) in both `downsample_mode`s,
+"""MiniCPM-V 4.7's vision tower (4.6's, `triton_vlm.families.minicpmv.tower_v4_6`) in both `downsample_mode`s,
 and MiniCPM-OCR's (the same, "4x" by default), against transformers: the torch tower
 (`TorchEncoder`, the `torch` back end) within 1e-5 and the ONNX export through ONNX Runtime within
 1e-4 of `get_image_features` / `get_video_features`.
@@ -22,8 +22,8 @@ import torch
 from tests.encoder_checks import check_profile_covers, check_unfused_matches, rel_err
 from tests.test_vision_encoder_minicpmv import CASES, Oracle
 from triton_vlm.vision import get_tower
-from triton_vlm.vision.minicpmv import MiniCPMOcrTower
-from triton_vlm.vision.minicpmv import MiniCPMV4_6Tower as MC
+from triton_vlm.families.minicpmv.tower_v4_6 import MiniCPMOcrTower
+from triton_vlm.families.minicpmv.tower_v4_6 import MiniCPMV4_6Tower as MC
 
 MODES = {"16x": 4, "4x": 2}  # downsample_mode -> patches per token side
 TOWERS = {("minicpmv4_7", "16x"): MC, ("minicpmv4_7", "4x"): MC, ("minicpm_ocr", "4x"): MiniCPMOcrTower}
@@ -43,7 +43,7 @@ def mode(variant) -> str:
 def checkpoint(variant, tmp_path_factory):
     from transformers import AutoModelForImageTextToText
 
-    from triton_vlm.checkpoint import write_demo_checkpoint
+    from triton_vlm.families.demo import write_demo_checkpoint
 
     family, mode = variant
     path = write_demo_checkpoint(family, tmp_path_factory.mktemp(f"{family}_{mode}") / "ckpt", "tiny",

@@ -14,7 +14,7 @@ FAMILIES = ("qwen2_5_vl", "glm4v", "glm_ocr", "glm4v_moe", "minicpmv4_6")
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def checkpoint(request, tmp_path_factory):
-    from triton_vlm.checkpoint import write_demo_checkpoint
+    from triton_vlm.families.demo import write_demo_checkpoint
 
     return write_demo_checkpoint(request.param, tmp_path_factory.mktemp(request.param), "tiny")
 
@@ -50,7 +50,7 @@ def rms_err(out, ref) -> float:
 def bfloat16_checkpoint(family: str, out, depth: int):
     """A tiny demo checkpoint stored in bfloat16, as real ones are (the float32 reference and the
     bfloat16 towers then share their weights), its tower `depth` blocks deep."""
-    from triton_vlm.checkpoint import write_demo_checkpoint
+    from triton_vlm.families.demo import write_demo_checkpoint
 
     return write_demo_checkpoint(family, out, "tiny", overrides={"dtype": "bfloat16", "vision": {"depth": depth}})
 

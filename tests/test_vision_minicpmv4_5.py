@@ -1,4 +1,4 @@
-"""MiniCPM-V 4.5's vision tower (`triton_vlm.vision.minicpmv4_5`) against the official golden
+"""MiniCPM-V 4.5's vision tower (`triton_vlm.families.minicpmv.tower_v4_5`) against the official golden
 values, from our preprocess of the golden media: NaViT position ids exact, the first slice's `vpm`
 hidden state and every slice's resampler rows (`vision_embeds`) within 1e-4, in torch, through the
 torch encoder and through the ONNX export in ONNX Runtime; a video's packed frames with their
@@ -11,7 +11,7 @@ import torch
 
 from tests.minicpmv4_5_golden import CASES, GOLDEN, IMAGE_CASES
 from triton_vlm.preprocess import Preprocessor
-from triton_vlm.vision.minicpmv4_5 import MiniCPMV4_5Tower, metadata, navit_position_ids
+from triton_vlm.families.minicpmv.tower_v4_5 import MiniCPMV4_5Tower, metadata, navit_position_ids
 
 MEDIA_CASES = [case for case in IMAGE_CASES if CASES[case]["media"]]
 ATOL = 1e-4
@@ -117,7 +117,7 @@ def test_the_encoders_resample_a_served_videos_groups_as_the_official(onnx_encod
 def test_temporal_ids_are_the_official_nearest_points():
     """`temporal_ids` (no grid materialised) against the official `map_to_nearest_scale` over
     `np.arange(0, duration, TIME_SCALE)`, ties included (frame times on the grid's midpoints)."""
-    from triton_vlm.families.minicpmv4_5 import TIME_SCALE, temporal_ids
+    from triton_vlm.families.minicpmv.v4_5 import TIME_SCALE, temporal_ids
 
     rng = np.random.default_rng(0)
     for fps in (10.0, 20.0, 29.97, 30.0, 7.5, 0.5):
@@ -130,7 +130,7 @@ def test_temporal_ids_are_the_official_nearest_points():
 
 
 def test_frames_are_chosen_and_packed_as_the_official_chat_with_video():
-    from triton_vlm.families.minicpmv4_5 import choose_frames
+    from triton_vlm.families.minicpmv.v4_5 import choose_frames
 
     video = CASES["d_video"]["video"]
     indices, groups = choose_frames(video["decoded_num_frames"], video["decoded_fps"], video["choose_fps"],

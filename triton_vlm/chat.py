@@ -42,9 +42,9 @@ def render_chat(template: str, family: Family, messages: list[dict]) -> str:
     generation prompt; InvalidInput unless it holds one placeholder per media part, in order."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    conversation = [_as_text(m, family) for m in messages] if family.chat_content_as_text else messages
+    conversation = [_as_text(m, family) for m in messages] if family.prompt.chat_content_as_text else messages
     prompts, _ = render_jinja_template(conversations=[conversation], chat_template=template, add_generation_prompt=True,
-                                       **family.chat_template_kwargs)
+                                       **family.prompt.chat_template_kwargs)
     prompt = prompts[0]
     asked = [part["type"] for m in messages if not isinstance(m["content"], str)
              for part in m["content"] if part["type"] in MEDIA_TYPES]

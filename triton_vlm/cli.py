@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 
 def _demo_checkpoint(args) -> int:
-    from triton_vlm.checkpoint import write_demo_checkpoint
+    from triton_vlm.families.demo import write_demo_checkpoint
 
     out = write_demo_checkpoint(args.family, args.out, args.size, seed=args.seed)
     print(f"wrote {args.family} ({args.size}) checkpoint to {out}")

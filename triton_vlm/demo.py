@@ -7,7 +7,7 @@ from pathlib import Path
 
 from triton_vlm import samples
 from triton_vlm.chat import load_chat_template, user_prompt
-from triton_vlm.checkpoint import write_demo_checkpoint
+from triton_vlm.families.demo import write_demo_checkpoint
 from triton_vlm.client import generate
 from triton_vlm.families import get_family
 from triton_vlm.repository import build_repository
@@ -29,7 +29,7 @@ def run_demo(workdir: Path, size: str = "small", family_name: str = "qwen2_5_vl"
     started = time.perf_counter()
     with TritonServer(repo, log_file=workdir / "tritonserver.log") as server:
         step(f"ready in {time.perf_counter() - started:.1f} s (gRPC {server.grpc_url}, HTTP {server.http_url})")
-        videos = [samples.video_bytes(2.0)] if family.takes_videos else []
+        videos = [samples.video_bytes(2.0)] if family.processor.takes_videos else []
         prompt = user_prompt(load_chat_template(checkpoint), family, QUESTION, images=1, videos=len(videos))
         step(f"one 640x480 JPEG{' + a 2 s 160x120 H.264 video' * len(videos)} + text, streamed over gRPC:")
         result = generate(server.grpc_url, prompt, [samples.image_bytes(640, 480)], videos,

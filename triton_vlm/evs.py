@@ -9,12 +9,7 @@ many placeholders before the encoder runs; which tokens stay is known only after
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
 import numpy as np
-
-if TYPE_CHECKING:
-    from triton_vlm.families.base import Family
 
 
 def check_rate(q: float, name: str) -> float:
@@ -22,15 +17,6 @@ def check_rate(q: float, name: str) -> float:
     if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0.0 <= q < 1.0:
         raise ValueError(f"{name} must be a number in [0, 1), got {q!r}")
     return float(q)
-
-
-def check_pruning(family: Family, rate: Any, name: str) -> float:
-    """A video pruning rate for `family` (ValueError naming `name` unless in [0, 1) and, when
-    above 0, the family prunes videos)."""
-    rate = check_rate(rate, name)
-    if rate > 0 and not family.video_pruning:
-        raise ValueError(f"{name} does not apply: {family.name} has no video pruning (Qwen2.5-VL only)")
-    return rate
 
 
 def retained_tokens(grid_t: int, tokens_per_frame: int, q: float) -> int:

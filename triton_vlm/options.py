@@ -109,7 +109,7 @@ class EncoderOptions(ModelParams):
     packed_frames: bool = False  # grid rows are packed frame groups, taken whole (`Tower.PACKED_FRAMES`)
     extra_rows: int = 0  # embedding rows per frame beyond one per merge^2 patches (LLaVA; `batching.embedding_rows`)
     # The tower takes each grid row's image size (`Tower.IMAGE_SIZES`), and its settings (JSON) count
-    # the rows (`triton_vlm.vision.anyres.embedding_rows`); "": neither.
+    # the rows (`triton_vlm.families.llava.anyres.embedding_rows`); "": neither.
     anyres_settings: str = ""
 
 

@@ -25,7 +25,6 @@ from typing import Any
 import numpy as np
 
 from triton_vlm.errors import InvalidInput
-from triton_vlm.evs import check_pruning
 from triton_vlm.families import detect_family
 from triton_vlm.families.base import Family, MediaLayout
 from triton_vlm.imaging import FrameLayout, View, VisionSettings, target_size
@@ -157,31 +156,31 @@ class Preprocessor:
         self.config: dict = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
         self.limits = limits
         self.options = options
-        check_pruning(self.family, options.video_pruning_rate, "video_pruning_rate")
+        self.family.pruning_rate(options.video_pruning_rate, "video_pruning_rate")
         self.tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
 
         image_section, video_section = load_processor_sections(checkpoint)
-        defaults = self.family.vision_defaults
-        self.image_settings = _settings(image_section, self.family.image_size_default, defaults)
+        defaults = self.family.processor.vision_defaults
+        self.image_settings = _settings(image_section, self.family.processor.image_size_default, defaults)
         # The processor numbers videos by its image processor's `use_image_id` too.
-        self.video_settings = dataclasses.replace(_settings(video_section, self.family.video_size_default, defaults),
+        self.video_settings = dataclasses.replace(_settings(video_section, self.family.processor.video_size_default, defaults),
                                                   **{"use_image_id": self.image_settings.use_image_id,
-                                                     **self.family.video_settings})
+                                                     **self.family.processor.video_settings})
         if self.image_settings.row_size != self.video_settings.row_size:
             raise ValueError(f"{checkpoint}: image and video patches differ in size")
         fps = video_section.get("fps") or None
         self.video_sampling = VideoSampling(
-            fps=float(fps) if fps else (None if video_section.get("num_frames") else self.family.default_video_fps),
+            fps=float(fps) if fps else (None if video_section.get("num_frames") else self.family.processor.default_video_fps),
             num_frames=None if fps else video_section.get("num_frames"),
             min_frames=int(video_section.get("min_frames") or 4),
             max_frames=int(video_section.get("max_frames") or 768),
             cap_pixels_per_frame=bool(video_section.get("cap_pixels_per_frame")),
             max_video_tokens=int(video_section.get("max_video_tokens") or 128000),
-            extra=tuple((key, video_section[key]) for key in self.family.video_sampler_keys
+            extra=tuple((key, video_section[key]) for key in self.family.processor.video_sampler_keys
                         if video_section.get(key) is not None))
 
-        named = self.family.named_special_tokens
-        if self.family.placeholders_in_text:  # marks no tokenizer gives, where the text has a placeholder
+        named = self.family.prompt.named_special_tokens
+        if self.family.prompt.placeholders_in_text:  # marks no tokenizer gives, where the text has a placeholder
             self.image_token_id, self.video_token_id = IMAGE_MARK, VIDEO_MARK
             self._placeholder_pattern = re.compile(
                 "(" + "|".join(map(re.escape, (self.family.image_placeholder, self.family.video_placeholder))) + ")")
@@ -189,13 +188,13 @@ class Preprocessor:
             self.image_token_id = self._token_id("image_token_id", named["image_token"])
             # A family that takes no videos may have no video token (LLaVA's tokenizers have none).
             self.video_token_id = (self._token_id("video_token_id", named["video_token"])
-                                   if self.family.takes_videos else VIDEO_MARK)
+                                   if self.family.processor.takes_videos else VIDEO_MARK)
 
     def warmup(self) -> None:
         """One small image and video through every stage, so no request pays for lazy imports."""
         from triton_vlm import samples
 
-        video = self.family.takes_videos
+        video = self.family.processor.takes_videos
         self(self.family.image_placeholder + self.family.video_placeholder * video, [samples.image_bytes(64, 64)],
              [samples.video_bytes(seconds=1.0, fps=4, width=64, height=64)] * video)
 
@@ -214,9 +213,9 @@ class Preprocessor:
                  mm_options: dict | str | bytes | None = None) -> PreprocessOutput:
         images, videos = list(images or []), list(videos or [])
         options = self._options(parse_mm_options(mm_options))
-        if len(images) > 1 and self.family.several_images_settings:
+        if len(images) > 1 and self.family.processor.several_images_settings:
             options = dataclasses.replace(
-                options, image=dataclasses.replace(options.image, **self.family.several_images_settings))
+                options, image=dataclasses.replace(options.image, **self.family.processor.several_images_settings))
         ids = self._prompt_ids(_text_input(text), len(images), len(videos))
         items = self._items(ids, self._item_bytes(images, videos))
         items = _map(lambda item: self._plan(item, options), items)
@@ -234,7 +233,7 @@ class Preprocessor:
         rate = self.options.video_pruning_rate
         if "video_pruning_rate" in opts:
             try:
-                rate = check_pruning(self.family, opts.pop("video_pruning_rate"), "mm_options: video_pruning_rate")
+                rate = self.family.pruning_rate(opts.pop("video_pruning_rate"), "mm_options: video_pruning_rate")
             except ValueError as error:
                 raise InvalidInput(str(error)) from None
         for key, value in opts.items():
@@ -248,10 +247,10 @@ class Preprocessor:
         if "fps" in opts and "num_frames" in opts:
             raise InvalidInput("mm_options: fps and num_frames are mutually exclusive")
         sampled = [k for k in ("fps", "num_frames", "max_frames") if k in opts]
-        if sampled and self.family.sample_frames is None and self.family.takes_videos:
+        if sampled and self.family.processor.sample_frames is None and self.family.processor.takes_videos:
             raise InvalidInput(f"mm_options: {', '.join(sampled)} does not apply: {self.family.name} takes every "
                                "frame of a video (its video processor samples none)")
-        if "force_packing" in opts and self.family.pack_frames is None:
+        if "force_packing" in opts and self.family.processor.pack_frames is None:
             raise InvalidInput(f"mm_options: force_packing does not apply: {self.family.name} does not pack video frames")
         limits = self.limits
         for key in ("min_pixels", "max_pixels"):
@@ -262,7 +261,7 @@ class Preprocessor:
                 raise InvalidInput(f"mm_options: {key}={opts[key]} exceeds max_frames={limits.max_video_frames}")
 
         sizes = {k: opts[k] for k in ("min_pixels", "max_pixels") if k in opts}
-        sized_by = self.family.sized_by or (self.family.slice_rule is not None
+        sized_by = self.family.processor.sized_by or (self.family.processor.slice_rule is not None
                                             and "the checkpoint's scale_resolution and max_slice_nums")
         if sizes and sized_by:
             raise InvalidInput(f"mm_options: {', '.join(sizes)} does not apply: {self.family.name} sizes images "
@@ -285,7 +284,7 @@ class Preprocessor:
         return RequestOptions(image, video, sampling, rate)
 
     def _encode(self, text: str) -> np.ndarray:
-        if not self.family.placeholders_in_text:
+        if not self.family.prompt.placeholders_in_text:
             return np.asarray(self.tokenizer.encode(text).ids, dtype=np.int32)
         marks = {self.family.image_placeholder: IMAGE_MARK, self.family.video_placeholder: VIDEO_MARK}
         pieces = self._placeholder_pattern.split(text)  # text, placeholder, text, ...
@@ -301,7 +300,7 @@ class Preprocessor:
 
     def _prompt_ids(self, text: str, n_images: int, n_videos: int) -> np.ndarray:
         """The prompt's ids, one placeholder per item (put before the text if it holds none)."""
-        if n_videos and not self.family.takes_videos:
+        if n_videos and not self.family.processor.takes_videos:
             raise InvalidInput(f"videos: this model ({self.family.name}) takes no videos in this version of triton-vlm")
         if n_images + n_videos > self.limits.max_media_items:
             raise InvalidInput(f"images, videos: {n_images + n_videos} media items exceed "
@@ -350,11 +349,11 @@ class Preprocessor:
 
     def _layout(self, height: int, width: int, settings: VisionSettings, name: str, num_frames: int) -> FrameLayout:
         """The family's views of an item's frames: its `slice_rule`, else one `resize_rule` size."""
-        if self.family.slice_rule is not None:
-            views = self.family.slice_rule(height, width, settings, name)
-            packing = (num_frames * sum(v.rows * v.cols for v in views),) if self.family.pack_views else ()
+        if self.family.processor.slice_rule is not None:
+            views = self.family.processor.slice_rule(height, width, settings, name)
+            packing = (num_frames * sum(v.rows * v.cols for v in views),) if self.family.processor.pack_views else ()
             return FrameLayout(views, per_frame=True, packing=packing)
-        size = target_size(height, width, settings, name, num_frames, self.family.resize_rule)
+        size = target_size(height, width, settings, name, num_frames, self.family.processor.resize_rule)
         return FrameLayout((View(size, crop=settings.center_crop),))
 
     def _plan(self, item: _Item, options: RequestOptions) -> _Item:
@@ -374,8 +373,8 @@ class Preprocessor:
 
         probed = probe_image(item.data, item.name, self.limits) or pixels().shape[1:3]
         layout = self._layout(probed[0], probed[1], settings, item.name, 1)
-        if self.family.refine_layout is not None:
-            layout = self.family.refine_layout(layout, settings, lambda: pixels()[0], item.name)
+        if self.family.processor.refine_layout is not None:
+            layout = self.family.processor.refine_layout(layout, settings, lambda: pixels()[0], item.name)
         return dataclasses.replace(item, settings=settings, layout=layout, probed=tuple(probed),
                                    frames=layout.resize(decoded[0], settings) if decoded else None)
 
@@ -392,16 +391,16 @@ class Preprocessor:
 
     def _plan_video(self, item: _Item, options: RequestOptions) -> _Item:
         name, sampling = item.name, options.sampling
-        sampler = _bind_sampler(self.family.sample_frames, sampling, options.video)
+        sampler = _bind_sampler(self.family.processor.sample_frames, sampling, options.video)
         chosen: dict[str, Any] = {}  # settings, layout and temporal ids, once the frames are sampled
 
         def layout(meta) -> FrameLayout:
             n = len(meta.frames_indices)
             settings = _frame_settings(options.video, sampling, n)
             frame_layout, temporal_ids = self._layout(meta.height, meta.width, settings, name, n), None
-            if self.family.pack_frames is not None:
+            if self.family.processor.pack_frames is not None:
                 try:
-                    temporal_ids = self.family.pack_frames(meta, fps=sampling.fps, force_packing=sampling.force_packing)
+                    temporal_ids = self.family.processor.pack_frames(meta, fps=sampling.fps, force_packing=sampling.force_packing)
                 except InvalidInput as error:
                     raise InvalidInput(f"{name}: {error}") from None
                 frame_layout = dataclasses.replace(frame_layout, packing=tuple(len(g) for g in temporal_ids))
@@ -417,7 +416,7 @@ class Preprocessor:
             frames, meta = video_file.decode(
                 sampler, lambda meta: (layout(meta).stored, lambda f: chosen["layout"].resize(f, chosen["settings"])))
         second_per_grid_ts = chosen["settings"].temporal_patch_size / meta.sampled_fps
-        t_factor = self.family.video_t_factor(self.config, second_per_grid_ts) if self.family.video_t_factor else 1.0
+        t_factor = self.family.processor.video_t_factor(self.config, second_per_grid_ts) if self.family.processor.video_t_factor else 1.0
         return dataclasses.replace(item, **chosen, video_file=video_file, planned=planned, frames=frames,
                                    num_frames=len(meta.frames_indices), t_factor=t_factor, timestamps=meta.timestamps)
 
@@ -432,7 +431,7 @@ class Preprocessor:
                                 grids=item.grids, views=item.layout.views, num_frames=item.num_frames,
                                 settings=item.settings, timestamps=item.timestamps, t_factor=item.t_factor,
                                 pruning_rate=rate if item.video else 0.0, source=item.probed)
-            expansions.append(self.family.expand_media(media, self._vocab_id, self._encode_pieces))
+            expansions.append(self.family.processor.expand_media(media, self._vocab_id, self._encode_pieces))
         n_tokens = int(ids.shape[0]) - len(items) + sum(int(e.shape[0]) for e, _ in expansions)
         if n_tokens > self.limits.max_prompt_tokens:
             raise InvalidInput(f"text_input: prompt is {n_tokens} tokens after expanding media, exceeds "
@@ -462,11 +461,11 @@ class Preprocessor:
         input_ids = np.concatenate(pieces).astype(np.int32, copy=False)
         grids = np.array([g for item in items for g in item.grids], dtype=np.int64).reshape(-1, 3)
         temporal_ids = np.concatenate([_frame_temporal_ids(item) for item in items] + [np.zeros(0, np.int64)])
-        image_sizes = np.array([(item.probed if self.family.image_sizes and item.probed else (0, 0))
+        image_sizes = np.array([(item.probed if self.family.processor.image_sizes and item.probed else (0, 0))
                                 for item in items for _ in item.grids], dtype=np.int64).reshape(-1, 2)
-        if self.family.prompt_positions is not None:
+        if self.family.processor.prompt_positions is not None:
             kinds = np.select([input_ids == self.image_token_id, input_ids == self.video_token_id], [1, 2], 0)
-            positions, delta = self.family.prompt_positions(input_ids, kinds, grids, self.config)
+            positions, delta = self.family.processor.prompt_positions(input_ids, kinds, grids, self.config)
             media = np.zeros((3, 0), np.int64)
         elif rate > 0:
             positions, delta, media = pruned_mrope_positions(input_ids.shape[0], spans)

@@ -17,7 +17,6 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from triton_vlm.chat import load_chat_template
-from triton_vlm.evs import check_pruning
 from triton_vlm.families import detect_family
 from triton_vlm.families.base import Family
 from triton_vlm.limits import DEFAULT_LIMITS, Limits
@@ -473,7 +472,7 @@ def build_repository(checkpoint: str | Path, repo: str | Path, options: BuildOpt
     checkpoint_config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
     if options.device not in ("cpu", "gpu"):
         raise ValueError(f"--device {options.device}: expected cpu or gpu")
-    check_pruning(family, options.video_pruning_rate, "--video-pruning-rate")
+    family.pruning_rate(options.video_pruning_rate, "--video-pruning-rate")
     check_tensor_parallel(checkpoint, options.tensor_parallel)
     configs = model_configs(family, checkpoint_config, options, load_chat_template(checkpoint))
     check_pipeline(configs)

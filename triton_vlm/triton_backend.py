@@ -210,7 +210,7 @@ class VisionEncoderModel:
 
     def _handle(self, request) -> list:
         from triton_vlm.evs import check_rate, prune
-        from triton_vlm.vision import anyres
+        from triton_vlm.families.llava import anyres
         from triton_vlm.vision.batching import embedding_rows, encode_in_shares, patch_image_sizes, patch_temporal_ids
         from triton_vlm.vision.encoder import validate_image_sizes, validate_inputs, validate_temporal_ids
 

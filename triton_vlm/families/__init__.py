@@ -1,26 +1,22 @@
-"""Model families: each module holds one family's rules as data plus small functions.
-
-`detect_family` reads a checkpoint's own config (never a user-supplied name) and returns the
-family that serves it.
+"""The family registry: one line per family folder (`triton_vlm.families.<name>`: its processor
+rules, vision tower, decoder spec and demo checkpoint; `base.Family` is what the shared mechanisms
+see of one). `detect_family` reads a checkpoint's own config (never a user-supplied name) and
+returns the family that serves it.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from triton_vlm.families import glm4v, llava, minicpmv, qwen2_5_vl
 from triton_vlm.families.base import Family
-from triton_vlm.families.glm4v import GLM4V, GLM4V_MOE, GLM46V, GLM_OCR, GLMGA
-from triton_vlm.families.llava import LLAVA
-from triton_vlm.families.llava_onevision import LLAVA_ONEVISION
-from triton_vlm.families.minicpm_ocr import MINICPM_OCR
-from triton_vlm.families.minicpmv import MINICPMV4_6
-from triton_vlm.families.minicpmv4_5 import MINICPMV4_5
-from triton_vlm.families.minicpmv4_7 import MINICPMV4_7
-from triton_vlm.families.qwen2_5_vl import QWEN2_5_VL
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (QWEN2_5_VL, GLM4V, GLM46V, GLMGA, GLM_OCR, GLM4V_MOE,
-                                                    MINICPMV4_6, MINICPMV4_5, MINICPMV4_7, MINICPM_OCR, LLAVA,
-                                                    LLAVA_ONEVISION)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    *qwen2_5_vl.FAMILIES,
+    *glm4v.FAMILIES,
+    *minicpmv.FAMILIES,
+    *llava.FAMILIES,
+)}
 
 
 def get_family(name: str) -> Family:

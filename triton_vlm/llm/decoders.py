@@ -1,12 +1,10 @@
-"""The families' decoders as data: a `DecoderSpec` per decoder (its layer classes, rotary pairing,
-placeholder and stop tokens), which each `Family` names (`Family.decoder`). No branches in the model."""
+"""`DecoderSpec`: a decoder as data (its layer classes, rotary pairing, placeholder and stop
+tokens). Each family folder's `decoder.py` holds its specs, which its `Family` names
+(`Family.decoder`); the model takes them as they are, with no branch on a family."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from triton_vlm.llm.layers import (Glm4Layer, Glm4MoeLayer, GlmOcrLayer, LlamaLayer, Qwen2Layer, Qwen3Layer,
-                                   Qwen35AttentionLayer, Qwen35LinearLayer)
-from triton_vlm.llm.rotary import HalfPairs, InterleavedPairs
 
 
 @dataclass(frozen=True)
@@ -37,23 +35,3 @@ class DecoderSpec:
         if layer_type == "linear_attention":
             return self.linear_layer
         return self.moe_layer if moe else self.layer
-
-
-# The families' decoders; each `Family` names its own (`Family.decoder`). No branches in the model.
-QWEN2 = DecoderSpec(Qwen2Layer, HalfPairs, ("image_token_id", "video_token_id"))
-# GLM's processor writes every video frame as image tokens; transformers replaces image_token_id only.
-GLM4 = DecoderSpec(Glm4Layer, InterleavedPairs, ("image_token_id",))
-GLM_OCR = DecoderSpec(GlmOcrLayer, InterleavedPairs, ("image_token_id",))
-# GLM-4.5V: dense layers before `first_k_dense_replace`, MoE layers after; rotate-half partial rotary.
-GLM4V_MOE = DecoderSpec(Qwen2Layer, HalfPairs, ("image_token_id",), moe_layer=Glm4MoeLayer)
-QWEN3_5 = DecoderSpec(Qwen35AttentionLayer, HalfPairs, ("image_token_id", "video_token_id"), Qwen35LinearLayer)
-# MiniCPM-V 4.5's Qwen3: its image rows replace `<unk>` runs (the processor's `image_bound`).
-QWEN3 = DecoderSpec(Qwen3Layer, HalfPairs, (), placeholder_tokens=("<unk>",),
-                    eos_tokens=("<|im_end|>", "<|endoftext|>"), mrope=False)
-# LLaVA's language models (by `text_config.model_type`): 1-D RoPE (the positions are plain 0..S-1,
-# given as three equal `mrope_position_ids` rows), image rows replacing `image_token_index`.
-LLAVA_LLAMA = DecoderSpec(LlamaLayer, HalfPairs, ("image_token_index",), mrope=False,
-                          refused_flags=("attention_bias", "mlp_bias"))
-LLAVA_QWEN2 = DecoderSpec(Qwen2Layer, HalfPairs, ("image_token_index",), mrope=False)
-# LLaVA-OneVision's Qwen2: its rows replace both the image and the video placeholders.
-LLAVA_ONEVISION_QWEN2 = DecoderSpec(Qwen2Layer, HalfPairs, ("image_token_index", "video_token_index"), mrope=False)

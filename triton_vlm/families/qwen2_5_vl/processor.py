@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import math
 
-from triton_vlm.families.base import Family, patch_encoder_dims
-
 IMAGE_PAD, VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
 VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
 
@@ -44,20 +42,3 @@ def video_t_factor(config: dict, second_per_grid_ts: float) -> float:
     return second_per_grid_ts * tokens_per_second
 
 
-QWEN2_5_VL = Family(
-    name="qwen2_5_vl",
-    model_types=("qwen2_5_vl",),
-    image_placeholder=VISION_START + IMAGE_PAD + VISION_END,
-    video_placeholder=VISION_START + VIDEO_PAD + VISION_END,
-    special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>", VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD),
-    named_special_tokens={"image_token": IMAGE_PAD, "video_token": VIDEO_PAD,
-                          "vision_start_token": VISION_START, "vision_end_token": VISION_END},
-    encoder_dims=patch_encoder_dims,
-    tower="triton_vlm.vision.qwen2_5_vl:Qwen2_5_VLTower",
-    decoder="triton_vlm.llm.decoders:QWEN2",
-    sample_frames=sample_frames,
-    default_video_fps=2.0,
-    video_t_factor=video_t_factor,
-    eos_tokens=("<|im_end|>", "<|endoftext|>"),
-    video_pruning=True,
-)

@@ -1,5 +1,5 @@
 """LLaVA-OneVision (transformers `llava_onevision`, `LlavaOnevisionForConditionalGeneration`): a
-SigLIP tower, LLaVA's projector (`triton_vlm.vision.llava`) and a Qwen2 decoder with 1-D RoPE.
+SigLIP tower, LLaVA's projector (`triton_vlm.families.llava.tower`) and a Qwen2 decoder with 1-D RoPE.
 
 Images as `LlavaOnevisionProcessor` sees them:
 
@@ -29,8 +29,7 @@ from collections.abc import Callable
 import numpy as np
 
 from triton_vlm.errors import InvalidInput
-from triton_vlm.families import llava
-from triton_vlm.families.base import Family, MediaLayout
+from triton_vlm.families.base import MediaLayout
 from triton_vlm.imaging import View, VisionSettings
 from triton_vlm.mrope import MediaSpan
 
@@ -118,23 +117,3 @@ def expand_media(media: MediaLayout, token_id: Callable[[str], int],
     return np.full(n, media.token, dtype=np.int32), []
 
 
-LLAVA_ONEVISION = Family(
-    name="llava_onevision",
-    model_types=("llava_onevision",),
-    image_placeholder=IMAGE_TOKEN,
-    video_placeholder=VIDEO_TOKEN,
-    special_tokens=(PAD, IM_START, EOS, IMAGE_TOKEN, VIDEO_TOKEN),
-    named_special_tokens={"image_token": IMAGE_TOKEN, "video_token": VIDEO_TOKEN},
-    encoder_dims=llava.encoder_dims,
-    tower="triton_vlm.vision.llava_onevision:LlavaOnevisionTower",
-    decoder="triton_vlm.llm.decoders:LLAVA_ONEVISION_QWEN2",
-    eos_tokens=(EOS,),
-    slice_rule=slice_rule,
-    expand_media=expand_media,
-    vision_defaults=dict(temporal_patch_size=1, merge_size=1),
-    several_images_settings=dict(image_grid_pinpoints=(), pad_to_square=True),
-    video_settings=dict(image_grid_pinpoints=()),
-    pack_views=True,
-    image_sizes=True,
-    sized_by="the checkpoint's size and image_grid_pinpoints",
-)

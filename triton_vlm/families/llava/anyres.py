@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from triton_vlm.errors import InvalidInput
-from triton_vlm.families.llava_onevision import anyres_shape, best_resolution
+from triton_vlm.families.llava.onevision import anyres_shape, best_resolution
 
 
 def bilinear_taps(size_in: int, size_out: int) -> tuple[np.ndarray, np.ndarray]:

@@ -2,7 +2,7 @@
 transformers 5 lacks): a SigLIP-NaViT tower and `Resampler4_5` on a Qwen3 decoder.
 
 Its oracle is the official code's golden set (`shared/reference/minicpmv4_5/`). The decoder
-(`triton_vlm.llm.decoders.QWEN3`) takes image rows in place of the `<unk>` runs that the processor puts
+(`triton_vlm.families.minicpmv.decoder.QWEN3`) takes image rows in place of the `<unk>` runs that the processor puts
 between `<image>`/`<slice>` and their end tokens (the `image_bound` rows), positions 1-D. A prompt's
 `(<image>./</image>)` (several tokens: found in the text) becomes `slice_runs` of
 `image_feature_size` (`query_num`) `<unk>` each, the slices cut as MiniCPM-V 4.6 cuts them but with
@@ -23,16 +23,14 @@ from collections.abc import Callable
 import numpy as np
 
 from triton_vlm.errors import InvalidInput
-from triton_vlm.families import minicpmv
-from triton_vlm.families.base import Family, MediaLayout
+from triton_vlm.families.base import MediaLayout
+from triton_vlm.families.minicpmv.slicing import (IMAGE_END, IMAGE_ID_END, IMAGE_ID_START, IMAGE_START, SLICE_END,
+                                                  SLICE_START, slice_runs)
 from triton_vlm.media import distinct_indices, video_facts
 from triton_vlm.mrope import MediaSpan
 
 IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER = "(<image>./</image>)", "(<video>./</video>)"
 UNK, ENDOFTEXT, IM_START, IM_END = "<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"
-IMAGE_START, IMAGE_END = "<image>", "</image>"
-SLICE_START, SLICE_END = "<slice>", "</slice>"
-IMAGE_ID_START, IMAGE_ID_END = "<image_id>", "</image_id>"
 SPECIAL_TOKENS = (ENDOFTEXT, UNK, IM_START, IM_END, IMAGE_START, IMAGE_END, SLICE_START, SLICE_END,
                   IMAGE_ID_START, IMAGE_ID_END)
 NAMED_TOKENS = {"unk_token": UNK, "im_start": IMAGE_START, "im_end": IMAGE_END, "slice_start": SLICE_START,
@@ -47,11 +45,11 @@ def expand_media(media: MediaLayout, token_id: Callable[[str], int],
     frames' with the (stripped) text before them, so the groups' runs are joined by newlines."""
     unk = token_id(UNK)
     if not media.video:
-        return minicpmv.slice_runs(media, unk, token_id, encode)
+        return slice_runs(media, unk, token_id, encode)
     newline = encode(["\n"])[0]
     ids: list[int] = []
     for k, grid in enumerate(media.grids):
-        group, _ = minicpmv.slice_runs(dataclasses.replace(media, grids=[grid], num_frames=1), unk, token_id, encode)
+        group, _ = slice_runs(dataclasses.replace(media, grids=[grid], num_frames=1), unk, token_id, encode)
         ids += [*newline] * bool(k) + group.tolist()
     return np.asarray(ids, dtype=np.int32), []
 
@@ -141,27 +139,3 @@ def encoder_dims(config: dict) -> tuple[int, int]:
     return 3 * config["patch_size"] ** 2, config["hidden_size"]
 
 
-MINICPMV4_5 = Family(
-    name="minicpmv4_5",
-    model_types=("minicpmv",),
-    versions=("4.5",),
-    image_placeholder=IMAGE_PLACEHOLDER,
-    video_placeholder=VIDEO_PLACEHOLDER,
-    special_tokens=SPECIAL_TOKENS,
-    named_special_tokens=NAMED_TOKENS,
-    encoder_dims=encoder_dims,
-    tower="triton_vlm.vision.minicpmv4_5:MiniCPMV4_5Tower",
-    decoder="triton_vlm.llm.decoders:QWEN3",
-    eos_tokens=(IM_END, ENDOFTEXT),
-    placeholders_in_text=True,
-    chat_content_as_text=True,
-    chat_template_kwargs=dict(enable_thinking=False),
-    slice_rule=minicpmv.slice_rule,
-    expand_media=expand_media,
-    sample_frames=sample_frames,
-    default_video_fps=3.0,  # the official chat's choose_fps
-    pack_frames=pack_frames,
-    video_settings=dict(max_slice_nums=1, use_image_id=False),
-    vision_defaults=dict(temporal_patch_size=1, merge_size=1, image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5),
-                         downsample_mode="resampler", backend="pil"),
-)

@@ -20,7 +20,7 @@ strategy (the processor's own fields).
 - `pixel_values`: float32 [N, 3 * patch * patch], one row per patch; an image's h * w patches in
   raster order (patch (y, x) at row y * w + x), each row the patch's pixels in (channel, dy, dx)
   order, the Conv2d `patch_embedding` weight's (in, kh, kw) order. transformers' `pixel_values`
-  [B, 3, H, W] is the same values: `triton_vlm.vision.llava.patch_rows` turns one into the other.
+  [B, 3, H, W] is the same values: `triton_vlm.families.llava.tower.patch_rows` turns one into the other.
 - the vision_encoder's embeddings: per image h * w rows, plus one for a CLIP class token, less one
   with the "default" strategy (`extra_rows` in the tower settings), in token order (CLIP's class
   token first), each the projector's output.
@@ -35,7 +35,7 @@ from collections.abc import Callable
 import numpy as np
 
 from triton_vlm.errors import InvalidInput
-from triton_vlm.families.base import Family, MediaLayout
+from triton_vlm.families.base import MediaLayout
 from triton_vlm.imaging import VisionSettings
 from triton_vlm.mrope import MediaSpan
 
@@ -81,22 +81,3 @@ def expand_media(media: MediaLayout, token_id: Callable[[str], int],
     return np.full(n, media.token, dtype=np.int32), []
 
 
-LLAVA = Family(
-    name="llava",
-    model_types=("llava",),
-    image_placeholder=IMAGE_TOKEN,
-    video_placeholder=VIDEO_TOKEN,
-    special_tokens=(PAD, BOS, EOS, IMAGE_TOKEN),
-    named_special_tokens={"image_token": IMAGE_TOKEN},
-    encoder_dims=encoder_dims,
-    tower="triton_vlm.vision.llava:LlavaTower",
-    decoder="",
-    text_decoders={"llama": "triton_vlm.llm.decoders:LLAVA_LLAMA", "qwen2": "triton_vlm.llm.decoders:LLAVA_QWEN2"},
-    eos_tokens=(EOS,),
-    resize_rule=resize_rule,
-    expand_media=expand_media,
-    # One frame per item, patches in raster order (no temporal patches, no merge blocks).
-    vision_defaults=dict(temporal_patch_size=1, merge_size=1),
-    takes_videos=False,
-    sized_by="the checkpoint's size and crop_size",
-)

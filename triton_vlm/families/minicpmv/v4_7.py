@@ -1,5 +1,5 @@
 """MiniCPM-V 4.7 (transformers `minicpmv4_7`): MiniCPM-V 4.6's tower, slicing and Qwen3.5 decoder,
-with canvas M-RoPE (`triton_vlm.canvas_mrope`).
+with canvas M-RoPE (`triton_vlm.families.minicpmv.canvas_mrope`).
 
 What differs from 4.6 (`triton_vlm.families.minicpmv`):
 
@@ -17,9 +17,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from triton_vlm.canvas_mrope import CanvasMarkers, canvas_positions
-from triton_vlm.families import minicpmv
 from triton_vlm.families.base import MediaLayout
+from triton_vlm.families.minicpmv.canvas_mrope import CanvasMarkers, canvas_positions
+from triton_vlm.families.minicpmv.slicing import slice_runs
 from triton_vlm.mrope import MediaSpan
 
 MARKER_KEYS = ("image_start_id", "image_end_id", "slice_start_id", "slice_end_id", "newline_id")
@@ -27,10 +27,10 @@ MARKER_KEYS = ("image_start_id", "image_end_id", "slice_start_id", "slice_end_id
 
 def expand_media(media: MediaLayout, token_id: Callable[[str], int],
                  encode: Callable[[list[str]], list[list[int]]]) -> tuple[np.ndarray, list[MediaSpan]]:
-    """4.6's runs (`minicpmv.slice_runs`), a video's without `<image_id>` (`_prepend_local_ids`)."""
+    """4.6's runs (`slice_runs`), a video's without `<image_id>` (`_prepend_local_ids`)."""
     if media.video:
         media = dataclasses.replace(media, settings=dataclasses.replace(media.settings, use_image_id=False))
-    return minicpmv.slice_runs(media, media.token, token_id, encode)
+    return slice_runs(media, media.token, token_id, encode)
 
 
 def markers(config: dict) -> CanvasMarkers:
@@ -52,6 +52,3 @@ def prompt_positions(input_ids: np.ndarray, kinds: np.ndarray, grid_thw: np.ndar
     return canvas_positions(input_ids, kinds, np.asarray(grid_thw)[:, 1:], markers(config), merge)
 
 
-MINICPMV4_7 = dataclasses.replace(
-    minicpmv.MINICPMV4_6, name="minicpmv4_7", model_types=("minicpmv4_7",), expand_media=expand_media,
-    prompt_positions=prompt_positions)

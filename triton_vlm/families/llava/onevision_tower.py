@@ -1,16 +1,16 @@
 """LLaVA-OneVision's vision side (`llava_onevision`): LLaVA's SigLIP tower and projector
-(`triton_vlm.vision.llava`) for every view, then what transformers' `pack_image_features` and
+(`triton_vlm.families.llava.tower`) for every view, then what transformers' `pack_image_features` and
 `get_video_features` make of the views' features, as one gather: each output row is a weighted
 sum of at most four rows of [the run's view features; `image_newline`] (`feature_index`,
 `feature_weight`, computed on the host from the grid and each row's image size:
-`triton_vlm.vision.anyres`).
+`triton_vlm.families.llava.anyres`).
 That one op is the unpadding and the tiles' canvas (a gather), the "anyres_max" cut and a
 video frame's 2 x 2 pooling (bilinear: four taps, torch's `interpolate(mode="bilinear")`
 weights) and the newlines, so the ONNX graph has no data-dependent shapes.
 
 Each grid row is one item, taken whole (`PACKED_FRAMES`): [views, S, S] with an image's size
 (height, width), or a video's frames with (0, 0) (`image_sizes`, one row per grid row; see
-`triton_vlm.families.llava_onevision`).
+`triton_vlm.families.llava.onevision`).
 """
 from __future__ import annotations
 
@@ -19,9 +19,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from triton_vlm.vision import llava, tower_config, trt_profile
-from triton_vlm.vision.anyres import embedding_rows, feature_plan
-from triton_vlm.vision.llava import LlavaTower, LlavaVisionTower
+from triton_vlm.families.llava import tower as llava
+from triton_vlm.vision import tower_config, trt_profile
+from triton_vlm.families.llava.anyres import embedding_rows, feature_plan
+from triton_vlm.families.llava.tower import LlavaTower, LlavaVisionTower
 
 PREFIXES = {**llava.PREFIXES, "model.image_newline": "image_newline", "image_newline": "image_newline"}
 

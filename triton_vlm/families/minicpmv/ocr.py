@@ -19,7 +19,7 @@ from collections.abc import Callable
 import numpy as np
 
 from triton_vlm.errors import InvalidInput
-from triton_vlm.families import minicpmv
+from triton_vlm.families.minicpmv.slicing import best_resize
 from triton_vlm.imaging import FrameLayout, View, VisionSettings
 
 # The glyph classifier's calibration (transformers' constants of the same names)
@@ -72,7 +72,7 @@ def _tile(image: np.ndarray, refine: View, row: int, col: int, settings: VisionS
     resolution = glyph_resolution(image[top:bottom, left:right], scale, name)
     if resolution == scale:
         return None
-    size = minicpmv.best_resize(cell_h, cell_w, settings, allow_upscale=resolution is not None, resolution=resolution)
+    size = best_resize(cell_h, cell_w, settings, allow_upscale=resolution is not None, resolution=resolution)
     if size[0] * size[1] >= refine.slice_size[0] * refine.slice_size[1]:
         return None
     return View(size, region=(top, bottom, left, right))
@@ -87,7 +87,7 @@ def refine_layout(layout: FrameLayout, settings: VisionSettings, pixels: Callabl
     image = pixels()
     if len(layout.views) == 1:
         resolution = glyph_resolution(image, settings.scale_resolution, name)
-        size = minicpmv.best_resize(*image.shape[:2], settings, allow_upscale=resolution is not None,
+        size = best_resize(*image.shape[:2], settings, allow_upscale=resolution is not None,
                                     resolution=resolution)
         return dataclasses.replace(layout, views=(View(size),))
     refine = layout.views[1]
@@ -95,7 +95,3 @@ def refine_layout(layout: FrameLayout, settings: VisionSettings, pixels: Callabl
     return dataclasses.replace(layout, tiles=tiles) if any(tiles) else layout
 
 
-MINICPM_OCR = dataclasses.replace(
-    minicpmv.MINICPMV4_6, name="minicpm_ocr", model_types=("minicpm_ocr",),
-    tower="triton_vlm.vision.minicpmv:MiniCPMOcrTower", refine_layout=refine_layout,
-    vision_defaults={**minicpmv.MINICPMV4_6.vision_defaults, "downsample_mode": "4x"})

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from functools import partial
 
 import numpy as np
 
 from triton_vlm.errors import InvalidInput
-from triton_vlm.families.base import Family, MediaLayout, expand_plain, patch_encoder_dims
+from triton_vlm.families.base import MediaLayout, expand_plain
 from triton_vlm.imaging import smart_resize
 from triton_vlm.media import distinct_indices, video_facts
 from triton_vlm.mrope import MediaSpan
@@ -183,42 +182,3 @@ VIDEO_SIZE_DEFAULT = (112 * 112, 28 * 28 * 2 * 30000)
 GLMGA_VIDEO_SIZE_DEFAULT = (112 * 112, 28 * 28 * 2 * 55790)
 
 
-def _family(name: str, model_types: tuple[str, ...], video_processor: str, sample_frames, timestamp_text,
-            video_sampler_keys: tuple[str, ...] = (), video_size_default: tuple[int, int] = VIDEO_SIZE_DEFAULT,
-            tower: str = "Glm4vTower", decoder: str = "GLM4") -> Family:
-    return Family(
-        name=name,
-        model_types=model_types,
-        video_processor_types=(video_processor,),
-        image_placeholder=BEGIN_IMAGE + IMAGE_TOKEN + END_IMAGE,
-        video_placeholder=BEGIN_VIDEO + VIDEO_TOKEN + END_VIDEO,
-        special_tokens=SPECIAL_TOKENS,
-        eos_tokens=EOS_TOKENS,
-        named_special_tokens={"image_token": IMAGE_TOKEN, "video_token": VIDEO_TOKEN},
-        encoder_dims=patch_encoder_dims,
-        tower=f"triton_vlm.vision.glm4v:{tower}",
-        decoder=f"triton_vlm.llm.decoders:{decoder}",
-        sample_frames=sample_frames,
-        default_video_fps=2.0,
-        video_sampler_keys=video_sampler_keys,
-        resize_rule=resize_rule,
-        expand_media=partial(expand_media, timestamp_text=timestamp_text),
-        image_size_default=IMAGE_SIZE_DEFAULT,
-        video_size_default=video_size_default,
-    )
-
-
-# Released GLM-4.6V-Flash and GLMGA checkpoints may say `model_type: glm4v`; their video processor
-# tells them apart.
-GLM4V = _family("glm4v", ("glm4v",), "Glm4vVideoProcessor", sample_frames_glm4v, timestamp_glm4v, ("max_duration",))
-GLM46V = _family("glm46v", ("glm46v", "glm4v"), "Glm46VVideoProcessor", sample_frames_glm46v, timestamp_seconds)
-GLMGA = _family("glmga", ("glmga", "glm4v"), "GlmgaVideoProcessor", sample_frames_glmga, timestamp_seconds,
-                video_size_default=GLMGA_VIDEO_SIZE_DEFAULT)
-# GLM-OCR has no processor class of its own: its checkpoints ship GLM-4.6V's, and `model_type`
-# alone picks the family. Its own tower (`GlmOcrTower`) and decoder (no q/k/v biases).
-GLM_OCR = _family("glm_ocr", ("glm_ocr",), "Glm46VVideoProcessor", sample_frames_glm46v, timestamp_seconds,
-                  tower="GlmOcrTower", decoder="GLM_OCR")
-# GLM-4.5V: GLM-4.1V's processor (transformers maps `glm4v_moe` to `Glm4vProcessor`) and tower,
-# a mixture-of-experts decoder.
-GLM4V_MOE = _family("glm4v_moe", ("glm4v_moe",), "Glm4vVideoProcessor", sample_frames_glm4v, timestamp_glm4v,
-                    ("max_duration",), decoder="GLM4V_MOE")

@@ -29,7 +29,8 @@ import torch
 import torch.nn as nn
 
 from triton_vlm.errors import InvalidInput
-from triton_vlm.vision import attention_groups, tower_config, tower_layers, trt_profile, minicpmv
+from triton_vlm.vision import attention_groups, tower_config, tower_layers, trt_profile
+from triton_vlm.families.minicpmv import tower_v4_6 as minicpmv
 from triton_vlm.vision.tower import Tower
 
 

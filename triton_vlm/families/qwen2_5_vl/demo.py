@@ -1,0 +1,82 @@
+"""Qwen2.5-VL's demo checkpoint: its sizes, reduced chat template and random-weight writer."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from triton_vlm.families.demo import Demo, chat_template, random_model
+from triton_vlm.families.qwen2_5_vl import QWEN2_5_VL
+from triton_vlm.families.qwen2_5_vl.processor import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START
+
+# Qwen2.5-VL's chat template, reduced to what the demo needs.
+QWEN_TEMPLATE = chat_template(
+    prefix="", message_start="<|im_start|>{{ message['role'] }}\n", message_end="<|im_end|>\n",
+    image=VISION_START + IMAGE_PAD + VISION_END, video=VISION_START + VIDEO_PAD + VISION_END,
+    generation_prompt="<|im_start|>assistant\n")
+
+
+# Random-weight demo shapes. `tiny` keeps tests to seconds; `small` is tens of millions of
+# parameters for the demo and benchmarks.
+# Qwen2.5-VL: windows and full-attention blocks as in the real models (window 112 px, full
+# attention every few blocks).
+QWEN2_5_VL_SIZES: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        vocab_size=1024,
+        text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, mrope_section=[2, 3, 3]),
+        vision=dict(depth=4, hidden_size=32, intermediate_size=64, num_heads=2, fullatt_block_indexes=[1, 3]),
+        image_pixels=(4 * 28 * 28, 256 * 28 * 28), video_pixels=(4 * 28 * 28, 64 * 28 * 28),
+    ),
+    "small": dict(
+        vocab_size=8192,
+        text=dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=2, mrope_section=[8, 12, 12]),
+        vision=dict(depth=8, hidden_size=256, intermediate_size=704, num_heads=4, fullatt_block_indexes=[3, 7]),
+        image_pixels=(16 * 28 * 28, 1024 * 28 * 28), video_pixels=(16 * 28 * 28, 256 * 28 * 28),
+    ),
+}
+
+
+def _write_qwen2_5_vl(out: Path, shape: dict[str, Any], tokenizer, seed: int) -> None:
+    """Write a random-weight Qwen2.5-VL checkpoint that transformers loads offline."""
+    from transformers import (
+        GenerationConfig,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2_5_VLProcessor,
+        Qwen2VLImageProcessor,
+        Qwen2VLVideoProcessor,
+    )
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN2_5_VL.prompt.special_tokens}
+    eos_ids = [ids[t] for t in QWEN2_5_VL.prompt.eos_tokens]
+    text = dict(shape["text"])
+    mrope_section = text.pop("mrope_section")
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=shape["model_vocab_size"], max_position_embeddings=4096, rms_norm_eps=1e-6,
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0, mrope_section=mrope_section),
+            bos_token_id=ids["<|endoftext|>"], eos_token_id=eos_ids, pad_token_id=ids["<|endoftext|>"],
+            tie_word_embeddings=False, **text),
+        vision_config=dict(patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                           tokens_per_second=2, out_hidden_size=text["hidden_size"], in_channels=3,
+                           **shape["vision"]),
+        image_token_id=ids[IMAGE_PAD], video_token_id=ids[VIDEO_PAD],
+        vision_start_token_id=ids[VISION_START], vision_end_token_id=ids[VISION_END],
+        tie_word_embeddings=False,
+    )
+    model = random_model(Qwen2_5_VLForConditionalGeneration, config, shape, seed)
+    model.generation_config = GenerationConfig(
+        bos_token_id=ids["<|endoftext|>"], eos_token_id=eos_ids, pad_token_id=ids["<|endoftext|>"],
+        do_sample=False)
+    model.save_pretrained(out)
+
+    (img_min, img_max), (vid_min, vid_max) = shape["image_pixels"], shape["video_pixels"]
+    processor = Qwen2_5_VLProcessor(
+        image_processor=Qwen2VLImageProcessor(min_pixels=img_min, max_pixels=img_max),
+        video_processor=Qwen2VLVideoProcessor(min_pixels=vid_min, max_pixels=vid_max, fps=2.0),
+        tokenizer=tokenizer, chat_template=QWEN_TEMPLATE)
+    processor.save_pretrained(out)
+
+
+DEMOS = {"qwen2_5_vl": Demo(QWEN2_5_VL_SIZES, _write_qwen2_5_vl)}
