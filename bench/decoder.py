@@ -22,7 +22,7 @@ max(--requests, c), c at a time (closed loop). Throughput is generated tokens / 
 whole batch of requests; time to first token (TTFT) is from submit to the first token, median over
 the requests of that run.
 
-`--evs Q`: instead, the prefill saved by EVS video pruning (triton_vlm.evs). One prompt holding a
+`--evs Q`: instead, the prefill saved by EVS video pruning (triton_vlm.media.evs). One prompt holding a
 `--evs-seconds` 224x168 video (sampled at 2 fps; the `small` checkpoint's context is 4096 tokens),
 through our `Preprocessor` at q = 0 and at q = Q, the checkpoint's vision tower (transformers)
 once, the mask; then our engine's prefill (time to the first token, `max_tokens` 1) of each,
@@ -282,10 +282,10 @@ def evs_prefill(args, ckpt: Path, device: torch.device, dtype: torch.dtype) -> N
     """`--evs Q`: prefill of a long video prompt at q = 0 and at q = Q, in one run."""
     from transformers import AutoModelForImageTextToText
 
-    from triton_vlm import samples
-    from triton_vlm.evs import prune
     from triton_vlm.families.qwen2_5_vl import QWEN2_5_VL
-    from triton_vlm.preprocess import Preprocessor
+    from triton_vlm.media import samples
+    from triton_vlm.media.evs import prune
+    from triton_vlm.preprocessing.preprocessor import Preprocessor
 
     prompt = QWEN2_5_VL.video_placeholder + "What happens in this video?"
     video = samples.video_bytes(seconds=args.evs_seconds, fps=10, width=224, height=168)

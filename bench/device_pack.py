@@ -50,7 +50,7 @@ def _ldd_closure(files: list[Path], libs: Path) -> set[Path]:
 
 def pack_server(dest: Path, python: str, preset: int = 6) -> Path:
     """DEST/server.tar.xz (see the module's docstring)."""
-    from triton_vlm.server import triton_root
+    from triton_vlm.server.tritonserver import triton_root
 
     root = triton_root()  # site-packages/pytriton/tritonserver
     site = root.parent.parent

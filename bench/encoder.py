@@ -10,7 +10,7 @@ both alike):
 
 - HF: `model.model.get_image_features(...)` of `AutoModelForImageTextToText` (the tower and its
   merger; float32, eager PyTorch, its default attention implementation), under `torch.no_grad()`;
-- ORT: `triton_vlm.vision.encoder.VisionEncoder.encode` (host metadata included), graph
+- ORT: `triton_vlm.vision.runtime.encoder.VisionEncoder.encode` (host metadata included), graph
   optimisations on, intra-op threads = `--threads` (0: every usable core, as the server does for
   one instance); torch uses the same number of threads.
 
@@ -66,10 +66,10 @@ def main() -> int:
     from PIL import Image
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from triton_vlm import samples
     from triton_vlm.families.demo import write_demo_checkpoint
-    from triton_vlm.vision.encoder import VisionEncoder, default_threads
-    from triton_vlm.vision.export import export_onnx
+    from triton_vlm.media import samples
+    from triton_vlm.vision.runtime.encoder import VisionEncoder, default_threads
+    from triton_vlm.vision.runtime.export import export_onnx
 
     clock = time.perf_counter if args.clock == "wall" else time.process_time
     threads = args.threads or default_threads(1)
@@ -222,7 +222,7 @@ def compare_run_sizes(onnx_path, case, threads: int, clock, repeats: int, sizes:
 
     import numpy as np
 
-    from triton_vlm.vision.encoder import VisionEncoder
+    from triton_vlm.vision.runtime.encoder import VisionEncoder
 
     _, pixels, grid, extra = case
     encoders = {m: VisionEncoder(onnx_path, intra_op_threads=threads, max_patches_per_run=m) for m in sizes}

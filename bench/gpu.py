@@ -51,7 +51,6 @@ GOALS = {"rel_err_bf16": 1e-2, "x_transformers": 2.0}
 def matmul_rate(device, n: int, repeats: int = 5) -> float:
     """FLOP/s of the best of `repeats` bfloat16 [n, n] x [n, n] products."""
     import torch
-
     from decoder import sync
 
     a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
@@ -93,9 +92,9 @@ def checkpoint_figures(device, quick: bool, images: int, repeats: int, stored: s
     from PIL import Image
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from triton_vlm import samples
     from triton_vlm.families.demo import write_demo_checkpoint
-    from triton_vlm.vision.torch_encoder import TorchEncoder
+    from triton_vlm.media import samples
+    from triton_vlm.vision.runtime.torch_encoder import TorchEncoder
 
     overrides = {"dtype": stored, **({} if quick else {"vision": VISION_7B})}
     checkpoint = write_demo_checkpoint("qwen2_5_vl", tmp / "ckpt", "tiny" if quick else "small", overrides=overrides)
@@ -174,7 +173,6 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
     import transformers
-
     from decoder import copy_bandwidth, device_name
 
     device = torch.device(args.device)

@@ -57,7 +57,7 @@ def make_video(seconds: float, fps: int, width: int, height: int) -> bytes:
     """H.264 MP4 of a gradient with a moving square (frames made by shifting, so generating is quick)."""
     import av
 
-    from triton_vlm.samples import _scene
+    from triton_vlm.media.samples import _scene
 
     base = _scene(width * 2, height, 0.0)
     buffer = io.BytesIO()
@@ -120,8 +120,8 @@ def main() -> None:
     import torch
     from transformers import AutoProcessor
 
-    from triton_vlm import samples
-    from triton_vlm.preprocess import Preprocessor
+    from triton_vlm.media import samples
+    from triton_vlm.preprocessing.preprocessor import Preprocessor
 
     torch.set_num_threads(os.cpu_count() or 1)
     work = Path(tempfile.mkdtemp(prefix="bench-preprocess-"))

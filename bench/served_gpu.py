@@ -9,7 +9,7 @@ Steps: a random-weight Qwen2.5-VL checkpoint (`--size 7b`: the 7B's text stack, 
 `--decoder-7b`, and its vision tower, bench/gpu.py's VISION_7B, bfloat16; `tiny`/`small`: the
 demo sizes); `triton-vlm build --device D` (on a GPU `--encoder-backend torch`); the bundled
 tritonserver started on free ports; one streamed answer checked; then, over gRPC streaming
-(`triton_vlm.client.stream_generate`, asyncio: one client thread drives every stream), image
+(`triton_vlm.clients.client.stream_generate`, asyncio: one client thread drives every stream), image
 requests, each with a 1280x720 JPEG (`--image-size`) of its own, so the encoder's cache never
 answers, and a short prompt, `--max-tokens` output tokens each (`min_tokens` the same): at each
 concurrency, that many requests in flight at a time, `--rounds` each (a closed loop), TTFT p50 /
@@ -90,7 +90,7 @@ async def closed_loop(one: Callable[[int], Awaitable[tuple[float, int]]], concur
 
 
 def served_one(channel, values_of: Callable[[int], dict]) -> Callable[[int], Awaitable[tuple[float, int]]]:
-    from triton_vlm.client import stream_generate
+    from triton_vlm.clients.client import stream_generate
 
     async def one(i: int) -> tuple[float, int]:
         start, first, n = time.perf_counter(), None, 0
@@ -103,7 +103,7 @@ def served_one(channel, values_of: Callable[[int], dict]) -> Callable[[int], Awa
 
 
 def request(prompt: str, max_tokens: int, images=(), videos=()) -> dict:
-    from triton_vlm.client import request_values
+    from triton_vlm.clients.client import request_values
 
     return request_values(prompt, images, videos, max_tokens=max_tokens, min_tokens=max_tokens)
 
@@ -114,7 +114,7 @@ def step_outputs(url: str, values: dict) -> tuple[dict, dict[str, str]]:
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import np_to_triton_dtype
 
-    from triton_vlm.client import grpc_inputs
+    from triton_vlm.clients.client import grpc_inputs
 
     with grpcclient.InferenceServerClient(url) as client:
         params = lambda model: {k: v["string_value"] for k, v in  # noqa: E731
@@ -143,8 +143,8 @@ def engine_alone(repo: Path, params: dict[str, str], tensors: dict, max_tokens: 
 
     from decoder import run_engine
 
+    from triton_vlm.contract.params import LLMOptions
     from triton_vlm.llm import Engine, SamplingParams
-    from triton_vlm.options import LLMOptions
 
     engine = Engine(repo / "llm" / "1" / params["checkpoint"], **dataclasses.asdict(LLMOptions.from_params(params)))
     prompt = (tensors["input_ids"], tensors.get("embeddings"), tensors["mrope_position_ids"],
@@ -169,7 +169,7 @@ def engine_alone(repo: Path, params: dict[str, str], tensors: dict, max_tokens: 
 
 
 def measure_served(server, args, images: list[bytes], concurrencies: list[int]) -> dict:
-    from triton_vlm.client import aio_channel, generate
+    from triton_vlm.clients.client import aio_channel, generate
 
     check = generate(server.grpc_url, PROMPT, [images[0]], max_tokens=args.max_tokens, stream=True, timeout=300)
     if len(check.output_ids) == 0 or check.responses < 2:
@@ -217,7 +217,7 @@ def step_ms(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]
 
 async def video_ttft(channel, args) -> dict:
     try:
-        from triton_vlm import samples
+        from triton_vlm.media import samples
 
         width, height = (int(v) for v in args.video_size.split("x"))
         video = samples.video_bytes(args.video_seconds, 30, width, height)
@@ -251,8 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         from device_pack import unpack
 
         unpacked = unpack(Path(args.carried), Path(args.unpack_to))
-    from triton_vlm import samples
-    from triton_vlm.server import TritonServer
+    from triton_vlm.media import samples
+    from triton_vlm.server.tritonserver import TritonServer
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint = write_checkpoint(args.size, Path(tmp) / "ckpt", args.device)
         figures["timings_s"]["checkpoint"] = round(time.perf_counter() - started, 1)
         repo = Path(tmp) / "repository"
-        build = [sys.executable, "-m", "triton_vlm.cli", "build", "--checkpoint", str(checkpoint), "--repo", str(repo),
+        build = [sys.executable, "-m", "triton_vlm.tools.cli", "build", "--checkpoint", str(checkpoint), "--repo", str(repo),
                  "--device", args.device] + (["--encoder-backend", "torch"] if args.device == "gpu" else [])
         subprocess.run(build, check=True)
         figures["build"] = " ".join(build[3:])

@@ -32,13 +32,13 @@ from pathlib import Path
 
 import tritonclient.grpc as grpcclient
 
-from triton_vlm import samples
-from triton_vlm.families.demo import write_demo_checkpoint
-from triton_vlm.client import RequestError, generate, grpc_inputs, request_values, send_on_stream, stream_error
+from triton_vlm.clients.client import RequestError, generate, grpc_inputs, request_values, send_on_stream, stream_error
+from triton_vlm.errors import RESTARTED
 from triton_vlm.families import get_family
-from triton_vlm.pipeline import RESTARTED
-from triton_vlm.repository import build_repository
-from triton_vlm.server import TritonServer
+from triton_vlm.families.demo import write_demo_checkpoint
+from triton_vlm.media import samples
+from triton_vlm.repository.build import build_repository
+from triton_vlm.server.tritonserver import TritonServer
 
 FAMILY = "qwen2_5_vl"
 # gRPC's status of a stream whose server went (the supervisor restarts it)

@@ -27,8 +27,9 @@ def tiny_repo(tiny_checkpoint, tmp_path_factory):
     """The session repository. Its preprocess limits are the defaults but for bytes and source
     frames, which are small enough for tests/test_bad_inputs.py to breach over the wire with
     small payloads; no other test's media come near them."""
-    from triton_vlm.limits import Limits
-    from triton_vlm.repository import BuildOptions, build_repository
+    from triton_vlm.contract.limits import Limits
+    from triton_vlm.repository.build import build_repository
+    from triton_vlm.repository.options import BuildOptions
 
     limits = Limits(max_item_bytes=1 << 20, max_request_bytes=2 << 20, max_video_source_frames=500)
     return build_repository(tiny_checkpoint, tmp_path_factory.mktemp("repo") / "repository", BuildOptions(limits=limits))
@@ -37,7 +38,7 @@ def tiny_repo(tiny_checkpoint, tmp_path_factory):
 @pytest.fixture(scope="session")
 def server(tiny_repo, tmp_path_factory):
     """One real tritonserver for the whole session, on free ports; always stopped."""
-    from triton_vlm.server import TritonServer
+    from triton_vlm.server.tritonserver import TritonServer
 
     with TritonServer(tiny_repo, log_file=tmp_path_factory.mktemp("logs") / "tritonserver.log") as running:
         yield running
@@ -51,7 +52,7 @@ def ckpt(tiny_checkpoint):
 
 @pytest.fixture(scope="session")
 def pre(ckpt):
-    from triton_vlm.preprocess import Preprocessor
+    from triton_vlm.preprocessing.preprocessor import Preprocessor
 
     return Preprocessor(ckpt)
 
@@ -87,7 +88,7 @@ def onnx_path(repo):
 @pytest.fixture(scope="module")
 def encoder(onnx_path):
     """The build's encoder through the runtime that serves it."""
-    from triton_vlm.vision.encoder import VisionEncoder
+    from triton_vlm.vision.runtime.encoder import VisionEncoder
 
     return VisionEncoder(onnx_path)
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from triton_vlm.vision.tower import Tower
+    from triton_vlm.vision.tower.base import Tower
 
 ENCODER_MODELS = ("vision_encoder", "vision_encoder_batch")  # the encoder's two Triton models
 
@@ -44,7 +44,7 @@ def unfused_copy(onnx_path: Path, out_path: Path) -> Path:
     ops only (no `com.microsoft` node, no `If`), saved at `out_path`."""
     import onnx
 
-    from triton_vlm.vision.export import unfuse_attention
+    from triton_vlm.vision.runtime.export import unfuse_attention
 
     proto = onnx.load(str(onnx_path))
     assert unfuse_attention(proto)
@@ -83,8 +83,8 @@ def check_engine_graphs(checkpoint: Path, float32_onnx: Path, tmp_path: Path) ->
     import pytest
     from onnx import TensorProto
 
-    from triton_vlm.vision.export import export_onnx
-    from triton_vlm.vision.tensorrt_engine import build_engine
+    from triton_vlm.vision.runtime.export import export_onnx
+    from triton_vlm.vision.runtime.tensorrt_engine import build_engine
 
     paths = {dt: export_onnx(checkpoint, tmp_path / f"{dt}.onnx", dtype=dt) for dt in ("float16", "bfloat16")}
     half, bf16 = (onnx.load(str(paths[dt])) for dt in ("float16", "bfloat16"))
@@ -141,7 +141,7 @@ def check_attention_fusable(proto, half: int) -> None:
 def check_profile_covers(family: str, tower: type["Tower"], settings: dict, profile, grids) -> None:
     """The TensorRT profile names every input of the tower, its (min, opt, max) are ordered, and
     the metadata of each grid of `grids` lies within (min, max)."""
-    from triton_vlm.vision import tensorrt_engine as trt_engine
+    from triton_vlm.vision.runtime import tensorrt_engine as trt_engine
 
     shapes = trt_engine.profile_shapes(family, settings, profile)
     assert set(shapes) == set(tower.INPUT_NAMES)

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import torch
 
-from triton_vlm.llm.attention import SeqRows, TorchAttention, block_tables
-from triton_vlm.llm.paged import KVCache
+from triton_vlm.llm.attention.base import SeqRows, TorchAttention, block_tables
+from triton_vlm.llm.attention.cache import KVCache
 
 
 def paged(lengths: list[int], block_size: int, num_blocks: int) -> list[SeqRows]:
@@ -28,7 +28,7 @@ def check_paged_decode(device: str, dtype: torch.dtype, heads: int, kv_heads: in
     against the gathered-SDPA backend. In float32 within 1e-5 (IEEE dot products); in half precision
     its error against a float64 computation from the same inputs is at most twice SDPA's own in that
     dtype (or one ulp of the largest output)."""
-    from triton_vlm.llm.cuda_attention import paged_decode_attention
+    from triton_vlm.llm.attention.cuda import paged_decode_attention
 
     torch.manual_seed(0)
     config = SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim)
@@ -75,7 +75,7 @@ def check_attention_step(device: str, dtype: torch.dtype, heads: int, kv_heads: 
     copy of a cache that holds every sequence's earlier tokens, then attends. In float32 within 1e-5;
     in half precision its error against a float64 computation is at most twice SDPA's own in that
     dtype (or one ulp of the largest output)."""
-    from triton_vlm.llm.paged_prefill import PagedPrefillAttention
+    from triton_vlm.llm.attention.paged_prefill import PagedPrefillAttention
 
     torch.manual_seed(0)
     config = SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim)
@@ -107,8 +107,8 @@ def check_rotary(device: str, dtype: torch.dtype, pairing: str, head_dim: int, r
     where torch does, but Triton may contract a product and a sum into one fused multiply-add
     (measured on an H100: about 1 element in 3 differs by one ulp in float32). q is a view into a
     fused q/k/v output (strided rows), as the model passes it."""
-    from triton_vlm.llm import cuda_ops
-    from triton_vlm.llm.rotary import HalfPairs, InterleavedPairs, Rotary
+    from triton_vlm.llm.layers import cuda_ops
+    from triton_vlm.llm.layers.rotary import HalfPairs, InterleavedPairs, Rotary
 
     pairs = {"half": HalfPairs, "interleaved": InterleavedPairs}[pairing]
     config = SimpleNamespace(rotary_dim=rotary_dim, head_dim=head_dim, mrope_section=(rotary_dim // 2, 0, 0),
@@ -126,8 +126,8 @@ def check_rms_norm(device: str, dtype: torch.dtype, weight_f32: bool, shape: tup
     """In half precision within one ulp of torch's ops and equal almost everywhere: only the order of
     the float32 sum of squares differs, and the cast to the dtype hides it. In float32 nothing hides
     it, and Triton's rsqrt is the fast approximate one on CUDA: within 8 ulps (measured: 4)."""
-    from triton_vlm.llm import cuda_ops
-    from triton_vlm.llm.layers import rms_torch
+    from triton_vlm.llm.layers import cuda_ops
+    from triton_vlm.llm.layers.decoder import rms_torch
 
     x = torch.randn(shape, device=device, dtype=dtype) * 3
     weight = (1 + 0.1 * torch.randn(shape[-1], device=device)).to(torch.float32 if weight_f32 else dtype)

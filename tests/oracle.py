@@ -101,7 +101,7 @@ class EncoderOracle(Oracle):
         if case not in self._cache:
             from PIL import Image
 
-            from triton_vlm import samples
+            from triton_vlm.media import samples
 
             sizes, with_video = self.cases[case]
             pixels, grids, refs = [], [], []

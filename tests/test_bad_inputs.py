@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from triton_vlm import samples
-from triton_vlm.client import RequestError, generate, generate_payload, grpc_inputs, http_generate, request_values
+from triton_vlm.clients.client import (RequestError, generate, generate_payload, grpc_inputs, http_generate,
+                                       request_values)
+from triton_vlm.contract.limits import Limits
 from triton_vlm.families.qwen2_5_vl import QWEN2_5_VL
-from triton_vlm.limits import Limits
+from triton_vlm.media import samples
 
 IMG, VID = QWEN2_5_VL.image_placeholder, QWEN2_5_VL.video_placeholder
 IMAGE = samples.image_bytes(64, 48)

@@ -14,9 +14,9 @@ import urllib.request
 import pytest
 
 from triton_vlm.families import FAMILIES, detect_family
-from triton_vlm.server import free_port
+from triton_vlm.server.tritonserver import free_port
 
-SERVE = [sys.executable, "-m", "triton_vlm.cli", "serve"]
+SERVE = [sys.executable, "-m", "triton_vlm.tools.cli", "serve"]
 
 
 def _ports() -> list[str]:
@@ -62,11 +62,11 @@ def test_serve_exits_nonzero_with_the_servers_error_when_a_model_fails(tiny_repo
 def test_infer_streams_the_answer_and_reports_timings(server, tmp_path):
     import json
 
-    from triton_vlm import samples
+    from triton_vlm.media import samples
 
     image = tmp_path / "picture.png"
     image.write_bytes(samples.image_bytes(120, 90, fmt="PNG"))
-    base = [sys.executable, "-m", "triton_vlm.cli", "infer", "--url", server.grpc_url, "--image", str(image),
+    base = [sys.executable, "-m", "triton_vlm.tools.cli", "infer", "--url", server.grpc_url, "--image", str(image),
             "--prompt", "What is this?", "--max-tokens", "5"]
     streamed = subprocess.run(base + ["--stream"], capture_output=True, text=True, timeout=120)
     assert streamed.returncode == 0, streamed.stderr
@@ -84,14 +84,14 @@ def test_infer_applies_the_chat_template(server, tiny_checkpoint, tmp_path):
 
     from transformers import AutoProcessor
 
-    from triton_vlm import samples
+    from triton_vlm.media import samples
 
     image = tmp_path / "picture.png"
     image.write_bytes(samples.image_bytes(120, 90, fmt="PNG"))
     content = [{"type": "image"}, {"type": "text", "text": "What is this?"}]
     rendered = AutoProcessor.from_pretrained(tiny_checkpoint).apply_chat_template(
         [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
-    base = [sys.executable, "-m", "triton_vlm.cli", "infer", "--url", server.grpc_url, "--image", str(image),
+    base = [sys.executable, "-m", "triton_vlm.tools.cli", "infer", "--url", server.grpc_url, "--image", str(image),
             "--max-tokens", "8", "--json"]
     runs = [subprocess.run(base + flags, capture_output=True, text=True, timeout=120)
             for flags in (["--prompt", "What is this?"],
@@ -105,7 +105,7 @@ def test_infer_applies_the_chat_template(server, tiny_checkpoint, tmp_path):
 def test_infer_reports_invalid_input(server, tmp_path):
     broken = tmp_path / "broken.jpg"
     broken.write_bytes(b"\xff\xd8 truncated")
-    done = subprocess.run([sys.executable, "-m", "triton_vlm.cli", "infer", "--url", server.grpc_url, "--image",
+    done = subprocess.run([sys.executable, "-m", "triton_vlm.tools.cli", "infer", "--url", server.grpc_url, "--image",
                            str(broken), "--prompt", "?", "--max-tokens", "3"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "images[0]" in done.stderr
 
@@ -121,13 +121,13 @@ def test_demo_checkpoint_small_loads_offline_in_transformers(family, tmp_path):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     out = tmp_path / family
-    subprocess.run([sys.executable, "-m", "triton_vlm.cli", "demo-checkpoint", "--family", family, "--size", "small",
+    subprocess.run([sys.executable, "-m", "triton_vlm.tools.cli", "demo-checkpoint", "--family", family, "--size", "small",
                     "--out", str(out)], check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=600)
     assert detect_family(out).name == family
     processor = AutoProcessor.from_pretrained(out)
     model = AutoModelForImageTextToText.from_pretrained(out)
     assert model.config.model_type == FAMILIES[family].model_types[0]
-    assert processor.tokenizer.convert_tokens_to_ids(FAMILIES[family].named_special_tokens["image_token"]) \
+    assert processor.tokenizer.convert_tokens_to_ids(FAMILIES[family].prompt.named_special_tokens["image_token"]) \
         == model.config.image_token_id
 
 
@@ -140,7 +140,7 @@ def test_demo_checkpoint_of_minicpmv4_5_has_the_official_layout(tmp_path):
     from tests.minicpmv4_5_golden import GOLDEN
 
     out = tmp_path / "minicpmv4_5"
-    subprocess.run([sys.executable, "-m", "triton_vlm.cli", "demo-checkpoint", "--family", "minicpmv4_5", "--out",
+    subprocess.run([sys.executable, "-m", "triton_vlm.tools.cli", "demo-checkpoint", "--family", "minicpmv4_5", "--out",
                     str(out)], check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=600)
     assert detect_family(out).name == "minicpmv4_5"
 
@@ -164,8 +164,10 @@ def test_llm_device_and_dtype_are_build_options(tiny_checkpoint, tmp_path):
     before anything is written."""
     import json
 
-    from triton_vlm.cli import build_options, parser
-    from triton_vlm.repository import BuildOptions, build_repository, model_configs
+    from triton_vlm.repository.build import build_repository
+    from triton_vlm.repository.configs import model_configs
+    from triton_vlm.repository.options import BuildOptions
+    from triton_vlm.tools.cli import build_options, parser
 
     family, config = detect_family(tiny_checkpoint), json.loads((tiny_checkpoint / "config.json").read_text())
 

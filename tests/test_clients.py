@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from triton_vlm import samples
+from triton_vlm.media import samples
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,7 +29,7 @@ def test_readme_curl_example_answers(server, tmp_path):
 
 
 def test_grpc_stream_example_prints_the_answer(server, tmp_path):
-    from triton_vlm.client import generate
+    from triton_vlm.clients.client import generate
 
     image = tmp_path / "picture.png"
     image.write_bytes(samples.image_bytes(120, 90, fmt="PNG"))

@@ -19,9 +19,10 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from tests.oracle import Oracle
-from triton_vlm import samples
-from triton_vlm.client import RequestError, generate, generate_payload, grpc_inputs, http_generate, request_values
+from triton_vlm.clients.client import (RequestError, generate, generate_payload, grpc_inputs, http_generate,
+                                       request_values)
 from triton_vlm.families.qwen2_5_vl import QWEN2_5_VL
+from triton_vlm.media import samples
 
 IMG, VID = QWEN2_5_VL.image_placeholder, QWEN2_5_VL.video_placeholder
 IMAGE_A = samples.image_bytes(640, 480)            # grid not a multiple of the 112 px window
@@ -59,8 +60,8 @@ def family_server(family: str, root: Path) -> Iterator[tuple]:
     """(running server, oracle) on a tiny demo checkpoint of `family` built under `root`; the server
     is stopped after."""
     from triton_vlm.families.demo import write_demo_checkpoint
-    from triton_vlm.repository import build_repository
-    from triton_vlm.server import TritonServer
+    from triton_vlm.repository.build import build_repository
+    from triton_vlm.server.tritonserver import TritonServer
 
     checkpoint = write_demo_checkpoint(family, root / "checkpoint", "tiny")
     repo = build_repository(checkpoint, root / "repository")

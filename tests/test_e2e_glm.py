@@ -19,9 +19,9 @@ import torch
 
 from tests.oracle import Oracle
 from tests.test_e2e import assert_served_tokens, family_server, grpc_tokens, infer_direct, media_values
-from triton_vlm import samples
-from triton_vlm.families.glm4v.processor import BEGIN_VIDEO
 from triton_vlm.families.glm4v import GLM4V
+from triton_vlm.families.glm4v.processor import BEGIN_VIDEO
+from triton_vlm.media import samples
 
 VARIANTS = ("glm4v", "glm46v", "glmga", "glm_ocr", "glm4v_moe")
 IMG, VID = GLM4V.image_placeholder, GLM4V.video_placeholder

@@ -17,10 +17,10 @@ import torch
 from tritonclient.utils import InferenceServerException
 
 from tests.oracle import Oracle
-from tests.test_e2e import assert_served_tokens, served_concurrently, grpc_tokens, infer_direct, media_values
+from tests.test_e2e import assert_served_tokens, grpc_tokens, infer_direct, media_values, served_concurrently
 from tests.test_preprocess_llava import chat, hf_inputs, hf_rows, image, llava_checkpoints  # noqa: F401 (fixture)
-from triton_vlm import samples
 from triton_vlm.families.llava.processor import IMAGE_TOKEN as IMG
+from triton_vlm.media import samples
 
 NEW_TOKENS = 8
 PROMPTS = {
@@ -34,8 +34,8 @@ PROMPTS = {
 @pytest.fixture(scope="module", params=["clip-llama", "siglip-qwen2-3layers-default"])
 def served(request, llava_checkpoints, tmp_path_factory):
     """(running server, oracle) for the variant's checkpoint; the server is stopped after."""
-    from triton_vlm.repository import build_repository
-    from triton_vlm.server import TritonServer
+    from triton_vlm.repository.build import build_repository
+    from triton_vlm.server.tritonserver import TritonServer
 
     root = tmp_path_factory.mktemp(f"llava-e2e-{request.param}")
     checkpoint = llava_checkpoints[request.param]
@@ -91,7 +91,7 @@ def test_concurrent_requests_each_get_their_own_answer(served, expected_tokens):
 
 
 def test_a_video_is_invalid_arg_and_the_server_keeps_serving(served, expected_tokens):
-    from triton_vlm.client import RequestError
+    from triton_vlm.clients.client import RequestError
 
     server, _ = served
     video = samples.video_bytes(seconds=1.0, fps=4, width=64, height=64)

@@ -14,8 +14,9 @@ import torch
 
 from tests.oracle import decode_frames
 from tests.test_e2e import assert_served_tokens, family_server, infer_direct, media_values, served_concurrently
-from triton_vlm import samples
-from triton_vlm.families.llava.onevision import IMAGE_TOKEN as IMG, VIDEO_TOKEN as VID
+from triton_vlm.families.llava.onevision import IMAGE_TOKEN as IMG
+from triton_vlm.families.llava.onevision import VIDEO_TOKEN as VID
+from triton_vlm.media import samples
 
 NEW_TOKENS = 8
 VIDEO = samples.video_bytes(seconds=1.0, fps=5, width=96, height=64)

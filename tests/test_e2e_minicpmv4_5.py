@@ -19,8 +19,8 @@ from tests.test_e2e import concurrently, grpc_tokens, http_tokens, infer_direct,
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from triton_vlm.repository import build_repository
-    from triton_vlm.server import TritonServer
+    from triton_vlm.repository.build import build_repository
+    from triton_vlm.server.tritonserver import TritonServer
 
     root = tmp_path_factory.mktemp("minicpmv4_5")
     repo = build_repository(GOLDEN, root / "repository")
@@ -75,7 +75,7 @@ def test_greedy_tokens_equal_the_official_generate(server, case, transport):
 def test_served_log_probs_are_the_official_logits(server, golden, case):
     """The served model's own log-softmax of each greedy token (`return_log_probs`, HTTP generate)
     against the official logits' (`greedy_logits`), within the issue's 1e-3."""
-    from triton_vlm.client import generate_payload, http_generate
+    from triton_vlm.clients.client import generate_payload, http_generate
 
     expected = CASES[case]["greedy_tokens"]
     (answer,) = http_generate(server.http_url, generate_payload(*request(case), options(case), max_tokens=len(expected),
@@ -98,7 +98,7 @@ def test_concurrent_requests_each_get_the_official_answer(server):
     ({"num_frames": 4}, r"^videos\[0\]: num_frames: MiniCPM-V 4.5 chooses frames by fps"),
 ])
 def test_a_video_over_a_limit_is_invalid_arg_and_the_server_keeps_serving(server, mm_options, refusal):
-    from triton_vlm.client import RequestError
+    from triton_vlm.clients.client import RequestError
 
     with pytest.raises(RequestError, match=refusal):  # (a gRPC stream carries the message alone)
         grpc_tokens(server, *request("d_video"), max_tokens=4, mm_options=mm_options)

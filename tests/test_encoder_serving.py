@@ -16,9 +16,9 @@ import pytest
 from tritonclient.utils import InferenceServerException
 
 from tests.encoder_checks import encode, encoder_models, rel_err
-from triton_vlm import samples
-from triton_vlm.client import generate
+from triton_vlm.clients.client import generate
 from triton_vlm.families.qwen2_5_vl import QWEN2_5_VL
+from triton_vlm.media import samples
 
 
 def metric(server, name: str, model: str) -> float:
@@ -92,8 +92,9 @@ def batching_server(tiny_repo, tiny_checkpoint, tmp_path_factory):
     import json
 
     from triton_vlm.families import detect_family
-    from triton_vlm.repository import BuildOptions, model_configs, write_config
-    from triton_vlm.server import TritonServer
+    from triton_vlm.repository.configs import model_configs, write_config
+    from triton_vlm.repository.options import BuildOptions
+    from triton_vlm.server.tritonserver import TritonServer
 
     repo = encoder_models(tiny_repo, tmp_path_factory.mktemp("encoder_only") / "repository")
     rows = sum(int(np.prod(grid, axis=1).sum()) for grid in BATCH_GRIDS.values())

@@ -11,8 +11,8 @@ from tritonclient.utils import InferenceServerException
 
 from tests.encoder_checks import encode, rel_err
 from tests.servers import served
-from triton_vlm import samples
 from triton_vlm.families.qwen2_5_vl import QWEN2_5_VL
+from triton_vlm.media import samples
 
 MAX_FRAME_PATCHES = 512
 GRID = [[1, 16, 16], [1, 8, 12], [2, 8, 8], [1, 4, 6]]  # frames of 256, 96, 64, 64 and 24 patches
@@ -20,8 +20,8 @@ GRID = [[1, 16, 16], [1, 8, 12], [2, 8, 8], [1, 4, 6]]  # frames of 256, 96, 64,
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint, tmp_path_factory):
-    from triton_vlm.limits import Limits
-    from triton_vlm.repository import BuildOptions
+    from triton_vlm.contract.limits import Limits
+    from triton_vlm.repository.options import BuildOptions
 
     # no queue delay: the second share is scheduled while the first is still running
     options = BuildOptions(encoder_backend="torch", encoder_instances=2, encoder_cache_bytes=0,
@@ -39,7 +39,7 @@ def patches_per_instance(server) -> dict[str, float]:
 
 def test_items_split_over_two_instances_and_joined_in_order(server, tiny_checkpoint):
     from triton_vlm.vision.batching import balance_items
-    from triton_vlm.vision.torch_encoder import TorchEncoder
+    from triton_vlm.vision.runtime.torch_encoder import TorchEncoder
 
     grid = np.array(GRID, dtype=np.int64)
     frames = np.repeat(np.concatenate([np.ones_like(grid[:, :1]), grid[:, 1:]], axis=1), grid[:, 0], axis=0)

@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from tests.test_e2e import chat, infer_direct, media_values
-from triton_vlm import samples
-from triton_vlm.client import generate
+from triton_vlm.clients.client import generate
 from triton_vlm.errors import InvalidInput
-from triton_vlm.evs import retained_tokens
 from triton_vlm.families.qwen2_5_vl import QWEN2_5_VL
-from triton_vlm.mrope import MediaSpan, complete_positions, pruned_mrope_positions
+from triton_vlm.media import samples
+from triton_vlm.media.evs import retained_tokens
+from triton_vlm.media.mrope import MediaSpan, complete_positions, pruned_mrope_positions
 
 IMG, VID = QWEN2_5_VL.image_placeholder, QWEN2_5_VL.video_placeholder
 RATES = (0.25, 0.5, 0.9)
@@ -258,11 +258,11 @@ def test_rate_zero_is_todays_output(server, hf, kind):
 def test_build_default_reaches_preprocess(tiny_checkpoint, tmp_path):
     import json
 
-    from triton_vlm.cli import build_options, parser
+    from triton_vlm.contract.params import PreprocessOptions
     from triton_vlm.families import detect_family
-    from triton_vlm.options import PreprocessOptions
-    from triton_vlm.preprocess import Preprocessor
-    from triton_vlm.repository import model_configs
+    from triton_vlm.preprocessing.preprocessor import Preprocessor
+    from triton_vlm.repository.configs import model_configs
+    from triton_vlm.tools.cli import build_options, parser
 
     args = parser().parse_args(["build", "--checkpoint", str(tiny_checkpoint), "--repo", "r",
                                 "--video-pruning-rate", "0.5"])
@@ -289,9 +289,10 @@ def glm_checkpoint(tmp_path_factory):
 
 
 def test_other_families_refuse_it(glm_checkpoint, tmp_path):
-    from triton_vlm.options import PreprocessOptions
-    from triton_vlm.preprocess import Preprocessor
-    from triton_vlm.repository import BuildOptions, build_repository
+    from triton_vlm.contract.params import PreprocessOptions
+    from triton_vlm.preprocessing.preprocessor import Preprocessor
+    from triton_vlm.repository.build import build_repository
+    from triton_vlm.repository.options import BuildOptions
 
     pre = Preprocessor(glm_checkpoint)
     with pytest.raises(InvalidInput, match=r"^mm_options: video_pruning_rate does not apply: glm4v"):

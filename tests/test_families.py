@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from triton_vlm.families.demo import write_demo_checkpoint
 from triton_vlm.families import FAMILIES, detect_family
+from triton_vlm.families.demo import write_demo_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +60,8 @@ def test_every_family_detects_its_own_model_type(glm_checkpoints):
 def test_the_family_names_its_tower_decoder_and_demo():
     """One registry: each family names its tower class and decoder spec; each has a demo checkpoint."""
     from triton_vlm.families.demo import Demo
-    from triton_vlm.llm.decoders import DecoderSpec
-    from triton_vlm.vision.tower import Tower
+    from triton_vlm.llm.layers.spec import DecoderSpec
+    from triton_vlm.vision.tower.base import Tower
 
     for family in FAMILIES.values():
         by_text_model = family.decoder if not isinstance(family.decoder, str) else {"": family.decoder}

@@ -20,9 +20,10 @@ import tritonclient.grpc as grpcclient
 
 from tests.metrics import wait_for
 from tests.servers import served
-from triton_vlm import samples
-from triton_vlm.client import RequestError, generate, generate_payload, grpc_inputs, http_generate, request_values
+from triton_vlm.clients.client import (RequestError, generate, generate_payload, grpc_inputs, http_generate,
+                                       request_values)
 from triton_vlm.families.qwen2_5_vl import QWEN2_5_VL
+from triton_vlm.media import samples
 
 PROMPT = "<|im_start|>user\nTell me a long story about a red car.<|im_end|>\n<|im_start|>assistant\n"
 LONG = 3000  # tokens asked for; the tiny model's context is 4096
@@ -90,7 +91,7 @@ def test_client_killed_mid_stream_stops_the_llm(server):
 @pytest.fixture(scope="module")
 def one_slot_server(tiny_checkpoint, tmp_path_factory):
     """A server whose `ensemble` takes one request at a time."""
-    from triton_vlm.repository import BuildOptions
+    from triton_vlm.repository.options import BuildOptions
 
     options = BuildOptions(max_inflight_requests=1, preprocess_instances=1, encoder_frontends=1)
     with served(tiny_checkpoint, tmp_path_factory, "one-slot", options) as running:
@@ -126,9 +127,10 @@ def test_queue_limits_are_build_options(tiny_checkpoint):
 
     from tritonclient.grpc import model_config_pb2 as mc
 
-    from triton_vlm.cli import build_options, parser
     from triton_vlm.families import detect_family
-    from triton_vlm.repository import BuildOptions, model_configs
+    from triton_vlm.repository.configs import model_configs
+    from triton_vlm.repository.options import BuildOptions
+    from triton_vlm.tools.cli import build_options, parser
 
     args = parser().parse_args(["build", "--checkpoint", "c", "--repo", "r", "--queue-timeout-ms", "1500",
                                 "--max-queue-size", "7", "--llm-queue-timeout-ms", "250", "--max-inflight-requests", "3"])
@@ -152,7 +154,7 @@ def test_queue_limits_are_build_options(tiny_checkpoint):
 def queue_server(tiny_checkpoint, tmp_path_factory):
     """A server whose llm runs one request at a time and lets the next wait 200 ms at most, and
     whose vision_encoder_batch holds every request 2 s for a batch, past the 1 s queue timeout."""
-    from triton_vlm.repository import BuildOptions
+    from triton_vlm.repository.options import BuildOptions
 
     options = BuildOptions(llm_max_running=1, llm_queue_timeout_ms=200, queue_timeout_ms=1000, max_queue_size=16,
                            encoder_max_queue_delay_us=2_000_000, preprocess_instances=1, encoder_frontends=1)
@@ -220,7 +222,7 @@ def test_a_dead_preprocess_instance_is_reported_and_its_model_reloaded(tiny_repo
     import os
     import signal
 
-    from triton_vlm.server import TritonServer
+    from triton_vlm.server.tritonserver import TritonServer
 
     events: list[str] = []
     with TritonServer(tiny_repo, log_file=tmp_path / "server.log", supervise=True, report=events.append) as server:
@@ -265,10 +267,10 @@ def _kill_and_close(pidfds: dict[int, int]) -> None:
 
 @pytest.mark.parametrize("goes_first", ["server", "stub", "no tritonserver"])
 def test_a_stub_watcher_kills_its_stub_when_the_server_goes_and_ends_with_the_stub(goes_first, tmp_path):
-    """triton_vlm.stub_watch with stand-in processes: a "server" (Python run as `tritonserver`)
+    """triton_vlm.server.stub_watch with stand-in processes: a "server" (Python run as `tritonserver`)
     whose child "stub" starts a watcher. A stub whose parent is no tritonserver (a server killed
     while it loaded the model leaves its stub to init) is killed at once."""
-    stub_code = "from triton_vlm import stub_watch; import time; stub_watch.start(); time.sleep(600)"
+    stub_code = "from triton_vlm.server import stub_watch; import time; stub_watch.start(); time.sleep(600)"
     server_code = ("import subprocess, sys, time; stub = subprocess.Popen([sys.executable, '-c', sys.argv[1]]); "
                    "print(stub.pid, flush=True); time.sleep(600)")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
@@ -305,9 +307,9 @@ def test_tritonserver_and_its_stubs_exit_when_the_python_process_that_started_it
     """A process holding a `TritonServer` that is SIGKILLed (a killed test run, a CI timeout)
     cannot stop it: the server gets SIGTERM from the kernel instead and shuts down with its stubs,
     removing its shared-memory regions as a clean exit does."""
-    code = ("import sys, time; from triton_vlm.server import TritonServer; "
+    code = ("import sys, time; from triton_vlm.server.tritonserver import TritonServer; "
             "server = TritonServer(sys.argv[1]).start(); print(server.process.pid, flush=True); time.sleep(600)")
-    from triton_vlm.server import _setpriv_with_pdeathsig
+    from triton_vlm.server.tritonserver import _setpriv_with_pdeathsig
 
     assert _setpriv_with_pdeathsig(), "no util-linux setpriv with --pdeathsig here"
     owner = subprocess.Popen([sys.executable, "-c", code, str(tiny_repo)], stdout=subprocess.PIPE, text=True,
@@ -336,9 +338,9 @@ def test_tritonserver_and_its_stubs_exit_when_the_python_process_that_started_it
 def test_every_stub_exits_when_tritonserver_is_killed(tiny_repo, tmp_path):
     """SIGKILL tritonserver while a request streams, so that stub threads are waiting on it (the
     llm's metrics and responses, the ensemble's BLS calls): every stub, and the watcher process
-    each one starts (triton_vlm.stub_watch), is gone within a bounded wait; the shared-memory
+    each one starts (triton_vlm.server.stub_watch), is gone within a bounded wait; the shared-memory
     regions the dead server leaves in /dev/shm are removed when it is stopped."""
-    from triton_vlm.server import TritonServer
+    from triton_vlm.server.tritonserver import TritonServer
 
     server = TritonServer(tiny_repo, log_file=tmp_path / "server.log").start()
     maps = Path(f"/proc/{server.process.pid}/maps").read_text()
@@ -373,7 +375,7 @@ def test_a_server_on_busy_ports_is_refused_before_it_starts(server, tiny_repo):
     """Readiness is asked over HTTP, so a second server on a busy port would take the running one's
     answers for its own (and its supervisor would reload the running one's models when it exits):
     it is refused before anything starts, naming the port, and the running server is untouched."""
-    from triton_vlm.server import ServerError, TritonServer
+    from triton_vlm.server.tritonserver import ServerError, TritonServer
 
     second = TritonServer(tiny_repo, http_port=server.http_port, supervise=True)
     with pytest.raises(ServerError, match=f"^HTTP port {server.http_port} already in use"):
@@ -394,7 +396,7 @@ def stuck_repository(root: Path, initialize: str) -> Path:
     (model / "1" / "model.py").write_text(textwrap.dedent("""\
         import pathlib
         import threading
-        import triton_vlm.triton_backend  # noqa: F401 (the stack dump on SIGUSR1)
+        import triton_vlm.serving.backend.pb  # noqa: F401 (the stack dump on SIGUSR1)
 
         class TritonPythonModel:
             def initialize(self, args):
@@ -406,7 +408,7 @@ def test_a_server_not_ready_in_time_is_stopped_and_the_error_says_where_it_stood
     """A start that times out (a model that never finishes loading, as in CI) names each model's
     state, the stubs running, the server's last lines and where each stub is: its threads' Python
     stacks and its main thread's native stack. It leaves nothing behind."""
-    from triton_vlm.server import NotReady, TritonServer
+    from triton_vlm.server.tritonserver import NotReady, TritonServer
 
     server = TritonServer(stuck_repository(tmp_path, "threading.Event().wait()  # a load that never ends\n"))
     with pytest.raises(NotReady) as error:
@@ -424,7 +426,7 @@ def test_a_server_not_ready_in_time_is_stopped_and_the_error_says_where_it_stood
 def test_a_supervised_server_not_ready_in_time_is_started_once_more(tmp_path):
     """`triton-vlm serve`'s server gets a second start when the first is not ready in time (the
     model here hangs in its first load only); the event says where the first stood."""
-    from triton_vlm.server import TritonServer
+    from triton_vlm.server.tritonserver import TritonServer
 
     marker = tmp_path / "loaded once"
     events: list[str] = []

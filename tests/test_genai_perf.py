@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from triton_vlm.loadtest import GenAIPerfRow, format_genai_perf, genai_perf
+from triton_vlm.tools.loadtest import GenAIPerfRow, format_genai_perf, genai_perf
 
 REQUESTS = 6
 
@@ -34,7 +34,7 @@ def test_bench_command_prints_genai_perfs_table(server, tiny_checkpoint):
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "triton_vlm.cli", "bench", "--tool", "genai-perf", "--url",
+    done = subprocess.run([sys.executable, "-m", "triton_vlm.tools.cli", "bench", "--tool", "genai-perf", "--url",
                            server.grpc_url, "--http-url", server.http_url, "--tokenizer", str(tiny_checkpoint),
                            "--concurrency", "1", "--max-tokens", "8", "--window-requests", str(REQUESTS)],
                           capture_output=True, text=True, timeout=600)

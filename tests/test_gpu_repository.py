@@ -7,15 +7,15 @@ import json
 import pytest
 from tritonclient.grpc import model_config_pb2 as mc
 
-from triton_vlm.options import EncoderBatchOptions, EncoderOptions, LLMOptions
+from triton_vlm.contract.params import EncoderBatchOptions, EncoderOptions, LLMOptions
 
 GPU, CPU = mc.ModelInstanceGroup.KIND_GPU, mc.ModelInstanceGroup.KIND_CPU
 
 
 def configs(checkpoint, *flags: str) -> dict[str, mc.ModelConfig]:
-    from triton_vlm.cli import build_options, parser
     from triton_vlm.families import detect_family
-    from triton_vlm.repository import check_pipeline, model_configs
+    from triton_vlm.repository.configs import check_pipeline, model_configs
+    from triton_vlm.tools.cli import build_options, parser
 
     args = parser().parse_args(["build", "--checkpoint", str(checkpoint), "--repo", "r", *flags])
     out = model_configs(detect_family(checkpoint), json.loads((checkpoint / "config.json").read_text()),
@@ -38,7 +38,7 @@ def test_gpu_build_places_llm_and_encoder_on_the_gpus(tiny_checkpoint, tmp_path)
     llm's `cuda` the instance's own GPU; preprocess, the front and the ensemble on the CPU."""
     from google.protobuf import text_format
 
-    from triton_vlm.cli import main
+    from triton_vlm.tools.cli import main
 
     repo = tmp_path / "repository"
     assert main(["build", "--checkpoint", str(tiny_checkpoint), "--repo", str(repo), "--device", "gpu",
@@ -63,7 +63,8 @@ def test_a_tensor_parallel_llm_instance_takes_a_run_of_gpus(tiny_checkpoint):
     import json
 
     from triton_vlm.families import detect_family
-    from triton_vlm.repository import BuildOptions, model_configs
+    from triton_vlm.repository.configs import model_configs
+    from triton_vlm.repository.options import BuildOptions
 
     config = json.loads((tiny_checkpoint / "config.json").read_text())
     options = BuildOptions(device="gpu", gpus="0,1,2,3", tensor_parallel=2, encoder_backend="torch")
@@ -76,7 +77,7 @@ def test_a_tensor_parallel_llm_instance_takes_a_run_of_gpus(tiny_checkpoint):
 
 
 def test_instance_device():
-    from triton_vlm.options import instance_device
+    from triton_vlm.contract.params import instance_device
 
     assert instance_device({"model_instance_kind": "GPU", "model_instance_device_id": "1"}, "cuda") == "cuda:1"
     assert instance_device({"model_instance_kind": "GPU", "model_instance_device_id": "1"}, "cuda:0") == "cuda:0"
@@ -86,7 +87,7 @@ def test_instance_device():
 def test_defaults_and_choices(tiny_checkpoint):
     import torch
 
-    from triton_vlm.vision.backends import default_backend
+    from triton_vlm.vision.runtime.backends import default_backend
 
     cpu = configs(tiny_checkpoint)
     assert placement(cpu["llm"])[0] == placement(cpu["vision_encoder_batch"])[0] == CPU
@@ -117,7 +118,7 @@ def test_bad_choices_are_named(tiny_checkpoint, flags, message):
 
 
 def test_the_pipeline_check_names_what_a_step_would_lack(tiny_checkpoint):
-    from triton_vlm.repository import check_pipeline
+    from triton_vlm.repository.configs import check_pipeline
 
     good = configs(tiny_checkpoint)
     steps = json.loads(good["ensemble"].parameters["steps"].string_value)

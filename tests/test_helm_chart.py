@@ -90,7 +90,7 @@ def _container(obj: dict) -> dict:
 def test_the_pods_run_what_triton_vlm_accepts(case):
     """The serving pod's `triton-vlm serve` and the build hook's `triton-vlm build`, parsed by the
     CLI's own parser; the build writes where the pods read, on the same claim."""
-    from triton_vlm.cli import build_options, parser
+    from triton_vlm.tools.cli import build_options, parser
 
     objects = by_kind(render(VALUES[case]))
     serve, build = _container(objects["Deployment"]), _container(objects["Job"])
@@ -115,7 +115,7 @@ def test_the_pods_run_what_triton_vlm_accepts(case):
 
 
 def test_pod_settings_follow_serve_and_the_python_backend():
-    from triton_vlm.server import EXIT_TIMEOUT_S
+    from triton_vlm.server.tritonserver import EXIT_TIMEOUT_S
 
     for case, gpus in (("default", 1), ("cpu", 0), ("hpa", 2)):
         pod = by_kind(render(VALUES[case]))["Deployment"]["spec"]["template"]["spec"]
@@ -174,7 +174,7 @@ def queries(pod: str) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def one_running_server(tiny_checkpoint, tmp_path_factory):
     """The llm runs one request at a time: the others wait, as under a load past `max_running`."""
-    from triton_vlm.repository import BuildOptions
+    from triton_vlm.repository.options import BuildOptions
 
     options = BuildOptions(llm_max_running=1, preprocess_instances=1, encoder_frontends=1)
     with served(tiny_checkpoint, tmp_path_factory, "helm", options) as running:
@@ -182,7 +182,7 @@ def one_running_server(tiny_checkpoint, tmp_path_factory):
 
 
 def test_the_autoscaling_metric_rises_above_its_target_under_load_and_falls_at_rest(one_running_server):
-    from triton_vlm.client import generate_payload, http_generate
+    from triton_vlm.clients.client import generate_payload, http_generate
 
     server = one_running_server
     pod = f"{RELEASE}-triton-vlm-6d4f9c7b8-x2x7q"

@@ -22,10 +22,10 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from triton_vlm import samples
-from triton_vlm.admin import ADMIN_HEADER, headers
-from triton_vlm.client import generate
+from triton_vlm.clients.client import generate
 from triton_vlm.families.qwen2_5_vl import QWEN2_5_VL
+from triton_vlm.media import samples
+from triton_vlm.server.admin import ADMIN_HEADER, headers
 
 KEY = "operator-" + secrets.token_urlsafe(16)
 PROMPT = f"<|im_start|>user\n{QWEN2_5_VL.image_placeholder}What is in the picture?<|im_end|>\n<|im_start|>assistant\n"
@@ -35,7 +35,7 @@ N = 8
 
 @pytest.fixture(scope="module")
 def guarded(tiny_repo, tmp_path_factory):
-    from triton_vlm.server import TritonServer
+    from triton_vlm.server.tritonserver import TritonServer
 
     log = tmp_path_factory.mktemp("isolation") / "tritonserver.log"
     with TritonServer(tiny_repo, supervise=True, admin_key=KEY, log_file=log) as server:
@@ -173,7 +173,7 @@ def test_the_operator_key_opens_the_admin_apis(guarded, expected):
 
 
 def test_serve_refuses_an_admin_key_triton_cannot_take():
-    from triton_vlm.server import TritonServer
+    from triton_vlm.server.tritonserver import TritonServer
 
     for bad in ("short", "has:colon-and-is-long-enough", "has,comma-and-is-long-enough", "spaces are not ok at all"):
         with pytest.raises(ValueError, match="admin key must be") as refused:

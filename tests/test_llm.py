@@ -18,13 +18,7 @@ import pytest
 import torch
 
 from triton_vlm.errors import InvalidInput
-from triton_vlm.llm import (
-    Engine,
-    GenerationOutput,
-    IncrementalDetokenizer,
-    SamplingParams,
-    prompt_logits,
-)
+from triton_vlm.llm import Engine, GenerationOutput, IncrementalDetokenizer, SamplingParams, prompt_logits
 
 PROMPTS = {
     "text": ("describe the red car on the road", [], []),
@@ -291,7 +285,7 @@ def test_cancel_frees_cache(engine, requests):
 def test_stops_for_ids_not_in_flight_are_bounded(engine, requests):
     """A stop that overtakes its request still ends it; stops for ids that never come (anyone may
     send them to the llm) are kept up to a bound, not forever."""
-    from triton_vlm.llm import engine as engine_module
+    from triton_vlm.llm.engine import engine as engine_module
 
     engine.cancel("early")
     col = submit(engine, requests["text"], SamplingParams(max_tokens=8), "early").wait()
@@ -337,7 +331,7 @@ def test_error_inside_loop_ends_request_and_engine_survives(ckpt, requests):
 def test_sampling_errors_end_only_the_rows_concerned(ckpt, engine, requests, monkeypatch):
     """A request whose logits turn NaN ends with "error"; the one sampled beside it in the same steps
     is unaffected. A failing batched draw ends the requests of that step only."""
-    from triton_vlm.llm import runner as runner_module
+    from triton_vlm.llm.engine import runner as runner_module
 
     req = requests["text"]
     seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=5)

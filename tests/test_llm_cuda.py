@@ -30,7 +30,7 @@ PROMPTS = ["describe the red car on the road", "a small dog runs over the bridge
 def test_paged_decode_kernel_matches_gathered_sdpa(dtype, heads, kv_heads, head_dim, rows):
     """Contexts of 1 token, within one block, on block edges and over many shuffled blocks; 6 rows
     (the context split over programs, `num_splits` > 1) and 300 (one program per row and KV head)."""
-    from triton_vlm.llm.cuda_attention import num_splits
+    from triton_vlm.llm.attention.cuda import num_splits
 
     torch.manual_seed(0)
     lengths = [1, 15, 16, 17, 300, 1000] + torch.randint(1, 200, (rows - 6,)).tolist()

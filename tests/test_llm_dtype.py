@@ -21,7 +21,7 @@ from tests.metrics import wait_for
 from tests.test_llm import hf_greedy_with_logits, llm_request, submit
 from tests.test_llm_minicpmv import PROMPTS as MINICPMV_PROMPTS
 from tests.test_llm_minicpmv import perturbed_checkpoint
-from triton_vlm.client import generate
+from triton_vlm.clients.client import generate
 from triton_vlm.llm import Engine, SamplingParams, prompt_logits
 
 MAX_TOKENS = 24
@@ -120,7 +120,7 @@ def test_prefill_logits_match_hf_bfloat16(bf16):
     value or to neighbours, and a one-ulp flip of an intermediate element moves a logit by a
     fraction of one ulp at the logits' scale. So the tolerance is one ulp at the largest logit,
     2^-7 max|z|, which no logit's own ulp exceeds: about 0.015 to 0.022 here (max|z| 1.8 to 2.8).
-    On CUDA three ulps: there the RMSNorms and rotaries are single kernels (`triton_vlm.llm.cuda_ops`:
+    On CUDA three ulps: there the RMSNorms and rotaries are single kernels (`triton_vlm.llm.layers.cuda_ops`:
     the norm's sum of squares in another order, a multiply-add possibly fused) and prefill attention
     is SDPA's causal flash kernel where transformers passes a mask, on top of the GEMM tilings; the
     flips add up over the layers. Measured on an H100: up to 2.3 ulps (a Qwen2.5-VL video prompt).
@@ -208,8 +208,8 @@ def test_kv_bytes_per_token_halve_in_bfloat16(tiny_checkpoint):
 @pytest.fixture(scope="module")
 def bf16_server(tiny_checkpoint, tmp_path_factory):
     """tritonserver on `triton-vlm build --llm-dtype bfloat16` of the tiny Qwen2.5-VL checkpoint."""
-    from triton_vlm.cli import main
-    from triton_vlm.server import TritonServer
+    from triton_vlm.server.tritonserver import TritonServer
+    from triton_vlm.tools.cli import main
 
     root = tmp_path_factory.mktemp("bf16-build")
     assert main(["build", "--checkpoint", str(tiny_checkpoint), "--repo", str(root / "repository"),

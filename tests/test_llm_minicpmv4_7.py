@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from tests.oracle import Oracle
-from tests.test_llm import (assert_matches_generate, assert_prefill_logits_match, greedy_in_steps, hf_greedy_with_logits,
-                            llm_request)
+from tests.test_llm import (assert_matches_generate, assert_prefill_logits_match, greedy_in_steps,
+                            hf_greedy_with_logits, llm_request)
 from tests.test_llm_minicpmv import perturbed_checkpoint
 from tests.test_preprocess_minicpmv import IMG, VID, _media, chat, image, video
 from triton_vlm.llm import Engine
@@ -89,7 +89,7 @@ def test_greedy_matches_hf_generate(hf, engine, requests, name, budget):
 
 def test_preprocess_gives_the_engine_its_positions(hf, requests):
     """`preprocess` on the same prompt gives the ids, positions and delta these requests carry."""
-    from triton_vlm.preprocess import Preprocessor
+    from triton_vlm.preprocessing.preprocessor import Preprocessor
 
     pre = Preprocessor(hf.checkpoint)
     for name, (text, images, videos) in PROMPTS.items():

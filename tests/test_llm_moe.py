@@ -23,12 +23,11 @@ import pytest
 import torch
 
 from tests.oracle import Oracle
+from tests.test_llm import (assert_chunked_concurrent_equal_alone, assert_matches_generate, assert_prefill_logits_match,
+                            hf_greedy_with_logits, llm_request, submit)
 from tests.test_llm_dtype import greedy_steps_within_tolerance, tolerance
-from tests.test_llm import (assert_chunked_concurrent_equal_alone, assert_matches_generate,
-                             assert_prefill_logits_match,
-                             hf_greedy_with_logits, llm_request, submit)
 from triton_vlm.llm import DecoderConfig, DecoderModel, Engine, SamplingParams, prompt_logits
-from triton_vlm.llm.moe import MoeConfig, route, run_experts
+from triton_vlm.llm.layers.moe import MoeConfig, route, run_experts
 
 PROMPTS = {
     "text": "describe the red car on the road",

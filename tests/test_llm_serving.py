@@ -8,7 +8,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from tests.metrics import wait_for
-from triton_vlm.client import generate, grpc_inputs
+from triton_vlm.clients.client import generate, grpc_inputs
 
 PROMPT = "<|im_start|>user\nTell me about a red car on the road.<|im_end|>\n<|im_start|>assistant\n"
 
@@ -56,7 +56,7 @@ def test_cancel_direct_stream_frees_blocks_and_is_seen_in_metrics(server, hf):
 
 
 def test_over_context_is_invalid_arg(server, hf):
-    from triton_vlm.client import RequestError
+    from triton_vlm.clients.client import RequestError
 
     context = hf.model.config.text_config.max_position_embeddings
     with pytest.raises(RequestError, match=f"context is {context}"):

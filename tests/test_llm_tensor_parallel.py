@@ -134,9 +134,10 @@ def test_served_split_llm_gives_generates_tokens(checkpoints, tmp_path_factory):
     from tests.oracle import Oracle
     from tests.servers import served
     from tests.test_e2e import assert_served_tokens
-    from triton_vlm import samples
     from triton_vlm.families.qwen2_5_vl import QWEN2_5_VL
-    from triton_vlm.repository import BuildOptions, build_repository
+    from triton_vlm.media import samples
+    from triton_vlm.repository.build import build_repository
+    from triton_vlm.repository.options import BuildOptions
 
     checkpoint = checkpoints["qwen2_5_vl"]
     with pytest.raises(ValueError, match="--tensor-parallel 3: tensor parallel 3: 4 attention heads"):
@@ -158,8 +159,9 @@ def test_a_dead_rank_under_serve_ends_its_requests_and_the_llm_is_reloaded(tiny_
     exits, `serve`'s supervisor reloads the model with new ranks, and later requests get
     transformers' tokens again."""
     from tests.test_faults import _children
-    from tests.test_step_faults import IMAGE, N, PROMPT, Load, check_recovery, supervised, wait_for_event
-    from triton_vlm.repository import BuildOptions, build_repository
+    from tests.test_step_faults import IMAGE, PROMPT, Load, N, check_recovery, supervised, wait_for_event
+    from triton_vlm.repository.build import build_repository
+    from triton_vlm.repository.options import BuildOptions
 
     repo = build_repository(tiny_checkpoint, tmp_path / "repository", BuildOptions(tensor_parallel=2))
     expected = hf.generate(hf.inputs(PROMPT, [IMAGE]), N)

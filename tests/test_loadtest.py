@@ -6,7 +6,7 @@ import sys
 
 
 def test_bench_prints_a_table_with_the_split_per_composing_model(server):
-    done = subprocess.run([sys.executable, "-m", "triton_vlm.cli", "bench", "--url", server.grpc_url,
+    done = subprocess.run([sys.executable, "-m", "triton_vlm.tools.cli", "bench", "--url", server.grpc_url,
                            "--kinds", "text,image", "--concurrency", "1:2:1", "--max-tokens", "4",
                            "--window-requests", "4"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""`triton_vlm.loopback`'s error codes, without a server: a gRPC call's status, a streamed error's
+"""`triton_vlm.serving.loopback`'s error codes, without a server: a gRPC call's status, a streamed error's
 `[CODE] ` prefix (the llm's, when the ensemble asks), refusals for now as UNAVAILABLE. The stream
 itself runs in every test that goes through the ensemble."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
 
-from triton_vlm.loopback import failure_of, with_code
-from triton_vlm.pipeline import Failure
+from triton_vlm.serving.loopback import failure_of, with_code
+from triton_vlm.serving.pipeline import Failure
 
 
 @pytest.mark.parametrize("status, code", [("StatusCode.INVALID_ARGUMENT", "INVALID_ARG"),
@@ -33,8 +33,9 @@ def test_untagged_refusal_for_now_is_unavailable():
 
 
 def test_unreachable_endpoint_is_named_in_the_error():
-    from triton_vlm.loopback import URL_ENV, GrpcSteps
-    from triton_vlm.server import free_port
+    from triton_vlm.contract.params import URL_ENV
+    from triton_vlm.server.tritonserver import free_port
+    from triton_vlm.serving.loopback import GrpcSteps
 
     url = f"127.0.0.1:{free_port()}"  # nothing listens there
     replies = list(GrpcSteps(url).stream("llm", {"input_ids": np.array([[1, 2]], dtype=np.int32)}, ["output_ids"], "r"))
@@ -46,8 +47,8 @@ def test_a_step_that_died_is_refused_or_aborted_never_waited_for():
     """`refusal` is asked once the request's stream is registered: a step that died before is
     refused without a call, and a death seen at that very moment (its `abort` comes before the
     stream starts) still ends the request, instead of its waiting for an answer that never comes."""
-    from triton_vlm.loopback import GrpcSteps
-    from triton_vlm.server import free_port
+    from triton_vlm.server.tritonserver import free_port
+    from triton_vlm.serving.loopback import GrpcSteps
 
     dead = Failure("UNAVAILABLE", "the llm step restarted; retry")
     url = f"127.0.0.1:{free_port()}"  # nothing listens there: a call would fail otherwise

@@ -18,16 +18,16 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from tests.metrics import wait_for
-from triton_vlm import samples
+from triton_vlm.clients.chat import load_chat_template, render_chat
+from triton_vlm.clients.client import generate, grpc_inputs, request_values
+from triton_vlm.errors import InvalidInput
+from triton_vlm.families import FAMILIES
 from triton_vlm.families.glm4v.demo import GLM_TEMPLATE
 from triton_vlm.families.llava.demo import LLAVA_TEMPLATE
 from triton_vlm.families.minicpmv.demo import MINICPMV_TEMPLATE
 from triton_vlm.families.qwen2_5_vl.demo import QWEN_TEMPLATE
-from triton_vlm.chat import load_chat_template, render_chat
-from triton_vlm.client import generate, grpc_inputs, request_values
-from triton_vlm.errors import InvalidInput
-from triton_vlm.families import FAMILIES
-from triton_vlm.server import _ended_with_this_process, free_port
+from triton_vlm.media import samples
+from triton_vlm.server.tritonserver import _ended_with_this_process, free_port
 
 MODEL = "tiny-qwen"
 IMAGE = samples.image_bytes(96, 64)
@@ -44,7 +44,7 @@ def api(server, tiny_checkpoint, tmp_path_factory):
     port = free_port()
     log = open(tmp_path_factory.mktemp("openai") / "openai.log", "w")
     # Ended with this process too (SIGTERM if a killed test run never reaches the `finally`).
-    command = _ended_with_this_process([sys.executable, "-m", "triton_vlm.cli", "openai", "--url", server.grpc_url,
+    command = _ended_with_this_process([sys.executable, "-m", "triton_vlm.tools.cli", "openai", "--url", server.grpc_url,
                                         "--checkpoint", str(tiny_checkpoint), "--port", str(port),
                                         "--model-name", MODEL])
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
@@ -214,7 +214,7 @@ def test_a_body_beyond_the_media_limits_is_413_before_it_is_read(api):
     import http.client
     import json
 
-    from triton_vlm.body_limit import TEXT_BYTES
+    from triton_vlm.clients.body_limit import TEXT_BYTES
 
     limit = -(-(2 << 20) // 3) * 4 + TEXT_BYTES
     host, port = api.base_url.host, api.base_url.port
@@ -304,7 +304,7 @@ def test_genai_perf_openai_vision_mode(api, tiny_checkpoint, tmp_path):
     """genai-perf's OpenAI multimodal mode (chat with synthetic images as data URLs) against this
     endpoint: every request answered, tokens streamed."""
     from tests.test_genai_perf import REQUESTS, check
-    from triton_vlm.loadtest import genai_perf
+    from triton_vlm.tools.loadtest import genai_perf
 
     url = str(api.base_url).removeprefix("http://").removesuffix("/v1/").removesuffix("/v1")
     check(genai_perf(url, "multimodal", tiny_checkpoint, model=MODEL, requests=REQUESTS, output_tokens=8,
@@ -318,10 +318,10 @@ def test_ensemble_errors_map_to_openai_statuses():
     restarts it) are 503s a client may retry; overload is 503 too, a bad request 400."""
     import grpc
 
-    from triton_vlm.client import RequestError
+    from triton_vlm.clients.client import RequestError
+    from triton_vlm.clients.openai_server import ensemble_error
     from triton_vlm.errors import busy
-    from triton_vlm.openai_server import ensemble_error
-    from triton_vlm.pipeline import restarted
+    from triton_vlm.serving.pipeline import restarted
 
     def answer(error) -> tuple[int, str]:
         body = ensemble_error(error).body()["error"]

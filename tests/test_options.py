@@ -1,4 +1,4 @@
-"""Typed model parameters (triton_vlm.options): written by the build, read back by the models."""
+"""Typed model parameters (triton_vlm.contract.params): written by the build, read back by the models."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,14 +6,15 @@ import json
 
 import pytest
 
-from triton_vlm.limits import Limits
-from triton_vlm.options import EncoderBatchOptions, EncoderOptions, LLMOptions
+from triton_vlm.contract.limits import Limits
+from triton_vlm.contract.params import EncoderBatchOptions, EncoderOptions, LLMOptions
 
 SAMPLES = [
     LLMOptions(device="cuda:1", dtype="bfloat16", kv_cache_tokens=4096, kv_cache_bytes=1 << 30, block_size=32,
                prefix_caching=True, max_running=7, max_num_tokens=1024, queue_timeout_ms=250),
     EncoderOptions(batch_model="vision_encoder_batch", patch_dim=1176, hidden=2048, spatial_merge_size=2,
-                   max_batch_patches=65536, query_num=64),
+                   max_batch_patches=65536, packed_frames=True, extras="temporal_ids",
+                   rows="triton_vlm.vision.tower.rows:embedding_rows", tower_settings='{"query_num": 64}'),
     EncoderBatchOptions(instances=3, cache_bytes=1 << 20, engine_file="encoder.plan"),
     EncoderBatchOptions(instances=2, encoder_file="../../vision_encoder/1/encoder.onnx", intra_op_threads=4),
     EncoderBatchOptions(instances=2, backend="torch", weights_dir="checkpoint", dtype="bfloat16"),
@@ -50,7 +51,7 @@ def test_bad_or_missing_values_are_named():
 def test_the_engines_settings_are_llm_options(tiny_checkpoint):
     """The llm model's parameters are the Engine's settings, declared once: every field reaches
     the engine as given, and a name that is not one is refused before anything is loaded."""
-    from triton_vlm.llm.engine import Engine
+    from triton_vlm.llm.engine.engine import Engine
 
     options = LLMOptions(kv_cache_tokens=512, block_size=8, prefix_caching=True, max_running=3, max_num_tokens=64,
                          queue_timeout_ms=250, cuda_graphs=False)
@@ -65,8 +66,10 @@ def test_the_engines_settings_are_llm_options(tiny_checkpoint):
 
 @pytest.mark.parametrize("device", ["cpu", "gpu"])
 def test_build_writes_what_the_models_read(tiny_checkpoint, device):
+    from triton_vlm.contract.tensors import ENCODER_BATCH_MODEL
     from triton_vlm.families import detect_family
-    from triton_vlm.repository import ENCODER_BATCH_MODEL, BuildOptions, model_configs
+    from triton_vlm.repository.configs import model_configs
+    from triton_vlm.repository.options import BuildOptions
 
     options = BuildOptions(device=device, encoder_backend="tensorrt" if device == "gpu" else "", kv_cache_tokens=8192, kv_block_size=32, prefix_caching=False,
                            llm_max_running=5, llm_max_num_tokens=256, llm_queue_timeout_ms=900, encoder_instances=2,

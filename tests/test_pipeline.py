@@ -1,4 +1,4 @@
-"""`triton_vlm.pipeline.Pipeline` without Triton: fake steps and clients, real threads."""
+"""`triton_vlm.serving.pipeline.Pipeline` without Triton: fake steps and clients, real threads."""
 from __future__ import annotations
 
 import threading
@@ -6,8 +6,9 @@ import time
 
 import pytest
 
+from triton_vlm.contract.tensors import Step
 from triton_vlm.errors import InvalidInput
-from triton_vlm.pipeline import Failure, Pipeline, Reply, Step, StepFailed, step_failure
+from triton_vlm.serving.pipeline import Failure, Pipeline, Reply, StepFailed, step_failure
 
 TIMEOUT = 10
 STEPS = [Step("preprocess", ("text_input",), ("input_ids",)), Step("encoder", ("input_ids",), ("embeddings",)),

@@ -26,8 +26,8 @@ import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from triton_vlm.errors import InvalidInput  # noqa: E402
-from triton_vlm.mrope import MediaSpan, mrope_positions  # noqa: E402
-from triton_vlm.preprocess import Preprocessor  # noqa: E402
+from triton_vlm.media.mrope import MediaSpan, mrope_positions  # noqa: E402
+from triton_vlm.preprocessing.preprocessor import Preprocessor  # noqa: E402
 
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
 VID = "<|vision_start|><|video_pad|><|vision_end|>"
@@ -355,7 +355,7 @@ def test_corrupt_image_names_the_input(pre, media):
 
 
 def test_truncated_image_says_how_many_bytes_arrived(pre):
-    from triton_vlm import samples
+    from triton_vlm.media import samples
 
     jpeg = samples.image_bytes(64, 48)
     cut = jpeg[: len(jpeg) // 2]
@@ -387,7 +387,7 @@ def test_bad_mm_options(pre, media):
 
 
 def test_limits(pre, media, ckpt):
-    from triton_vlm.limits import Limits
+    from triton_vlm.contract.limits import Limits
 
     small = Preprocessor(ckpt, Limits(max_media_items=2, max_image_pixels=200 * 200, max_video_frames=4))
     with pytest.raises(InvalidInput, match=r"max_media_items=2"):

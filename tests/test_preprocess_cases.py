@@ -212,7 +212,7 @@ def test_rotation_metadata_as_the_hf_loader(pre, tmp_path):
     from transformers.video_utils import load_video
 
     from triton_vlm.families.qwen2_5_vl.processor import sample_frames
-    from triton_vlm.media import decode_video
+    from triton_vlm.media.videos import decode_video
 
     data = _encode(_frames(10, 96, 64), 10, rotation=90)
     with av.open(io.BytesIO(data)) as container:
@@ -240,7 +240,7 @@ class _FakeContainer:
 
 @pytest.mark.parametrize("rates", [(None, None), (Fraction(0, 1), None), (Fraction(0, 1), Fraction(0, 1))])
 def test_fps_missing_or_zero_comes_from_timestamps(rates):
-    from triton_vlm.media import _FALLBACK_FPS, _stream_fps
+    from triton_vlm.media.videos import _FALLBACK_FPS, _stream_fps
 
     stream = _FakeStream(*rates)
     assert _stream_fps(stream, _FakeContainer(), 11, [0, 100, 200, 300, 400, 500, 600, 700, 800, 900, 1000]) == 10.0
@@ -251,8 +251,8 @@ def test_fps_missing_or_zero_comes_from_timestamps(rates):
 
 def test_h264_fast_path_equals_full_decode(monkeypatch):
     """The packet-skipping H.264 path keeps exactly the frames decoding everything would."""
-    from triton_vlm import media
     from triton_vlm.families.qwen2_5_vl.processor import sample_frames
+    from triton_vlm.media import videos as media
 
     data = _encode(_frames(150, 64, 48), 30)
     for sampler in (partial(sample_frames, fps=2.0), partial(sample_frames, num_frames=6),
@@ -304,7 +304,7 @@ def test_mm_option_override(options, hf_kwargs, pre, hf_processor, hf_model, ckp
 def test_planned_video_falls_back_to_full_decode(pre, monkeypatch):
     """When the H.264 fast path cannot vouch for its frames, phase 2 decodes everything instead
     and the outputs are the same."""
-    from triton_vlm import media
+    from triton_vlm.media import videos as media
 
     data = _encode(_frames(40, 96, 64), 10)
     expected = pre(f"{IMG}{VID}", [_image_bytes(90, 60, "JPEG")], [data])
@@ -319,7 +319,8 @@ def test_a_bug_of_ours_is_not_an_undecodable_input(pre, monkeypatch):
     """Only the decoders' own errors become InvalidInput; an error of our code around them (here a
     TypeError in the frame conversion, on the H.264 fast path and on the full decode, and in
     the image conversion) propagates, so the server answers INTERNAL instead of blaming the input."""
-    from triton_vlm import media, preprocess
+    from triton_vlm.media import videos as media
+    from triton_vlm.preprocessing import items as preprocess
 
     def broken(*args, **kwargs):
         raise TypeError("a bug of ours")

@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from tests.test_preprocess import IMG, VID
+from triton_vlm.contract.limits import Limits
 from triton_vlm.errors import InvalidInput
-from triton_vlm.limits import Limits
-from triton_vlm.preprocess import Preprocessor
+from triton_vlm.preprocessing.preprocessor import Preprocessor
 
 
 def _image(fmt: str) -> bytes:

@@ -24,15 +24,16 @@ import numpy as np
 import pytest
 
 from tests.oracle import Oracle
-from triton_vlm import samples
+from triton_vlm.contract.limits import Limits
 from triton_vlm.errors import InvalidInput
 from triton_vlm.families import get_family
 from triton_vlm.families.glm4v import GLM4V
 from triton_vlm.families.glm4v.processor import resize_rule, sample_frames_glm4v
-from triton_vlm.imaging import VisionSettings
-from triton_vlm.limits import Limits
-from triton_vlm.media import VideoMetadata, video_facts
-from triton_vlm.preprocess import Preprocessor, _bind_sampler
+from triton_vlm.media import samples
+from triton_vlm.media.sizing import VisionSettings
+from triton_vlm.media.videos import VideoMetadata, video_facts
+from triton_vlm.preprocessing.items import bind_sampler
+from triton_vlm.preprocessing.preprocessor import Preprocessor
 
 VARIANTS = ("glm4v", "glm46v", "glmga")
 ALL_VARIANTS = VARIANTS + ("glm_ocr", "glm4v_moe")
@@ -71,7 +72,7 @@ def image(width: int, height: int, fmt: str = "JPEG") -> bytes:
 
 def bound_sampler(pre: Preprocessor):
     """The frame sampler `pre` uses for a request without options."""
-    return _bind_sampler(pre.family.processor.sample_frames, pre.video_sampling, pre.video_settings)
+    return bind_sampler(pre.family.processor.sample_frames, pre.video_sampling, pre.video_settings)
 
 
 def even(indices) -> list[int]:
@@ -452,8 +453,8 @@ def test_no_assert_in_request_path():
     import triton_vlm
 
     root = Path(triton_vlm.__file__).parent
-    files = [root / name for name in ("preprocess.py", "media.py", "imaging.py", "mrope.py")]
-    files += sorted((root / "families").rglob("*.py"))
+    files = sorted((root / "preprocessing").rglob("*.py")) + sorted((root / "media").rglob("*.py"))
+    files += sorted((root / "families").rglob("*.py")) + sorted((root / "contract").rglob("*.py"))
     for path in files:
         tree = ast.parse(path.read_text())
         asserts = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Assert)]

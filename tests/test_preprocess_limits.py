@@ -12,9 +12,9 @@ import pytest
 from PIL import Image
 
 from tests.test_preprocess import IMG, VID, _image_bytes, _video_bytes
+from triton_vlm.contract.limits import DEFAULT_LIMITS, Limits
 from triton_vlm.errors import InvalidInput
-from triton_vlm.limits import DEFAULT_LIMITS, Limits
-from triton_vlm.preprocess import Preprocessor
+from triton_vlm.preprocessing.preprocessor import Preprocessor
 
 
 def _png_claiming(width: int, height: int) -> bytes:
@@ -89,9 +89,10 @@ def test_media_are_bytes_only(pre, tmp_path):
 def test_limits_are_build_options(tiny_checkpoint):
     import json
 
-    from triton_vlm.cli import parser
     from triton_vlm.families import detect_family
-    from triton_vlm.repository import BuildOptions, model_configs
+    from triton_vlm.repository.configs import model_configs
+    from triton_vlm.repository.options import BuildOptions
+    from triton_vlm.tools.cli import parser
 
     limits = Limits(max_item_bytes=1234, max_request_bytes=5678, max_image_pixels=99, max_video_frames=8,
                     max_video_source_frames=100, max_media_items=3, max_aspect_ratio=50.5, max_prompt_tokens=777)

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 
 from tests.oracle import Oracle
-from triton_vlm import samples
 from triton_vlm.errors import InvalidInput
 from triton_vlm.families.llava.processor import IMAGE_TOKEN as IMG
+from triton_vlm.media import samples
 
 # Demo checkpoint overrides (`triton_vlm.families.llava.demo.LLAVA_SIZES`, tiny: 112 px images, 14 px patches).
 VARIANTS: dict[str, dict] = {
@@ -92,7 +92,7 @@ def hf_rows(oracle: Oracle, inputs: dict) -> tuple[np.ndarray, np.ndarray]:
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def case(request, llava_checkpoints):
-    from triton_vlm.preprocess import Preprocessor
+    from triton_vlm.preprocessing.preprocessor import Preprocessor
 
     checkpoint = llava_checkpoints[request.param]
     return Preprocessor(checkpoint), Oracle(checkpoint)
@@ -167,7 +167,7 @@ def test_center_crop_pads_as_transformers_does():
     from transformers import CLIPImageProcessor
     from transformers.image_utils import SizeDict
 
-    from triton_vlm.imaging import center_crop
+    from triton_vlm.media.frames import center_crop
 
     frames = np.random.default_rng(0).integers(0, 256, (1, 37, 52, 3), dtype=np.uint8)
     processor = CLIPImageProcessor()
@@ -183,7 +183,7 @@ def test_unsupported_processor_and_decoder_flags_are_refused(llava_checkpoints, 
     import shutil
 
     from triton_vlm.llm import DecoderConfig
-    from triton_vlm.preprocess import Preprocessor
+    from triton_vlm.preprocessing.preprocessor import Preprocessor
 
     checkpoint = shutil.copytree(llava_checkpoints["clip-llama"], tmp_path / "ckpt")
     processor = json.loads((checkpoint / "processor_config.json").read_text())

@@ -21,10 +21,11 @@ import pytest
 
 from tests.oracle import decode_frames
 from triton_vlm.errors import InvalidInput
-from triton_vlm import samples
 from triton_vlm.families.llava.demo import grid_pinpoints
-from triton_vlm.families.llava.onevision import IMAGE_TOKEN as IMG, VIDEO_TOKEN as VID
+from triton_vlm.families.llava.onevision import IMAGE_TOKEN as IMG
+from triton_vlm.families.llava.onevision import VIDEO_TOKEN as VID
 from triton_vlm.families.llava.tower import patch_rows
+from triton_vlm.media import samples
 
 CASES = [[(640, 480)], [(60, 300)], [(1920, 1080)], [(70, 70)], [(31, 17)], [(200, 100), (31, 17)],
          [(640, 480), (90, 700), (70, 70)]]
@@ -54,7 +55,7 @@ def processor(checkpoint):
 
 @pytest.fixture(scope="module")
 def preprocessor(checkpoint):
-    from triton_vlm.preprocess import Preprocessor
+    from triton_vlm.preprocessing.preprocessor import Preprocessor
 
     return Preprocessor(checkpoint)
 

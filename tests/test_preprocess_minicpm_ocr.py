@@ -19,10 +19,10 @@ import pytest
 
 from tests.oracle import Oracle
 from tests.test_preprocess_minicpmv import IMG, VID, chat, check_against_hf, image, model_positions, video
-from triton_vlm import samples
 from triton_vlm.errors import InvalidInput
 from triton_vlm.families.minicpmv.ocr import glyph_resolution
-from triton_vlm.preprocess import Preprocessor
+from triton_vlm.media import samples
+from triton_vlm.preprocessing.preprocessor import Preprocessor
 
 
 @cache

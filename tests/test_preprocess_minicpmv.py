@@ -21,11 +21,11 @@ import pytest
 import torch
 
 from tests.oracle import Oracle, decode_frames
-from triton_vlm import samples
 from triton_vlm.errors import InvalidInput
 from triton_vlm.families.minicpmv.v4_6 import IMAGE_TOKEN, VIDEO_TOKEN, sample_frames
-from triton_vlm.media import VideoMetadata
-from triton_vlm.preprocess import Preprocessor
+from triton_vlm.media import samples
+from triton_vlm.media.videos import VideoMetadata
+from triton_vlm.preprocessing.preprocessor import Preprocessor
 
 PIXEL_TOL = 1e-4
 IMG, VID = IMAGE_TOKEN, VIDEO_TOKEN

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 from tests.minicpmv4_5_golden import CASES, GOLDEN, IMAGE_CASES
-from triton_vlm.preprocess import Preprocessor
-
+from triton_vlm.preprocessing.preprocessor import Preprocessor
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +114,7 @@ def test_the_chosen_frames_are_the_golden_ones_decoded_alike():
     from functools import partial
 
     from triton_vlm.families.minicpmv.v4_5 import sample_frames
-    from triton_vlm.media import decode_video
+    from triton_vlm.media.videos import decode_video
 
     frames, meta = decode_video(video_bytes(), "videos[0]", partial(sample_frames, fps=VIDEO["video"]["choose_fps"]))
     assert meta.frames_indices.tolist() == VIDEO["video"]["frame_indices"]
@@ -153,8 +152,8 @@ def test_an_image_beside_a_video_keeps_its_slices_and_id(preprocessor, golden):
     ({}, {"force_packing": 0}, r"^mm_options: force_packing must be a positive integer$"),
 ])
 def test_a_video_over_a_limit_is_refused_naming_it(limits, options, message):
+    from triton_vlm.contract.limits import Limits
     from triton_vlm.errors import InvalidInput
-    from triton_vlm.limits import Limits
 
     with pytest.raises(InvalidInput, match=message):
         Preprocessor(GOLDEN, Limits(**limits))(video_prompt(), [], [video_bytes()], options)

@@ -18,7 +18,7 @@ import torch
 from tests.oracle import Oracle
 from tests.test_preprocess_minicpmv import IMG, VID, chat, check_against_hf, image, video
 from triton_vlm.families.minicpmv.canvas_mrope import crop_positions
-from triton_vlm.preprocess import Preprocessor
+from triton_vlm.preprocessing.preprocessor import Preprocessor
 
 SIZES = [(448, 448), (640, 480), (1920, 1080), (4000, 1000), (200, 100)]
 PROMPTS = {

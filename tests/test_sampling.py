@@ -7,18 +7,12 @@ import random
 
 import pytest
 import torch
-from transformers.generation.logits_process import (
-    LogitsProcessorList,
-    MinNewTokensLengthLogitsProcessor,
-    NoBadWordsLogitsProcessor,
-    RepetitionPenaltyLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
+from transformers.generation.logits_process import (LogitsProcessorList, MinNewTokensLengthLogitsProcessor,
+                                                    NoBadWordsLogitsProcessor, RepetitionPenaltyLogitsProcessor,
+                                                    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from triton_vlm.errors import InvalidInput
-from triton_vlm.llm.sampling import NO_TOKEN, SamplingParams, make_generator, sample_batch, token_logprobs
+from triton_vlm.llm.engine.sampling import NO_TOKEN, SamplingParams, make_generator, sample_batch, token_logprobs
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 

@@ -6,10 +6,10 @@ import random
 import pytest
 import torch
 
-from triton_vlm.llm.block_manager import BlockManager
-from triton_vlm.llm.sampling import SamplingParams
-from triton_vlm.llm.scheduler import Scheduler
-from triton_vlm.llm.sequence import Sequence
+from triton_vlm.llm.engine.block_manager import BlockManager
+from triton_vlm.llm.engine.sampling import SamplingParams
+from triton_vlm.llm.engine.scheduler import Scheduler
+from triton_vlm.llm.engine.sequence import Sequence
 
 
 def make_seq(name: str, prompt_len: int, arrival: int, max_tokens: int = 8, keys: list[bytes] | None = None,

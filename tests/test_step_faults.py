@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 
 from tests.metrics import wait_for
-from triton_vlm import samples
-from triton_vlm.client import RequestError, generate, generate_payload, http_generate
+from triton_vlm.clients.client import RequestError, generate, generate_payload, http_generate
 from triton_vlm.families.qwen2_5_vl import QWEN2_5_VL
-from triton_vlm.pipeline import restarted
+from triton_vlm.media import samples
+from triton_vlm.serving.pipeline import restarted
 
 PROMPT = f"<|im_start|>user\n{QWEN2_5_VL.image_placeholder}What is in the picture?<|im_end|>\n<|im_start|>assistant\n"
 IMAGE = samples.image_bytes(320, 240)
@@ -112,7 +112,7 @@ class Load:
 def supervised(tiny_repo, tmp_path):
     """A server as `triton-vlm serve` runs it, with its supervisor's events; on the way out it is
     stopped as serve stops it (SIGTERM), which must take no longer than its exit timeout."""
-    from triton_vlm.server import EXIT_TIMEOUT_S, TritonServer
+    from triton_vlm.server.tritonserver import EXIT_TIMEOUT_S, TritonServer
 
     events: list[str] = []
     server = TritonServer(tiny_repo, supervise=True, report=events.append, log_file=tmp_path / "server.log")

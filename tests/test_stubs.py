@@ -1,4 +1,4 @@
-"""`triton_vlm.stubs.StepWatch` with stand-in processes: a "server" that starts "stubs" (Python run
+"""`triton_vlm.server.stubs.StepWatch` with stand-in processes: a "server" that starts "stubs" (Python run
 as `triton_python_backend_stub` on a REPOSITORY/MODEL/1/model.py that sleeps, with the instance name
 where Triton puts it) when told to."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from triton_vlm.stubs import StepWatch, model_of, stub_processes
+from triton_vlm.server.stubs import StepWatch, model_of, stub_processes
 
 PERIOD = 0.02
 SERVER = """

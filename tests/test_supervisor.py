@@ -1,4 +1,4 @@
-"""`triton_vlm.supervisor.Supervisor`'s restarts, on a stand-in server whose "tritonserver" is a
+"""`triton_vlm.server.supervisor.Supervisor`'s restarts, on a stand-in server whose "tritonserver" is a
 process that exits at once (a crash loop): each exit is restarted until MAX_RESTARTS within
 RESTART_WINDOW_S, then the supervisor gives up and `replaced` tells the waiter so; a stop ends
 it without a restart."""
@@ -8,7 +8,7 @@ import subprocess
 import sys
 import threading
 
-from triton_vlm.supervisor import MAX_RESTARTS, Supervisor
+from triton_vlm.server.supervisor import MAX_RESTARTS, Supervisor
 
 
 class StandInServer:

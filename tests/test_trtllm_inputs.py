@@ -10,9 +10,9 @@ import torch
 import tritonclient.grpc as grpcclient
 from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList
 
-from triton_vlm import samples
-from triton_vlm.client import RequestError, generate_payload, grpc_inputs, http_generate, request_values
+from triton_vlm.clients.client import RequestError, generate_payload, grpc_inputs, http_generate, request_values
 from triton_vlm.families.qwen2_5_vl import QWEN2_5_VL
+from triton_vlm.media import samples
 
 PROMPT = "<|im_start|>user\nTell me about a red car on the road.<|im_end|>\n<|im_start|>assistant\n"
 IMAGE_PROMPT = ("<|im_start|>user\n" + QWEN2_5_VL.image_placeholder + "What is in the picture?<|im_end|>\n"
@@ -269,9 +269,9 @@ def test_a_tensorrtllm_input_we_do_not_take_is_refused_by_triton_naming_it(serve
 def test_a_response_holds_only_the_requested_outputs():
     """python_backend r24.10 drops outputs a client did not ask for without the GIL (a race that
     frees numpy arrays under other threads): the llm builds only what was asked for."""
-    from triton_vlm.llm.output import GenerationOutput
-    from triton_vlm.llm.responses import ResponseBuilder
-    from triton_vlm.sampling_params import SamplingParams
+    from triton_vlm.contract.sampling import SamplingParams
+    from triton_vlm.llm.engine.responses import ResponseBuilder
+    from triton_vlm.llm.engine.streaming import GenerationOutput
 
     params = SamplingParams.from_inputs({"max_tokens": np.array([4], np.int32),
                                          "return_log_probs": np.array([True]),
@@ -292,9 +292,9 @@ def test_a_response_holds_only_the_requested_outputs():
 def test_clients_asking_for_text_output_alone_get_it(server, model):
     """Streamed requests that ask for one output, several at once, get that output alone and the
     same text as a request asking for all (the model sends nothing for the stub to drop)."""
-    from triton_vlm.client import generate
-
     from tritonclient.utils import np_to_triton_dtype
+
+    from triton_vlm.clients.client import generate
 
     text = {"text_input": tensor(PROMPT, "BYTES")}
     if model == "llm":

@@ -16,7 +16,7 @@ import torch
 
 from tests.encoder_checks import check_engine_graphs, check_profile_covers, rel_err
 from triton_vlm.errors import InvalidInput
-from triton_vlm.vision import get_tower
+from triton_vlm.families import get_family
 from triton_vlm.families.qwen2_5_vl.tower import Qwen2_5_VLTower as q
 
 GRIDS = {
@@ -64,7 +64,7 @@ def reference(hf_model, settings):
 
 @pytest.fixture(scope="session")
 def onnx_paths(checkpoint, tmp_path_factory):
-    from triton_vlm.vision.export import export_onnx
+    from triton_vlm.vision.runtime.export import export_onnx
 
     out = tmp_path_factory.mktemp("vision_onnx")
     return {dt: export_onnx(checkpoint, out / f"vision_{dt}.onnx", dtype=dt) for dt in ("float32", "float16")}
@@ -72,7 +72,7 @@ def onnx_paths(checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def encoder(onnx_paths):
-    from triton_vlm.vision.encoder import VisionEncoder
+    from triton_vlm.vision.runtime.encoder import VisionEncoder
 
     return VisionEncoder(onnx_paths["float32"])
 
@@ -147,7 +147,7 @@ def test_onnx_graph_is_dynamic(encoder, settings):
     assert all(isinstance(d, str) for d in inputs["window_index"].shape + inputs["full_index"].shape)
     out = encoder.session.get_outputs()[0]
     assert out.name == "embeddings" and out.shape[1] == settings["out_hidden_size"]
-    assert encoder.family == "qwen2_5_vl" and get_tower(encoder.family) is q
+    assert encoder.family == "qwen2_5_vl" and get_family(encoder.family).tower_class() is q
 
 
 @pytest.mark.parametrize("name", sorted(GRIDS))
@@ -167,7 +167,7 @@ def test_onnx_one_run_with_padded_groups(name, encoder, reference):
 
 @pytest.mark.parametrize("name", ["mixed_sizes", "image_and_video", "video_4_frames"])
 def test_onnx_small_runs(name, onnx_paths, reference):
-    from triton_vlm.vision.encoder import VisionEncoder
+    from triton_vlm.vision.runtime.encoder import VisionEncoder
 
     enc = VisionEncoder(onnx_paths["float32"], intra_op_threads=1, max_patches_per_run=64)
     px, grid, ref = reference(name)
@@ -183,7 +183,7 @@ def test_zero_items(encoder, settings):
 
 
 def test_onnx_fp16_matches_hf(onnx_paths, reference):
-    from triton_vlm.vision.encoder import VisionEncoder
+    from triton_vlm.vision.runtime.encoder import VisionEncoder
 
     enc = VisionEncoder(onnx_paths["float16"])
     for name in ("640x480", "image_and_video", "tiny"):
@@ -231,7 +231,7 @@ def test_fullatt_blocks_are_full_attention_and_matter(checkpoint, settings, refe
 
 
 def test_tensorrt_module_imports_without_tensorrt_and_profiles_cover_the_inputs(settings):
-    from triton_vlm.vision.tensorrt_engine import EngineProfile
+    from triton_vlm.vision.runtime.tensorrt_engine import EngineProfile
 
     # The largest metadata of any grid within max patches fits the profile.
     check_profile_covers("qwen2_5_vl", q, settings, EngineProfile(4, 1024, 4096),
@@ -245,7 +245,8 @@ def test_tensorrt_engines_are_built_from_the_export_of_their_precision(checkpoin
 
 
 def test_gpu_build_refuses_a_cpu_graph_dtype(checkpoint, tmp_path):
-    from triton_vlm.repository import BuildOptions, build_repository
+    from triton_vlm.repository.build import build_repository
+    from triton_vlm.repository.options import BuildOptions
 
     with pytest.raises(ValueError, match="--trt-precision"):
         build_repository(checkpoint, tmp_path / "repository",
@@ -257,7 +258,8 @@ def test_encoder_configs_cpu_and_gpu(checkpoint):
     import json
 
     from triton_vlm.families import detect_family
-    from triton_vlm.repository import BuildOptions, check_pipeline, model_configs
+    from triton_vlm.repository.configs import check_pipeline, model_configs
+    from triton_vlm.repository.options import BuildOptions
 
     config = json.loads((checkpoint / "config.json").read_text())
     for device in ("cpu", "gpu"):

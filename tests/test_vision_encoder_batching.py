@@ -9,21 +9,23 @@ import pytest
 import torch
 
 from tests.encoder_checks import rel_err
+from triton_vlm.contract.messages import EncoderBatchRequest
+from triton_vlm.contract.tensors import EXTRA
 from triton_vlm.errors import InvalidInput
 from triton_vlm.vision import batching as b
 
 
 def request(grid, width, seed):
-    """(pixel rows, grid_thw, temporal ids: none) of a `BatchedEncoder.encode_many` request."""
+    """(pixel rows, grid_thw, extras: none) of a `BatchedEncoder.encode_many` request."""
     grid = np.array(grid, dtype=np.int64).reshape(-1, 3)
     rng = np.random.default_rng(seed)
-    return rng.standard_normal((int(grid.prod(1).sum()), width)).astype(np.float32), grid, None
+    return rng.standard_normal((int(grid.prod(1).sum()), width)).astype(np.float32), grid, {}
 
 
 @pytest.fixture(scope="module")
 def encoder(tiny_checkpoint, tmp_path_factory):
-    from triton_vlm.vision.encoder import VisionEncoder
-    from triton_vlm.vision.export import export_onnx
+    from triton_vlm.vision.runtime.encoder import VisionEncoder
+    from triton_vlm.vision.runtime.export import export_onnx
 
     return VisionEncoder(export_onnx(tiny_checkpoint, tmp_path_factory.mktemp("batching") / "enc.onnx"))
 
@@ -105,16 +107,16 @@ def test_same_item_in_one_batch_and_later_is_computed_once_and_bit_identical(enc
     width = encoder.patch_dim
     image = request([[1, 22, 36]], width, 7)
     other = request([[1, 8, 8]], width, 8)
-    both = (np.concatenate([image[0], other[0]]), np.concatenate([image[1], other[1]]), None)
+    both = (np.concatenate([image[0], other[0]]), np.concatenate([image[1], other[1]]), {})
     cache = b.EmbeddingCache(1 << 20)
     calls = []
 
     class Counting:
         embedding_rows = staticmethod(encoder.embedding_rows)
 
-        def encode(self, pixels, grid, temporal_ids):
+        def encode(self, pixels, grid, extras):
             calls.append(grid.tolist())
-            return encoder.encode(pixels, grid, temporal_ids)
+            return encoder.encode(pixels, grid, extras)
 
     batched = b.BatchedEncoder(Counting(), cache)
     (first, second, third), stats = batched.encode_many([image, image, both])
@@ -153,11 +155,12 @@ def test_encode_in_shares_splits_chunks_and_joins_in_item_order():
     pixels = np.arange(int(grid.prod(axis=1).sum()), dtype=np.float32)[:, None].repeat(3, axis=1)
     sent = []
 
-    def send(rows: np.ndarray, items: np.ndarray, rows_temporal, odd_share: bool) -> np.ndarray:
-        sent.append((len(rows), odd_share))
-        assert len(rows) == int(items.prod(axis=1).sum())
-        if rows_temporal is not None:  # each row's temporal id is its patch index, as its pixels
-            np.testing.assert_array_equal(rows_temporal, rows[:, 0])
+    def send(request: EncoderBatchRequest) -> np.ndarray:
+        rows = request.pixel_values
+        sent.append((len(rows), request.odd_share))
+        assert len(rows) == len(request.patch_grid) == int(b.items_from_rows(rows, request.patch_grid).prod(axis=1).sum())
+        if "temporal_ids" in request.patch_extras:  # each row's temporal id is its patch index, as its pixels
+            np.testing.assert_array_equal(request.patch_extras["temporal_ids"][:, 0], rows[:, 0])
         return rows[::4, :2]  # one "token" per 2x2 merge unit: its first row
 
     tokens = grid.prod(axis=1) // 4
@@ -168,32 +171,52 @@ def test_encode_in_shares_splits_chunks_and_joins_in_item_order():
         out = b.encode_in_shares(pixels, grid, send, shares=shares, max_rows=max_rows, hidden=2, rows_per_item=tokens)
         np.testing.assert_array_equal(out, one)
         assert all(n <= max_rows for n, _ in sent) and {odd for _, odd in sent} == {False, True}
-        rows_temporal = np.arange(len(pixels), dtype=np.int64)  # sliced with the pixel rows
+        rows_temporal = np.arange(len(pixels), dtype=np.int64)[:, None]  # sliced with the pixel rows
         np.testing.assert_array_equal(b.encode_in_shares(pixels, grid, send, shares=shares, max_rows=max_rows, hidden=2,
-                                                         rows_per_item=tokens, rows_temporal=rows_temporal), one)
+                                                         rows_per_item=tokens,
+                                                         patch_extras={"temporal_ids": rows_temporal}), one)
     assert b.encode_in_shares(pixels[:0], grid[:0], send, shares=2, max_rows=64, hidden=2,
                               rows_per_item=tokens[:0]).shape == (0, 2)
 
 
 def test_temporal_ids_travel_per_row_and_are_checked():
-    """A packed tower's temporal ids: one per frame on the contract (`validate_temporal_ids`), one
-    per patch row to the batched model (`patch_temporal_ids`) and back (`frames_from_rows`)."""
-    from triton_vlm.vision.encoder import validate_temporal_ids
-
+    """A packed tower's temporal ids (a per-frame extra): one per frame on the contract
+    (`ItemExtra.check`), one per patch row to the batched model (`ItemExtra.rows`) and back
+    (`ItemExtra.from_rows`)."""
+    extra = EXTRA["temporal_ids"]
     grid = np.array([[3, 2, 2], [1, 2, 4]])
     ids = np.array([1, 5, 8, -1])
-    rows = b.patch_temporal_ids(grid, ids)
-    assert rows.tolist() == [1] * 4 + [5] * 4 + [8] * 4 + [-1] * 8
-    np.testing.assert_array_equal(b.frames_from_rows(rows[:, None], grid), ids)
+    rows = extra.rows(ids, grid)
+    assert rows[:, 0].tolist() == [1] * 4 + [5] * 4 + [8] * 4 + [-1] * 8
+    np.testing.assert_array_equal(extra.from_rows(rows, grid), ids)
     rows[5] = 6
     with pytest.raises(InvalidInput, match=r"^patch_temporal_id: the rows of a frame disagree$"):
-        b.frames_from_rows(rows, grid)
-    assert b.patch_temporal_ids(grid, None).tolist() == [-1] * 20
-    np.testing.assert_array_equal(validate_temporal_ids(ids, grid, packed=True), ids)
-    assert validate_temporal_ids(np.full(4, -1), grid, packed=False) is None
-    assert validate_temporal_ids(None, grid, packed=True) is None
-    for bad, packed, message in ((ids[:3], True, r"expected shape \[4\]"), (ids.astype(np.float32), True, "expected integers"),
-                                 (np.array([1, 5, 8, -2]), True, r"values must lie in \[-1, 2147483647\]$"),
-                                 (ids, False, "this model.s vision tower takes none")):
+        extra.from_rows(rows, grid)
+    assert extra.rows(None, grid)[:, 0].tolist() == [-1] * 20
+    np.testing.assert_array_equal(extra.check(ids, grid, taken=True), ids)
+    assert extra.check(np.full(4, -1), grid, taken=False) is None
+    assert extra.check(None, grid, taken=True) is None
+    for bad, taken, message in ((ids[:3], True, r"expected shape \[4\]"), (ids.astype(np.float32), True, "expected integers"),
+                                (np.array([1, 5, 8, -2]), True, r"values must lie in \[-1, 2147483647\]$"),
+                                (ids, False, "this model.s vision tower takes none")):
         with pytest.raises(InvalidInput, match=r"^temporal_ids: " + message):
-            validate_temporal_ids(bad, grid, packed)
+            extra.check(bad, grid, taken)
+
+
+def test_image_sizes_travel_per_row_and_are_checked():
+    """An image's size (a per-grid-row extra): one per grid row on the contract, one per patch row
+    to the batched model and back; zeros say nothing."""
+    extra = EXTRA["image_sizes"]
+    grid = np.array([[2, 2, 2], [1, 2, 4]])
+    sizes = np.array([[480, 640], [0, 0]])
+    rows = extra.rows(sizes, grid)
+    assert rows.tolist() == [[480, 640]] * 8 + [[0, 0]] * 8
+    np.testing.assert_array_equal(extra.from_rows(rows, grid), sizes)
+    rows[3] = (480, 641)
+    with pytest.raises(InvalidInput, match=r"^patch_image_size: the rows of an item disagree$"):
+        extra.from_rows(rows, grid)
+    assert extra.check(np.zeros((2, 2), np.int64), grid, taken=False) is None
+    for bad, message in ((sizes[:1], r"expected shape \[2, 2\]"), (-sizes, r"values must lie in \[0, 2147483647\]$"),
+                         (sizes, "this model.s vision tower takes none")):
+        with pytest.raises(InvalidInput, match=r"^image_sizes: " + message):
+            extra.check(bad, grid, taken=False)

@@ -15,7 +15,7 @@ from tests.encoder_checks import rel_err, unfused_copy
 @pytest.fixture(scope="module")
 def exported(tiny_checkpoint, tmp_path_factory):
 
-    from triton_vlm.vision.export import export_onnx
+    from triton_vlm.vision.runtime.export import export_onnx
 
     out = tmp_path_factory.mktemp("fused")
     paths = {dt: export_onnx(tiny_checkpoint, out / f"{dt}.onnx", dtype=dt) for dt in ("float32", "float16")}
@@ -62,8 +62,8 @@ def test_float32_graph_has_fused_attention_under_if_float16_does_not(exported):
 @pytest.mark.parametrize("case", ["full windows, one frame", "two frames, full windows", "partial windows",
                                   "two sizes (padded frames)"])
 def test_fused_and_unfused_match_the_torch_tower(exported, tiny_checkpoint, case):
-    from triton_vlm.vision import attention_groups
     from triton_vlm.families.qwen2_5_vl.tower import Qwen2_5_VLTower as q
+    from triton_vlm.vision.tower import attention_groups
 
     settings = q.read_vision_config(tiny_checkpoint)
     grid = np.array(_grids(settings)[case], dtype=np.int64)

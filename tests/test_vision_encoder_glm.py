@@ -24,7 +24,7 @@ import torch
 from tests.encoder_checks import (check_engine_graphs, check_profile_covers, check_unfused_matches, encode,
                                   encoder_models, rel_err)
 from tests.oracle import EncoderOracle
-from triton_vlm.vision import get_tower
+from triton_vlm.families import get_family
 from triton_vlm.families.glm4v.tower import Glm4vTower as g
 from triton_vlm.families.glm4v.tower import GlmOcrTower
 
@@ -77,14 +77,14 @@ def settings(checkpoints):
 @pytest.fixture(scope="module")
 def repo(checkpoints, tmp_path_factory):
     """A full repository build of the glm4v checkpoint (float32 vision encoder)."""
-    from triton_vlm.repository import build_repository
+    from triton_vlm.repository.build import build_repository
 
     return build_repository(checkpoints["glm4v"], tmp_path_factory.mktemp("glm_repo") / "repository")
 
 
 @pytest.fixture(scope="module")
 def exported(checkpoints, tmp_path_factory):
-    from triton_vlm.vision.export import export_onnx
+    from triton_vlm.vision.runtime.export import export_onnx
 
     out = tmp_path_factory.mktemp("glm_onnx")
     return {"glm4v-float16": export_onnx(checkpoints["glm4v"], out / "glm4v-float16.onnx", dtype="float16"),
@@ -178,7 +178,7 @@ def test_ocr_qk_norms_matter(checkpoints, oracles):
 
 
 def test_ocr_tensorrt_profile_covers_the_inputs(checkpoints):
-    from triton_vlm.vision.tensorrt_engine import EngineProfile
+    from triton_vlm.vision.runtime.tensorrt_engine import EngineProfile
 
     check_profile_covers("glm_ocr", GlmOcrTower, GlmOcrTower.read_vision_config(checkpoints["glm_ocr"]),
                          EngineProfile(4, 1024, 4096), ([[1, 64, 64]], [[16, 16, 16]], [[1, 2, 2]] * 1024))
@@ -194,7 +194,7 @@ def test_onnx_graph(encoder, onnx_path, settings):
     inputs = {i.name: i for i in encoder.session.get_inputs()}
     assert list(inputs) == list(g.INPUT_NAMES)
     assert all(isinstance(d, str) for name in g.INPUT_NAMES for d in inputs[name].shape[:1])
-    assert encoder.family == "glm4v" and get_tower(encoder.family) is g
+    assert encoder.family == "glm4v" and get_family(encoder.family).tower_class() is g
     proto = onnx.load(str(onnx_path))
     ops = collections.Counter(n.op_type for n in proto.graph.node)
     assert ops["If"] == settings["depth"]  # fused attention, unmasked when no frame is padded
@@ -219,7 +219,7 @@ def test_onnx_one_run_with_padded_frames(case, encoder, oracles):
 
 
 def test_onnx_small_runs(onnx_path, oracles):
-    from triton_vlm.vision.encoder import VisionEncoder
+    from triton_vlm.vision.runtime.encoder import VisionEncoder
 
     enc = VisionEncoder(onnx_path, intra_op_threads=1, max_patches_per_run=64)
     pixels, grid, ref = oracles["glm4v"]("images and video")
@@ -227,7 +227,7 @@ def test_onnx_small_runs(onnx_path, oracles):
 
 
 def test_onnx_fp16_matches_hf(exported, oracles):
-    from triton_vlm.vision.encoder import VisionEncoder
+    from triton_vlm.vision.runtime.encoder import VisionEncoder
 
     enc = VisionEncoder(exported["glm4v-float16"])
     assert enc.dtype == "float16"
@@ -242,7 +242,7 @@ def test_onnx_fp16_matches_hf(exported, oracles):
 def test_other_variants_match_hf(variant, exported, oracles):
     import onnx
 
-    from triton_vlm.vision.encoder import VisionEncoder
+    from triton_vlm.vision.runtime.encoder import VisionEncoder
 
     enc = VisionEncoder(exported[variant])
     assert enc.family == variant and enc.tower is (GlmOcrTower if variant == "glm_ocr" else g)
@@ -267,7 +267,7 @@ def test_tensorrt_engines_are_built_from_the_export_of_their_precision(checkpoin
 
 
 def test_tensorrt_profile_covers_the_inputs(settings):
-    from triton_vlm.vision.tensorrt_engine import EngineProfile
+    from triton_vlm.vision.runtime.tensorrt_engine import EngineProfile
 
     check_profile_covers("glm4v", g, settings, EngineProfile(4, 1024, 4096),
                          ([[1, 64, 64]], [[16, 16, 16]], [[1, 2, 2]] * 1024, [[1, 34, 46]], [[1, 2, 2]]))
@@ -295,7 +295,7 @@ def test_build_repository_serves_the_glm_tower(repo, checkpoints, encoder, setti
 def test_served_by_tritonserver(repo, oracles, tmp_path):
     """The build's two encoder models in a real tritonserver: a video (split into frames by the
     front, as the tower allows) and images of several sizes in one request."""
-    from triton_vlm.server import TritonServer
+    from triton_vlm.server.tritonserver import TritonServer
 
     pixels, grid, ref = oracles["glm4v"]("images and video")
     with TritonServer(encoder_models(repo, tmp_path / "repository"), log_file=tmp_path / "tritonserver.log") as server:

@@ -19,9 +19,9 @@ import torch
 from tests.encoder_checks import rel_err
 from tests.oracle import Oracle
 from tests.test_preprocess_llava import VARIANTS, hf_rows, llava_checkpoints  # noqa: F401 (fixture)
-from triton_vlm import samples
 from triton_vlm.errors import InvalidInput
 from triton_vlm.families.llava.tower import LlavaTower
+from triton_vlm.media import samples
 
 SIZES = [(640, 480), (200, 100), (112, 112), (60, 300), (1920, 1080)]
 
@@ -43,7 +43,7 @@ def case(request, llava_checkpoints, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def onnx_path(case, tmp_path_factory):
-    from triton_vlm.vision.export import export_onnx
+    from triton_vlm.vision.runtime.export import export_onnx
 
     return export_onnx(case[0], tmp_path_factory.mktemp("llava-onnx") / "encoder.onnx")
 
@@ -67,7 +67,7 @@ def test_settings_read_from_the_checkpoint(case):
 
 
 def test_torch_back_end_matches_get_image_features(case):
-    from triton_vlm.vision.torch_encoder import TorchEncoder
+    from triton_vlm.vision.runtime.torch_encoder import TorchEncoder
 
     checkpoint, pixels, grid, ref = case
     encoder = TorchEncoder(checkpoint, "cpu", "float32")
@@ -76,7 +76,7 @@ def test_torch_back_end_matches_get_image_features(case):
 
 @pytest.mark.parametrize("max_patches_per_run", [2048, 64 * 2], ids=["one-run", "runs-of-two-images"])
 def test_onnx_matches_get_image_features(case, onnx_path, max_patches_per_run):
-    from triton_vlm.vision.encoder import VisionEncoder
+    from triton_vlm.vision.runtime.encoder import VisionEncoder
 
     _, pixels, grid, ref = case
     encoder = VisionEncoder(onnx_path, max_patches_per_run=max_patches_per_run)
@@ -88,20 +88,20 @@ def test_batched_requests_through_both_back_ends(case, onnx_path):
     """Two requests in one batched execution (the server's `BatchedEncoder`, cache on: the repeated
     image is encoded once) give each request its own rows."""
     from triton_vlm.vision.batching import BatchedEncoder, EmbeddingCache
-    from triton_vlm.vision.encoder import VisionEncoder
-    from triton_vlm.vision.torch_encoder import TorchEncoder
+    from triton_vlm.vision.runtime.encoder import VisionEncoder
+    from triton_vlm.vision.runtime.torch_encoder import TorchEncoder
 
     checkpoint, pixels, grid, ref = case
     per_image = pixels.shape[0] // len(grid)
     rows = ref.shape[0] // len(grid)
-    batch = [(pixels[:2 * per_image], grid[:2], None), (pixels[per_image:], grid[1:], None)]
+    batch = [(pixels[:2 * per_image], grid[:2], {}), (pixels[per_image:], grid[1:], {})]
     for back_end in (VisionEncoder(onnx_path), TorchEncoder(checkpoint, "cpu", "float32")):
         (first, second), _ = BatchedEncoder(back_end, EmbeddingCache(1 << 24)).encode_many(batch)
         assert rel_err(first, ref[:2 * rows]) <= 1e-4 and rel_err(second, ref[rows:]) <= 1e-4
 
 
 def test_a_grid_of_another_size_is_refused(case, onnx_path):
-    from triton_vlm.vision.encoder import VisionEncoder
+    from triton_vlm.vision.runtime.encoder import VisionEncoder
 
     _, pixels, grid, _ = case
     side = int(grid[0, 1])
@@ -110,8 +110,8 @@ def test_a_grid_of_another_size_is_refused(case, onnx_path):
 
 
 def test_float16_export_within_1e_2(case, tmp_path):
-    from triton_vlm.vision.encoder import VisionEncoder
-    from triton_vlm.vision.export import export_onnx
+    from triton_vlm.vision.runtime.encoder import VisionEncoder
+    from triton_vlm.vision.runtime.export import export_onnx
 
     checkpoint, pixels, grid, ref = case
     encoder = VisionEncoder(export_onnx(checkpoint, tmp_path / "float16.onnx", dtype="float16"))
@@ -137,7 +137,7 @@ def test_tensorrt_engines_are_built_from_the_export_of_their_precision(case, onn
 def test_tensorrt_profile_covers_the_inputs(case):
     """Whole images only: the profile's bounds are multiples of S^2, at least one image."""
     from tests.encoder_checks import check_profile_covers
-    from triton_vlm.vision.tensorrt_engine import EngineProfile
+    from triton_vlm.vision.runtime.tensorrt_engine import EngineProfile
 
     settings = LlavaTower.read_vision_config(case[0])
     side = settings["side"]
@@ -148,19 +148,26 @@ def test_tensorrt_profile_covers_the_inputs(case):
 
 def test_build_configs_batch_whole_images_and_tell_the_front_the_rows(case):
     """`vision_encoder_batch` gets every tower's `max_batch_size` (`--encoder-max-batch-patches` patch
-    rows: 65536 by default, 1024 images of 8 x 8 patches here), and the `vision_encoder` front the
-    rows an image gives beyond one per patch (`extra_rows`)."""
+    rows: 65536 by default, 1024 images of 8 x 8 patches here), and the `vision_encoder` front counts
+    the rows an image gives as the tower does (one per patch and `extra_rows`: a class token kept,
+    or the first token dropped), without the tower."""
     import json
 
+    from triton_vlm.contract.params import EncoderOptions
+    from triton_vlm.contract.tensors import ENCODER_BATCH_MODEL
     from triton_vlm.families import detect_family
-    from triton_vlm.options import EncoderOptions
-    from triton_vlm.repository import ENCODER_BATCH_MODEL, BuildOptions, model_configs
+    from triton_vlm.repository.configs import model_configs
+    from triton_vlm.repository.options import BuildOptions
+    from triton_vlm.vision.front import EncoderFront
 
     checkpoint = case[0]
     configs = model_configs(detect_family(checkpoint), json.loads((checkpoint / "config.json").read_text()),
                             BuildOptions())
     assert configs[ENCODER_BATCH_MODEL].max_batch_size == BuildOptions().encoder_max_batch_patches == 65536
     params = {k: v.string_value for k, v in configs["vision_encoder"].parameters.items()}
-    front = EncoderOptions.from_params(params)
+    front = EncoderFront(EncoderOptions.from_params(params), send=None)
     settings = LlavaTower.read_vision_config(checkpoint)
-    assert (front.spatial_merge_size, front.extra_rows) == (1, settings["extra_rows"])
+    grid = np.array([[1, settings["side"], settings["side"]]] * 3)
+    assert front.options.spatial_merge_size == 1
+    assert front.embedding_rows(grid, {}).tolist() == LlavaTower.embedding_rows(grid, settings).tolist()
+    assert front.embedding_rows(grid, {}).tolist() == [settings["side"] ** 2 + settings["extra_rows"]] * 3

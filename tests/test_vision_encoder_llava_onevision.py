@@ -18,9 +18,10 @@ import torch
 from tests.encoder_checks import rel_err
 from tests.oracle import decode_frames
 from tests.test_preprocess_llava_onevision import CASES, checkpoint, image, preprocessor, processor  # noqa: F401
-from triton_vlm import samples
 from triton_vlm.errors import InvalidInput
-from triton_vlm.families.llava.onevision import IMAGE_TOKEN as IMG, VIDEO_TOKEN as VID
+from triton_vlm.families.llava.onevision import IMAGE_TOKEN as IMG
+from triton_vlm.families.llava.onevision import VIDEO_TOKEN as VID
+from triton_vlm.media import samples
 
 VIDEO = dict(seconds=1.0, fps=5, width=96, height=64)
 
@@ -66,41 +67,41 @@ def test_rows_per_item_equal_the_placeholders(all_cases, checkpoint, preprocesso
 
     settings = LlavaOnevisionTower.read_vision_config(checkpoint)
     for name, out, ref in all_cases:
-        rows = LlavaOnevisionTower.embedding_rows(out.grid_thw, settings, out.image_sizes)
+        rows = LlavaOnevisionTower.embedding_rows(out.grid_thw, settings, out.extras)
         tokens = np.isin(out.input_ids, (preprocessor.image_token_id, preprocessor.video_token_id))
         assert int(rows.sum()) == len(ref) == int(tokens.sum()), name
 
 
 def test_torch_back_end_matches_the_model(all_cases, checkpoint):
-    from triton_vlm.vision.torch_encoder import TorchEncoder
+    from triton_vlm.vision.runtime.torch_encoder import TorchEncoder
 
     encoder = TorchEncoder(checkpoint, "cpu", "float32")
     for name, out, ref in all_cases:
-        got = encoder.encode(out.pixel_values, out.grid_thw, image_sizes=out.image_sizes)
+        got = encoder.encode(out.pixel_values, out.grid_thw, out.extras)
         assert got.shape == ref.shape, name
         assert rel_err(got, ref) <= 1e-5, name
 
 
 @pytest.mark.parametrize("max_patches_per_run", [8192, 25 * 10], ids=["one-run", "small-runs"])
 def test_onnx_matches_the_model(all_cases, checkpoint, tmp_path_factory, max_patches_per_run):
-    from triton_vlm.vision.encoder import VisionEncoder
-    from triton_vlm.vision.export import export_onnx
+    from triton_vlm.vision.runtime.encoder import VisionEncoder
+    from triton_vlm.vision.runtime.export import export_onnx
 
     path = export_onnx(checkpoint, tmp_path_factory.mktemp("ov-onnx") / "encoder.onnx")
     encoder = VisionEncoder(path, max_patches_per_run=max_patches_per_run)
     for name, out, ref in all_cases:
-        assert rel_err(encoder.encode(out.pixel_values, out.grid_thw, image_sizes=out.image_sizes), ref) <= 1e-4, name
+        assert rel_err(encoder.encode(out.pixel_values, out.grid_thw, out.extras), ref) <= 1e-4, name
 
 
 def test_image_sizes_checked(all_cases, checkpoint):
-    from triton_vlm.vision.torch_encoder import TorchEncoder
+    from triton_vlm.vision.runtime.torch_encoder import TorchEncoder
 
     encoder = TorchEncoder(checkpoint, "cpu", "float32")
     _, out, _ = all_cases[0]
     with pytest.raises(InvalidInput, match="image_sizes: expected shape"):
-        encoder.encode(out.pixel_values, out.grid_thw, image_sizes=np.zeros((2, 2), np.int64) + 5)
+        encoder.encode(out.pixel_values, out.grid_thw, {"image_sizes": np.zeros((2, 2), np.int64) + 5})
     with pytest.raises(InvalidInput, match="views"):
-        encoder.encode(out.pixel_values, out.grid_thw, image_sizes=np.array([[70, 70]]))
+        encoder.encode(out.pixel_values, out.grid_thw, {"image_sizes": np.array([[70, 70]])})
 
 
 def test_tensorrt_profile_bounds_every_case(all_cases, checkpoint):

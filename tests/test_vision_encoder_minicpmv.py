@@ -26,7 +26,7 @@ from tests.encoder_checks import (check_engine_graphs, check_profile_covers, che
                                   encoder_models, rel_err)
 from tests.oracle import EncoderOracle
 from triton_vlm.errors import InvalidInput
-from triton_vlm.vision import get_tower
+from triton_vlm.families import get_family
 from triton_vlm.families.minicpmv import tower_v4_6 as mc
 from triton_vlm.families.minicpmv.tower_v4_6 import MiniCPMV4_6Tower as MC
 
@@ -91,7 +91,7 @@ def settings(checkpoint):
 @pytest.fixture(scope="module")
 def repo(checkpoint, tmp_path_factory):
     """A full repository build of the checkpoint (float32 vision encoder)."""
-    from triton_vlm.repository import build_repository
+    from triton_vlm.repository.build import build_repository
 
     return build_repository(checkpoint, tmp_path_factory.mktemp("minicpmv_repo") / "repository")
 
@@ -135,10 +135,7 @@ def test_position_ids_equal_transformers(side):
 def test_metadata_orders_patches_by_transformers_windows(oracle, settings):
     """`patch_order` puts each transformers window (`get_vision_window_index`, 2x2 patches,
     row-major inside) on four adjacent rows, and gives every row its nearest-bucket position id."""
-    from transformers.vision_utils import (
-        get_vision_nearest_position_ids,
-        get_vision_window_index,
-    )
+    from transformers.vision_utils import get_vision_nearest_position_ids, get_vision_window_index
 
     _, grid, _ = oracle("images and video")
     md = MC.encoder_metadata(grid, settings)
@@ -180,7 +177,7 @@ def test_onnx_graph(encoder, onnx_path, settings):
     import onnx
 
     assert [i.name for i in encoder.session.get_inputs()] == list(MC.INPUT_NAMES)
-    assert encoder.family == "minicpmv4_6" and get_tower(encoder.family) is MC and encoder.embedding_rows(np.array([[1, 8, 12]])).tolist() == [6]
+    assert encoder.family == "minicpmv4_6" and get_family(encoder.family).tower_class() is MC and encoder.embedding_rows(np.array([[1, 8, 12]])).tolist() == [6]
     proto = onnx.load(str(onnx_path))
     ops = collections.Counter((n.domain, n.op_type) for n in proto.graph.node)
     # window attention: one unmasked fused node; slice attention: masked only when padded
@@ -204,7 +201,7 @@ def test_onnx_one_run_with_padded_slices(case, encoder, oracle):
 
 
 def test_onnx_small_runs(onnx_path, oracle):
-    from triton_vlm.vision.encoder import VisionEncoder
+    from triton_vlm.vision.runtime.encoder import VisionEncoder
 
     enc = VisionEncoder(onnx_path, intra_op_threads=1, max_patches_per_run=64)
     pixels, grid, ref = oracle("several images")
@@ -212,8 +209,8 @@ def test_onnx_small_runs(onnx_path, oracle):
 
 
 def test_onnx_fp16_matches_hf(checkpoint, oracle, tmp_path):
-    from triton_vlm.vision.encoder import VisionEncoder
-    from triton_vlm.vision.export import export_onnx
+    from triton_vlm.vision.runtime.encoder import VisionEncoder
+    from triton_vlm.vision.runtime.export import export_onnx
 
     enc = VisionEncoder(export_onnx(checkpoint, tmp_path / "float16.onnx", dtype="float16"))
     assert enc.dtype == "float16"
@@ -246,7 +243,7 @@ def test_tensorrt_engines_are_built_from_the_export_of_their_precision(checkpoin
 
 
 def test_tensorrt_profile_covers_the_inputs(settings):
-    from triton_vlm.vision.tensorrt_engine import EngineProfile
+    from triton_vlm.vision.runtime.tensorrt_engine import EngineProfile
 
     grids = ([[1, 64, 64]], [[16, 16, 16]], [[1, 4, 4]] * 256, [[1, 32, 32]], [[1, 4, 4]], [[1, 8, 12], [1, 4, 16]])
     check_profile_covers("minicpmv4_6", MC, settings, EngineProfile(16, 1024, 4096), grids)
@@ -275,7 +272,7 @@ def test_build_repository_serves_the_minicpmv_tower(repo, checkpoint, encoder, s
 def test_served_by_tritonserver(repo, oracle, tmp_path):
     """The build's two encoder models in a real tritonserver: images of several sizes (their
     slices) and a video in one request."""
-    from triton_vlm.server import TritonServer
+    from triton_vlm.server.tritonserver import TritonServer
 
     pixels, grid, ref = oracle("images and video")
     with TritonServer(encoder_models(repo, tmp_path / "repository"), log_file=tmp_path / "tritonserver.log") as server:

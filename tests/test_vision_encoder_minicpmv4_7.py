@@ -21,7 +21,7 @@ import torch
 
 from tests.encoder_checks import check_profile_covers, check_unfused_matches, rel_err
 from tests.test_vision_encoder_minicpmv import CASES, Oracle
-from triton_vlm.vision import get_tower
+from triton_vlm.families import get_family
 from triton_vlm.families.minicpmv.tower_v4_6 import MiniCPMOcrTower
 from triton_vlm.families.minicpmv.tower_v4_6 import MiniCPMV4_6Tower as MC
 
@@ -66,21 +66,21 @@ def oracle(checkpoint):
 
 @pytest.fixture(scope="module")
 def onnx_path(checkpoint, tmp_path_factory):
-    from triton_vlm.vision.export import export_onnx
+    from triton_vlm.vision.runtime.export import export_onnx
 
     return export_onnx(checkpoint, tmp_path_factory.mktemp("minicpmv4_7_onnx") / "encoder.onnx")
 
 
 @pytest.fixture(scope="module")
 def onnx_encoder(onnx_path):
-    from triton_vlm.vision.encoder import VisionEncoder
+    from triton_vlm.vision.runtime.encoder import VisionEncoder
 
     return VisionEncoder(onnx_path)
 
 
 @pytest.fixture(scope="module")
 def torch_encoder(checkpoint):
-    from triton_vlm.vision.torch_encoder import TorchEncoder
+    from triton_vlm.vision.runtime.torch_encoder import TorchEncoder
 
     return TorchEncoder(checkpoint)
 
@@ -91,7 +91,7 @@ def test_settings_follow_the_mode(checkpoint, variant, torch_encoder):
     settings = tower.read_vision_config(checkpoint)
     assert settings["downsample_mode"] == mode and settings["window_merger"] == (mode == "16x")
     assert settings["spatial_merge_size"] == MODES[mode]
-    assert torch_encoder.family == family and get_tower(family) is tower
+    assert torch_encoder.family == family and get_family(family).tower_class() is tower
     # where config.json leaves the mode out, the config class's default: OCR's "4x", 4.x's "16x"
     config = {k: v for k, v in json.loads((checkpoint / "config.json").read_text()).items() if k != "downsample_mode"}
     assert tower.vision_settings(config)["downsample_mode"] == ("4x" if family == "minicpm_ocr" else "16x")
@@ -127,7 +127,7 @@ def test_tensorrt_inputs_unfused_graph_and_profile(onnx_path, variant, oracle, t
     """What a TensorRT build takes (no TensorRT here): the standard-op graph matches, and the
     profile covers the metadata of slices of every size (in "4x" the `merged_*` shapes name inputs
     the graph does not have: `tensorrt_engine` sets only the network's own)."""
-    from triton_vlm.vision.tensorrt_engine import EngineProfile
+    from triton_vlm.vision.runtime.tensorrt_engine import EngineProfile
 
     tower = TOWERS[variant]
     settings = tower.read_vision_config(oracle.checkpoint)

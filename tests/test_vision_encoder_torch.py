@@ -1,4 +1,4 @@
-"""The `torch` encoder back end (triton_vlm.vision.torch_encoder) against the ONNX Runtime one, on
+"""The `torch` encoder back end (triton_vlm.vision.runtime.torch_encoder) against the ONNX Runtime one, on
 the CPU in float32, for every family's tower, through the batched encoder the server runs
 (`BatchedEncoder`, two requests of mixed sizes in one call)."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tests.encoder_checks import rel_err
-from triton_vlm.vision import get_tower
+from triton_vlm.families import get_family
 
 FAMILIES = ("qwen2_5_vl", "glm4v", "glm_ocr", "glm4v_moe", "minicpmv4_6")
 
@@ -22,11 +22,11 @@ def checkpoint(request, tmp_path_factory):
 def test_torch_back_end_equals_onnx(checkpoint, tmp_path):
     from triton_vlm.families import detect_family
     from triton_vlm.vision.batching import BatchedEncoder, EmbeddingCache
-    from triton_vlm.vision.encoder import VisionEncoder
-    from triton_vlm.vision.export import export_onnx
-    from triton_vlm.vision.torch_encoder import TorchEncoder
+    from triton_vlm.vision.runtime.encoder import VisionEncoder
+    from triton_vlm.vision.runtime.export import export_onnx
+    from triton_vlm.vision.runtime.torch_encoder import TorchEncoder
 
-    tower = get_tower(detect_family(checkpoint).name)
+    tower = detect_family(checkpoint).tower_class()
     settings = tower.read_vision_config(checkpoint)
     # padded groups (partial windows, frames of several sizes) and a video in one batch
     grids = (tower.EXAMPLE_GRID, ((1, 12, 20), (1, 16, 24)))
@@ -34,7 +34,7 @@ def test_torch_back_end_equals_onnx(checkpoint, tmp_path):
     for seed, grid in enumerate(grids):
         pixels, _ = tower.example_inputs(settings, grid)
         batch.append((np.random.default_rng(seed).standard_normal(pixels.shape).astype(np.float32),
-                      np.array(grid, dtype=np.int64), None))
+                      np.array(grid, dtype=np.int64), {}))
     onnx = BatchedEncoder(VisionEncoder(export_onnx(checkpoint, tmp_path / "encoder.onnx")), EmbeddingCache(0))
     torch_ = BatchedEncoder(TorchEncoder(checkpoint, "cpu", "float32"), EmbeddingCache(0))
     for ours, ref in zip(torch_.encode_many(batch)[0], onnx.encode_many(batch)[0]):
@@ -63,10 +63,10 @@ def test_bfloat16_residual_stream_beats_transformers_bfloat16(tmp_path):
     import torch
     from transformers import AutoModelForImageTextToText
 
-    from triton_vlm.vision.torch_encoder import TorchEncoder
+    from triton_vlm.vision.runtime.torch_encoder import TorchEncoder
 
     checkpoint = bfloat16_checkpoint("qwen2_5_vl", tmp_path / "ckpt", depth=12)
-    tower = get_tower("qwen2_5_vl")
+    tower = get_family("qwen2_5_vl").tower_class()
     grid = np.array([[1, 16, 24], [2, 8, 8]], dtype=np.int64)
     pixels, _ = tower.example_inputs(tower.read_vision_config(checkpoint), grid.tolist())
     hf = {}
@@ -86,10 +86,10 @@ def test_bfloat16_tower_of_every_family(family, tmp_path):
     """Every tower runs in bfloat16 on its float32 residual stream (LayerNorm and RMSNorm reading
     float32 into bfloat16 products), within bfloat16's reach of the float32 tower, which equals
     ONNX Runtime's and transformers' (the test above, the e2e tests)."""
-    from triton_vlm.vision.torch_encoder import TorchEncoder
+    from triton_vlm.vision.runtime.torch_encoder import TorchEncoder
 
     checkpoint = bfloat16_checkpoint(family, tmp_path / "ckpt", depth=4)
-    tower = get_tower(family)
+    tower = get_family(family).tower_class()
     pixels, _ = tower.example_inputs(tower.read_vision_config(checkpoint))
     grid = np.array(tower.EXAMPLE_GRID, dtype=np.int64)
     ours, ref = (TorchEncoder(checkpoint, "cpu", dtype).encode(pixels, grid) for dtype in ("bfloat16", "float32"))

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tests.minicpmv4_5_golden import CASES, GOLDEN, IMAGE_CASES
-from triton_vlm.preprocess import Preprocessor
 from triton_vlm.families.minicpmv.tower_v4_5 import MiniCPMV4_5Tower, metadata, navit_position_ids
+from triton_vlm.preprocessing.preprocessor import Preprocessor
 
 MEDIA_CASES = [case for case in IMAGE_CASES if CASES[case]["media"]]
 ATOL = 1e-4
@@ -29,8 +29,8 @@ def settings():
 
 @pytest.fixture(scope="module")
 def onnx_encoder(tmp_path_factory):
-    from triton_vlm.vision.encoder import VisionEncoder
-    from triton_vlm.vision.export import export_onnx
+    from triton_vlm.vision.runtime.encoder import VisionEncoder
+    from triton_vlm.vision.runtime.export import export_onnx
 
     return VisionEncoder(export_onnx(GOLDEN, tmp_path_factory.mktemp("minicpmv4_5") / "vision.onnx"))
 
@@ -71,7 +71,7 @@ def test_image_rows_equal_the_official(tower, settings, golden, case):
 def test_the_encoders_give_the_official_rows(onnx_encoder, golden, case):
     """The torch encoder and the ONNX export in ONNX Runtime: `query_num` rows per slice, every
     slice of every case in one call (slices of several sizes: the encoder's runs)."""
-    from triton_vlm.vision.torch_encoder import TorchEncoder
+    from triton_vlm.vision.runtime.torch_encoder import TorchEncoder
 
     out = preprocessed(case)
     expected = golden[f"{case}/vision_embeds"]
@@ -98,20 +98,20 @@ def test_the_encoders_resample_a_served_videos_groups_as_the_official(onnx_encod
     batched encoder keys its cache on the temporal ids too (the same pixels with other ids are
     other rows)."""
     from triton_vlm.vision.batching import BatchedEncoder, EmbeddingCache
-    from triton_vlm.vision.torch_encoder import TorchEncoder
+    from triton_vlm.vision.runtime.torch_encoder import TorchEncoder
 
     video = CASES["d_video"]
     prompt = video["prompt"].replace("\n".join(["(<image>./</image>)"] * 6), "(<video>./</video>)")
     out = Preprocessor(GOLDEN)(prompt, [], [(GOLDEN / video["media"][0]["file"]).read_bytes()], {"force_packing": 3})
     for encoder in (TorchEncoder(GOLDEN), onnx_encoder):
-        close(encoder.encode(out.pixel_values, out.grid_thw, out.temporal_ids), golden["d_video/vision_embeds"])
+        close(encoder.encode(out.pixel_values, out.grid_thw, out.extras), golden["d_video/vision_embeds"])
     batched = BatchedEncoder(onnx_encoder, EmbeddingCache(1 << 20))
     shifted = out.temporal_ids + 100
-    (rows, moved), stats = batched.encode_many([(out.pixel_values, out.grid_thw, out.temporal_ids),
-                                                (out.pixel_values, out.grid_thw, shifted)])
+    (rows, moved), stats = batched.encode_many([(out.pixel_values, out.grid_thw, {"temporal_ids": out.temporal_ids}),
+                                                (out.pixel_values, out.grid_thw, {"temporal_ids": shifted})])
     close(rows, golden["d_video/vision_embeds"])
     assert stats.misses == 4 and np.abs(moved - rows).max() > 1e-3
-    close(moved, onnx_encoder.encode(out.pixel_values, out.grid_thw, shifted))
+    close(moved, onnx_encoder.encode(out.pixel_values, out.grid_thw, {"temporal_ids": shifted}))
 
 
 def test_temporal_ids_are_the_official_nearest_points():

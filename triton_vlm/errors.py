@@ -1,5 +1,5 @@
-"""The one error type a request can fail with (Triton turns it into INVALID_ARG), and how an overload
-refusal (UNAVAILABLE) is worded."""
+"""The one error type a request can fail with (Triton turns it into INVALID_ARG), and how a refusal
+for now (UNAVAILABLE: an overload, a step being restarted) is worded and told by its words."""
 from __future__ import annotations
 
 
@@ -20,3 +20,11 @@ BUSY_PREFIX = "server busy: "
 def busy(reason: str) -> str:
     """The message of an overload refusal: `server busy: <reason>; retry later`."""
     return f"{BUSY_PREFIX}{reason}; retry later"
+
+
+# A caller that gets an error without its code (a gRPC stream; a BLS caller in Triton 2.51 gets
+# INTERNAL, whatever the code) tells refusals for now (Triton's queue policy, the llm's queue
+# timeout, a step that died or is being reloaded: `triton_vlm.serving.pipeline.restarted`) by their
+# messages.
+RESTARTED = "step restarted; retry"
+REFUSALS = ("Request timeout expired", "Exceeds maximum queue size", BUSY_PREFIX, RESTARTED)

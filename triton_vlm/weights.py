@@ -14,7 +14,7 @@ def read_safetensors(checkpoint_dir: str | Path, rename: Callable[[str], str | N
                      ) -> dict[str, torch.Tensor]:
     """Tensors in `dtype` under the names `rename` gives; a key it maps to None is not read at all.
     `plan(name, shape)` may ask for parts of a tensor only (a tensor-parallel rank's,
-    `triton_vlm.llm.sharding`): the slices listed, read alone and joined along dim 0 (`[]`: none of
+    `triton_vlm.llm.distributed.sharding`): the slices listed, read alone and joined along dim 0 (`[]`: none of
     it; None: all)."""
     from safetensors import safe_open
 

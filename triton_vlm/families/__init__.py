@@ -17,6 +17,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     *minicpmv.FAMILIES,
     *llava.FAMILIES,
 )}
+# The family of `make demo` and of the tools' defaults.
+DEFAULT_FAMILY = qwen2_5_vl.QWEN2_5_VL.name
 
 
 def get_family(name: str) -> Family:

@@ -11,9 +11,10 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from triton_vlm.evs import check_rate, retained_tokens
-from triton_vlm.imaging import View, VisionSettings
-from triton_vlm.mrope import MediaSpan
+from triton_vlm.media.evs import check_rate, retained_tokens
+from triton_vlm.media.frames import View
+from triton_vlm.media.mrope import MediaSpan
+from triton_vlm.media.sizing import VisionSettings
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ class MediaLayout:
     settings: VisionSettings
     timestamps: np.ndarray | None = None  # a video's sampled frames, in seconds
     t_factor: float = 1.0               # M-RoPE temporal scale (`ProcessorRules.video_t_factor`)
-    pruning_rate: float = 0.0           # EVS video pruning (`ProcessorRules.video_pruning`; triton_vlm.evs)
+    pruning_rate: float = 0.0           # EVS video pruning (`ProcessorRules.video_pruning`; triton_vlm.media.evs)
     source: tuple[int, int] | None = None  # an image's own (height, width), as decoded
 
     @property
@@ -91,11 +92,11 @@ class ProcessorRules:
     # checkpoint sets them.
     video_sampler_keys: tuple[str, ...] = ()
     # Target frame size: `resize_rule(height, width, settings, num_frames, name) -> (h, w)`
-    # (`triton_vlm.imaging.ResizeRule`); None: Qwen2-VL's `smart_resize`, frame by frame.
+    # (`triton_vlm.media.sizing.ResizeRule`); None: Qwen2-VL's `smart_resize`, frame by frame.
     resize_rule: Callable[..., tuple[int, int]] | None = None
     # Sliced images: `slice_rule(height, width, settings, name) -> views` (`View`s: an overview, then
     # the slices); each slice of each frame is then its own grid row [1, h, w] (see
-    # `triton_vlm.imaging.FrameLayout`). None: one view of `resize_rule`'s size per item.
+    # `triton_vlm.media.frames.FrameLayout`). None: one view of `resize_rule`'s size per item.
     slice_rule: Callable[..., tuple[View, ...]] | None = None
     # An image's views from its pixels, where its size alone does not fix them: `refine_layout(layout,
     # settings, pixels, name) -> FrameLayout`, `layout` the `slice_rule`'s, `pixels()` the decoded
@@ -123,7 +124,7 @@ class ProcessorRules:
     # `prompt_positions(input_ids, kinds, grid_thw, config_json) -> (positions int64 [3, S], delta)`,
     # `kinds` per token 0 text, 1 image, 2 video (HF's `mm_token_type_ids`).
     prompt_positions: Callable[..., tuple[np.ndarray, int]] | None = None
-    # EVS video pruning (`video_pruning_rate`, triton_vlm.evs) as the reference implements it for
+    # EVS video pruning (`video_pruning_rate`, triton_vlm.media.evs) as the reference implements it for
     # this family; others refuse the option.
     video_pruning: bool = False
     # Packed video frames: `pack_frames(metadata, *, fps, force_packing) -> temporal ids per group`,
@@ -153,7 +154,7 @@ class Family:
     processor: ProcessorRules
     # (pixel_values row width, embedding width) from the checkpoint's config.json.
     encoder_dims: Callable[[dict], tuple[int, int]]
-    # Its `triton_vlm.vision.tower.Tower` class; its `triton_vlm.llm.decoders.DecoderSpec`, or one by
+    # Its `triton_vlm.vision.tower.base.Tower` class; its `triton_vlm.llm.layers.spec.DecoderSpec`, or one by
     # the checkpoint's `text_config.model_type` where its checkpoints pair the tower with several
     # language models; its demo checkpoints (a `triton_vlm.families.demo.Demo` by family name).
     tower: str

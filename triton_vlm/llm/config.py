@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from triton_vlm.families import detect_family
-from triton_vlm.llm.linear_attention import LinearAttentionConfig
-from triton_vlm.llm.moe import MoeConfig
+from triton_vlm.families import DEFAULT_FAMILY, detect_family
+from triton_vlm.llm.layers.linear_attention import LinearAttentionConfig
+from triton_vlm.llm.layers.moe import MoeConfig
 
 
 def _ids(value: Any) -> list[int]:
@@ -50,7 +50,7 @@ class DecoderConfig:
     tie_word_embeddings: bool
     placeholder_token_ids: tuple[int, ...]  # prompt tokens replaced by image/video embedding rows
     eos_token_ids: tuple[int, ...]
-    family: str = "qwen2_5_vl"  # the serving family (`triton_vlm.families`), which names the `DecoderSpec`
+    family: str = DEFAULT_FAMILY  # the serving family (`triton_vlm.families`), which names the `DecoderSpec`
     layer_types: tuple[str, ...] = ()  # per layer: "full_attention" or "linear_attention"
     linear_attention: LinearAttentionConfig | None = None  # set when some layer is linear attention
     mrope_interleaved: bool = False

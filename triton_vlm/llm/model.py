@@ -1,44 +1,28 @@
-"""The decoders of the served VLMs with M-RoPE, read from a Hugging Face checkpoint, in float32,
-bfloat16 or float16 on CPU or CUDA.
+"""`DecoderModel`: a family's decoder, read from a Hugging Face checkpoint (a tensor-parallel
+rank's share of its weights), in float32, bfloat16 or float16 on CPU or CUDA, and its batched pass.
 
-Follows transformers' text models closely enough that greedy tokens equal Hugging Face's:
-- Qwen2 (Qwen2.5-VL, `modeling_qwen2_5_vl`): RMSNorm, GQA attention with q/k/v biases, SwiGLU
-  MLP, rotate-half rotary over the whole head;
-- GLM-4 (GLM-4.1V, GLM-4.6V, GLMGA: `glm4v_text`, `modeling_glm4v`): the same attention and MLP
-  with an RMSNorm after each of them too, rotary over the first `partial_rotary_factor` of each
-  head with interleaved pairs (0, 1), (2, 3), ...; GLM-OCR's (`modeling_glm_ocr`) is the same
-  without q/k/v biases;
-- GLM-4.5V (`glm4v_moe`, `modeling_glm4v_moe`): Qwen2's layer (q/k/v biases, two RMSNorms) with
-  GLM's partial rotary in rotate-half pairs; the MLP of every layer from `first_k_dense_replace`
-  on is a mixture of experts (`triton_vlm.llm.moe`); the multi-token-prediction layers past
-  `num_hidden_layers` are not loaded;
-- Qwen3.5 (MiniCPM-V 4.6: `qwen3_5_text`, `modeling_qwen3_5`): a hybrid stack. Full-attention
-  layers have q/k RMSNorms, a sigmoid output gate and partial rotate-half rotary; linear-attention
-  layers (Gated DeltaNet, `triton_vlm.llm.linear_attention`) keep a per-sequence recurrent state
-  (the runner's `StateCache`) instead of K/V. Its RMSNorms scale by `1 + weight`.
-- Llama and Qwen2 under LLaVA (`llava`, the decoder picked by `text_config.model_type`): Llama is
-  Qwen2's layer without q/k/v biases; both have 1-D RoPE (one section, turned by the first of the
-  three position rows, which `preprocess` sends equal).
-The others split the rotary frequencies by `mrope_section` over the temporal / height / width axes,
-in runs (t.., h.., w..) or interleaved (t, h, w, t, h, w, ...: `mrope_interleaved`).
+What differs per family is data: the `DecoderSpec` its `Family` names (its folder's `decoder.py`;
+`triton_vlm.llm.layers.spec`): the layer classes (`triton_vlm.llm.layers.decoder`, or the family's
+own), how rotary dims pair up (`triton_vlm.llm.layers.rotary`), which token ids are image/video
+placeholders, the layer class of linear-attention and mixture-of-experts layers; every size,
+token id, eos id, rope theta, `mrope_section` and `partial_rotary_factor` comes from the
+checkpoint's files (`triton_vlm.llm.config`). It follows transformers' text models closely enough
+that greedy tokens equal Hugging Face's. Rotary frequencies split by `mrope_section` over the
+temporal / height / width axes, in runs (t.., h.., w..) or interleaved (t, h, w, t, h, w, ...:
+`mrope_interleaved`); 1-D RoPE is the one-section case, turned by the first of the three position
+rows, which `preprocess` sends equal. Layers past `num_hidden_layers` (a multi-token-prediction
+layer) are not loaded.
 
-Every size, token id, eos id, rope theta, `mrope_section` and `partial_rotary_factor` comes from
-the checkpoint's files.
 In bfloat16 / float16 the numerics are transformers' in that dtype (`from_pretrained(dtype=...)`):
 every weight is rounded to the dtype once, at load (but those transformers keeps in float32,
 `_FLOAT32_WEIGHTS`); RMSNorms compute in float32 and cast back where transformers' do (`_rms`);
 rotary angles, cos and sin are float32, cast to the dtype before they rotate; attention runs through
 SDPA in the dtype; the linear-attention layers and the MoE router keep transformers' float32 islands
-(`triton_vlm.llm.linear_attention`, `triton_vlm.llm.moe`); logits come out of lm_head in the dtype
-and are returned as float32 (as `generate` takes them).
+(`triton_vlm.llm.layers.linear_attention`, `triton_vlm.llm.layers.moe`); logits come out of lm_head
+in the dtype and are returned as float32 (as `generate` takes them).
 `forward` runs one flat batch of token rows from many sequences (prefill chunks and decode tokens
 together, `StepBatch`) through every linear layer at once; attention goes through the backend the
 model runner passes (`triton_vlm.llm.attention`: paged K/V, attention per sequence).
-What differs per family is data (the `DecoderSpec` its `Family` names: `QWEN2`, `GLM4`, ...,
-`triton_vlm.llm.decoders`): the layer class (`layers.py`), how rotary dims pair up (`rotary.py`),
-which token ids are image/video placeholders, the layer class of MoE layers; the sizes are the
-checkpoint's (`config.py`). This module reads the weights (a tensor-parallel rank's share of them)
-and runs the batched pass.
 """
 from __future__ import annotations
 
@@ -50,20 +34,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from triton_vlm.devices import parse_device, parse_dtype
 from triton_vlm.errors import InvalidInput
 from triton_vlm.families import get_family
 from triton_vlm.llm.config import DecoderConfig
-from triton_vlm.llm.device import parse_device, parse_dtype
-from triton_vlm.llm.layers import _rms
-from triton_vlm.llm.linear_attention import RecurrentRows
-from triton_vlm.llm.rotary import Rotary
-from triton_vlm.llm.sharding import Shard
-from triton_vlm.llm.tensor_parallel import gather_logits
+from triton_vlm.llm.distributed.collectives import gather_logits
+from triton_vlm.llm.distributed.sharding import Shard
+from triton_vlm.llm.layers.decoder import _rms
+from triton_vlm.llm.layers.linear_attention import RecurrentRows
+from triton_vlm.llm.layers.rotary import Rotary
 from triton_vlm.weights import read_safetensors
 
 if TYPE_CHECKING:
-    from triton_vlm.llm.attention import AttentionBackend
-    from triton_vlm.llm.paged import StateCache
+    from triton_vlm.llm.attention.base import AttentionBackend
+    from triton_vlm.llm.attention.cache import StateCache
 
 # Where the language model's weights live, newest layout first (v5 writes either).
 _DECODER_PREFIXES = ("model.language_model.", "model.", "language_model.model.", "language_model.", "llm.model.")
@@ -159,7 +143,7 @@ class DecoderModel:
 
     @property
     def capturable(self) -> bool:
-        """Whether a decode step can be captured in a CUDA graph (`triton_vlm.llm.cuda_graphs`): no
+        """Whether a decode step can be captured in a CUDA graph (`triton_vlm.llm.engine.cuda_graphs`): no
         mixture-of-experts layer (its loop runs over the experts a step chose) and no linear attention."""
         return not self.config.recurrent and self.config.moe is None
 

@@ -1,2 +1,2 @@
-"""Triton Python model `ensemble`: the logic lives in triton_vlm; see triton_vlm/triton_backend.py."""
-from triton_vlm.triton_backend import PipelineModel as TritonPythonModel  # noqa: F401
+"""Triton Python model `ensemble`; its adapter: triton_vlm/serving/backend/ensemble.py."""
+from triton_vlm.serving.backend.ensemble import PipelineModel as TritonPythonModel  # noqa: F401

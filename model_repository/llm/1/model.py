@@ -1,2 +1,2 @@
-"""Triton Python model `llm`: the logic lives in triton_vlm; see triton_vlm/triton_backend.py."""
-from triton_vlm.triton_backend import LLMModel as TritonPythonModel  # noqa: F401
+"""Triton Python model `llm`; its adapter: triton_vlm/serving/backend/llm.py."""
+from triton_vlm.serving.backend.llm import LLMModel as TritonPythonModel  # noqa: F401

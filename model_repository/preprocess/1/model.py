@@ -1,2 +1,2 @@
-"""Triton Python model `preprocess`: the logic lives in triton_vlm; see triton_vlm/triton_backend.py."""
-from triton_vlm.triton_backend import PreprocessModel as TritonPythonModel  # noqa: F401
+"""Triton Python model `preprocess`; its adapter: triton_vlm/serving/backend/preprocess.py."""
+from triton_vlm.serving.backend.preprocess import PreprocessModel as TritonPythonModel  # noqa: F401

@@ -1,2 +1,2 @@
-"""Triton Python model `vision_encoder`: the logic lives in triton_vlm; see triton_vlm/triton_backend.py."""
-from triton_vlm.triton_backend import VisionEncoderModel as TritonPythonModel  # noqa: F401
+"""Triton Python model `vision_encoder`; its adapter: triton_vlm/serving/backend/vision_encoder.py."""
+from triton_vlm.serving.backend.vision_encoder import VisionEncoderModel as TritonPythonModel  # noqa: F401

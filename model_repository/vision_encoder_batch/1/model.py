@@ -1,2 +1,2 @@
-"""Triton Python model `vision_encoder_batch` (internal, dynamically batched): see triton_vlm/triton_backend.py."""
-from triton_vlm.triton_backend import VisionEncoderBatchModel as TritonPythonModel  # noqa: F401
+"""Triton Python model `vision_encoder_batch`; its adapter: triton_vlm/serving/backend/vision_encoder_batch.py."""
+from triton_vlm.serving.backend.vision_encoder_batch import VisionEncoderBatchModel as TritonPythonModel  # noqa: F401

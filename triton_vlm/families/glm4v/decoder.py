@@ -9,11 +9,11 @@ import torch
 import torch.nn.functional as F
 
 from triton_vlm.llm.config import DecoderConfig
-from triton_vlm.llm.decoders import DecoderSpec
-from triton_vlm.llm.layers import Qwen2Layer, _rms
-from triton_vlm.llm.moe import SparseMoe
-from triton_vlm.llm.rotary import HalfPairs, InterleavedPairs
-from triton_vlm.llm.sharding import Shard
+from triton_vlm.llm.distributed.sharding import Shard
+from triton_vlm.llm.layers.decoder import Qwen2Layer, _rms
+from triton_vlm.llm.layers.moe import SparseMoe
+from triton_vlm.llm.layers.rotary import HalfPairs, InterleavedPairs
+from triton_vlm.llm.layers.spec import DecoderSpec
 
 
 class Glm4Layer(Qwen2Layer):
@@ -43,7 +43,7 @@ class GlmOcrLayer(Glm4Layer):
 
 class Glm4MoeLayer(Qwen2Layer):
     """A GLM-4.5V mixture-of-experts layer (`Glm4vMoeTextDecoderLayer` from `first_k_dense_replace`
-    on): Qwen2's attention and norms; the MLP is `Glm4vMoeTextMoE` (`triton_vlm.llm.moe.SparseMoe`).
+    on): Qwen2's attention and norms; the MLP is `Glm4vMoeTextMoE` (`triton_vlm.llm.layers.moe.SparseMoe`).
     GLM-4.5V's dense layers are `Qwen2Layer`s."""
 
     def init_mlp(self, w: Callable[[str], torch.Tensor]) -> None:

@@ -15,9 +15,9 @@ import numpy as np
 
 from triton_vlm.errors import InvalidInput
 from triton_vlm.families.base import MediaLayout, expand_plain
-from triton_vlm.imaging import smart_resize
-from triton_vlm.media import distinct_indices, video_facts
-from triton_vlm.mrope import MediaSpan
+from triton_vlm.media.mrope import MediaSpan
+from triton_vlm.media.sizing import smart_resize
+from triton_vlm.media.videos import distinct_indices, video_facts
 
 IMAGE_TOKEN, VIDEO_TOKEN = "<|image|>", "<|video|>"
 BEGIN_IMAGE, END_IMAGE = "<|begin_of_image|>", "<|end_of_image|>"

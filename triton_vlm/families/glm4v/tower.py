@@ -10,7 +10,7 @@ with 2-D rotary, RMSNorm, SwiGLU MLP); RMSNorm (`post_layernorm`); the 2x2 merge
 
 Patches stay in the processor's order (frame, merge-block row, merge-block column, 2x2 patches
 of the block), so the four patches a `downsample` merges are adjacent rows. The host computes
-(see `triton_vlm.vision.common`) the rotary tables, the per-frame attention groups (`full_*`,
+(see `triton_vlm.vision.tower.attention_groups`) the rotary tables, the per-frame attention groups (`full_*`,
 i.e. `cu_seqlens`) and `pos_grid` float32 [N, 2]: each patch's (x, y) sample point in [-1, 1]
 for the position-embedding resampling, ((w + 0.5) / W) * 2 - 1 and the same for h, in float32
 as transformers forms it. The resampling itself is in the graph (ONNX `GridSample`, bicubic,
@@ -33,8 +33,11 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from triton_vlm.vision import attention_groups, tower_config, tower_layers, trt_profile
-from triton_vlm.vision.tower import Tower
+from triton_vlm.vision.tower import attention_groups
+from triton_vlm.vision.tower import config as tower_config
+from triton_vlm.vision.tower import layers as tower_layers
+from triton_vlm.vision.tower import trt_profile
+from triton_vlm.vision.tower.base import Tower
 
 # The vision-config fields the tower and its metadata read, with Hugging Face's defaults
 # (`Glm4vVisionConfig`).

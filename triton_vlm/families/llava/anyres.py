@@ -9,7 +9,7 @@ torch's `interpolate(mode="bilinear", align_corners=False)` ones.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -111,10 +111,10 @@ def feature_plan(grid_thw: np.ndarray, settings: dict[str, Any], image_sizes: np
             "feature_weight": np.concatenate([p[1] for p in plans])}
 
 
-def embedding_rows(grid_thw: np.ndarray, settings: dict[str, Any], image_sizes: np.ndarray | None = None
+def embedding_rows(grid_thw: np.ndarray, settings: dict[str, Any], extras: Mapping[str, np.ndarray] | None = None
                    ) -> np.ndarray:
-    """Embedding rows of each grid row."""
-    sizes = check_sizes(grid_thw, image_sizes, settings)
+    """Embedding rows of each grid row (`Tower.ROWS`), by its `image_sizes` extra."""
+    sizes = check_sizes(grid_thw, (extras or {}).get("image_sizes"), settings)
     grid = np.asarray(grid_thw, np.int64).reshape(-1, 3)
     return np.array([len(item_plan(v, tuple(s), settings, 0, 0)[0]) for (v, _, _), s in zip(grid.tolist(), sizes.tolist())],
                     dtype=np.int64)

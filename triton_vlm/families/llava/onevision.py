@@ -30,8 +30,9 @@ import numpy as np
 
 from triton_vlm.errors import InvalidInput
 from triton_vlm.families.base import MediaLayout
-from triton_vlm.imaging import View, VisionSettings
-from triton_vlm.mrope import MediaSpan
+from triton_vlm.media.frames import View
+from triton_vlm.media.mrope import MediaSpan
+from triton_vlm.media.sizing import VisionSettings
 
 IMAGE_TOKEN, VIDEO_TOKEN = "<image>", "<video>"
 PAD, EOS, IM_START = "<|endoftext|>", "<|im_end|>", "<|im_start|>"

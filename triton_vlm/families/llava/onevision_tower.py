@@ -14,15 +14,16 @@ Each grid row is one item, taken whole (`PACKED_FRAMES`): [views, S, S] with an 
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 import torch
 
 from triton_vlm.families.llava import tower as llava
-from triton_vlm.vision import tower_config, trt_profile
 from triton_vlm.families.llava.anyres import embedding_rows, feature_plan
 from triton_vlm.families.llava.tower import LlavaTower, LlavaVisionTower
+from triton_vlm.vision.tower import config as tower_config
+from triton_vlm.vision.tower import trt_profile
 
 PREFIXES = {**llava.PREFIXES, "model.image_newline": "image_newline", "image_newline": "image_newline"}
 
@@ -69,7 +70,8 @@ class LlavaOnevisionTower(LlavaTower):
     METADATA_AXES = {"feature_index": {0: "tokens"}, "feature_weight": {0: "tokens"}}
     PREFIXES = PREFIXES
     PACKED_FRAMES = True
-    IMAGE_SIZES = True
+    EXTRAS = ("image_sizes",)
+    ROWS = staticmethod(embedding_rows)
     vision_settings = staticmethod(vision_settings)
     profile_shapes = staticmethod(profile_shapes)
 
@@ -79,13 +81,6 @@ class LlavaOnevisionTower(LlavaTower):
         return feature_plan(grid_thw, settings)
 
     @classmethod
-    def metadata(cls, grid_thw: np.ndarray, settings: dict[str, Any], temporal_ids: np.ndarray | None = None,
-                 image_sizes: np.ndarray | None = None) -> dict[str, np.ndarray]:
-        if temporal_ids is not None and (np.asarray(temporal_ids) >= 0).any():
-            raise ValueError(f"{cls.__name__} takes no temporal ids")
-        return feature_plan(grid_thw, settings, image_sizes)
-
-    @classmethod
-    def embedding_rows(cls, grid_thw: np.ndarray, settings: dict[str, Any],
-                       image_sizes: np.ndarray | None = None) -> np.ndarray:
-        return embedding_rows(grid_thw, settings, image_sizes)
+    def metadata(cls, grid_thw: np.ndarray, settings: dict[str, Any],
+                 extras: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        return feature_plan(grid_thw, settings, (extras or {}).get("image_sizes"))

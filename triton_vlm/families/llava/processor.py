@@ -36,8 +36,8 @@ import numpy as np
 
 from triton_vlm.errors import InvalidInput
 from triton_vlm.families.base import MediaLayout
-from triton_vlm.imaging import VisionSettings
-from triton_vlm.mrope import MediaSpan
+from triton_vlm.media.mrope import MediaSpan
+from triton_vlm.media.sizing import VisionSettings
 
 IMAGE_TOKEN, VIDEO_TOKEN = "<image>", "<video>"
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"

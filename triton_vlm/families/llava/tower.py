@@ -29,9 +29,12 @@ import torch
 import torch.nn as nn
 
 from triton_vlm.errors import InvalidInput
-from triton_vlm.vision import attention_groups, tower_config, tower_layers, trt_profile
 from triton_vlm.families.minicpmv import tower_v4_6 as minicpmv
-from triton_vlm.vision.tower import Tower
+from triton_vlm.vision.tower import attention_groups
+from triton_vlm.vision.tower import config as tower_config
+from triton_vlm.vision.tower import layers as tower_layers
+from triton_vlm.vision.tower import trt_profile
+from triton_vlm.vision.tower.base import Tower
 
 
 @dataclass(frozen=True)

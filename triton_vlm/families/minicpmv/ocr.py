@@ -20,7 +20,8 @@ import numpy as np
 
 from triton_vlm.errors import InvalidInput
 from triton_vlm.families.minicpmv.slicing import best_resize
-from triton_vlm.imaging import FrameLayout, View, VisionSettings
+from triton_vlm.media.frames import FrameLayout, View
+from triton_vlm.media.sizing import VisionSettings
 
 # The glyph classifier's calibration (transformers' constants of the same names)
 SMALL_FONT_PX = 12.0

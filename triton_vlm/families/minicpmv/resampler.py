@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from triton_vlm.vision import tower_layers
+from triton_vlm.vision.tower import layers as tower_layers
 
 LAYER_NORM_EPS = 1e-6  # the resampler's LayerNorms (`partial(nn.LayerNorm, eps=1e-6)`), and SigLIP's
 

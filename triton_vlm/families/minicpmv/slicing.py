@@ -12,8 +12,9 @@ import numpy as np
 
 from triton_vlm.errors import InvalidInput
 from triton_vlm.families.base import MediaLayout
-from triton_vlm.imaging import View, VisionSettings
-from triton_vlm.mrope import MediaSpan
+from triton_vlm.media.frames import View
+from triton_vlm.media.mrope import MediaSpan
+from triton_vlm.media.sizing import VisionSettings
 
 # The markers around a picture's runs, the same in every version's tokenizer.
 IMAGE_START, IMAGE_END = "<image>", "</image>"

@@ -16,7 +16,7 @@ be 16 KiB a patch to send).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -24,9 +24,12 @@ import torch.nn as nn
 
 from triton_vlm.families.minicpmv.resampler import LAYER_NORM_EPS, Resampler
 from triton_vlm.families.minicpmv.tower_v4_6 import Embeddings
-from triton_vlm.vision import attention_groups, tower_config, tower_layers, trt_profile
-from triton_vlm.vision.siglip import EncoderLayer
-from triton_vlm.vision.tower import Tower
+from triton_vlm.vision.tower import attention_groups
+from triton_vlm.vision.tower import config as tower_config
+from triton_vlm.vision.tower import layers as tower_layers
+from triton_vlm.vision.tower import trt_profile
+from triton_vlm.vision.tower.base import Tower
+from triton_vlm.vision.tower.siglip import EncoderLayer
 
 METADATA_INPUTS = ("position_ids",) + attention_groups.FULL_INPUTS + ("key_positions", "group_index", "group_mask")
 _VISION_DEFAULTS: dict[str, Any] = dict(
@@ -146,12 +149,13 @@ class MiniCPMV4_5Tower(Tower):
     PREFIXES = PREFIXES
     EXAMPLE_GRID = ((1, 6, 10), (1, 8, 8))
     PACKED_FRAMES = True
+    EXTRAS = ("temporal_ids",)
     vision_settings = staticmethod(vision_settings)
     encoder_metadata = staticmethod(metadata)
     profile_shapes = staticmethod(profile_shapes)
     WHOLE_CONFIG = True
 
     @classmethod
-    def metadata(cls, grid_thw: np.ndarray, settings: dict[str, Any], temporal_ids: np.ndarray | None = None,
-                 image_sizes: np.ndarray | None = None) -> dict[str, np.ndarray]:
-        return metadata(grid_thw, settings, temporal_ids)
+    def metadata(cls, grid_thw: np.ndarray, settings: dict[str, Any],
+                 extras: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        return metadata(grid_thw, settings, (extras or {}).get("temporal_ids"))

@@ -28,7 +28,7 @@ host's `patch_order` gathers the rows so that each 2x2 window is four adjacent r
 inside the window), the windows of a merger block are adjacent in turn, and the final blocks
 come in row-major order. The host also gives each (gathered) row its `position_ids` and the
 per-slice attention groups before (`full_*`) and after (`merged_*`) the window merger (see
-`triton_vlm.vision.common`); window attention needs none (groups of four adjacent rows).
+`triton_vlm.vision.tower.attention_groups`); window attention needs none (groups of four adjacent rows).
 """
 from __future__ import annotations
 
@@ -38,9 +38,12 @@ from typing import Any
 import numpy as np
 import torch.nn as nn
 
-from triton_vlm.vision import attention_groups, tower_config, tower_layers, trt_profile
-from triton_vlm.vision.siglip import EncoderLayer, SiglipAttention
-from triton_vlm.vision.tower import Tower
+from triton_vlm.vision.tower import attention_groups
+from triton_vlm.vision.tower import config as tower_config
+from triton_vlm.vision.tower import layers as tower_layers
+from triton_vlm.vision.tower import trt_profile
+from triton_vlm.vision.tower.base import Tower
+from triton_vlm.vision.tower.siglip import EncoderLayer, SiglipAttention
 
 METADATA_INPUTS = ("patch_order", "position_ids") + attention_groups.FULL_INPUTS + ("merged_index", "merged_mask",
                                                                           "merged_inverse")

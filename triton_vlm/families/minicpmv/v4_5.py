@@ -26,8 +26,8 @@ from triton_vlm.errors import InvalidInput
 from triton_vlm.families.base import MediaLayout
 from triton_vlm.families.minicpmv.slicing import (IMAGE_END, IMAGE_ID_END, IMAGE_ID_START, IMAGE_START, SLICE_END,
                                                   SLICE_START, slice_runs)
-from triton_vlm.media import distinct_indices, video_facts
-from triton_vlm.mrope import MediaSpan
+from triton_vlm.media.mrope import MediaSpan
+from triton_vlm.media.videos import distinct_indices, video_facts
 
 IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER = "(<image>./</image>)", "(<video>./</video>)"
 UNK, ENDOFTEXT, IM_START, IM_END = "<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"

@@ -20,7 +20,7 @@ import numpy as np
 from triton_vlm.families.base import MediaLayout
 from triton_vlm.families.minicpmv.canvas_mrope import CanvasMarkers, canvas_positions
 from triton_vlm.families.minicpmv.slicing import slice_runs
-from triton_vlm.mrope import MediaSpan
+from triton_vlm.media.mrope import MediaSpan
 
 MARKER_KEYS = ("image_start_id", "image_end_id", "slice_start_id", "slice_end_id", "newline_id")
 

@@ -3,7 +3,7 @@
 The tower keeps patches in the processor's order (frame, merge-block row, merge-block column,
 then the 2x2 patches of a merge block), so the 2x2 merge units the merger needs are always
 adjacent and no global window permutation is needed. Attention is done in groups (see
-`triton_vlm.vision.common`): every window (window-attention blocks) or every frame
+`triton_vlm.vision.tower.attention_groups`): every window (window-attention blocks) or every frame
 (full-attention blocks, i.e. `cu_seqlens`) is one group, with `window_*` and `full_*` metadata.
 
 Every size comes from the checkpoint's vision config.
@@ -15,8 +15,11 @@ from typing import Any
 import numpy as np
 import torch.nn as nn
 
-from triton_vlm.vision import attention_groups, tower_config, tower_layers, trt_profile
-from triton_vlm.vision.tower import Tower
+from triton_vlm.vision.tower import attention_groups
+from triton_vlm.vision.tower import config as tower_config
+from triton_vlm.vision.tower import layers as tower_layers
+from triton_vlm.vision.tower import trt_profile
+from triton_vlm.vision.tower.base import Tower
 
 RMS_EPS = 1e-6  # fixed in the Hugging Face implementation (not a config field)
 METADATA_INPUTS = attention_groups.ROTARY_INPUTS + ("window_index", "window_mask", "window_inverse") + attention_groups.FULL_INPUTS

@@ -1,0 +1,36 @@
+"""`DecoderSpec`: a decoder as data (its layer classes, rotary pairing, placeholder and stop
+tokens). Each family folder's `decoder.py` holds its specs, which its `Family` names
+(`Family.decoder`); the model takes them as they are, with no branch on a family."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """What one family's decoder is made of: its (attention) layer class, how its rotary dims pair
+    up, the config keys of the token ids its prompts hold image/video placeholders under, the
+    layer class of its `linear_attention` layers (hybrid stacks; config `layer_types`) and of its
+    mixture-of-experts layers (`DecoderConfig.moe_layers`)."""
+    layer: type
+    rotary_pairing: type  # HalfPairs or InterleavedPairs
+    placeholder_keys: tuple[str, ...]
+    linear_layer: type | None = None
+    moe_layer: type | None = None
+    # Placeholder tokens by their text, for checkpoints whose config names none (MiniCPM-V 4.5:
+    # `<unk>`), looked up in the tokenizer's added tokens.
+    placeholder_tokens: tuple[str, ...] = ()
+    # Stop tokens by their text, beside the config's eos ids (MiniCPM-V 4.5's chat passes
+    # `<|im_end|>` and `<|endoftext|>` as terminators; its config names the first only).
+    eos_tokens: tuple[str, ...] = ()
+    # False: 1-D RoPE (the config has no mrope_section); the first position row turns every dim.
+    mrope: bool = True
+    # Text config flags this decoder does not implement: a checkpoint that sets one is refused.
+    refused_flags: tuple[str, ...] = ()
+
+    def layer_class(self, layer_type: str, moe: bool) -> type:
+        """The class of a layer of `layer_type` (config `layer_types`) whose MLP is (`moe`) or is
+        not a mixture of experts."""
+        if layer_type == "linear_attention":
+            return self.linear_layer
+        return self.moe_layer if moe else self.layer

@@ -1,0 +1,165 @@
+"""What `triton-vlm serve` does for a running tritonserver that Triton 2.51 does not: it keeps the
+models, and the server itself, serving after a crash.
+
+- A Python stub that dies leaves Triton ready, with every request routed to that instance failing
+  ("Stub process ... is not healthy") and no restart: its model is reloaded (unload, then load).
+- The `ensemble`'s stub is the exception. Triton holds forever the requests a decoupled model had
+  when its stub died (server issue 7862), and no reload ends them; the server is killed, which
+  ends every connection at once (a gRPC client gets UNAVAILABLE), and started again.
+- A tritonserver that exits by itself is started again on the same ports (python_backend r24.10
+  once aborted, `boost::interprocess::lock_exception`, after a stub was killed holding a mutex of
+  the shared memory).
+At most MAX_RESTARTS restarts within RESTART_WINDOW_S: past them the server stays down and `wait`
+returns its exit code, for what runs `triton-vlm serve` (Kubernetes, systemd) to act on.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import signal
+import subprocess
+import threading
+import time
+from typing import Protocol
+
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from triton_vlm.server import admin
+from triton_vlm.server.errors import ServerError
+from triton_vlm.server.stubs import StepWatch, model_of
+
+# Models whose stub's death restarts the server: the clients' entry point.
+RESTART_ON_DEATH = frozenset({"ensemble"})
+MAX_RESTARTS, RESTART_WINDOW_S = 5, 300.0
+
+
+class Supervised(Protocol):
+    """What the supervisor needs of the server it watches (`tritonserver.TritonServer`)."""
+    process: subprocess.Popen
+    admin_key: str
+
+    @property
+    def grpc_url(self) -> str: ...
+    @property
+    def start_timeout(self) -> float: ...
+    @property
+    def stopping(self) -> bool: ...
+    def relaunch(self) -> None: ...
+    def event(self, message: str) -> None: ...
+    def model_states(self) -> dict[str, str]: ...
+    def note_shm_regions(self) -> None: ...
+    def hang_report(self, models: set[str] | None = None) -> str: ...
+
+
+class Supervisor:
+    """Watches `server`'s process and stubs from its own thread, from `start` until the server
+    is stopped or given up (`done`)."""
+
+    def __init__(self, server: Supervised, period: float = 0.5) -> None:
+        self.server, self.period = server, period
+        self.done = threading.Event()
+        self._changed = threading.Condition()
+        self._restarts: collections.deque[float] = collections.deque()
+        self._kill_reason: str | None = None
+        # The first stubs are known before this returns: one may die right after the start.
+        first = self._watch(server.process)
+        self._thread = threading.Thread(target=self._run, args=(server.process, first), name="triton-supervisor",
+                                        daemon=True)
+        self._thread.start()
+
+    def _watch(self, process: subprocess.Popen) -> StepWatch:
+        """A watch of `process`'s stubs as they are now (and of those started later)."""
+        return StepWatch(process.pid, set(), lambda instance, pid: self._stub_died(process, instance, pid),
+                         ready=lambda model: True, period=self.period)
+
+    def _run(self, process: subprocess.Popen, watch: StepWatch) -> None:
+        try:
+            while True:
+                try:
+                    code = process.wait()
+                finally:
+                    watch.close()
+                if self.server.stopping or (watch := self._restart(code)) is None:
+                    return
+                process = self.server.process
+        finally:
+            with self._changed:
+                self.done.set()
+                self._changed.notify_all()
+
+    def _restart(self, code: int) -> StepWatch | None:
+        """Start the server again after it exited with `code`, unless it was restarted too often;
+        the watch of the new server's stubs, taken as soon as it is ready."""
+        reason, self._kill_reason = self._kill_reason or f"tritonserver exited by itself with code {code}", None
+        now = time.monotonic()
+        while self._restarts and now - self._restarts[0] > RESTART_WINDOW_S:
+            self._restarts.popleft()
+        if len(self._restarts) >= MAX_RESTARTS:
+            self.server.event(f"{reason}; {MAX_RESTARTS} restarts within {RESTART_WINDOW_S:.0f} s already: "
+                              f"giving up")
+            return None
+        self._restarts.append(now)
+        self.server.event(f"{reason}: restarting it")
+
+        try:
+            self.server.relaunch()
+        except ServerError as error:
+            self.server.event(f"restarting tritonserver failed: {error}")
+            return None
+        watch = self._watch(self.server.process)
+        with self._changed:
+            self._changed.notify_all()
+        self.server.event("tritonserver restarted")
+        return watch
+
+    def replaced(self, process: subprocess.Popen) -> bool:
+        """After `process` exited: wait until a restart has replaced it (True) or none will (False)."""
+        with self._changed:
+            self._changed.wait_for(lambda: self.server.process is not process or self.done.is_set())
+            return self.server.process is not process
+
+    def _stub_died(self, process: subprocess.Popen, instance: str, pid: int) -> None:
+        if process.poll() is not None or self.server.stopping:  # the server went, and its stubs with it
+            return
+        model = model_of(instance)
+        if model in RESTART_ON_DEATH:
+            self._kill(process, f"model instance {instance} died (stub pid {pid}); Triton holds its requests "
+                                f"for good, so tritonserver was killed")
+            return
+        if self.server.model_states().get(model) not in ("READY", None):  # an operator unloads or reloads it
+            return
+        self.server.event(f"model instance {instance} died (stub pid {pid}); requests routed to it fail "
+                          f"until the model is reloaded: reloading {model!r}")
+        limit = self.server.start_timeout
+        try:
+            self._reload(model, limit)
+            self.server.note_shm_regions()
+            self.server.event(f"model {model!r} reloaded")
+        except InferenceServerException as error:
+            if error.status() != "StatusCode.DEADLINE_EXCEEDED":
+                self.server.event(f"reloading model {model!r} failed: {error}")
+                return
+            # python_backend r24.10 may never start a new instance after a stub was killed (the
+            # new stubs wait for their initialize message): the server is wedged for the model
+            self._kill(process, f"reloading {model!r} did not end within {limit:.0f} s (the time a start may take), "
+                                f"so tritonserver was killed; {self.server.hang_report({model})}")
+
+    def _reload(self, model: str, limit: float) -> None:
+        """Unload `model`, then load it again: Triton treats a load of an unchanged model as a
+        no-op that keeps the dead instance (touching its files is not enough). Requests to it fail
+        for the few seconds in between. Over gRPC, where Triton runs a load on a thread of its own:
+        over HTTP it holds one of the HTTP server's threads until it ends, and every client
+        connection served by that thread waited as long (an HTTP generate_stream request took 6 s
+        in a preprocess reload)."""
+        with grpcclient.InferenceServerClient(self.server.grpc_url) as client:
+            key = admin.headers(self.server.admin_key, grpc=True)
+            client.unload_model(model, headers=key, client_timeout=limit)
+            client.load_model(model, headers=key, client_timeout=limit)
+
+    def _kill(self, process: subprocess.Popen, reason: str) -> None:
+        """Kill the server and its stubs; `_run` restarts it, for `reason`."""
+        self._kill_reason = reason
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)

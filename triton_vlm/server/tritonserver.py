@@ -1,0 +1,379 @@
+"""Starting and stopping the bundled `tritonserver` (from the nvidia-pytriton wheel).
+
+The Python backend stub runs models with this interpreter's packages: `PATH` starts at this
+environment's `bin`, `LD_LIBRARY_PATH` at this interpreter's own libpython (otherwise the stub
+picks up the system's older libpython and `import ssl` fails inside models), and `PYTHONPATH`
+names this environment's site-packages and the project, so `triton_vlm` imports there too.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import json
+import os
+import re
+import shutil
+import signal
+import site
+import socket
+import subprocess
+import sys
+import sysconfig
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Callable
+
+from triton_vlm.contract.params import PYTHON_ENV, URL_ENV
+from triton_vlm.server import admin
+from triton_vlm.server.errors import NotReady, ServerError
+from triton_vlm.server.stubs import dump_stacks, model_of, stub_processes
+from triton_vlm.server.supervisor import Supervisor
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+# Seconds from a stop signal to a server gone: tritonserver waits for requests in flight for the
+# first EXIT_TIMEOUT_S - STOP_GRACE_S (`--exit-timeout-secs`), and a server still there at
+# EXIT_TIMEOUT_S is killed with its stubs: Triton 2.51 never releases the requests a dead stub
+# held, so after a stub died it always waits its whole drain, and then may hang.
+EXIT_TIMEOUT_S = 10
+STOP_GRACE_S = 3
+# Triton's error lines look like `E1122 10:30:00.123 123 file.cc:42] "message"`.
+_ERROR_LINE = re.compile(r"^E\d{4} ")
+
+
+# Where tritonserver's tree is, when not in the nvidia-pytriton wheel (bench/device_pack.py).
+ROOT_ENV = "TRITON_VLM_TRITON_ROOT"
+
+
+def triton_root() -> Path:
+    if os.environ.get(ROOT_ENV):
+        return Path(os.environ[ROOT_ENV])
+    import pytriton
+
+    return Path(pytriton.__file__).parent / "tritonserver"
+
+
+def server_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    libdir = sysconfig.get_config_var("LIBDIR") or ""
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, env.get("LD_LIBRARY_PATH", "")) if p)
+    paths = [str(PROJECT_ROOT), *site.getsitepackages()]
+    env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [env.get("PYTHONPATH", "")] if p])
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    # The interpreter a model's own processes run (the llm's tensor-parallel ranks): inside a stub
+    # sys.executable is the stub.
+    env[PYTHON_ENV] = sys.executable
+    # Every stub's OpenMP workers (torch's) spin 1000 rounds, not libgomp's 300000, before they
+    # sleep: the models share the cores, and a spinning llm worker took them from preprocess and
+    # the encoder (2 cores: image requests at concurrency 4, 26 -> 43 req/s; bench/RESULTS.md).
+    env.setdefault("GOMP_SPINCOUNT", "1000")
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_in_use(port: int) -> bool:
+    """Whether something listens on `port` (tritonserver binds every address)."""
+    with socket.socket() as s:
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return True
+        return False
+
+
+def _ended_with_this_process(command: list[str], thread_outlives: bool = False) -> list[str]:
+    """`command` run through util-linux `setpriv --pdeathsig TERM` (prctl PR_SET_PDEATHSIG, kept
+    across its exec) when called from the main thread, or from a thread that outlives the process
+    (`thread_outlives`: it waits for its exit): SIGTERM reaches it when this process ends. Linux
+    sends it when the starting *thread* ends, so from other threads, or without a setpriv that knows
+    `--pdeathsig` (util-linux >= 2.33), the command is as it is."""
+    setpriv = _setpriv_with_pdeathsig()
+    if setpriv is None or not (thread_outlives or threading.current_thread() is threading.main_thread()):
+        return command
+    return [setpriv, "--pdeathsig", "TERM", "--", *command]
+
+
+@functools.cache
+def _setpriv_with_pdeathsig() -> str | None:
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        return None
+    probe = subprocess.run([setpriv, "--pdeathsig", "TERM", "--", "true"], capture_output=True)
+    return setpriv if probe.returncode == 0 else None
+
+
+class TritonServer:
+    """A running tritonserver on a repository; a context manager that always stops what it started.
+
+    Started from the main thread, the server also goes when this process dies without stopping it
+    (SIGKILL, a killed test run): it gets SIGTERM then and shuts down as on `stop`. Linux sends that
+    signal when the *thread* that started it ends, so from any other thread it is started without.
+
+    `supervise` (as `triton-vlm serve` runs it): a `Supervisor` reloads a model whose stub died
+    and starts the server again when it exits by itself (`triton_vlm.server.supervisor`).
+
+    Its admin APIs answer only requests with `admin_key` (`triton_vlm.server.admin`; default: a random
+    key of this start, held by this object alone)."""
+
+    def __init__(self, repo: str | Path, http_port: int | None = None, grpc_port: int | None = None,
+                 metrics_port: int | None = None, log_file: str | Path | None = None, echo: bool = False,
+                 extra_args: tuple[str, ...] = (), supervise: bool = False,
+                 report: Callable[[str], None] | None = None, admin_key: str | None = None) -> None:
+        self.repo = Path(repo).resolve()
+        self.http_port = http_port or free_port()
+        self.grpc_port = grpc_port or free_port()
+        self.metrics_port = metrics_port or free_port()
+        self.log_file, self.echo, self.extra_args = log_file, echo, extra_args
+        self.process: subprocess.Popen | None = None
+        self._tail: collections.deque[str] = collections.deque(maxlen=2000)
+        self._lines = 0  # read so far
+        self._reader: threading.Thread | None = None
+        self.supervise = supervise
+        self.report = report or (lambda message: print(f"triton-vlm serve: {message}", file=sys.stderr, flush=True))
+        self.events: list[str] = []
+        self._stopping = threading.Event()
+        self._stop_deadline = float("inf")
+        self._shm_regions: set[str] = set()
+        self._supervisor: Supervisor | None = None
+        self._start_timeout = 300.0
+        self.admin_key = admin.new_key() if admin_key is None else admin.check_key(admin_key)
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"127.0.0.1:{self.http_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def command(self) -> list[str]:
+        root = triton_root()
+        return [str(root / "bin" / "tritonserver"), f"--model-repository={self.repo}",
+                f"--backend-directory={root / 'backends'}", f"--http-port={self.http_port}",
+                f"--grpc-port={self.grpc_port}", f"--metrics-port={self.metrics_port}",
+                "--allow-cpu-metrics=true", f"--exit-timeout-secs={EXIT_TIMEOUT_S - STOP_GRACE_S}", "--log-verbose=0",
+                *admin.restricted_args(self.admin_key),
+                *(("--model-control-mode=explicit", "--load-model=*") if self.supervise else ()), *self.extra_args]
+
+    def _read_output(self) -> None:
+        log = open(self.log_file, "a") if self.log_file else None
+        try:
+            for line in self.process.stdout:
+                self._tail.append(line)
+                self._lines += 1
+                if log:
+                    log.write(line)
+                    log.flush()
+                if self.echo:
+                    sys.stderr.write(line)
+        finally:
+            if log:
+                log.close()
+
+    def errors(self) -> str:
+        """The server's own error lines so far (or its last lines when it printed none)."""
+        lines = [l.rstrip() for l in self._tail if _ERROR_LINE.match(l)]
+        return "\n".join(lines or [l.rstrip() for l in list(self._tail)[-20:]])
+
+    def start(self, timeout: float = 300.0) -> "TritonServer":
+        # Readiness is asked over HTTP: a server already on these ports would answer for ours (and
+        # the supervisor would reload *its* models when ours exits), so refuse to start beside it.
+        busy = [f"{name} port {port}" for name, port in (("HTTP", self.http_port), ("gRPC", self.grpc_port),
+                                                          ("metrics", self.metrics_port)) if port_in_use(port)]
+        if busy:
+            raise ServerError(f"{', '.join(busy)} already in use (another server?)")
+        self._start_timeout = timeout
+        try:
+            self._launch(thread_outlives=False)
+        except NotReady as error:
+            if not self.supervise:
+                raise
+            # python_backend r24.10 may leave a stub waiting for its initialize message for good
+            # (seen in CI): a supervised server gets one more start
+            self.event(f"{error}\nstarting it again")
+            self._remove_shm_regions()
+            self._launch(thread_outlives=False)
+        if self.supervise:  # started before returning: a stub may die right after
+            self._supervisor = Supervisor(self)
+        return self
+
+    def relaunch(self) -> None:
+        """Start the server again on the same ports, once it exited (`Supervisor`, from the thread
+        that then waits for it)."""
+        self._remove_shm_regions()
+        if self._reader:
+            self._reader.join(timeout=5)
+        self._launch(thread_outlives=True)
+
+    def _launch(self, thread_outlives: bool) -> None:
+        # the ensemble calls its steps over this server's gRPC endpoint (triton_vlm.serving.loopback)
+        env = {**server_env(), URL_ENV: self.grpc_url}
+        self.process = subprocess.Popen(_ended_with_this_process(self.command(), thread_outlives), env=env,
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        start_new_session=True)
+        if self._stopping.is_set():  # a stop that came while no process was there to take it
+            self.process.send_signal(signal.SIGTERM)
+        self._reader = threading.Thread(target=self._read_output, daemon=True)
+        self._reader.start()
+        deadline = time.monotonic() + self._start_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                self._reader.join(timeout=5)
+                raise ServerError(f"tritonserver exited with code {self.process.returncode}:\n{self.errors()}")
+            if self.is_ready():
+                self.note_shm_regions()
+                return
+            time.sleep(0.5)
+        report = self.hang_report()
+        self.note_shm_regions()
+        self._kill(self.process)
+        raise NotReady(f"tritonserver not ready after {self._start_timeout:.0f} s; {report}")
+
+    def is_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    def stub_processes(self) -> dict[int, str]:
+        """pid -> model instance name of the server's Python backend stubs."""
+        return stub_processes(self.process.pid)
+
+    def hang_report(self, models: set[str] | None = None) -> str:
+        """What a start or a reload that does not end waits for: the models' states, the server's
+        last lines, and where its stubs (those of `models`, or all) are: their Python stacks, which
+        they print to the server's output, and their main threads' native stacks."""
+        states = self.model_states() or "index unreadable (a server starting listens once its first models loaded)"
+        stubs = {pid: name for pid, name in self.stub_processes().items() if models is None or model_of(name) in models}
+        tail = "\n".join(line.rstrip() for line in list(self._tail)[-30:])
+        printed = self._lines
+        native = dump_stacks(sorted(stubs), server_pid=self.process.pid)
+        time.sleep(1.0)  # for the last stack's lines to be read
+        lines = list(self._tail)
+        since = lines[len(lines) - min(self._lines - printed, len(lines)):]  # what the stubs printed
+        stacks = "\n".join(line.rstrip() for line in since)
+        return (f"models: {states}; stubs: {sorted(stubs.values())}; its last lines:\n{tail}\n"
+                f"-- the stubs' Python stacks:\n{stacks}\n-- {native}")
+
+    def model_states(self) -> dict[str, str]:
+        """Each model's state in the repository index (none if it cannot be read)."""
+        request = urllib.request.Request(f"http://{self.http_url}/v2/repository/index", data=b"{}", method="POST",
+                                         headers=admin.headers(self.admin_key))
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return {entry.get("name"): entry.get("state") for entry in json.loads(response.read())}
+        except (OSError, ValueError, AttributeError):
+            return {}
+
+    def note_shm_regions(self) -> None:
+        """Remember the Python backend's shared-memory regions the server has mapped. A server that
+        exits cleanly removes them; one that is killed leaves them in /dev/shm (about 1 MB each,
+        in memory) for `stop` / `wait` to remove."""
+        try:
+            maps = Path(f"/proc/{self.process.pid}/maps").read_text()
+        except OSError:
+            return
+        self._shm_regions.update(re.findall(r"(/dev/shm/triton_python_backend_shm_region\S*)", maps))
+
+    def _remove_shm_regions(self) -> None:
+        """After the server has exited: remove the regions it left (its stubs may still map them
+        for the moment their watchers take to end them; the memory goes with the last of them)."""
+        for path in self._shm_regions:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        self._shm_regions.clear()
+
+    def event(self, message: str) -> None:
+        self.events.append(message)
+        self.report(message)
+
+    def forward_signal(self, signum: int) -> None:
+        """Pass a signal on to the server (safe inside a signal handler: it does not wait); `wait`
+        kills it if it has not exited EXIT_TIMEOUT_S seconds after."""
+        if not self._stopping.is_set():
+            self._stop_deadline = time.monotonic() + EXIT_TIMEOUT_S
+        self._stopping.set()
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signum)
+
+    @property
+    def start_timeout(self) -> float:
+        """Seconds a start may take (`start`'s timeout); the supervisor gives a reload as long."""
+        return self._start_timeout
+
+    @property
+    def stopping(self) -> bool:
+        """Whether a stop was asked (`stop`, `forward_signal`): the supervisor restarts nothing then."""
+        return self._stopping.is_set()
+
+    def wait(self) -> int:
+        """Wait for the server to exit, through the supervisor's restarts; its exit code. Once a
+        stop signal was forwarded, a server still there EXIT_TIMEOUT_S after it is killed with its
+        stubs."""
+        while True:
+            process = self.process
+            while True:
+                try:
+                    code = process.wait(timeout=0.5)
+                    break
+                except subprocess.TimeoutExpired:
+                    if self._stopping.is_set() and time.monotonic() > self._stop_deadline:
+                        self.event(f"tritonserver still running {EXIT_TIMEOUT_S} s after the "
+                                   f"stop signal: killed")
+                        self._kill(process)
+            if self._supervisor is None or not self._supervisor.replaced(process):
+                break
+        self._after_exit()
+        return code
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stopping.set()
+        if self.process is None:
+            return
+        while True:
+            process = self.process
+            if process.poll() is None:
+                self.note_shm_regions()
+                process.send_signal(signal.SIGINT)
+                try:
+                    process.wait(timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    self._kill(process)
+            if self._supervisor is not None:  # a restart under way sees the stop and ends
+                self._supervisor.done.wait(self._start_timeout)
+            if self.process is process:
+                break
+        self._after_exit()
+
+    @staticmethod
+    def _kill(process: subprocess.Popen) -> None:
+        """SIGKILL to a server and its stubs (its process group), and wait for it."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+    def _after_exit(self) -> None:
+        self._remove_shm_regions()
+        if self._reader:
+            self._reader.join(timeout=5)
+
+    def __enter__(self) -> "TritonServer":
+        return self.start() if self.process is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
