@@ -23,7 +23,7 @@ class Limits(ModelParams):
     # Pixels of one decoded image or video frame, checked from the header before decoding
     # (decompression bombs).
     max_image_pixels: int = 8192 * 8192
-    # Frames sampled (decoded and kept) from one video: HF Qwen2-VL's own max_frames.
+    # Frames sampled (decoded and kept) from one video: HF Qwen2-VL video processor's own max_frames.
     max_video_frames: int = 768
     # Frames in one video file (the decoder walks through them): one hour at 30 fps.
     max_video_source_frames: int = 108_000
@@ -31,7 +31,7 @@ class Limits(ModelParams):
     max_media_items: int = 16
     # max(h, w) / min(h, w) of an image or frame (the vision tower's own bound).
     max_aspect_ratio: float = 200.0
-    # Prompt tokens after every placeholder is expanded to its media item's tokens (Qwen2.5-VL: 128k context;
+    # Prompt tokens after every placeholder is expanded to its media item's tokens (128k: the largest served context;
     # the llm step checks the checkpoint's own context as well).
     max_prompt_tokens: int = 131072
     # Patches of one image or video frame: the vision encoder's largest run (the build lowers it to

@@ -86,7 +86,7 @@ class DecoderConfig:
         family = detect_family(root)
         text_model_type = str((cfg.get("text_config") or {}).get("model_type", ""))
         spec = family.decoder_spec(text_model_type)
-        # Older Qwen2.5-VL configs hold the text fields at top level; v5 (and GLM) nest them in text_config.
+        # Older configs hold the text fields at top level; transformers v5 nests them in text_config.
         text = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")}
         text.update(cfg.get("text_config") or {})
 

@@ -56,7 +56,7 @@ _LM_HEAD_KEYS = ("lm_head.weight", "language_model.lm_head.weight", "model.lm_he
 _LAYER_KEY = re.compile("^(?:" + "|".join(map(re.escape, _DECODER_PREFIXES)) + r")layers\.(\d+)\.")
 # Weights transformers keeps in float32 whatever the model's dtype (`_keep_in_fp32_modules_strict`).
 _FLOAT32_WEIGHTS = ("e_score_correction_bias",)
-# Vision weights whose names say neither "visual" nor "vision" (MiniCPM-V 4.5: `vpm`, `resampler`).
+# Vision weights whose names say neither "visual" nor "vision" (remote-code checkpoints: `vpm`, `resampler`).
 _VISION_PREFIXES = ("mlp1", "model.merger.", "vpm.", "resampler.", "model.multi_modal_projector.",
                     "multi_modal_projector.")
 
@@ -125,7 +125,7 @@ class DecoderModel:
         shard.check(config)
 
         def wanted(k: str) -> bool:
-            """Not the vision tower's, nor a layer past the stack (GLM-4.5V's multi-token-prediction
+            """Not the vision tower's, nor a layer past the stack (a multi-token-prediction
             layers, which transformers does not load either)."""
             if "visual" in k or "vision" in k or k.startswith(_VISION_PREFIXES):
                 return False

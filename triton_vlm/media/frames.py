@@ -24,10 +24,10 @@ _RESAMPLE = {0: "NEAREST", 1: "LANCZOS", 2: "BILINEAR", 3: "BICUBIC", 4: "BOX", 
 
 @dataclass(frozen=True)
 class View:
-    """A frame (or only its `region` (top, bottom, left, right): MiniCPM-OCR's tiles), padded to a
-    square of colour `fill` (LLaVA-OneVision; None: not padded), resized to `size`, centre-cropped
-    to `crop` (LLaVA's CLIP processor; None: not cropped; larger than `size`: padded with zeros,
-    LLaVA-OneVision's tile canvas), then cut into `rows` x `cols` equal slices (1 x 1: kept whole)."""
+    """A frame (or only its `region` (top, bottom, left, right): an adaptive tile), padded to a
+    square of colour `fill` (None: not padded), resized to `size`, centre-cropped to `crop` (a CLIP
+    processor's; None: not cropped; larger than `size`: padded with zeros, an anyres tile canvas),
+    then cut into `rows` x `cols` equal slices (1 x 1: kept whole)."""
     size: tuple[int, int]
     rows: int = 1
     cols: int = 1
@@ -86,16 +86,16 @@ def center_crop(frames: np.ndarray, crop: tuple[int, int]) -> np.ndarray:
 class FrameLayout:
     """How a media item's frames become vision-tower inputs.
 
-    One view, `per_frame` False (Qwen2-VL, GLM): the frames resized to one size, temporal patches
-    of `temporal_patch_size` frames, one grid row [t, h, w] for the item. Otherwise (MiniCPM-V)
+    One view, `per_frame` False (Qwen2-VL-style processors): the frames resized to one size, temporal patches
+    of `temporal_patch_size` frames, one grid row [t, h, w] for the item. Otherwise (sliced images)
     every slice of every view of every frame is its own image: a grid row [1, h, w] each, frame
     by frame, views and slices in order (slices row-major). Between decoding and writing the
     pixel rows a frame is kept as `stored` uint8 pixels: the single view's (h, w), or all views'
     pixels one after the other as one (1, n) row, then the `tiles`'.
 
-    `tiles` (MiniCPM-OCR's adaptive slices): per slice of the sliced view, row-major, None for the
+    `tiles` (adaptive slices, `ProcessorRules.refine_layout`): per slice of the sliced view, row-major, None for the
     slice itself or a whole `View` (its own size, from a region of the frame) that takes its place.
-    `packing` (per-frame layouts: MiniCPM-V 4.5's packed video frames, LLaVA-OneVision's base view
+    `packing` (per-frame layouts: packed video frames, an anyres image's base view
     and tiles) groups consecutive grid rows, all of one size, into one grid row [rows, h, w] each;
     the pixel rows are the same.
     """

@@ -23,12 +23,12 @@ import numpy as np
 @dataclass(frozen=True)
 class MediaSpan:
     """One run of media tokens in the expanded prompt: a media item, or one temporal patch of a
-    video whose frames the family separates with text (GLM's timestamps)."""
+    video whose frames the family separates with text (timestamps)."""
     offset: int        # index of its first placeholder token
     grid_t: int        # LLM grid after the spatial merge
     grid_h: int
     grid_w: int
-    t_factor: float = 1.0  # temporal position scale (Qwen2.5-VL video: second_per_grid_ts * tokens_per_second)
+    t_factor: float = 1.0  # temporal position scale (`ProcessorRules.video_t_factor`)
     tokens: int | None = None  # placeholder tokens, where fewer than the grid's (an EVS-pruned video)
 
     @property

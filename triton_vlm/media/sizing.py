@@ -18,7 +18,7 @@ class VisionSettings:
     patch_size: int = 14
     temporal_patch_size: int = 2
     merge_size: int = 2
-    # GLMGA: sizes snap to multiples of patch_size * merge_size * patch_expand_factor.
+    # Sizes snap to multiples of patch_size * merge_size * patch_expand_factor (1: of patch * merge).
     patch_expand_factor: int = 1
     min_pixels: int = 56 * 56
     max_pixels: int = 28 * 28 * 1280
@@ -29,9 +29,9 @@ class VisionSettings:
     do_rescale: bool = True
     do_normalize: bool = True
     resample: int = 3
-    # Sliced-image processors (MiniCPM-V): slices of about `scale_resolution`^2 pixels, at most
+    # Sliced-image processors: slices of about `scale_resolution`^2 pixels, at most
     # `max_slice_nums`; `downsample_mode` "16x" (4 x 4 patches per LLM token) or "4x" (2 x 2), or
-    # "resampler" (MiniCPM-V 4.5: `image_feature_size` tokens per slice, whatever its size);
+    # "resampler" (`image_feature_size` tokens per slice, whatever its size);
     # `use_image_id` numbers each item in the prompt.
     scale_resolution: int = 448
     max_slice_nums: int = 9
@@ -39,15 +39,15 @@ class VisionSettings:
     downsample_mode: str = "16x"
     use_image_id: bool = True
     image_feature_size: int = 64
-    # MiniCPM-OCR: how an image or slice no larger than `scale_resolution`^2 is sized: "always"
-    # upscaled to it, "never" kept native, "adaptive" by its glyphs (`Family.refine_layout`).
+    # How an image or slice no larger than `scale_resolution`^2 is sized: "always" upscaled to
+    # it, "never" kept native, "adaptive" by its glyphs (`ProcessorRules.refine_layout`).
     small_image_upsize: str = "always"
     # How the processor computes pixels: "torchvision" (transformers' processors: torch's resize,
     # rescale fused into the normalisation) or "pil" (processors written on PIL images and numpy,
-    # MiniCPM-V 4.5's official one: Pillow's resize of each uint8 frame, then x / 255, then
+    # as official remote-code processors are: Pillow's resize of each uint8 frame, then x / 255, then
     # (x - mean) / std in float32). The resizes differ by one level in places.
     backend: str = "torchvision"
-    # CLIP-style processors (LLaVA's `CLIPImageProcessor`): the shorter side resized to
+    # CLIP-style processors (`CLIPImageProcessor`): the shorter side resized to
     # `shortest_edge` pixels, the aspect ratio kept (`size.shortest_edge`), then with
     # `do_center_crop` the centre `crop_size` (height, width) cut out.
     shortest_edge: int = 0
@@ -58,19 +58,19 @@ class VisionSettings:
     resize_to: tuple[int, int] = (0, 0)
     # `LlavaImageProcessor`'s padding to a square before the resize (not supported: refused).
     do_pad: bool = False
-    # LLaVA's processor (its own fields, beside the image processor's): tokens an image adds beyond
+    # A processor's own fields beside its image processor's: tokens an image adds beyond
     # one per patch (CLIP's class token: 1), and "default" (drop the first token) or "full" (what
     # the processor does when its config gives none).
     num_additional_image_tokens: int = 0
     vision_feature_select_strategy: str = "full"
-    # LLaVA-OneVision's image processor: tiles of the best of `image_grid_pinpoints` (height, width)
+    # Anyres image processors: tiles of the best of `image_grid_pinpoints` (height, width)
     # beside the base view; with none, `pad_to_square` (each image of a prompt with several) pads
     # the image to a square of the mean colour before the resize. "anyres_max_N": the tiles'
     # features are cut down to about N views' worth (the model's `vision_aspect_ratio`).
     image_grid_pinpoints: tuple[tuple[int, int], ...] = ()
     pad_to_square: bool = False
     vision_aspect_ratio: str = "anyres_max_9"
-    num_image_tokens: int = 0   # its processor's tokens per view (LLaVA-OneVision's)
+    num_image_tokens: int = 0   # an anyres processor's tokens per view
 
     @property
     def center_crop(self) -> tuple[int, int] | None:
@@ -90,7 +90,7 @@ def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 56
                  max_pixels: int = 14 * 14 * 4 * 1280, name: str = "input", num_frames: int = 1,
                  temporal_factor: int = 1) -> tuple[int, int]:
     """transformers' Qwen2-VL `smart_resize`; an aspect ratio over 200 raises `InvalidInput`. With
-    `num_frames` and `temporal_factor`, GLM's: the pixel budget covers all frames."""
+    `num_frames` and `temporal_factor`: the pixel budget covers all frames (a video's, as one budget)."""
     if height <= 0 or width <= 0:
         raise InvalidInput(f"{name}: image has no pixels")
     if max(height, width) / min(height, width) > 200:

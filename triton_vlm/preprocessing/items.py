@@ -64,7 +64,8 @@ def fill(item: Item, out: np.ndarray, limits: Limits) -> None:
     if frames is None and item.planned is None:  # an image known from its header
         decoded = decode_image(item.data, item.name, limits)[None]
         if tuple(decoded.shape[1:3]) != item.probed:
-            raise not_decodable_image(item.name, item.data, f"decoded to {decoded.shape[1:3]}, header said {item.probed}")
+            raise not_decodable_image(item.name, item.data,
+                                      f"decoded to {decoded.shape[1:3]}, header said {item.probed}")
         frames = layout.resize(decoded, settings)
     if frames is not None:
         layout.write(frames, settings, out)

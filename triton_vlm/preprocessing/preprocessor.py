@@ -63,7 +63,7 @@ class Preprocessor:
                 "(" + "|".join(map(re.escape, (self.family.image_placeholder, self.family.video_placeholder))) + ")")
         else:
             self.image_token_id = self._token_id("image_token_id", named["image_token"])
-            # A family that takes no videos may have no video token (LLaVA's tokenizers have none).
+            # A family that takes no videos may have no video token in its tokenizer.
             self.video_token_id = (self._token_id("video_token_id", named["video_token"])
                                    if self.family.processor.takes_videos else VIDEO_MARK)
 
@@ -215,7 +215,8 @@ class Preprocessor:
             frame_layout, temporal_ids = self._layout(meta.height, meta.width, settings, name, n), None
             if self.family.processor.pack_frames is not None:
                 try:
-                    temporal_ids = self.family.processor.pack_frames(meta, fps=sampling.fps, force_packing=sampling.force_packing)
+                    temporal_ids = self.family.processor.pack_frames(meta, fps=sampling.fps,
+                                                                     force_packing=sampling.force_packing)
                 except InvalidInput as error:
                     raise InvalidInput(f"{name}: {error}") from None
                 frame_layout = dataclasses.replace(frame_layout, packing=tuple(len(g) for g in temporal_ids))
@@ -231,7 +232,8 @@ class Preprocessor:
             frames, meta = video_file.decode(
                 sampler, lambda meta: (layout(meta).stored, lambda f: chosen["layout"].resize(f, chosen["settings"])))
         second_per_grid_ts = chosen["settings"].temporal_patch_size / meta.sampled_fps
-        t_factor = self.family.processor.video_t_factor(self.config, second_per_grid_ts) if self.family.processor.video_t_factor else 1.0
+        t_factor = self.family.processor.video_t_factor
+        t_factor = t_factor(self.config, second_per_grid_ts) if t_factor else 1.0
         return dataclasses.replace(item, **chosen, video_file=video_file, planned=planned, frames=frames,
                                    num_frames=len(meta.frames_indices), t_factor=t_factor, timestamps=meta.timestamps)
 
@@ -276,8 +278,8 @@ class Preprocessor:
         input_ids = np.concatenate(pieces).astype(np.int32, copy=False)
         grids = np.array([g for item in items for g in item.grids], dtype=np.int64).reshape(-1, 3)
         extras = [item_extras(item, self.family.processor) for item in items]
-        extras = {extra.name: np.concatenate([e.get(extra.name, extra.empty(item.grids)) for e, item in zip(extras, items)]
-                                             + [extra.empty(np.zeros((0, 3), np.int64))])
+        extras = {extra.name: np.concatenate([e.get(extra.name, extra.empty(item.grids))
+                                              for e, item in zip(extras, items)] + [extra.empty(np.zeros((0, 3)))])
                   for extra in EXTRAS}
         if self.family.processor.prompt_positions is not None:
             kinds = np.select([input_ids == self.image_token_id, input_ids == self.video_token_id], [1, 2], 0)

@@ -67,7 +67,7 @@ def vision_settings(section: dict, size_default: tuple[int, int], defaults: dict
         values["image_grid_pinpoints"] = tuple((int(h), int(w)) for h, w in values["image_grid_pinpoints"])
     if isinstance(values.get("crop_size"), dict):
         values["crop_size"] = (int(values["crop_size"]["height"]), int(values["crop_size"]["width"]))
-    if size.get("shortest_edge"):  # read as an edge by CLIP-style resize rules only (GLM's is a pixel count)
+    if size.get("shortest_edge"):  # read as an edge by CLIP-style resize rules only (others read it as a pixel count)
         values["shortest_edge"] = int(size["shortest_edge"])
     if size.get("height") and size.get("width"):
         values["resize_to"] = (int(size["height"]), int(size["width"]))
@@ -77,7 +77,7 @@ def vision_settings(section: dict, size_default: tuple[int, int], defaults: dict
 def load_processor_sections(checkpoint: Path) -> tuple[dict, dict]:
     """(image section, video section) of a checkpoint's processor config, v5 nested layout
     (`processor_config.json`) or the older separate files. The processor's own scalar fields
-    (LLaVA's `patch_size`, `vision_feature_select_strategy`, ...) are in the image section too,
+    (`patch_size`, `vision_feature_select_strategy`, ...) are in the image section too,
     under the image processor's."""
     image = video = None
     processor: dict = {}

@@ -76,7 +76,7 @@ class BuildOptions:
     # llm: a request still waiting for its first place in the in-flight batch after this long
     # ends with UNAVAILABLE (0: it waits as long as it takes).
     llm_queue_timeout_ms: int = 60_000
-    # preprocess: the default EVS video pruning rate in [0, 1) (triton_vlm.media.evs; Qwen2.5-VL only),
+    # preprocess: the default EVS video pruning rate in [0, 1) (triton_vlm.media.evs; families that prune videos),
     # which a request's mm_options.video_pruning_rate overrides.
     video_pruning_rate: float = 0.0
 

@@ -266,7 +266,7 @@ def parser() -> argparse.ArgumentParser:
            "CUDA rank r on the GPU r places after the instance's, NCCL; on the CPU gloo)")
     option("llm_queue_timeout_ms",
            "a request waiting longer for its first place in the llm batch gets UNAVAILABLE; 0: no limit")
-    option("video_pruning_rate", "default EVS video pruning rate in [0, 1) (Qwen2.5-VL; per request: "
+    option("video_pruning_rate", "default EVS video pruning rate in [0, 1) (families with EVS; per request: "
            "mm_options video_pruning_rate): drops that share of each video's tokens, the least changed first")
     option("max_inflight_requests", "ensemble requests beyond this are refused at once with UNAVAILABLE")
     option("queue_timeout_ms", "Triton queue of preprocess, vision_encoder and vision_encoder_batch: a request "
@@ -302,7 +302,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--repetition-penalty", type=float, help="> 1 discourages repeating prompt or generated tokens")
     c.add_argument("--stop", action="append", default=None, help="stop word (repeatable)")
     c.add_argument("--mm-options", help="JSON object: min_pixels, max_pixels, fps, num_frames, max_frames, "
-                   "video_pruning_rate (Qwen2.5-VL)")
+                   "video_pruning_rate (families with EVS)")
     c.add_argument("--json", action="store_true", help="print one JSON object with token counts and timings")
     c.set_defaults(run=_infer)
 

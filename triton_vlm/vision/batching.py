@@ -248,8 +248,8 @@ class BatchedEncoder:
             grids = np.array([g for _, g, _ in todo.values()], dtype=np.int64)
             rows = [p for p, _, _ in todo.values()]  # one item (the usual request): its rows as they are
             names = sorted({name for _, _, e in todo.values() for name in e})
-            extras = {name: np.concatenate([e[name] if name in e else EXTRA[name].empty([g]) for _, g, e in todo.values()])
-                      for name in names}
+            extras = {name: np.concatenate([e[name] if name in e else EXTRA[name].empty([g])
+                                            for _, g, e in todo.values()]) for name in names}
             emb = self.encoder.encode(rows[0] if len(rows) == 1 else np.concatenate(rows, axis=0), grids, extras)
             row = 0
             for key, k in zip(todo, self.encoder.embedding_rows(grids, extras).tolist()):

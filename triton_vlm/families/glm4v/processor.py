@@ -1,10 +1,7 @@
-"""GLM-4.1V, GLM-4.6V-Flash, GLMGA, GLM-OCR and GLM-4.5V: variants of one family.
-
-The first three share a vision tower and a decoder and differ in their processors: the
-frame-sampling rule, the video timestamp format and the size limits. GLM-OCR brings its own tower
-and decoder with GLM-4.6V's processor; GLM-4.5V GLM-4.1V's processor and tower with a
-mixture-of-experts decoder. Each variant is a `Family`; which one serves a checkpoint is read from its config's
-`model_type` and its video processor's class (`detect_family`), never from a name a user types.
+"""The GLM variants' processor rules: their tokens, GLM's `smart_resize` (a video's pixel budget
+covers all its frames), the three frame-sampling rules (GLM-4.1V's, GLM-4.6V's by duration,
+GLMGA's), a video's prompt (a block of image tokens and a timestamp per temporal patch) and the
+processor classes' default sizes.
 """
 from __future__ import annotations
 

@@ -35,7 +35,8 @@ LLAVA_ONEVISION = Family(
                   named_special_tokens={"image_token": ov.IMAGE_TOKEN, "video_token": ov.VIDEO_TOKEN},
                   eos_tokens=(ov.EOS,)),
     processor=ProcessorRules(
-        slice_rule=ov.slice_rule, expand_media=ov.expand_media, vision_defaults=dict(temporal_patch_size=1, merge_size=1),
+        slice_rule=ov.slice_rule, expand_media=ov.expand_media,
+        vision_defaults=dict(temporal_patch_size=1, merge_size=1),
         several_images_settings=dict(image_grid_pinpoints=(), pad_to_square=True),
         video_settings=dict(image_grid_pinpoints=()), pack_views=True, image_sizes=True,
         sized_by="the checkpoint's size and image_grid_pinpoints"),

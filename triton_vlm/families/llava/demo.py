@@ -147,4 +147,5 @@ def _write_llava_onevision(out: Path, shape: dict[str, Any], tokenizer, seed: in
     processor.save_pretrained(out)
 
 
-DEMOS = {"llava": Demo(LLAVA_SIZES, _write_llava), "llava_onevision": Demo(LLAVA_ONEVISION_SIZES, _write_llava_onevision)}
+DEMOS = {"llava": Demo(LLAVA_SIZES, _write_llava),
+         "llava_onevision": Demo(LLAVA_ONEVISION_SIZES, _write_llava_onevision)}

@@ -1,5 +1,6 @@
-"""LLaVA-OneVision (transformers `llava_onevision`, `LlavaOnevisionForConditionalGeneration`): a
-SigLIP tower, LLaVA's projector (`triton_vlm.families.llava.tower`) and a Qwen2 decoder with 1-D RoPE.
+"""LLaVA-OneVision's processor rules. LLaVA-OneVision (transformers `llava_onevision`,
+`LlavaOnevisionForConditionalGeneration`): a SigLIP tower, LLaVA's projector (`tower`) and a Qwen2
+decoder with 1-D RoPE.
 
 Images as `LlavaOnevisionProcessor` sees them:
 

@@ -1,4 +1,4 @@
-"""LLaVA (transformers `llava`, `LlavaForConditionalGeneration`): a CLIP or SigLIP vision tower
+"""LLaVA's processor rules. LLaVA (transformers `llava`, `LlavaForConditionalGeneration`): a CLIP or SigLIP vision tower
 (`vision_config.model_type` `clip_vision_model` / `siglip_vision_model`), the hidden states of
 `vision_feature_layer` (one index, or several concatenated in the order given) with the first
 token dropped (`vision_feature_select_strategy` "default") or kept ("full"), the two-linear

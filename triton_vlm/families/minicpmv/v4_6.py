@@ -1,4 +1,5 @@
-"""MiniCPM-V 4.6 (transformers `minicpmv4_6`): a SigLIP-style vision tower with per-slice sizes,
+"""MiniCPM-V 4.6's processor rules (its tokens, frame sampling, prompt runs). MiniCPM-V 4.6
+(transformers `minicpmv4_6`): a SigLIP-style vision tower with per-slice sizes,
 a window-attention merger and a downsampling merger, on the Qwen3.5 hybrid text stack.
 
 Images are sliced (the overview image plus a grid of slices under `max_slice_nums`); the prompt

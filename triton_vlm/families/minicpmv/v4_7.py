@@ -1,7 +1,7 @@
 """MiniCPM-V 4.7 (transformers `minicpmv4_7`): MiniCPM-V 4.6's tower, slicing and Qwen3.5 decoder,
 with canvas M-RoPE (`triton_vlm.families.minicpmv.canvas_mrope`).
 
-What differs from 4.6 (`triton_vlm.families.minicpmv`):
+What differs from 4.6 (`v4_6`):
 
 - `preprocess` gives the canvas positions `MiniCPMV4_7Model.get_rope_index` computes, and their
   decode delta, instead of plain 0..S-1; the marker ids come from the checkpoint's `config.json`

@@ -1,4 +1,5 @@
-"""Qwen2.5-VL: placeholders, special tokens, video sampling, M-RoPE scale, EVS video pruning."""
+"""Qwen2.5-VL's processor rules: its placeholder tokens, video frame sampling (Qwen2-VL's) and the
+temporal M-RoPE scale of a video."""
 from __future__ import annotations
 
 import math

@@ -5,16 +5,16 @@ Megatron's split, as vLLM and nano-vllm do it:
 - attention: the query heads split evenly (column-parallel q/k/v, row-parallel o_proj); the KV
   heads too where there are at least N of them, else each rank keeps the one KV head its query
   heads read (replicated across N / KV ranks, as vLLM does);
-- MLP: gate/up column-parallel, down row-parallel (GLM's fused `gate_up_proj` split per half);
-- mixture of experts (GLM-4.5V): the routed experts split by expert (each rank runs the experts it
+- MLP: gate/up column-parallel, down row-parallel (a fused `gate_up_proj` split per half);
+- mixture of experts: the routed experts split by expert (each rank runs the experts it
   holds on the rows routed to them; every rank routes every row, the router replicated), the shared
-  experts by width. By expert rather than by width: an expert's matmuls stay whole (GLM-4.5V's are
-  1408 wide: 176 a rank at 8 ranks), and a rank reads only its experts' weights;
+  experts by width. By expert rather than by width: an expert's matmuls stay whole (they are
+  1408 wide in a 106B model: 176 a rank at 8 ranks), and a rank reads only its experts' weights;
 - the embedding replicated, the LM head split by vocabulary rows and the logits gathered on rank 0,
   which samples: a vocabulary-parallel embedding would need an all-reduce of every step's input
   rows for a table of 1 to 2.5 GB at these vocabularies, a gathered head one gather of the rows
   that sample;
-- linear attention (MiniCPM-V 4.6's Gated DeltaNet) by head: each rank its key heads and the value
+- linear attention (Gated DeltaNet) by head: each rank its key heads and the value
   heads that read them (in_proj_qkv and the conv's channels per part, z, b, a, A_log, dt_bias),
   out_proj row-parallel; each rank keeps its heads' conv and delta-rule states;
 - norms, rotary and the router replicated.

@@ -2,13 +2,13 @@
 
 Rank 0 is the engine's own model runner: it schedules, builds each step's inputs, samples. Ranks
 1 .. N-1 are worker processes it spawns (`Workers`; each runs `worker_main`), each holding its
-shard of the weights (`triton_vlm.llm.distributed.sharding`) and of the KV cache (its KV heads, the same blocks as rank 0: the
-block manager's tables hold for every rank). Each step rank 0 broadcasts what a worker cannot
-know (`send`): the step's input rows (embeddings, vision rows already in place), positions, each
-sequence's rows and block table, the rows that sample; then every rank runs the same forward
-pass, the row-parallel layers all-reducing their partial sums, and the LM head's vocabulary
-shards are gathered on rank 0. torch.distributed over gloo on the CPU, NCCL on CUDA (rank r on
-the GPU after rank 0's, r places on).
+shard of the weights (`triton_vlm.llm.distributed.sharding`) and of the KV cache (its KV heads, the
+same blocks as rank 0: the block manager's tables hold for every rank). Each step rank 0 broadcasts
+what a worker cannot know (`send`): the step's input rows (embeddings, vision rows already in
+place), positions, each sequence's rows and block table, the rows that sample; then every rank runs
+the same forward pass, the row-parallel layers all-reducing their partial sums, and the LM head's
+vocabulary shards are gathered on rank 0. torch.distributed over gloo on the CPU, NCCL on CUDA
+(rank r on the GPU after rank 0's, r places on).
 
 A worker that dies fails the step that needed it (the collective raises), and the runner stays
 failed (`WorkerGone`): the engine ends every request with that error and refuses new ones; served

@@ -1,8 +1,9 @@
 """The decoder layers: RMSNorm as transformers computes it, and the layer classes of the text
 architectures several families' decoders use (Qwen2, Llama, Qwen3, the Qwen3.5 hybrid: their norms,
 attention projections and MLP; the model applies the rotary and attends between `qkv` and
-`finish`); a family's own layer classes subclass these in its folder's `decoder.py`. A layer computes with its tensor-parallel rank's share (`triton_vlm.llm.distributed.sharding`),
-its row-parallel outputs summed over the ranks by `reduce`."""
+`finish`); a family's own layer classes subclass these in its folder's `decoder.py`. A layer
+computes with its tensor-parallel rank's share (`triton_vlm.llm.distributed.sharding`), its
+row-parallel outputs summed over the ranks by `reduce`."""
 from __future__ import annotations
 
 from typing import Callable
@@ -115,7 +116,7 @@ class Qwen2Layer(SwiGLULayer):
 
 class LlamaLayer(Qwen2Layer):
     """A Llama decoder layer (`LlamaDecoderLayer` with `attention_bias` and `mlp_bias` false, their
-    defaults, as LLaVA's checkpoints have them; others are refused): Qwen2's without q/k/v biases."""
+    defaults; others are refused): Qwen2's without q/k/v biases."""
     qkv_bias = False
 
 

@@ -17,10 +17,10 @@ class DecoderSpec:
     placeholder_keys: tuple[str, ...]
     linear_layer: type | None = None
     moe_layer: type | None = None
-    # Placeholder tokens by their text, for checkpoints whose config names none (MiniCPM-V 4.5:
+    # Placeholder tokens by their text, for checkpoints whose config names none (e.g.
     # `<unk>`), looked up in the tokenizer's added tokens.
     placeholder_tokens: tuple[str, ...] = ()
-    # Stop tokens by their text, beside the config's eos ids (MiniCPM-V 4.5's chat passes
+    # Stop tokens by their text, beside the config's eos ids (an official chat that passes
     # `<|im_end|>` and `<|endoftext|>` as terminators; its config names the first only).
     eos_tokens: tuple[str, ...] = ()
     # False: 1-D RoPE (the config has no mrope_section); the first position row turns every dim.

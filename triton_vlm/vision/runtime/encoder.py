@@ -2,8 +2,8 @@
 
 `TowerEncoder` holds what every runtime shares (input checks, the plan of runs, `encode`);
 `VisionEncoder` runs the ONNX export with ONNX Runtime, `tensorrt_engine.TensorRTEncoder` a
-TensorRT engine, `torch_encoder.TorchEncoder` the torch tower itself. Family specifics (metadata, sizes) come from the tower class of the family
-named in the export's metadata.
+TensorRT engine, `torch_encoder.TorchEncoder` the torch tower itself. Family specifics (metadata,
+sizes) come from the tower class of the family named in the export's metadata.
 """
 from __future__ import annotations
 

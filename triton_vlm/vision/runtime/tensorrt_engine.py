@@ -14,11 +14,11 @@ activations); weak typing is also gone in TensorRT 11. One optimisation profile.
 input dimension derives from the number of patch rows of one engine run, so the profile is given
 as min/opt/max patches and the tower class turns it into shapes (`Tower.profile_shapes`):
 
-- `pixel_values`, `rotary_cos/sin`, `*_inverse`, GLM's `pos_grid`: [patches, ...];
-- Qwen2.5-VL's `window_index/mask`: [windows, window_len], windows <= patches / merge^2 (a window
+- `pixel_values`, `rotary_cos/sin`, `*_inverse`, `pos_grid`: [patches, ...];
+- a window-attention tower's `window_index/mask`: [windows, window_len], windows <= patches / merge^2 (a window
   holds at least one merge unit), window_len <= the window's area in patches;
 - `full_index/mask`: [frames, frame_len], frames <= patches / merge^2, frame_len <= patches.
-- MiniCPM-V's `patch_order`, `position_ids`: [patches]; `merged_index/mask`: [slices, len] after
+- a window-merger tower's `patch_order`, `position_ids`: [patches]; `merged_index/mask`: [slices, len] after
   the 2x2 window merger (patches / 4 rows), `merged_inverse`: [patches / 4].
 
 Frames over the profile's max never reach the engine: the build writes `trt_max_patches` into

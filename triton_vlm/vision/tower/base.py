@@ -28,7 +28,7 @@ class Tower:
     METADATA_AXES: ClassVar[dict[str, dict[int, str]]]
     # checkpoint name prefix -> the module's name prefix
     PREFIXES: ClassVar[Mapping[str, str]] = tower_config.PREFIXES
-    # Settings read from the whole `config.json` rather than its `vision_config` (MiniCPM-V keeps
+    # Settings read from the whole `config.json` rather than its `vision_config` (some keep
     # tower fields, such as the merger's or `query_num`, at the top level).
     WHOLE_CONFIG: ClassVar[bool] = False
     # the grid_thw of `example_inputs` (tracing, smoke tests)

@@ -222,7 +222,7 @@ def residual_stream(x: torch.Tensor) -> torch.Tensor:
     """The embedded patches as the towers' residual stream: float32 whatever the weights' dtype.
     The blocks' attention and MLP outputs (bfloat16 / float16 matrix products) are added in
     float32 and the norms read float32, so rounding does not build up over the depth: with a
-    bfloat16 checkpoint, the 7B Qwen2.5-VL tower in bfloat16 is 0.6e-2 off its float32 output
+    bfloat16 checkpoint, a 7B tower in bfloat16 is 0.6e-2 off its float32 output
     instead of transformers' 1.4e-2 (bench/gpu.py). A float32 tower is unchanged."""
     return x.float()
 

@@ -15,4 +15,5 @@ def embedding_rows(grid_thw: np.ndarray, settings: dict[str, Any],
     grid = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
     if settings.get("query_num"):
         return np.full(len(grid), int(settings["query_num"]), dtype=np.int64)
-    return grid.prod(axis=1) // int(settings["spatial_merge_size"]) ** 2 + int(settings.get("extra_rows", 0)) * grid[:, 0]
+    merge, extra = int(settings["spatial_merge_size"]), int(settings.get("extra_rows", 0))
+    return grid.prod(axis=1) // merge ** 2 + extra * grid[:, 0]
