@@ -95,7 +95,8 @@ def test_bad_requests_name_the_input(encoder):
 
 def test_a_packing_tower_gets_its_rows_whole_with_their_extras():
     """A tower that packs frames and takes temporal ids (a resampler's `query_num` rows per grid
-    row): each grid row goes whole, its frames' ids with each of its patch rows, over two shares."""
+    row): each grid row goes whole, its frames' ids with each of its patch rows, over two shares;
+    the ids go with every request, `none` where it has none."""
     grid = np.array([[3, 2, 2], [1, 2, 4], [2, 2, 2]], dtype=np.int64)
     ids = np.array([10, 11, 12, -1, 20, 21])
     pixels = np.arange(int(grid.prod(axis=1).sum()), dtype=np.float32)[:, None].repeat(6, axis=1)
@@ -112,3 +113,7 @@ def test_a_packing_tower_gets_its_rows_whole_with_their_extras():
     out = front.encode(EncoderRequest(pixels, grid, extras={"temporal_ids": ids}))
     assert sorted(seen) == sorted([([[3, 2, 2]], [10, 11, 12]), ([[1, 2, 4], [2, 2, 2]], [-1, 20, 21])])
     assert out.embeddings[:, 0].tolist() == [3, 3, 1, 1, 2, 2]
+    # a request without temporal ids sends them too, as none: the batcher groups like requests
+    seen.clear()
+    front.encode(EncoderRequest(pixels, grid))
+    assert sorted(seen) == sorted([([[3, 2, 2]], [-1, -1, -1]), ([[1, 2, 4], [2, 2, 2]], [-1, -1, -1])])

@@ -6,7 +6,9 @@ The front holds no weights and imports no torch: it counts each item's embedding
 tower's own numpy function (`Tower.ROWS`, named in its options), so that it can put the shares'
 rows back in order. A tower whose frames are independent gets a video's frames as items of their
 own, so that a long video splits across batches and instances and each frame is cached on its
-own; a tower that packs frames gets each grid row whole.
+own; a tower that packs frames gets each grid row whole. Every extra the tower takes goes with
+every request to the batched model (its `none` where a request has nothing to say): requests with
+the same inputs are the ones Triton's dynamic batcher may put in one execution.
 """
 from __future__ import annotations
 
@@ -59,6 +61,6 @@ class EncoderFront:
         embeddings = encode_in_shares(
             pixels, grid, self.send, shares=o.batch_instances, max_rows=o.max_batch_patches, hidden=o.hidden,
             rows_per_item=self.embedding_rows(grid, extras),
-            patch_extras={name: EXTRA[name].rows(value, grid) for name, value in extras.items()})
+            patch_extras={name: EXTRA[name].rows(extras.get(name), grid) for name in self.takes})
         embeddings, kept = prune(embeddings, items, o.spatial_merge_size, rate)
         return EncoderOutput(np.ascontiguousarray(embeddings, dtype=np.float32), kept)
