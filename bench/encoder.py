@@ -110,22 +110,22 @@ def main() -> int:
                 grid = np.array([[v, *out["pixel_values"].shape[-2:]] for v in views], dtype=np.int64)
                 grid[:, 1:] //= p
                 return ((out["pixel_values"], out["image_sizes"]), rows, grid,
-                        (None, out["image_sizes"].numpy().astype(np.int64)))
+                        {"image_sizes": out["image_sizes"].numpy().astype(np.int64)})
             if "target_sizes" in out:
                 from triton_vlm.families.minicpmv.tower_v4_6 import patch_rows
 
                 sizes = out["target_sizes"].numpy().astype(np.int64)
                 grid = np.concatenate([np.ones_like(sizes[:, :1]), sizes], axis=1)
-                return (out["pixel_values"], out["target_sizes"]), patch_rows(out["pixel_values"].numpy()), grid, ()
+                return (out["pixel_values"], out["target_sizes"]), patch_rows(out["pixel_values"].numpy()), grid, {}
             if "image_grid_thw" not in out:
                 from triton_vlm.families.llava.tower import patch_rows
 
                 b, _, h, w = out["pixel_values"].shape
                 p = processor.patch_size
                 grid = np.array([[1, h // p, w // p]] * b, dtype=np.int64)
-                return (out["pixel_values"],), patch_rows(out["pixel_values"].numpy(), p), grid, ()
+                return (out["pixel_values"],), patch_rows(out["pixel_values"].numpy(), p), grid, {}
             return ((out["pixel_values"], out["image_grid_thw"]), out["pixel_values"].numpy(),
-                    out["image_grid_thw"].numpy(), ())
+                    out["image_grid_thw"].numpy(), {})
 
         if args.run_sizes:
             return compare_run_sizes(onnx_path, inputs([(448, 448)] * 16), threads, clock, args.repeats,
@@ -145,7 +145,7 @@ def main() -> int:
                     return torch.cat(list(model.model.get_image_features(*hf_args).pooler_output)).numpy()
 
             def ort():
-                return encoder.encode(px_np, grid_np, *extra)
+                return encoder.encode(px_np, grid_np, extra)
 
             ref, ours = hf(), ort()  # warm-up (and the accuracy check)
             flops = count_flops(hf)
@@ -226,15 +226,15 @@ def compare_run_sizes(onnx_path, case, threads: int, clock, repeats: int, sizes:
 
     _, pixels, grid, extra = case
     encoders = {m: VisionEncoder(onnx_path, intra_op_threads=threads, max_patches_per_run=m) for m in sizes}
-    reference = encoders[max(sizes)].encode(pixels, grid, *extra)
+    reference = encoders[max(sizes)].encode(pixels, grid, extra)
     for m, encoder in encoders.items():  # warm-up, and the check that the results agree
-        err = float(np.abs(encoder.encode(pixels, grid, *extra) - reference).max() / np.abs(reference).max())
+        err = float(np.abs(encoder.encode(pixels, grid, extra) - reference).max() / np.abs(reference).max())
         assert err < 1e-5, (m, err)
     times: dict[int, list[float]] = {m: [] for m in sizes}
     for r in range(repeats):
         for m in sizes[r % len(sizes):] + sizes[:r % len(sizes)]:
             start = clock()
-            encoders[m].encode(pixels, grid, *extra)
+            encoders[m].encode(pixels, grid, extra)
             times[m].append(clock() - start)
     base = min(times[max(sizes)])
     print(f"16 x 448x448 ({int(grid.prod(1).sum())} patches), ONNX Runtime only, {threads} threads, "
