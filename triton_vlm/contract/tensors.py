@@ -154,7 +154,7 @@ class ItemExtra:
         if rows.shape != (int(counts.sum()), self.width) or not np.issubdtype(rows.dtype, np.integer):
             raise InvalidInput(f"{self.patch_input}: expected int64 [{int(counts.sum())}, {self.width}], "
                                f"got {list(rows.shape)}")
-        values = rows[np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)].astype(np.int64)
+        values = rows[np.concatenate([[0], np.cumsum(counts)])[:-1].astype(np.int64)].astype(np.int64)
         if (np.repeat(values, counts, axis=0) != rows).any():
             unit = "a frame" if self.per_frame else "an item"
             raise InvalidInput(f"{self.patch_input}: the rows of {unit} disagree")

@@ -113,7 +113,7 @@ class _Client:
 
     def send(self, outputs: list, final: bool) -> None:
         if self.requested:
-            outputs = [tensor for tensor in outputs if pb.name_of(tensor) in self.requested]
+            outputs = [tensor for tensor in outputs if tensor.name() in self.requested]
         self.sender.send(outputs, final)
 
     def close(self, error: Failure | None = None) -> None:

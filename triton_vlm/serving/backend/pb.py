@@ -63,10 +63,6 @@ def array(tensor) -> np.ndarray:
     return tensor.as_numpy() if isinstance(tensor, pb_utils.Tensor) else tensor
 
 
-def name_of(tensor) -> str:
-    return tensor.name()
-
-
 def response(arrays: Mapping[str, Any] | list):
     return pb_utils.InferenceResponse(output_tensors=arrays if isinstance(arrays, list) else tensors(arrays))
 
