@@ -97,5 +97,6 @@ def refine_layout(layout: FrameLayout, settings: VisionSettings, pixels: Callabl
 
 MINICPM_OCR = dataclasses.replace(
     minicpmv.MINICPMV4_6, name="minicpm_ocr", model_types=("minicpm_ocr",),
-    tower="triton_vlm.vision.minicpmv:MiniCPMOcrTower", refine_layout=refine_layout,
+    tower="triton_vlm.vision.minicpmv:MiniCPMOcrTower", decoder="triton_vlm.llm.decoders:QWEN3_5_TIED",
+    refine_layout=refine_layout,
     vision_defaults={**minicpmv.MINICPMV4_6.vision_defaults, "downsample_mode": "4x"})
