@@ -95,14 +95,19 @@ class VideoSampling:
     force_packing: int | None = None
 
 
-def _settings(section: dict, size_default: tuple[int, int], defaults: dict) -> VisionSettings:
+def _settings(section: dict, size_default: tuple[int, int], family: Family) -> VisionSettings:
+    """A processor section's settings; what it leaves out, its processor class's defaults."""
+    processor_class = section.get("image_processor_type") or section.get("video_processor_type")
+    defaults = {**family.vision_defaults, **family.processor_defaults.get(processor_class, {})}
     size = section.get("size") or {}
     min_pixels = section.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels") or size_default[0]
     max_pixels = section.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels") or size_default[1]
     base = VisionSettings(**defaults)
     values = {f.name: section[f.name] for f in dataclasses.fields(VisionSettings)
               if section.get(f.name) is not None and f.name not in ("min_pixels", "max_pixels")}
-    for key in ("image_mean", "image_std"):
+    for key, spelling in (("image_mean", "norm_mean"), ("image_std", "norm_std")):  # MiniCPM-V 4.5's official
+        if key not in values and section.get(spelling) is not None:
+            values[key] = section[spelling]
         if key in values:
             values[key] = tuple(float(v) for v in values[key])
     if values.get("image_grid_pinpoints"):
@@ -161,10 +166,9 @@ class Preprocessor:
         self.tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
 
         image_section, video_section = load_processor_sections(checkpoint)
-        defaults = self.family.vision_defaults
-        self.image_settings = _settings(image_section, self.family.image_size_default, defaults)
+        self.image_settings = _settings(image_section, self.family.image_size_default, self.family)
         # The processor numbers videos by its image processor's `use_image_id` too.
-        self.video_settings = dataclasses.replace(_settings(video_section, self.family.video_size_default, defaults),
+        self.video_settings = dataclasses.replace(_settings(video_section, self.family.video_size_default, self.family),
                                                   **{"use_image_id": self.image_settings.use_image_id,
                                                      **self.family.video_settings})
         if self.image_settings.row_size != self.video_settings.row_size:

@@ -82,6 +82,9 @@ class Family:
     # `VisionSettings` values where the processor config leaves them out (the family's processor
     # class defaults that the config does not store, e.g. MiniCPM-V's temporal_patch_size 1).
     vision_defaults: dict[str, Any] = field(default_factory=dict)
+    # More of them by the section's processor class (`image_processor_type`, `video_processor_type`),
+    # where the family's checkpoints ship several (LLaVA's CLIP and SigLIP image processors).
+    processor_defaults: dict[str, dict[str, Any]] = field(default_factory=dict)
     # (min_pixels, max_pixels) of images and of video frames where a processor config gives no size:
     # the family's transformers processor class defaults (Qwen2-VL's here).
     image_size_default: tuple[int, int] = (56 * 56, 28 * 28 * 1280)

@@ -97,6 +97,10 @@ LLAVA = Family(
     expand_media=expand_media,
     # One frame per item, patches in raster order (no temporal patches, no merge blocks).
     vision_defaults=dict(temporal_patch_size=1, merge_size=1),
+    # The image processor classes' own sizes and crop, where a config leaves them out.
+    processor_defaults={"CLIPImageProcessor": dict(shortest_edge=224, do_center_crop=True, crop_size=(224, 224)),
+                        "SiglipImageProcessor": dict(resize_to=(224, 224), image_mean=(0.5, 0.5, 0.5),
+                                                     image_std=(0.5, 0.5, 0.5))},
     takes_videos=False,
     sized_by="the checkpoint's size and crop_size",
 )

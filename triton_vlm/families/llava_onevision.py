@@ -118,6 +118,10 @@ def expand_media(media: MediaLayout, token_id: Callable[[str], int],
     return np.full(n, media.token, dtype=np.int32), []
 
 
+# `LlavaOnevisionConfig`'s and its image processor's pinpoints where a config gives none: 384 px
+# tiles in grids of up to 6 x 6.
+DEFAULT_PINPOINTS = tuple((384 * rows, 384 * cols) for rows in range(1, 7) for cols in range(1, 7))
+
 LLAVA_ONEVISION = Family(
     name="llava_onevision",
     model_types=("llava_onevision",),
@@ -132,6 +136,10 @@ LLAVA_ONEVISION = Family(
     slice_rule=slice_rule,
     expand_media=expand_media,
     vision_defaults=dict(temporal_patch_size=1, merge_size=1),
+    # The processor classes' own sizes, where a config leaves them out.
+    processor_defaults={
+        "LlavaOnevisionImageProcessor": dict(resize_to=(384, 384), image_grid_pinpoints=DEFAULT_PINPOINTS),
+        "LlavaOnevisionVideoProcessor": dict(resize_to=(384, 384))},
     several_images_settings=dict(image_grid_pinpoints=(), pad_to_square=True),
     video_settings=dict(image_grid_pinpoints=()),
     pack_views=True,
