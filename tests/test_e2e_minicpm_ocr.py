@@ -1,5 +1,6 @@
 """Issue #29 end to end: MiniCPM-OCR behind a real tritonserver, checked against transformers in
-the same run (tiny demo checkpoint: "adaptive" small-image sizes, "4x" tokens, tied embeddings).
+the same run (tiny demo checkpoint: "adaptive" small-image sizes, "4x" tokens, tied embeddings; its
+configs "varied": tests/config_variants.py).
 
 `preprocess` equals `MiniCPMOcrProcessor` (ids, one `grid_thw` row per slice, adaptive slices of
 different sizes among them, pixel rows); `vision_encoder` equals `get_image_features`; the
@@ -33,7 +34,7 @@ PROMPTS = {
 @pytest.fixture(scope="module")
 def ocr(tmp_path_factory):
     """(running server, oracle) for the tiny checkpoint; the server is stopped after."""
-    with family_server("minicpm_ocr", tmp_path_factory.mktemp("minicpm_ocr")) as served:
+    with family_server("minicpm_ocr", tmp_path_factory.mktemp("minicpm_ocr"), "varied") as served:
         yield served
 
 

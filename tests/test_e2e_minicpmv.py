@@ -1,5 +1,5 @@
 """Issue #8 end to end: MiniCPM-V 4.6 behind a real tritonserver, checked against transformers in
-the same run (tiny demo checkpoint).
+the same run (tiny demo checkpoint, its configs "varied": tests/config_variants.py).
 
 `preprocess` equals `MiniCPMV4_6Processor` (ids with the `<image_id>` / `<image>` / `<slice>`
 layout, one `grid_thw` row per slice = its `target_sizes` row, pixel rows) for the issue's five
@@ -32,7 +32,7 @@ PROMPTS = {
 @pytest.fixture(scope="module")
 def minicpmv(tmp_path_factory):
     """(running server, oracle) for the tiny checkpoint; the server is stopped after."""
-    with family_server("minicpmv4_6", tmp_path_factory.mktemp("minicpmv4_6")) as served:
+    with family_server("minicpmv4_6", tmp_path_factory.mktemp("minicpmv4_6"), "varied") as served:
         yield served
 
 

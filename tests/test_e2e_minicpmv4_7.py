@@ -1,5 +1,6 @@
 """Issue #29 end to end: MiniCPM-V 4.7 behind a real tritonserver, checked against transformers in
-the same run (tiny demo checkpoint).
+the same run (tiny demo checkpoint, its configs "bare" as transformers' classes write them: no
+`mrope_interleaved`, no `mrope_section`; tests/config_variants.py).
 
 `preprocess` equals `MiniCPMV4_7Processor` (ids, one `grid_thw` row per crop, pixel rows) and
 `get_rope_index` (canvas positions and delta); the ensemble's greedy `output_ids` equal `generate`
@@ -31,7 +32,7 @@ PROMPTS = {
 @pytest.fixture(scope="module")
 def minicpmv(tmp_path_factory):
     """(running server, oracle) for the tiny checkpoint; the server is stopped after."""
-    with family_server("minicpmv4_7", tmp_path_factory.mktemp("minicpmv4_7")) as served:
+    with family_server("minicpmv4_7", tmp_path_factory.mktemp("minicpmv4_7"), "bare") as served:
         yield served
 
 
