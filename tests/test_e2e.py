@@ -56,14 +56,15 @@ def media_values(prompt, images, videos, mm_options: dict | None = None) -> dict
 
 
 @contextmanager
-def family_server(family: str, root: Path) -> Iterator[tuple]:
-    """(running server, oracle) on a tiny demo checkpoint of `family` built under `root`; the server
-    is stopped after."""
-    from triton_vlm.families.demo import write_demo_checkpoint
+def family_server(family: str, root: Path, variant: str) -> Iterator[tuple]:
+    """(running server, oracle) on a tiny demo checkpoint of `family` built under `root`, its
+    configs as `variant` ("bare", "varied": tests/config_variants.py) says, as other writers'
+    checkpoints differ from our writer's; the server is stopped after."""
+    from tests.config_variants import write_variant
     from triton_vlm.repository.build import build_repository
     from triton_vlm.server.tritonserver import TritonServer
 
-    checkpoint = write_demo_checkpoint(family, root / "checkpoint", "tiny")
+    checkpoint = write_variant(family, variant, root / "checkpoint")
     repo = build_repository(checkpoint, root / "repository")
     with TritonServer(repo, log_file=root / "tritonserver.log") as server:
         yield server, Oracle(checkpoint)

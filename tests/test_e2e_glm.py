@@ -1,7 +1,7 @@
 """GLM end to end: GLM-4.1V, GLM-4.6V-Flash, GLMGA, GLM-OCR and GLM-4.5V (MoE decoder), each behind its
 own real tritonserver, checked against transformers in the same run.
 
-For each variant (tiny demo checkpoint): `preprocess` equals the checkpoint's own processor
+For each variant (a tiny demo checkpoint, its configs as `SERVED_AS` says): `preprocess` equals the checkpoint's own processor
 (`input_ids` with the video timestamps, `grid_thw` and `pixel_values` rows in prompt order) and
 `get_rope_index`, for an image, videos of 4 s, 45 s and 400 s, and a mix; `vision_encoder` equals
 the model's `get_image_features` / `get_video_features`; the ensemble's greedy `output_ids` equal
@@ -24,6 +24,10 @@ from triton_vlm.families.glm4v.processor import BEGIN_VIDEO
 from triton_vlm.media import samples
 
 VARIANTS = ("glm4v", "glm46v", "glmga", "glm_ocr", "glm4v_moe")
+# Each variant's checkpoint has its configs as transformers' classes write them ("bare") or
+# respelled and moved off our writer's values ("varied": GLM-4.6V and GLMGA saying `model_type`
+# glm4v, older rope spellings, other pixel budgets and video sampling; tests/config_variants.py).
+SERVED_AS = {"glm4v": "bare", "glm46v": "varied", "glmga": "bare", "glm_ocr": "bare", "glm4v_moe": "varied"}
 IMG, VID = GLM4V.image_placeholder, GLM4V.video_placeholder
 IMAGE_A = samples.image_bytes(300, 200)
 IMAGE_B = samples.image_bytes(120, 180, fmt="PNG", seed=1.0)
@@ -50,7 +54,7 @@ LONG_VIDEOS = {"video_45s": samples.video_bytes(seconds=45.0, fps=4, width=64, h
 @pytest.fixture(scope="module", params=VARIANTS)
 def glm(request, tmp_path_factory):
     """(variant, running server, oracle) for one variant's tiny checkpoint; the server is stopped after."""
-    with family_server(request.param, tmp_path_factory.mktemp(request.param)) as (server, oracle):
+    with family_server(request.param, tmp_path_factory.mktemp(request.param), SERVED_AS[request.param]) as (server, oracle):
         yield request.param, server, oracle
 
 

@@ -1,6 +1,6 @@
 """Issue #28 end to end: LLaVA behind a real tritonserver (one per checkpoint: a CLIP tower with a
 Llama decoder, a SigLIP tower with three feature layers and a Qwen2 decoder; the tiny demo
-variants of `tests/test_preprocess_llava.py`), checked against transformers in the same run.
+variants of `tests/test_preprocess_llava.py`, their configs as `SERVED_AS` says), checked against transformers in the same run.
 
 `preprocess` equals `LlavaProcessor` (ids, pixel rows, grids); `vision_encoder` equals
 `get_image_features`; the ensemble's greedy `output_ids` equal `generate` for text, one image and
@@ -31,14 +31,21 @@ PROMPTS = {
 }
 
 
-@pytest.fixture(scope="module", params=["clip-llama", "siglip-qwen2-3layers-default"])
+# Each checkpoint's configs as others write them (tests/config_variants.py): "varied" (older rope
+# spelling, another feature layer, a CLIP processor config without `do_center_crop`, ...) or
+# "bare" (transformers' classes' own output for the sizes).
+SERVED_AS = {"clip-llama": "varied", "siglip-qwen2-3layers-default": "bare"}
+
+
+@pytest.fixture(scope="module", params=list(SERVED_AS))
 def served(request, llava_checkpoints, tmp_path_factory):
     """(running server, oracle) for the variant's checkpoint; the server is stopped after."""
+    from tests.config_variants import derive_variant
     from triton_vlm.repository.build import build_repository
     from triton_vlm.server.tritonserver import TritonServer
 
     root = tmp_path_factory.mktemp(f"llava-e2e-{request.param}")
-    checkpoint = llava_checkpoints[request.param]
+    checkpoint = derive_variant(llava_checkpoints[request.param], "llava", SERVED_AS[request.param], root / "checkpoint")
     repo = build_repository(checkpoint, root / "repository")
     with TritonServer(repo, log_file=root / "tritonserver.log") as server:
         yield server, Oracle(checkpoint)

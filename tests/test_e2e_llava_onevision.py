@@ -1,5 +1,5 @@
-"""Issue #28 end to end: LLaVA-OneVision behind a real tritonserver on the tiny demo checkpoint,
-checked against transformers in the same run: `preprocess` equals `LlavaOnevisionProcessor` (ids,
+"""Issue #28 end to end: LLaVA-OneVision behind a real tritonserver on the tiny demo checkpoint
+(its configs "varied": tests/config_variants.py), checked against transformers in the same run: `preprocess` equals `LlavaOnevisionProcessor` (ids,
 pixel rows, grids, image sizes), `vision_encoder` equals the model's own features, and the
 ensemble's greedy `output_ids` equal `generate` for one image, several images, a video, an image
 beside a video and text, over gRPC streaming and HTTP generate, alone and concurrently.
@@ -55,7 +55,7 @@ def hf_inputs(oracle, prompt: str, images: list[bytes], videos: list[bytes]) -> 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    with family_server("llava_onevision", tmp_path_factory.mktemp("llava-onevision-e2e")) as served:
+    with family_server("llava_onevision", tmp_path_factory.mktemp("llava-onevision-e2e"), "varied") as served:
         yield served
 
 

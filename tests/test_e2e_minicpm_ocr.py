@@ -1,5 +1,6 @@
 """Issue #29 end to end: MiniCPM-OCR behind a real tritonserver, checked against transformers in
-the same run (tiny demo checkpoint: "adaptive" small-image sizes, "4x" tokens, tied embeddings).
+the same run (tiny demo checkpoint: "adaptive" small-image sizes, "4x" tokens, tied embeddings; its
+configs "varied": tests/config_variants.py).
 
 `preprocess` equals `MiniCPMOcrProcessor` (ids, one `grid_thw` row per slice, adaptive slices of
 different sizes among them, pixel rows); `vision_encoder` equals `get_image_features`; the
@@ -14,7 +15,8 @@ import pytest
 import torch
 from tritonclient.utils import InferenceServerException
 
-from tests.test_e2e import assert_served_tokens, served_concurrently, family_server, grpc_tokens, infer_direct, media_values
+from tests.test_e2e import (assert_served_tokens, family_server, grpc_tokens, infer_direct, media_values,
+                            served_concurrently)
 from tests.test_preprocess_minicpm_ocr import DOCUMENTS, document
 from tests.test_preprocess_minicpmv import _media, chat, hf_in_prompt_order, video
 from triton_vlm.families.minicpmv.v4_6 import IMAGE_TOKEN as IMG
@@ -33,7 +35,7 @@ PROMPTS = {
 @pytest.fixture(scope="module")
 def ocr(tmp_path_factory):
     """(running server, oracle) for the tiny checkpoint; the server is stopped after."""
-    with family_server("minicpm_ocr", tmp_path_factory.mktemp("minicpm_ocr")) as served:
+    with family_server("minicpm_ocr", tmp_path_factory.mktemp("minicpm_ocr"), "varied") as served:
         yield served
 
 

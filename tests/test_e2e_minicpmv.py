@@ -1,5 +1,5 @@
 """Issue #8 end to end: MiniCPM-V 4.6 behind a real tritonserver, checked against transformers in
-the same run (tiny demo checkpoint).
+the same run (tiny demo checkpoint, its configs "varied": tests/config_variants.py).
 
 `preprocess` equals `MiniCPMV4_6Processor` (ids with the `<image_id>` / `<image>` / `<slice>`
 layout, one `grid_thw` row per slice = its `target_sizes` row, pixel rows) for the issue's five
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.oracle import Oracle
-from tests.test_e2e import assert_served_tokens, served_concurrently, family_server, infer_direct, media_values
+from tests.test_e2e import assert_served_tokens, family_server, infer_direct, media_values, served_concurrently
 from tests.test_preprocess_minicpmv import _media, chat, hf_in_prompt_order, image, model_positions, video
 from triton_vlm.families.minicpmv.v4_6 import IMAGE_TOKEN as IMG
 from triton_vlm.families.minicpmv.v4_6 import VIDEO_TOKEN as VID
@@ -32,7 +32,7 @@ PROMPTS = {
 @pytest.fixture(scope="module")
 def minicpmv(tmp_path_factory):
     """(running server, oracle) for the tiny checkpoint; the server is stopped after."""
-    with family_server("minicpmv4_6", tmp_path_factory.mktemp("minicpmv4_6")) as served:
+    with family_server("minicpmv4_6", tmp_path_factory.mktemp("minicpmv4_6"), "varied") as served:
         yield served
 
 

@@ -1,10 +1,11 @@
 """Issue #27 end to end: MiniCPM-V 4.5 behind a real tritonserver, served from the official golden
-checkpoint (`tests/golden/minicpmv4_5`; transformers has no class for it, so the official code's
-recorded outputs are the oracle): `preprocess` gives the official input ids, `vision_encoder` the
-official resampler rows, and the ensemble's greedy `output_ids` equal the official `generate`'s
-over gRPC streaming and HTTP generate, alone and concurrently, for every case: images, text, and
-the MP4 sent as a client sends it, its packed frames resampled with their temporal ids. A video
-request over a limit is INVALID_ARG naming it, and the server goes on serving."""
+checkpoint (`tests/golden/minicpmv4_5`, its config respelled: `write_golden_variant`; transformers
+has no class for it, so the official code's recorded outputs are the oracle): `preprocess` gives
+the official input ids, `vision_encoder` the official resampler rows, and the ensemble's greedy
+`output_ids` equal the official `generate`'s over gRPC streaming and HTTP generate, alone and
+concurrently, for every case: images, text, and the MP4 sent as a client sends it, its packed
+frames resampled with their temporal ids. A video request over a limit is INVALID_ARG naming it,
+and the server goes on serving."""
 from __future__ import annotations
 
 import re
@@ -19,11 +20,14 @@ from tests.test_e2e import concurrently, grpc_tokens, http_tokens, infer_direct,
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    """The golden checkpoint, its config respelled as the official code reads it alike
+    (tests/config_variants.py: `dtype`, the keys its classes default left out)."""
+    from tests.config_variants import write_golden_variant
     from triton_vlm.repository.build import build_repository
     from triton_vlm.server.tritonserver import TritonServer
 
     root = tmp_path_factory.mktemp("minicpmv4_5")
-    repo = build_repository(GOLDEN, root / "repository")
+    repo = build_repository(write_golden_variant(GOLDEN, root / "checkpoint"), root / "repository")
     with TritonServer(repo, log_file=root / "tritonserver.log") as running:
         yield running
 

@@ -1,5 +1,6 @@
 """Issue #29 end to end: MiniCPM-V 4.7 behind a real tritonserver, checked against transformers in
-the same run (tiny demo checkpoint).
+the same run (tiny demo checkpoint, its configs "bare" as transformers' classes write them: no
+`mrope_interleaved`, no `mrope_section`; tests/config_variants.py).
 
 `preprocess` equals `MiniCPMV4_7Processor` (ids, one `grid_thw` row per crop, pixel rows) and
 `get_rope_index` (canvas positions and delta); the ensemble's greedy `output_ids` equal `generate`
@@ -11,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.test_e2e import assert_served_tokens, served_concurrently, family_server, infer_direct, media_values
+from tests.test_e2e import assert_served_tokens, family_server, infer_direct, media_values, served_concurrently
 from tests.test_preprocess_minicpmv import _media, chat, hf_in_prompt_order, image, video
 from tests.test_preprocess_minicpmv4_7 import rope_index
 from triton_vlm.families.minicpmv.v4_6 import IMAGE_TOKEN as IMG
@@ -31,7 +32,7 @@ PROMPTS = {
 @pytest.fixture(scope="module")
 def minicpmv(tmp_path_factory):
     """(running server, oracle) for the tiny checkpoint; the server is stopped after."""
-    with family_server("minicpmv4_7", tmp_path_factory.mktemp("minicpmv4_7")) as served:
+    with family_server("minicpmv4_7", tmp_path_factory.mktemp("minicpmv4_7"), "bare") as served:
         yield served
 
 

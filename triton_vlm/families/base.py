@@ -109,6 +109,9 @@ class ProcessorRules:
     video_settings: dict[str, Any] = field(default_factory=dict)
     # `VisionSettings` values every image of a prompt with several takes over the processor config's.
     several_images_settings: dict[str, Any] = field(default_factory=dict)
+    # More `vision_defaults` by the section's processor class (`image_processor_type`,
+    # `video_processor_type`), where the family's checkpoints ship several.
+    processor_defaults: dict[str, dict[str, Any]] = field(default_factory=dict)
     # (min_pixels, max_pixels) of images and of video frames where a processor config gives no size:
     # the family's transformers processor class defaults (Qwen2-VL's here).
     image_size_default: tuple[int, int] = (56 * 56, 28 * 28 * 1280)

@@ -1,6 +1,7 @@
 """`DecoderConfig`: a checkpoint's decoder as the llm computes it, read from its own files (every size,
-token id, eos id, rope theta, `mrope_section` and `partial_rotary_factor`), and the layer layout
-(attention or linear attention, dense or mixture-of-experts MLP) of each layer."""
+token id, eos id, rope theta, `mrope_section` and `partial_rotary_factor`) as transformers reads them
+(`triton_vlm.llm.text_config`), and the layer layout (attention or linear attention, dense or
+mixture-of-experts MLP) of each layer."""
 from __future__ import annotations
 
 import json
@@ -13,6 +14,7 @@ import torch
 from triton_vlm.families import DEFAULT_FAMILY, detect_family
 from triton_vlm.llm.layers.linear_attention import LinearAttentionConfig
 from triton_vlm.llm.layers.moe import MoeConfig
+from triton_vlm.llm.text_config import Rope, TextRules, layer_types, text_section, tied
 
 
 def _ids(value: Any) -> list[int]:
@@ -31,6 +33,15 @@ def _added_token_ids(root: Path, tokens: tuple[str, ...]) -> tuple[int, ...]:
     if missing := [t for t in tokens if t not in added]:
         raise ValueError(f"tokenizer.json: no added token {missing}")
     return tuple(added[t] for t in tokens)
+
+
+def _eos_ids(root: Path, config: dict) -> list[int]:
+    """The eos ids `generate` stops on: generation_config.json's where the file exists (transformers
+    then reads none from config.json), else config.json's, else its text config's."""
+    path = root / "generation_config.json"
+    if path.is_file():
+        return _ids(json.loads(path.read_text(encoding="utf-8")).get("eos_token_id"))
+    return _ids(config.get("eos_token_id")) or _ids((config.get("text_config") or {}).get("eos_token_id"))
 
 
 @dataclass(frozen=True)
@@ -53,7 +64,7 @@ class DecoderConfig:
     family: str = DEFAULT_FAMILY  # the serving family (`triton_vlm.families`), which names the `DecoderSpec`
     layer_types: tuple[str, ...] = ()  # per layer: "full_attention" or "linear_attention"
     linear_attention: LinearAttentionConfig | None = None  # set when some layer is linear attention
-    mrope_interleaved: bool = False
+    mrope_interleaved: bool = False  # the decoder's layout (`TextRules`); config.json's key is never read
     moe: MoeConfig | None = None  # set for mixture-of-experts decoders (config `n_routed_experts`)
     text_model_type: str = ""  # `text_config.model_type`: picks the decoder where a family has several
 
@@ -81,24 +92,19 @@ class DecoderConfig:
 
     @classmethod
     def from_checkpoint(cls, checkpoint_dir: str | Path) -> "DecoderConfig":
+        """Every field as the decoder's transformers text config class reads it (`TextRules`: its
+        defaults where config.json leaves a key out, older spellings, keys it ignores)."""
         root = Path(checkpoint_dir)
         cfg = json.loads((root / "config.json").read_text(encoding="utf-8"))
         family = detect_family(root)
         text_model_type = str((cfg.get("text_config") or {}).get("model_type", ""))
         spec = family.decoder_spec(text_model_type)
-        # Older configs hold the text fields at top level; transformers v5 nests them in text_config.
-        text = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")}
-        text.update(cfg.get("text_config") or {})
+        rules: TextRules = spec.text
+        text = text_section(cfg, rules)
 
-        rope = dict(text.get("rope_parameters") or {})
-        legacy = text.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type") or legacy.get("rope_type") or legacy.get("type") or "default"
-        if rope_type not in ("default", "mrope"):
-            raise NotImplementedError(f"rope_type {rope_type!r} is not supported (only default M-RoPE)")
-        theta = rope.get("rope_theta", text.get("rope_theta"))
-        section = rope.get("mrope_section", legacy.get("mrope_section"))
-        if theta is None or (section is None and spec.mrope):
-            raise ValueError("config.json: rope_theta and mrope_section are required")
+        rope = Rope.read(text, rules)
+        if rope.rope_type != "default":
+            raise NotImplementedError(f"rope_type {rope.rope_type!r} is not supported (only default M-RoPE)")
         if text.get("use_sliding_window"):
             raise NotImplementedError("sliding-window attention is not supported")
         if refused := [key for key in spec.refused_flags if text.get(key)]:
@@ -109,30 +115,25 @@ class DecoderConfig:
 
         hidden, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
         head_dim = int(text.get("head_dim") or hidden // heads)
-        factor = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0))
-        rotary_dim = int(head_dim * float(factor))
-        if not spec.mrope:  # 1-D RoPE: one section, turned by the first position row
-            section = (rotary_dim // 2,)
-        if sum(section) * 2 != rotary_dim:
-            raise ValueError(f"mrope_section {section} does not cover the {rotary_dim} rotary dims of each head")
+        rotary_dim = int(head_dim * rope.rotary_factor)
+        section = rope.mrope_section if spec.mrope else (rotary_dim // 2,)  # 1-D RoPE: the first position row
+        # Frequencies in runs split exactly by the section (transformers' `split`); interleaved, the
+        # section only bounds the height and width frequencies, so any section fits.
+        if not rules.mrope_interleaved and sum(section) * 2 != rotary_dim:
+            raise ValueError(f"mrope_section {list(section)} does not cover the {rotary_dim} rotary dims of each head")
 
-        eos = _ids(cfg.get("eos_token_id")) + _ids((cfg.get("text_config") or {}).get("eos_token_id"))
-        gen_path = root / "generation_config.json"
-        if gen_path.exists():
-            eos = _ids(json.loads(gen_path.read_text(encoding="utf-8")).get("eos_token_id")) + eos
-        eos += _added_token_ids(root, spec.eos_tokens)
-        tie = bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+        eos = _eos_ids(root, cfg) + list(_added_token_ids(root, spec.eos_tokens))
         placeholders = (tuple(int(cfg[k]) for k in spec.placeholder_keys if cfg.get(k) is not None)
                         + _added_token_ids(root, spec.placeholder_tokens))
         num_layers = int(text["num_hidden_layers"])
         # without use_sliding_window (refused above) transformers' "sliding_attention" layers attend fully
-        layer_types = tuple("full_attention" if t == "sliding_attention" else t
-                            for t in text.get("layer_types") or ("full_attention",) * num_layers)
-        unknown = set(layer_types) - {"full_attention", "linear_attention"}
-        if len(layer_types) != num_layers or unknown:
-            raise ValueError(f"config.json: layer_types {list(layer_types)} for {num_layers} layers")
+        types = tuple("full_attention" if t == "sliding_attention" else t
+                      for t in layer_types(text, rules, num_layers))
+        unknown = set(types) - {"full_attention", "linear_attention"}
+        if len(types) != num_layers or unknown:
+            raise ValueError(f"config.json: layer_types {list(types)} for {num_layers} layers")
         linear = None
-        if "linear_attention" in layer_types:
+        if "linear_attention" in types:
             if spec.linear_layer is None:
                 raise NotImplementedError(f"{family.name}: no linear-attention layer registered")
             linear = LinearAttentionConfig(
@@ -145,12 +146,11 @@ class DecoderConfig:
         return cls(
             vocab_size=int(text["vocab_size"]), hidden_size=hidden,
             intermediate_size=int(text["intermediate_size"]), num_layers=num_layers,
-            num_heads=heads, num_kv_heads=int(text.get("num_key_value_heads") or heads), head_dim=head_dim,
-            rotary_dim=rotary_dim, rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
-            mrope_section=tuple(int(s) for s in section),
-            max_position_embeddings=int(text["max_position_embeddings"]), tie_word_embeddings=tie,
-            placeholder_token_ids=placeholders, eos_token_ids=tuple(dict.fromkeys(eos)), family=family.name,
-            layer_types=layer_types, linear_attention=linear,
-            mrope_interleaved=bool(rope.get("mrope_interleaved", legacy.get("mrope_interleaved", False))),
-            moe=moe, text_model_type=text_model_type,
+            num_heads=heads, num_kv_heads=int(text.get("num_key_value_heads") or heads),
+            head_dim=head_dim, rotary_dim=rotary_dim, rms_norm_eps=float(text["rms_norm_eps"]),
+            rope_theta=rope.theta, mrope_section=tuple(section),
+            max_position_embeddings=int(text["max_position_embeddings"]),
+            tie_word_embeddings=tied(cfg, text, rules), placeholder_token_ids=placeholders,
+            eos_token_ids=tuple(dict.fromkeys(eos)), family=family.name, layer_types=types, linear_attention=linear,
+            mrope_interleaved=rules.mrope_interleaved, moe=moe, text_model_type=text_model_type,
         )

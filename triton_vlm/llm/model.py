@@ -105,9 +105,12 @@ class DecoderModel:
         self.embed_tokens = w("embed_tokens.weight")
         self.norm = spec.layer.norm_weight(w("norm.weight"))
         head = next((weights[k] for k in _LM_HEAD_KEYS if k in weights), None)
-        # this rank's vocabulary rows of the head (all of them unsplit; a view of a tied embedding)
-        self.lm_head = (self.embed_tokens[shard.vocab_rows(c.vocab_size)] if (c.tie_word_embeddings or head is None)
-                        else convert(head))
+        if head is None and not c.tie_word_embeddings:
+            raise ValueError("checkpoint has no lm_head.weight and its config does not tie the word embeddings")
+        # this rank's vocabulary rows of the head (all of them unsplit; a view of a tied embedding). A
+        # head the checkpoint holds is the head even where the config ties it to the embedding: so
+        # does transformers, which ties only a head that is missing or equal to the embedding.
+        self.lm_head = self.embed_tokens[shard.vocab_rows(c.vocab_size)] if head is None else convert(head)
         self.layers = []
         self.layer_index: list[int] = []  # per layer: its index in the KV cache, or in the StateCache
         for i, (kind, moe) in enumerate(zip(c.layer_types, c.moe_layers)):

@@ -13,7 +13,7 @@ from typing import Any
 
 from triton_vlm.contract.limits import Limits
 from triton_vlm.errors import InvalidInput
-from triton_vlm.families.base import Family
+from triton_vlm.families.base import Family, ProcessorRules
 from triton_vlm.media.sizing import VisionSettings
 
 MM_OPTION_KEYS = ("min_pixels", "max_pixels", "fps", "num_frames", "max_frames", "force_packing",
@@ -52,15 +52,20 @@ class VideoSampling:
     force_packing: int | None = None
 
 
-def vision_settings(section: dict, size_default: tuple[int, int], defaults: dict) -> VisionSettings:
-    """The `VisionSettings` of a processor config section over the family's `defaults`."""
+def vision_settings(section: dict, size_default: tuple[int, int], rules: ProcessorRules) -> VisionSettings:
+    """The `VisionSettings` of a processor config section; what it leaves out, its processor class's
+    defaults (the family's `vision_defaults`, and `processor_defaults` by the section's class)."""
+    processor_class = section.get("image_processor_type") or section.get("video_processor_type")
+    defaults = {**rules.vision_defaults, **rules.processor_defaults.get(processor_class, {})}
     size = section.get("size") or {}
     min_pixels = section.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels") or size_default[0]
     max_pixels = section.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels") or size_default[1]
     base = VisionSettings(**defaults)
     values = {f.name: section[f.name] for f in dataclasses.fields(VisionSettings)
               if section.get(f.name) is not None and f.name not in ("min_pixels", "max_pixels")}
-    for key in ("image_mean", "image_std"):
+    for key, spelling in (("image_mean", "norm_mean"), ("image_std", "norm_std")):  # official remote code's
+        if key not in values and section.get(spelling) is not None:
+            values[key] = section[spelling]
         if key in values:
             values[key] = tuple(float(v) for v in values[key])
     if values.get("image_grid_pinpoints"):
@@ -119,9 +124,9 @@ class Defaults:
     def read(cls, checkpoint: Path, family: Family, limits: Limits, video_pruning_rate: float) -> Defaults:
         rules = family.processor
         image_section, video_section = load_processor_sections(checkpoint)
-        image = vision_settings(image_section, rules.image_size_default, rules.vision_defaults)
+        image = vision_settings(image_section, rules.image_size_default, rules)
         # The processor numbers videos by its image processor's `use_image_id` too.
-        video = dataclasses.replace(vision_settings(video_section, rules.video_size_default, rules.vision_defaults),
+        video = dataclasses.replace(vision_settings(video_section, rules.video_size_default, rules),
                                     **{"use_image_id": image.use_image_id, **rules.video_settings})
         if image.row_size != video.row_size:
             raise ValueError(f"{checkpoint}: image and video patches differ in size")

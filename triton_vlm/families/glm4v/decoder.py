@@ -14,6 +14,7 @@ from triton_vlm.llm.layers.decoder import Qwen2Layer, _rms
 from triton_vlm.llm.layers.moe import SparseMoe
 from triton_vlm.llm.layers.rotary import HalfPairs, InterleavedPairs
 from triton_vlm.llm.layers.spec import DecoderSpec
+from triton_vlm.llm.text_config import TextRules, class_defaults
 
 
 class Glm4Layer(Qwen2Layer):
@@ -55,8 +56,16 @@ class Glm4MoeLayer(Qwen2Layer):
 
 
 # GLM's processor writes every video frame as image tokens; transformers replaces image_token_id only.
-GLM4 = DecoderSpec(Glm4Layer, InterleavedPairs, ("image_token_id",))
-GLM_OCR = DecoderSpec(GlmOcrLayer, InterleavedPairs, ("image_token_id",))
+# `TextRules`: the transformers text config class's defaults, its rotary's fallback `mrope_section`;
+# `Glm4vConfig` forwards the text config's tie, `Glm46VConfig` and `GlmgaConfig` do not.
+GLM4 = DecoderSpec(Glm4Layer, InterleavedPairs, ("image_token_id",), text=TextRules(
+    class_defaults(151552, 4096, 13696, 40, 32, 2, 32768, 1e-5), mrope_section=(8, 12, 12), tie_from_text=("glm4v",)))
+GLM_OCR = DecoderSpec(GlmOcrLayer, InterleavedPairs, ("image_token_id",), text=TextRules(
+    class_defaults(59392, 1024, 4096, 16, 16, 8, 131072, 1e-5), mrope_section=(8, 12, 12),
+    tie_from_text=("glm_ocr",)))
 # GLM-4.5V: dense layers before `first_k_dense_replace`, MoE layers after; rotate-half partial rotary.
-GLM4V_MOE = DecoderSpec(Qwen2Layer, HalfPairs, ("image_token_id",), moe_layer=Glm4MoeLayer)
+GLM4V_MOE = DecoderSpec(Qwen2Layer, HalfPairs, ("image_token_id",), moe_layer=Glm4MoeLayer, text=TextRules(
+    class_defaults(151424, 4096, 10944, 46, 96, 8, 65536, 1e-5, n_routed_experts=128, num_experts_per_tok=8,
+                   moe_intermediate_size=1408), partial_rotary_factor=0.5, mrope_section=(8, 12, 12),
+    tie_from_text=("glm4v_moe",)))
 

@@ -20,6 +20,10 @@ LLAVA = Family(
         resize_rule=llava.resize_rule, expand_media=llava.expand_media,
         # One frame per item, patches in raster order (no temporal patches, no merge blocks).
         vision_defaults=dict(temporal_patch_size=1, merge_size=1),
+        # The image processor classes' own sizes and crop, where a config leaves them out.
+        processor_defaults={"CLIPImageProcessor": dict(shortest_edge=224, do_center_crop=True, crop_size=(224, 224)),
+                            "SiglipImageProcessor": dict(resize_to=(224, 224), image_mean=(0.5, 0.5, 0.5),
+                                                         image_std=(0.5, 0.5, 0.5))},
         takes_videos=False, sized_by="the checkpoint's size and crop_size"),
     encoder_dims=llava.encoder_dims,
     tower="triton_vlm.families.llava.tower:LlavaTower",
@@ -37,6 +41,10 @@ LLAVA_ONEVISION = Family(
     processor=ProcessorRules(
         slice_rule=ov.slice_rule, expand_media=ov.expand_media,
         vision_defaults=dict(temporal_patch_size=1, merge_size=1),
+        # The processor classes' own sizes, where a config leaves them out.
+        processor_defaults={
+            "LlavaOnevisionImageProcessor": dict(resize_to=(384, 384), image_grid_pinpoints=ov.DEFAULT_PINPOINTS),
+            "LlavaOnevisionVideoProcessor": dict(resize_to=(384, 384))},
         several_images_settings=dict(image_grid_pinpoints=(), pad_to_square=True),
         video_settings=dict(image_grid_pinpoints=()), pack_views=True, image_sizes=True,
         sized_by="the checkpoint's size and image_grid_pinpoints"),

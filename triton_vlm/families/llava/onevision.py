@@ -119,3 +119,6 @@ def expand_media(media: MediaLayout, token_id: Callable[[str], int],
     return np.full(n, media.token, dtype=np.int32), []
 
 
+# `LlavaOnevisionConfig`'s and its image processor's pinpoints where a config gives none: 384 px
+# tiles in grids of up to 6 x 6.
+DEFAULT_PINPOINTS = tuple((384 * rows, 384 * cols) for rows in range(1, 7) for cols in range(1, 7))

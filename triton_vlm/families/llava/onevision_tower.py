@@ -21,20 +21,24 @@ import torch
 
 from triton_vlm.families.llava import tower as llava
 from triton_vlm.families.llava.anyres import embedding_rows, feature_plan
+from triton_vlm.families.llava.onevision import DEFAULT_PINPOINTS
 from triton_vlm.families.llava.tower import LlavaTower, LlavaVisionTower
 from triton_vlm.vision.tower import config as tower_config
 from triton_vlm.vision.tower import trt_profile
 
 PREFIXES = {**llava.PREFIXES, "model.image_newline": "image_newline", "image_newline": "image_newline"}
+# `LlavaOnevisionConfig`'s defaults: the last layer's features, all of them, a SigLIP tower.
+DEFAULTS = {**llava.LLAVA_DEFAULTS, "vision_feature_layer": -1, "vision_feature_select_strategy": "full",
+            "vision_model_type": "siglip_vision_model"}
 
 
 def vision_settings(config: Any) -> dict[str, Any]:
     """LLaVA's settings of a OneVision config, with its pinpoints and `vision_aspect_ratio`."""
     cfg = tower_config.as_dict(config)
-    out = llava.vision_settings(cfg)
+    out = llava.vision_settings(cfg, DEFAULTS)
     if out["vision_model_type"] != "siglip_vision_model" or out["vision_feature_select_strategy"] != "full":
         raise ValueError("LLaVA-OneVision: only a SigLIP tower with vision_feature_select_strategy 'full' is supported")
-    pinpoints = cfg.get("image_grid_pinpoints") or []
+    pinpoints = cfg.get("image_grid_pinpoints") or DEFAULT_PINPOINTS
     out.update(image_grid_pinpoints=[[int(h), int(w)] for h, w in pinpoints],
                vision_aspect_ratio=str(cfg.get("vision_aspect_ratio", "anyres_max_9")))
     return out

@@ -54,9 +54,11 @@ TOWER_KINDS: dict[str, TowerKind] = {
     "siglip_vision_model": TowerKind(False, False, True, dict(_COMMON, patch_size=16, hidden_act="gelu_pytorch_tanh",
                                                               layer_norm_eps=1e-6)),
 }
-# `LlavaConfig`'s own fields and their defaults.
-_LLAVA_DEFAULTS: dict[str, Any] = dict(vision_feature_layer=-2, vision_feature_select_strategy="default",
-                                       projector_hidden_act="gelu", multimodal_projector_bias=True)
+# `LlavaConfig`'s own fields and their defaults (with its tower's `model_type`, where its
+# `vision_config` names none).
+LLAVA_DEFAULTS: dict[str, Any] = dict(vision_feature_layer=-2, vision_feature_select_strategy="default",
+                                      projector_hidden_act="gelu", multimodal_projector_bias=True,
+                                      vision_model_type="clip_vision_model")
 # transformers 5 saves the tower's weights as `vision_tower.embeddings...`, 4.x as
 # `vision_tower.vision_model.embeddings...` (longer prefixes first: the first match renames).
 PREFIXES = {"model.vision_tower.vision_model.": "vision_tower.", "vision_tower.vision_model.": "vision_tower.",
@@ -65,20 +67,20 @@ PREFIXES = {"model.vision_tower.vision_model.": "vision_tower.", "vision_tower.v
             "multi_modal_projector.": "multi_modal_projector."}
 
 
-def vision_settings(config: Any) -> dict[str, Any]:
+def vision_settings(config: Any, defaults: dict[str, Any] = LLAVA_DEFAULTS) -> dict[str, Any]:
     """A LLaVA model config (HF config object or `config.json` dict: the top level, which holds the
     feature selection and projector fields, with `vision_config` and `text_config` inside) as a
-    plain JSON-able dict of the fields this module uses."""
+    plain JSON-able dict of the fields this module uses; `defaults`: its config class's."""
     cfg = tower_config.as_dict(config)
     vision = tower_config.as_dict(cfg.get("vision_config") or {})
     text = tower_config.as_dict(cfg.get("text_config") or {})
-    model_type = vision.get("model_type", "clip_vision_model")
+    model_type = vision.get("model_type", defaults["vision_model_type"])
     if model_type not in TOWER_KINDS:
         raise ValueError(f"LLaVA: vision_config.model_type {model_type!r} is not supported; "
                          f"supported: {', '.join(TOWER_KINDS)}")
     kind = TOWER_KINDS[model_type]
     out = {key: vision.get(key, default) for key, default in kind.defaults.items()}
-    out.update({key: cfg.get(key, default) for key, default in _LLAVA_DEFAULTS.items()})
+    out.update({key: cfg.get(key, default) for key, default in defaults.items() if key != "vision_model_type"})
     for key in ("image_size", "patch_size"):
         out[key] = tower_config.square(out[key], key)
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_channels"):

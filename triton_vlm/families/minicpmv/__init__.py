@@ -39,6 +39,7 @@ MINICPMV4_7 = dataclasses.replace(
 MINICPM_OCR = dataclasses.replace(
     MINICPMV4_6, name="minicpm_ocr", model_types=("minicpm_ocr",),
     tower="triton_vlm.families.minicpmv.tower_v4_6:MiniCPMOcrTower",
+    decoder="triton_vlm.families.minicpmv.decoder:QWEN3_5_TIED",
     processor=dataclasses.replace(MINICPMV4_6.processor, refine_layout=ocr.refine_layout,
                                   vision_defaults={**MINICPMV4_6.processor.vision_defaults, "downsample_mode": "4x"}))
 MINICPMV4_5 = Family(

@@ -41,8 +41,12 @@ PREFIXES = {"vpm.": "vpm.", "resampler.": "resampler."}
 
 def vision_settings(config: Any) -> dict[str, Any]:
     """A MiniCPM-V 4.5 `config.json` (its top level holds `query_num` and the decoder's
-    `hidden_size`, the resampler's width) as the plain dict of the fields this module uses."""
+    `hidden_size`, the resampler's width) as the plain dict of the fields this module uses; what
+    it leaves out, the official `MiniCPMVConfig`'s defaults."""
     cfg = tower_config.as_dict(config)
+    if cfg.get("drop_vision_last_layer", True):  # the official default: the tower's last layer unused
+        raise NotImplementedError("MiniCPM-V 4.5: drop_vision_last_layer (true, or left out: the official default) "
+                                  "is not supported")
     vision = tower_config.as_dict(cfg.get("vision_config") or {})
     out = {key: vision.get(key, default) for key, default in _VISION_DEFAULTS.items()}
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_channels",
@@ -50,7 +54,7 @@ def vision_settings(config: Any) -> dict[str, Any]:
         out[key] = int(out[key])
     out["layer_norm_eps"] = float(out["layer_norm_eps"])
     out["out_hidden_size"] = int(cfg["hidden_size"])
-    out["query_num"] = int(cfg["query_num"])
+    out["query_num"] = int(cfg.get("query_num", 64))
     out["pos_embed_size"] = out["image_size"] // out["patch_size"]
     out.update(depth=out["num_hidden_layers"], num_heads=out["num_attention_heads"], in_channels=out["num_channels"],
                temporal_patch_size=1, spatial_merge_size=1)

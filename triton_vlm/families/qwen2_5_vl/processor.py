@@ -38,8 +38,9 @@ def sample_frames(metadata, *, fps: float | None = 2.0, num_frames: int | None =
 
 
 def video_t_factor(config: dict, second_per_grid_ts: float) -> float:
-    """Temporal M-RoPE scale of a video: second_per_grid_ts * vision_config.tokens_per_second."""
-    tokens_per_second = (config.get("vision_config") or {}).get("tokens_per_second", 1.0)
+    """Temporal M-RoPE scale of a video: second_per_grid_ts * vision_config.tokens_per_second (4
+    where the config leaves it out, as `Qwen2_5_VLVisionConfig`)."""
+    tokens_per_second = (config.get("vision_config") or {}).get("tokens_per_second", 4)
     return second_per_grid_ts * tokens_per_second
 
 

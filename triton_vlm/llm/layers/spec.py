@@ -3,7 +3,9 @@ tokens). Each family folder's `decoder.py` holds its specs, which its `Family` n
 (`Family.decoder`); the model takes them as they are, with no branch on a family."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from triton_vlm.llm.text_config import TextRules
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,8 @@ class DecoderSpec:
     mrope: bool = True
     # Text config flags this decoder does not implement: a checkpoint that sets one is refused.
     refused_flags: tuple[str, ...] = ()
+    # How its transformers config classes read what config.json leaves out or spells otherwise.
+    text: TextRules = field(default_factory=TextRules)
 
     def layer_class(self, layer_type: str, moe: bool) -> type:
         """The class of a layer of `layer_type` (config `layer_types`) whose MLP is (`moe`) or is

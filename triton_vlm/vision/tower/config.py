@@ -21,10 +21,10 @@ def as_dict(vision_config: Any) -> dict[str, Any]:
 
 def config_fields(vision_config: Any, defaults: Mapping[str, Any]) -> dict[str, Any]:
     """The fields of `defaults` read from a vision config, plus `rope_theta` wherever the config
-    keeps it."""
+    keeps it (as transformers: `rope_scaling` over `rope_parameters`, then beside them)."""
     cfg = as_dict(vision_config)
     out = {key: cfg.get(key, default) for key, default in defaults.items()}
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     out["rope_theta"] = float(rope.get("rope_theta", cfg.get("rope_theta", defaults.get("rope_theta", 10000.0))))
     return out
 
