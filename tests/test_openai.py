@@ -24,7 +24,8 @@ from triton_vlm.chat import load_chat_template, render_chat
 from triton_vlm.client import generate, grpc_inputs, request_values
 from triton_vlm.errors import InvalidInput
 from triton_vlm.families import FAMILIES
-from triton_vlm.server import _ended_with_this_process, free_port
+from triton_vlm import server_reaper
+from triton_vlm.server import free_port
 
 MODEL = "tiny-qwen"
 IMAGE = samples.image_bytes(96, 64)
@@ -40,11 +41,11 @@ def api(server, tiny_checkpoint, tmp_path_factory):
     """`triton-vlm openai` against the session server, on a free port; always stopped."""
     port = free_port()
     log = open(tmp_path_factory.mktemp("openai") / "openai.log", "w")
-    # Ended with this process too (SIGTERM if a killed test run never reaches the `finally`).
-    command = _ended_with_this_process([sys.executable, "-m", "triton_vlm.cli", "openai", "--url", server.grpc_url,
-                                        "--checkpoint", str(tiny_checkpoint), "--port", str(port),
-                                        "--model-name", MODEL])
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    command = [sys.executable, "-m", "triton_vlm.cli", "openai", "--url", server.grpc_url, "--checkpoint",
+               str(tiny_checkpoint), "--port", str(port), "--model-name", MODEL]
+    since = time.time()
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    reaper = server_reaper.start(process, 5.0, since)  # (ended with this process too, if a killed test run never ends it)
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -59,6 +60,7 @@ def api(server, tiny_checkpoint, tmp_path_factory):
     finally:
         process.terminate()
         process.wait(timeout=30)
+        reaper.wait(timeout=30)
         log.close()
 
 

@@ -25,6 +25,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from triton_vlm.client import close_stream
 from triton_vlm.pipeline import Failure, step_failure
 
 # Set by `triton_vlm.server.TritonServer` for the server it starts; tritonserver's default otherwise.
@@ -83,7 +84,7 @@ class _Stream:
         would end it) and close it; the next request reads nothing of this one."""
         if self.open:
             self.open = False
-            self.client.stop_stream(cancel_requests=True)
+            close_stream(self.client, cancel=True)
         self.replies = queue.SimpleQueue()
 
 

@@ -29,8 +29,9 @@ from triton_vlm.stubs import StepWatch, model_of
 
 log = logging.getLogger("triton_vlm")
 # Every stub that imports this module, the one that only reads a model's config included, is ended
-# with its server (`triton_vlm.stub_watch`).
+# with its server, and skips its interpreter's teardown at its own end (`triton_vlm.stub_watch`).
 stub_watch.start()
+stub_watch.exit_without_teardown()
 # A stub that hangs can be asked where: its threads' stacks go to the server's output
 # (`triton_vlm.stubs.dump_stacks`).
 faulthandler.register(signal.SIGUSR1, all_threads=True)
