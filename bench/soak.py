@@ -32,7 +32,7 @@ from pathlib import Path
 
 import tritonclient.grpc as grpcclient
 
-from triton_vlm.clients.client import RequestError, generate, grpc_inputs, request_values, send_on_stream, stream_error
+from triton_vlm.clients.client import RequestError, close_stream, generate, grpc_inputs, request_values, send_on_stream, stream_error
 from triton_vlm.errors import RESTARTED
 from triton_vlm.families import get_family
 from triton_vlm.families.demo import write_demo_checkpoint
@@ -86,7 +86,7 @@ def cancelled_stream(url: str, prompt: str, images: list[bytes], timeout: float)
                 if error is not None:
                     raise RequestError(f"cancelled stream failed before cancelling: {stream_error(error)}")
         finally:
-            client.stop_stream(cancel_requests=True)
+            close_stream(client, cancel=True)
 
 
 def inject_faults(server: TritonServer, every: float, until: float, kills: list[tuple[str, float]]) -> None:

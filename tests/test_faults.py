@@ -20,8 +20,8 @@ import tritonclient.grpc as grpcclient
 
 from tests.metrics import wait_for
 from tests.servers import served
-from triton_vlm.clients.client import (RequestError, generate, generate_payload, grpc_inputs, http_generate,
-                                       request_values)
+from triton_vlm.clients.client import (RequestError, close_stream, generate, generate_payload, grpc_inputs,
+                                       http_generate, request_values)
 from triton_vlm.families.qwen2_5_vl import QWEN2_5_VL
 from triton_vlm.media import samples
 
@@ -99,25 +99,32 @@ def one_slot_server(tiny_checkpoint, tmp_path_factory):
 
 
 def test_overload_is_a_quick_unavailable_and_the_running_request_completes(one_slot_server):
+    """A request past the ensemble's one slot is refused at once; the one running goes on (it is
+    long enough to outlast the refusal on any machine, and cancelled once that is seen)."""
     responses: queue.Queue = queue.Queue()
     with grpcclient.InferenceServerClient(one_slot_server.grpc_url) as client:
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
-        client.async_stream_infer("ensemble", _inputs(200))
+        client.async_stream_infer("ensemble", grpc_inputs(request_values(PROMPT, max_tokens=LONG, min_tokens=LONG)))
         result, error = responses.get(timeout=60)
         assert error is None
         started = time.perf_counter()
         with pytest.raises(RequestError, match="server busy: 1 requests in flight, max_inflight_requests=1"):
             generate(one_slot_server.grpc_url, PROMPT, max_tokens=4)
         refused_in = time.perf_counter() - started
-        tokens, reason = 1, b""
-        while not reason:
+        for _ in range(20):  # the running request streams on
             result, error = responses.get(timeout=60)
-            assert error is None
-            tokens += len(result.as_numpy("output_ids"))
-            reason = result.as_numpy("finish_reason")[0]
-        assert (tokens, reason) == (200, b"length") or reason == b"stop"
+            assert error is None and result.as_numpy("finish_reason")[0] == b""
+        close_stream(client, cancel=True)
         assert refused_in < 5
-    assert len(generate(one_slot_server.grpc_url, PROMPT, max_tokens=4).output_ids) == 4
+    assert _idle(wait_for(one_slot_server, _idle))
+    deadline = time.monotonic() + 10  # the slot is free once the cancelled request's last response went
+    while True:
+        try:
+            assert len(generate(one_slot_server.grpc_url, PROMPT, max_tokens=4).output_ids) == 4
+            break
+        except RequestError as error:
+            assert "server busy" in str(error) and time.monotonic() < deadline, error
+            time.sleep(0.1)
 
 
 def test_queue_limits_are_build_options(tiny_checkpoint):
@@ -304,30 +311,34 @@ def test_a_stub_watcher_kills_its_stub_when_the_server_goes_and_ends_with_the_st
 
 
 def test_tritonserver_and_its_stubs_exit_when_the_python_process_that_started_it_is_killed(tiny_repo):
-    """A process holding a `TritonServer` that is SIGKILLed (a killed test run, a CI timeout)
-    cannot stop it: the server gets SIGTERM from the kernel instead and shuts down with its stubs,
-    removing its shared-memory regions as a clean exit does."""
-    code = ("import sys, time; from triton_vlm.server.tritonserver import TritonServer; "
-            "server = TritonServer(sys.argv[1]).start(); print(server.process.pid, flush=True); time.sleep(600)")
-    from triton_vlm.server.tritonserver import _setpriv_with_pdeathsig
-
-    assert _setpriv_with_pdeathsig(), "no util-linux setpriv with --pdeathsig here"
+    """A process holding a `TritonServer` that is SIGKILLed with its whole process group (a killed
+    test run, a CI timeout) cannot stop it: the server's reaper (triton_vlm.server.reaper, in a
+    session of its own) sends it SIGTERM instead, and it shuts down with its stubs and their
+    watchers, its shared-memory regions removed. The server is started from a thread that has
+    ended by then: the kernel's parent-death signal would have fired at that thread's end."""
+    code = ("import sys, threading, time; from triton_vlm.server.tritonserver import TritonServer; started = []; "
+            "t = threading.Thread(target=lambda: started.append(TritonServer(sys.argv[1]).start())); t.start(); "
+            "t.join(); print(started[0].process.pid, flush=True); time.sleep(600)")
     owner = subprocess.Popen([sys.executable, "-c", code, str(tiny_repo)], stdout=subprocess.PIPE, text=True,
-                             cwd=Path(__file__).resolve().parent.parent)
+                             cwd=Path(__file__).resolve().parent.parent, start_new_session=True)
     pidfds: dict[int, int] = {}
     try:
         server_pid = int(owner.stdout.readline())
         pidfds[server_pid] = os.pidfd_open(server_pid)
         stubs = [pid for pid in _children(server_pid)
                  if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].endswith(b"triton_python_backend_stub")]
-        pidfds.update({pid: os.pidfd_open(pid) for pid in stubs})
+        watchers = [child for pid in stubs for child in _children(pid)]
+        pidfds.update({pid: os.pidfd_open(pid) for pid in stubs + watchers})
         regions = set(re.findall(r"/dev/shm/triton_python_backend_shm_region\S*",
                                  Path(f"/proc/{server_pid}/maps").read_text()))
-        assert len(stubs) >= 5 and len(regions) >= len(stubs)
-        owner.kill()
+        assert len(stubs) >= 5 and len(watchers) == len(stubs) and len(regions) >= len(stubs)
+        os.killpg(owner.pid, signal.SIGKILL)
         owner.wait()
-        assert not _exited(pidfds), "tritonserver or a stub outlived the process that started it"
-        assert not [r for r in regions if Path(r).exists()]
+        assert not _exited(pidfds), "tritonserver, a stub or a watcher outlived the process that started it"
+        deadline = time.monotonic() + 10  # (the reaper removes them once the last stub has gone)
+        while (left := [r for r in regions if Path(r).exists()]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not left
     finally:
         _kill_and_close(pidfds)
         owner.kill()
@@ -339,7 +350,7 @@ def test_every_stub_exits_when_tritonserver_is_killed(tiny_repo, tmp_path):
     """SIGKILL tritonserver while a request streams, so that stub threads are waiting on it (the
     llm's metrics and responses, the ensemble's BLS calls): every stub, and the watcher process
     each one starts (triton_vlm.server.stub_watch), is gone within a bounded wait; the shared-memory
-    regions the dead server leaves in /dev/shm are removed when it is stopped."""
+    regions the dead server leaves in /dev/shm are removed by its reaper, with no `stop`."""
     from triton_vlm.server.tritonserver import TritonServer
 
     server = TritonServer(tiny_repo, log_file=tmp_path / "server.log").start()
@@ -362,9 +373,9 @@ def test_every_stub_exits_when_tritonserver_is_killed(tiny_repo, tmp_path):
         left = _exited(pidfds)
         assert not left, sorted(stubs.get(pid) or f"watcher of {watchers[pid]}" for pid in left)
         client.close()
-        # Left behind (a stub that saw the server die before its watcher acted may remove its own).
-        assert len(regions) >= len(stubs) and any(Path(r).exists() for r in regions)
-        server.stop()
+        # what the dead server left in /dev/shm, its reaper removes as soon as it has gone
+        assert len(regions) >= len(stubs)
+        server._reaper.wait(timeout=30)
         assert not [r for r in regions if Path(r).exists()]
     finally:
         _kill_and_close(pidfds)

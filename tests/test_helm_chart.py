@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -15,9 +14,11 @@ from pathlib import Path
 import jsonschema
 import kubernetes_validate
 import pytest
+import tritonclient.grpc as grpcclient
 import yaml
 
 from tests.servers import served
+from triton_vlm.clients.client import close_stream, grpc_inputs, request_values
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "deploy" / "helm" / "triton-vlm"
@@ -182,8 +183,6 @@ def one_running_server(tiny_checkpoint, tmp_path_factory):
 
 
 def test_the_autoscaling_metric_rises_above_its_target_under_load_and_falls_at_rest(one_running_server):
-    from triton_vlm.clients.client import generate_payload, http_generate
-
     server = one_running_server
     pod = f"{RELEASE}-triton-vlm-6d4f9c7b8-x2x7q"
     target_labels = {"namespace": NAMESPACE, "pod": pod, "job": "triton-vlm"}
@@ -197,17 +196,22 @@ def test_the_autoscaling_metric_rises_above_its_target_under_load_and_falls_at_r
 
     at_rest = values()
     assert at_rest == {"hpa": 0.0, "keda": 0.0}
-    body = generate_payload("count from one to a thousand", max_tokens=300, min_tokens=300)
-    clients = [threading.Thread(target=http_generate, args=(server.http_url, body), daemon=True) for _ in range(5)]
-    for client in clients:
-        client.start()
-    deadline, peak = time.monotonic() + 60, {"hpa": 0.0, "keda": 0.0}
-    while time.monotonic() < deadline and not (peak["hpa"] > hpa_target and peak["keda"] > keda_target):
-        peak = values()
-        time.sleep(0.05)
-    assert peak["hpa"] > hpa_target and peak["keda"] > keda_target, peak  # 4 waiting behind the one running
-    for client in clients:
-        client.join(120)
+    # Five streams long enough that the four behind the running one wait until they are cancelled.
+    inputs = grpc_inputs(request_values("count from one to a thousand", max_tokens=3000, min_tokens=3000))
+    clients = [grpcclient.InferenceServerClient(server.grpc_url) for _ in range(5)]
+    try:
+        for client in clients:
+            client.start_stream(callback=lambda result, error: None)
+            client.async_stream_infer("ensemble", inputs)
+        deadline, peak = time.monotonic() + 60, {"hpa": 0.0, "keda": 0.0}
+        while time.monotonic() < deadline and not (peak["hpa"] > hpa_target and peak["keda"] > keda_target):
+            peak = values()
+            time.sleep(0.05)
+        assert peak["hpa"] > hpa_target and peak["keda"] > keda_target, peak  # 4 waiting behind the one running
+    finally:
+        for client in clients:
+            close_stream(client, cancel=True)
+            client.close()
     deadline = time.monotonic() + 30
     while (now := values()) != {"hpa": 0.0, "keda": 0.0} and time.monotonic() < deadline:
         time.sleep(0.1)

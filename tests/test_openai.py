@@ -27,7 +27,8 @@ from triton_vlm.families.llava.demo import LLAVA_TEMPLATE
 from triton_vlm.families.minicpmv.demo import MINICPMV_TEMPLATE
 from triton_vlm.families.qwen2_5_vl.demo import QWEN_TEMPLATE
 from triton_vlm.media import samples
-from triton_vlm.server.tritonserver import _ended_with_this_process, free_port
+from triton_vlm.server import reaper
+from triton_vlm.server.tritonserver import free_port
 
 MODEL = "tiny-qwen"
 IMAGE = samples.image_bytes(96, 64)
@@ -43,11 +44,11 @@ def api(server, tiny_checkpoint, tmp_path_factory):
     """`triton-vlm openai` against the session server, on a free port; always stopped."""
     port = free_port()
     log = open(tmp_path_factory.mktemp("openai") / "openai.log", "w")
-    # Ended with this process too (SIGTERM if a killed test run never reaches the `finally`).
-    command = _ended_with_this_process([sys.executable, "-m", "triton_vlm.tools.cli", "openai", "--url", server.grpc_url,
-                                        "--checkpoint", str(tiny_checkpoint), "--port", str(port),
-                                        "--model-name", MODEL])
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    command = [sys.executable, "-m", "triton_vlm.tools.cli", "openai", "--url", server.grpc_url, "--checkpoint",
+               str(tiny_checkpoint), "--port", str(port), "--model-name", MODEL]
+    since = time.time()
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    watcher = reaper.start(process, 5.0, since)  # (ended with this process too, if a killed test run never ends it)
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -62,6 +63,7 @@ def api(server, tiny_checkpoint, tmp_path_factory):
     finally:
         process.terminate()
         process.wait(timeout=30)
+        watcher.wait(timeout=30)
         log.close()
 
 

@@ -120,9 +120,25 @@ def generate(url: str, prompt: str, images=(), videos=(), *, on_text: Callable[[
                     break
         finally:
             # a request that did not finish is cancelled: stop_stream alone would wait for it
-            client.stop_stream(cancel_requests=not finished)
+            close_stream(client, cancel=not finished)
     result.total_time = time.perf_counter() - start
     return result
+
+
+def close_stream(client, cancel: bool) -> None:
+    """`client.stop_stream(cancel_requests=cancel)`, and the end of the stream's requests.
+
+    tritonclient (2.73, as its main branch) ends a cancelled stream without ending the iterator
+    that feeds it requests, so gRPC's thread that reads that iterator waits for a next request
+    for good: one thread, with the stream's callback and what it holds, per cancelled stream
+    (grpc issue 21995). The ensemble cancels its llm stream at the end of every request, and its
+    stub gained a thread a request; a client retrying through a server restart gained hundreds.
+    The iterator's end marker (None) ends that thread; a stream closed without cancelling has it
+    already, and a second one is never read."""
+    stream = client._stream  # (tritonclient's own: no public way to end the request iterator)
+    client.stop_stream(cancel_requests=cancel)
+    if stream is not None:
+        stream._request_queue.put(None)
 
 
 def send_on_stream(client, model: str, inputs: list, **kwargs) -> None:

@@ -135,7 +135,6 @@ class Supervisor:
         limit = self.server.start_timeout
         try:
             self._reload(model, limit)
-            self.server.note_shm_regions()
             self.server.event(f"model {model!r} reloaded")
         except InferenceServerException as error:
             if error.status() != "StatusCode.DEADLINE_EXCEEDED":

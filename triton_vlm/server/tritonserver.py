@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import json
 import os
 import re
-import shutil
 import signal
 import site
 import socket
@@ -27,7 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from triton_vlm.contract.params import PYTHON_ENV, URL_ENV
-from triton_vlm.server import admin
+from triton_vlm.server import admin, reaper
 from triton_vlm.server.errors import NotReady, ServerError
 from triton_vlm.server.stubs import dump_stacks, model_of, stub_processes
 from triton_vlm.server.supervisor import Supervisor
@@ -89,33 +87,15 @@ def port_in_use(port: int) -> bool:
         return False
 
 
-def _ended_with_this_process(command: list[str], thread_outlives: bool = False) -> list[str]:
-    """`command` run through util-linux `setpriv --pdeathsig TERM` (prctl PR_SET_PDEATHSIG, kept
-    across its exec) when called from the main thread, or from a thread that outlives the process
-    (`thread_outlives`: it waits for its exit): SIGTERM reaches it when this process ends. Linux
-    sends it when the starting *thread* ends, so from other threads, or without a setpriv that knows
-    `--pdeathsig` (util-linux >= 2.33), the command is as it is."""
-    setpriv = _setpriv_with_pdeathsig()
-    if setpriv is None or not (thread_outlives or threading.current_thread() is threading.main_thread()):
-        return command
-    return [setpriv, "--pdeathsig", "TERM", "--", *command]
-
-
-@functools.cache
-def _setpriv_with_pdeathsig() -> str | None:
-    setpriv = shutil.which("setpriv")
-    if setpriv is None:
-        return None
-    probe = subprocess.run([setpriv, "--pdeathsig", "TERM", "--", "true"], capture_output=True)
-    return setpriv if probe.returncode == 0 else None
 
 
 class TritonServer:
     """A running tritonserver on a repository; a context manager that always stops what it started.
 
-    Started from the main thread, the server also goes when this process dies without stopping it
-    (SIGKILL, a killed test run): it gets SIGTERM then and shuts down as on `stop`. Linux sends that
-    signal when the *thread* that started it ends, so from any other thread it is started without.
+    Each start of the server has a reaper process (`triton_vlm.server.reaper`): when this process
+    dies without stopping it (SIGKILL, a killed test run), the server gets SIGTERM and shuts down
+    as on `stop`; whenever the server ends, what is left of its processes is killed and its
+    shared-memory regions are removed.
 
     `supervise` (as `triton-vlm serve` runs it): a `Supervisor` reloads a model whose stub died
     and starts the server again when it exits by itself (`triton_vlm.server.supervisor`).
@@ -141,7 +121,7 @@ class TritonServer:
         self.events: list[str] = []
         self._stopping = threading.Event()
         self._stop_deadline = float("inf")
-        self._shm_regions: set[str] = set()
+        self._reaper: subprocess.Popen | None = None
         self._supervisor: Supervisor | None = None
         self._start_timeout = 300.0
         self.admin_key = admin.new_key() if admin_key is None else admin.check_key(admin_key)
@@ -196,15 +176,14 @@ class TritonServer:
             raise ServerError(f"{', '.join(busy)} already in use (another server?)")
         self._start_timeout = timeout
         try:
-            self._launch(thread_outlives=False)
+            self._launch()
         except NotReady as error:
             if not self.supervise:
                 raise
             # python_backend r24.10 may leave a stub waiting for its initialize message for good
             # (seen in CI): a supervised server gets one more start
             self.event(f"{error}\nstarting it again")
-            self._remove_shm_regions()
-            self._launch(thread_outlives=False)
+            self._launch()
         if self.supervise:  # started before returning: a stub may die right after
             self._supervisor = Supervisor(self)
         return self
@@ -212,17 +191,16 @@ class TritonServer:
     def relaunch(self) -> None:
         """Start the server again on the same ports, once it exited (`Supervisor`, from the thread
         that then waits for it)."""
-        self._remove_shm_regions()
-        if self._reader:
-            self._reader.join(timeout=5)
-        self._launch(thread_outlives=True)
+        self._after_exit()
+        self._launch()
 
-    def _launch(self, thread_outlives: bool) -> None:
+    def _launch(self) -> None:
         # the ensemble calls its steps over this server's gRPC endpoint (triton_vlm.serving.loopback)
         env = {**server_env(), URL_ENV: self.grpc_url}
-        self.process = subprocess.Popen(_ended_with_this_process(self.command(), thread_outlives), env=env,
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                        start_new_session=True)
+        since = time.time()
+        self.process = subprocess.Popen(self.command(), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True, start_new_session=True)
+        self._reaper = reaper.start(self.process, EXIT_TIMEOUT_S, since)
         if self._stopping.is_set():  # a stop that came while no process was there to take it
             self.process.send_signal(signal.SIGTERM)
         self._reader = threading.Thread(target=self._read_output, daemon=True)
@@ -233,12 +211,11 @@ class TritonServer:
                 self._reader.join(timeout=5)
                 raise ServerError(f"tritonserver exited with code {self.process.returncode}:\n{self.errors()}")
             if self.is_ready():
-                self.note_shm_regions()
                 return
             time.sleep(0.5)
         report = self.hang_report()
-        self.note_shm_regions()
         self._kill(self.process)
+        self._after_exit()
         raise NotReady(f"tritonserver not ready after {self._start_timeout:.0f} s; {report}")
 
     def is_ready(self) -> bool:
@@ -277,26 +254,6 @@ class TritonServer:
                 return {entry.get("name"): entry.get("state") for entry in json.loads(response.read())}
         except (OSError, ValueError, AttributeError):
             return {}
-
-    def note_shm_regions(self) -> None:
-        """Remember the Python backend's shared-memory regions the server has mapped. A server that
-        exits cleanly removes them; one that is killed leaves them in /dev/shm (about 1 MB each,
-        in memory) for `stop` / `wait` to remove."""
-        try:
-            maps = Path(f"/proc/{self.process.pid}/maps").read_text()
-        except OSError:
-            return
-        self._shm_regions.update(re.findall(r"(/dev/shm/triton_python_backend_shm_region\S*)", maps))
-
-    def _remove_shm_regions(self) -> None:
-        """After the server has exited: remove the regions it left (its stubs may still map them
-        for the moment their watchers take to end them; the memory goes with the last of them)."""
-        for path in self._shm_regions:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-        self._shm_regions.clear()
 
     def event(self, message: str) -> None:
         self.events.append(message)
@@ -348,7 +305,6 @@ class TritonServer:
         while True:
             process = self.process
             if process.poll() is None:
-                self.note_shm_regions()
                 process.send_signal(signal.SIGINT)
                 try:
                     process.wait(timeout=timeout)
@@ -368,7 +324,9 @@ class TritonServer:
         process.wait()
 
     def _after_exit(self) -> None:
-        self._remove_shm_regions()
+        """Once the server has exited: its reaper has cleaned up after it, and its output is read."""
+        if self._reaper is not None:
+            self._reaper.wait()
         if self._reader:
             self._reader.join(timeout=5)
 
@@ -377,3 +335,4 @@ class TritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+

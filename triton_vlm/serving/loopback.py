@@ -25,6 +25,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from triton_vlm.clients.client import close_stream
 from triton_vlm.contract.params import DEFAULT_URL, ERROR_CODES, URL_ENV
 from triton_vlm.contract.tensors import llm_inputs
 from triton_vlm.serving.pipeline import Failure, step_failure
@@ -82,7 +83,7 @@ class _Stream:
         would end it) and close it; the next request reads nothing of this one."""
         if self.open:
             self.open = False
-            self.client.stop_stream(cancel_requests=True)
+            close_stream(self.client, cancel=True)
         self.replies = queue.SimpleQueue()
 
 

@@ -23,8 +23,9 @@ from triton_vlm.server import stub_watch
 from triton_vlm.serving.pipeline import Failure, StepFailed, step_failure
 
 # Every stub that imports this module, the one that only reads a model's config included, is ended
-# with its server.
+# with its server, and skips its interpreter's teardown at its own end (`triton_vlm.server.stub_watch`).
 stub_watch.start()
+stub_watch.exit_without_teardown()
 faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL

@@ -1,0 +1,100 @@
+"""What a deployment's processes hold, sampled from /proc: threads, resident memory and open
+descriptors of a process and each of its descendants, by role (`serve`, `tritonserver`, each
+model's stubs, their watchers, the llm's tensor-parallel ranks), and the Python backend's
+shared-memory regions in /dev/shm.
+
+Roles, not pids, are what a long run compares: a restarted stub or server is a new pid in the
+same role. `bench/soak.py` samples them every few seconds; the leak test samples its own process.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from triton_vlm.server.stubs import model_of, proc_stat
+
+SHM_DIR = Path("/dev/shm")
+SHM_PREFIX = "triton_python_backend_shm_region"
+
+
+@dataclass(frozen=True)
+class Usage:
+    """One process's (or a role's summed) threads, resident memory in bytes and open descriptors."""
+    threads: int = 0
+    rss: int = 0
+    fds: int = 0
+
+    def __add__(self, other: Usage) -> Usage:
+        return Usage(self.threads + other.threads, self.rss + other.rss, self.fds + other.fds)
+
+
+def usage(pid: int) -> Usage | None:
+    """`pid`'s usage now (None once it is gone)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        fds = len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return None
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    rss_kb = int(fields.get("VmRSS", "0 kB").split()[0])
+    return Usage(int(fields["Threads"]), rss_kb * 1024, fds)
+
+
+def children() -> dict[int, list[int]]:
+    """ppid -> its child pids, for every process now."""
+    tree: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                tree.setdefault(int(proc_stat(int(entry.name))[1]), []).append(int(entry.name))
+            except (OSError, IndexError, ValueError):
+                continue
+    return tree
+
+
+def descendants(pid: int) -> list[int]:
+    """`pid` and every process below it."""
+    tree, found, todo = children(), [], [pid]
+    while todo:
+        found.append(todo.pop())
+        todo.extend(tree.get(found[-1], []))
+    return found
+
+
+def role(pid: int) -> str:
+    """What `pid` is in a deployment: `tritonserver`, `stub <model>` (a Python-backend stub),
+    `watch` (`triton_vlm.server.stub_watch`), `rank` (a spawned multiprocessing process: the llm's
+    tensor-parallel ranks and their resource tracker), or its command name."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "gone"
+    if argv[0].endswith(b"triton_python_backend_stub") and len(argv) >= 4:
+        return f"stub {model_of(argv[-3].decode())}"
+    if b"triton_vlm.server.stub_watch" in argv:
+        return "watch"
+    if any(arg.startswith(b"from multiprocessing.") for arg in argv):
+        return "rank"
+    return comm
+
+
+def sample(root: int, root_role: str = "serve") -> dict[str, Usage]:
+    """role -> the summed usage of its processes, over `root` (named `root_role`) and its
+    descendants now."""
+    roles: dict[str, Usage] = {}
+    for pid in descendants(root):
+        now = usage(pid)
+        if now is not None:
+            name = root_role if pid == root else role(pid)
+            roles[name] = roles.get(name, Usage()) + now
+    return roles
+
+
+def shm_regions() -> dict[str, int]:
+    """The Python backend's shared-memory regions in /dev/shm: name -> bytes."""
+    try:
+        return {p.name: p.stat().st_size for p in SHM_DIR.glob(f"{SHM_PREFIX}*")}
+    except OSError:
+        return {}

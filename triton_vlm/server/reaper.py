@@ -1,0 +1,115 @@
+"""A tritonserver must not outlive the process that started it, nor leave anything behind it: one
+small reaper process per server start (`python -m triton_vlm.server.reaper`).
+
+`TritonServer` starts it right after each tritonserver, in a session of its own (a kill of the
+owner's process group does not reach it), handing it pidfds of the owner and of the server: a
+pidfd names one process for good, so a pid reused later is never signalled, and the owner's
+becomes readable when its last thread ends, whichever thread started the server (the kernel's
+parent-death signal fires when the starting *thread* ends, so a server started from a supervisor
+thread had none). The reaper sleeps in `poll` on both and:
+- when the owner ends first (SIGKILL, a killed test run or CI job), asks the server to stop
+  (SIGTERM: it drains and unloads its models) and kills what is left after `grace` seconds;
+- when the server ends, however it ended, kills what is left of its process group (its
+  Python-backend stubs, their watchers, the llm's tensor-parallel ranks) and, once they have
+  gone, removes the Python backend's shared-memory regions that no process maps any more and
+  that came since the server was started: a server that exits cleanly removes its own; one that
+  is killed leaves about 1 MB per stub in /dev/shm for good.
+Which regions were the server's is not asked of the server: its stubs' watchers kill them the
+moment it dies, and a region may be a few milliseconds old; unmapped is what makes one garbage.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from triton_vlm.server.process_tree import SHM_DIR, SHM_PREFIX
+from triton_vlm.server.stubs import proc_stat
+
+_PROJECT_ROOT = Path(__file__).resolve().parents[2]
+_GONE_S = 10.0  # how long the killed group may take to be gone before its regions are looked at
+
+
+def group_members(pgid: int, live: bool = False) -> list[int]:
+    """The processes of process group `pgid` now (`live`: not those that have exited and wait to
+    be reaped)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                stat = proc_stat(int(entry.name))
+                if int(stat[2]) == pgid and not (live and stat[0] == "Z"):
+                    members.append(int(entry.name))
+    return members
+
+
+def mapped_regions(pids: list[int] | None = None) -> set[str]:
+    """The Python backend's shared-memory regions (names in /dev/shm) that `pids` (default: every
+    process) map."""
+    found: set[str] = set()
+    marker = f"{SHM_DIR}/{SHM_PREFIX}"
+    for pid in pids if pids is not None else [int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit()]:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                at = line.find(marker)
+                if at >= 0:
+                    found.add(line[at + len(str(SHM_DIR)) + 1:].split()[0])
+    return found
+
+
+def orphan_regions(since: float) -> list[Path]:
+    """The regions in /dev/shm changed since `since` (a time.time()) that no process maps."""
+    recent = []
+    for path in SHM_DIR.glob(f"{SHM_PREFIX}*"):
+        with contextlib.suppress(FileNotFoundError):
+            if path.stat().st_ctime >= since:
+                recent.append(path)
+    mapped = mapped_regions() if recent else set()
+    return [path for path in recent if path.name not in mapped]
+
+
+def reap(owner: int, server: int, server_pid: int, grace: float, since: float) -> None:
+    """Watch the pidfds `owner` and `server` (of `server_pid`, the leader of its process group,
+    started at `since`) until the server has gone, then clean up after it (module docstring)."""
+    poller = select.poll()
+    poller.register(owner, select.POLLIN)
+    poller.register(server, select.POLLIN)
+    ready = {fd for fd, _ in poller.poll()}
+    if server not in ready:  # the owner went first
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(server, signal.SIGTERM)
+        select.select([server], [], [], grace)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(server_pid, signal.SIGKILL)
+    deadline = time.monotonic() + _GONE_S
+    while group_members(server_pid, live=True) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for path in orphan_regions(since):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def start(process: subprocess.Popen, grace: float, since: float) -> subprocess.Popen:
+    """The reaper of `process` (started in a session of its own, at `since`: it leads its process
+    group), just started: in a session of its own too, with pidfds of this process and of
+    `process` (taken before anything could wait for `process`, so that they name it even if it has
+    exited)."""
+    owner, child = os.pidfd_open(os.getpid()), os.pidfd_open(process.pid)
+    try:
+        return subprocess.Popen([sys.executable, "-m", "triton_vlm.server.reaper", str(owner), str(child),
+                                 str(process.pid), str(grace), repr(since)], pass_fds=(owner, child),
+                                cwd=_PROJECT_ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                start_new_session=True)
+    finally:
+        os.close(owner)
+        os.close(child)
+
+
+if __name__ == "__main__":
+    # OWNER_PIDFD SERVER_PIDFD SERVER_PID GRACE_S SINCE: the pidfds are inherited (`start`)
+    reap(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5]))
