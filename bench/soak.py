@@ -1,29 +1,40 @@
-"""Soak the ensemble: mixed requests, cancelled streams and bad inputs at a fixed concurrency.
+"""Soak a deployment: `triton-vlm serve` under mixed requests, cancelled streams and bad inputs at a
+fixed concurrency, its processes sampled throughout, optionally with faults.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python bench/soak.py --duration 300 --concurrency 8
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/soak.py --duration 3600 --concurrency 8 --faults 120
 
-Builds the repository of the `small` demo checkpoint (written if missing), starts a server on
-free ports, and for `--duration` seconds keeps `--concurrency` clients busy with: good requests
-(text, image, video; greedy, each checked against its answer alone), streams cancelled after two
-tokens, and bad inputs (each must fail with a message naming the input). Reports good requests
-that failed (must be 0), tritonserver + stub RSS at start and end, and KV blocks in use at the
-end (must be 0). Exits 1 if either must-be-0 is not.
+Builds the repository of the `small` demo checkpoint (written if missing) and runs `triton-vlm
+serve` on it in a process of its own, on free ports, as a deployment runs it. For `--duration`
+seconds `--concurrency` clients keep it busy with good requests (text, image, video; greedy, each
+checked against its answer alone), streams cancelled after two tokens, and bad inputs (each must
+fail with a message naming the input).
 
-With `--faults SECONDS` the server is supervised (as `triton-vlm serve` runs it) and every SECONDS
-one stub is killed with SIGKILL, rotating over the steps (`FAULT_STEPS`). A request that then
-fails with UNAVAILABLE ("the <step> step restarted; retry"; or gRPC's own, while the supervisor
-restarts the server: after the ensemble's death, or tritonserver's) counts as such, one with no
-answer within `--request-timeout` as hung (must be 0); each kill's time to recovery is the time
-from the kill to the supervisor's reload or restart.
+Every `--sample-every` seconds it samples each process of the deployment by role (the serve
+process, tritonserver, each model's stubs, their watchers, the llm's ranks: threads, resident
+memory, open descriptors), the Python backend's regions in /dev/shm and the KV blocks in use. After
+the warm-up (`--warmup`, default the first 10 minutes, a third of a shorter run) it prints each
+one's trend (`triton_vlm.server.growth`: slope per hour, and whether its floor rose above its
+earlier ceiling) and fails when threads, descriptors or /dev/shm regions rise, or when the
+deployment's memory grows more than `--rss-bound` percent an hour (default 1; 2 with faults).
+
+With `--faults SECONDS`, every SECONDS one of FAULT_TARGETS is killed with SIGKILL in turn (a
+step's first stub, or tritonserver itself). A request that then fails with UNAVAILABLE ("the
+<step> step restarted; retry", or gRPC's own while the server restarts) counts as such, one with
+no answer within `--request-timeout` as hung; each kill's recovery is the time to the supervisor's
+"reloaded" or "restarted". Exits 1 if a good request failed or was wrong, one hung, a KV block is
+left in use at the end, or something grows.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import queue
 import random
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -32,45 +43,77 @@ from pathlib import Path
 
 import tritonclient.grpc as grpcclient
 
-from triton_vlm.clients.client import RequestError, close_stream, generate, grpc_inputs, request_values, send_on_stream, stream_error
+from triton_vlm.clients.client import RequestError, close_stream, generate, grpc_inputs, request_values, \
+    send_on_stream, stream_error
 from triton_vlm.errors import RESTARTED
 from triton_vlm.families import get_family
 from triton_vlm.families.demo import write_demo_checkpoint
 from triton_vlm.media import samples
 from triton_vlm.repository.build import build_repository
-from triton_vlm.server.tritonserver import TritonServer
+from triton_vlm.server.growth import trend
+from triton_vlm.server.process_tree import sample, shm_regions
+from triton_vlm.server.stubs import stub_processes
+from triton_vlm.server.tritonserver import free_port
 
 FAMILY = "qwen2_5_vl"
-# gRPC's status of a stream whose server went (the supervisor restarts it)
-SERVER_GONE = "StatusCode.UNAVAILABLE"
-# The steps whose stub `--faults` kills, in turn.
-FAULT_STEPS = ("llm", "preprocess", "vision_encoder", "vision_encoder_batch", "ensemble")
+SERVER_GONE = "StatusCode.UNAVAILABLE"  # gRPC's status of a stream whose server went
+FAULT_TARGETS = ("llm", "preprocess", "vision_encoder", "vision_encoder_batch", "ensemble", "tritonserver")
+_EVENT = re.compile(r"^triton-vlm serve: (model '(\w+)' reloaded|tritonserver restarted)")
 
 
-def rss_mb(pid: int) -> float:
-    """Resident memory of a process and all its descendants (the Python backend stubs), in MB."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+class Deployment:
+    """`triton-vlm serve` on `repo`, on free ports; the supervisor's recoveries as (time, model or
+    "*") from its output."""
+
+    def __init__(self, repo: Path, log: Path) -> None:
+        self.grpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.recoveries: list[tuple[float, str]] = []
+        self._log = open(log, "w")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "triton_vlm.tools.cli", "serve", "--repo", str(repo), "--grpc-port",
+             str(self.grpc_port), "--http-port", str(self.http_port), "--metrics-port", str(self.metrics_port)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        self._ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self._ready.wait(900) or self.process.poll() is not None:
+            raise RuntimeError(f"triton-vlm serve did not start; see {log}")
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def _read(self) -> None:
+        for line in self.process.stderr:
+            self._log.write(line)
+            self._log.flush()
+            if line.startswith("ready: "):
+                self._ready.set()
+            found = _EVENT.match(line)
+            if found:
+                self.recoveries.append((time.monotonic(), found.group(2) or "*"))
+        self._ready.set()
+
+    def server_pid(self) -> int | None:
+        """The tritonserver the serve process runs now."""
+        for task in Path(f"/proc/{self.process.pid}/task").iterdir():
+            for child in (task / "children").read_text().split():
+                if Path(f"/proc/{child}/comm").read_text().strip() == "tritonserver":
+                    return int(child)
+        return None
+
+    def kv_blocks_used(self) -> float | None:
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-        except (OSError, IndexError, ValueError):
-            continue
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            status = Path(f"/proc/{p}/status").read_text()
-            total += int(re.search(r"VmRSS:\s+(\d+)", status).group(1))
-        except (OSError, AttributeError):
-            pass
-        todo.extend(children.get(p, []))
-    return total / 1024
+            text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
+        except OSError:  # (restarting)
+            return None
+        found = re.search(r'triton_vlm_llm_kv_blocks\{[^}]*state="used"[^}]*\} (\S+)', text)
+        return float(found.group(1)) if found else None
 
-
-def kv_blocks_used(server: TritonServer) -> float:
-    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-    return float(re.search(r'triton_vlm_llm_kv_blocks\{[^}]*state="used"[^}]*\} (\S+)', text).group(1))
+    def stop(self) -> int:
+        self.process.send_signal(signal.SIGTERM)
+        code = self.process.wait(60)
+        self._log.close()
+        return code
 
 
 def cancelled_stream(url: str, prompt: str, images: list[bytes], timeout: float) -> None:
@@ -89,18 +132,59 @@ def cancelled_stream(url: str, prompt: str, images: list[bytes], timeout: float)
             close_stream(client, cancel=True)
 
 
-def inject_faults(server: TritonServer, every: float, until: float, kills: list[tuple[str, float]]) -> None:
-    """Every `every` seconds until `until`, SIGKILL the first stub of the next of FAULT_STEPS;
-    append (model, time of the kill) to `kills`."""
+def inject_faults(deployment: Deployment, every: float, until: float, kills: list[tuple[str, float]]) -> None:
+    """Every `every` seconds until `until`, SIGKILL the next of FAULT_TARGETS."""
     turn = 0
     while time.monotonic() + every < until:
         time.sleep(every)
-        model = FAULT_STEPS[turn % len(FAULT_STEPS)]
+        target = FAULT_TARGETS[turn % len(FAULT_TARGETS)]
         turn += 1
-        victims = sorted(pid for pid, name in server.stub_processes().items() if name.startswith(f"{model}_"))
+        server = deployment.server_pid()
+        if server is None:
+            continue
+        victims = [server] if target == "tritonserver" else sorted(
+            pid for pid, name in stub_processes(server).items() if name.startswith(f"{target}_"))
         if victims:
             os.kill(victims[0], signal.SIGKILL)
-            kills.append((model, time.monotonic()))
+            kills.append((target, time.monotonic()))
+
+
+def sampler(deployment: Deployment, every: float, until: float, started: float, out: list[dict]) -> None:
+    """Every `every` seconds until `until`: each role's threads, RSS and descriptors, the regions in
+    /dev/shm that came since the soak began and the KV blocks in use, as {"t": seconds since
+    `started`, ...}."""
+    since = time.time()
+    while time.monotonic() < until:
+        roles = sample(deployment.process.pid)
+        regions = shm_regions(since)
+        out.append({"t": time.monotonic() - started, "kv_blocks_used": deployment.kv_blocks_used(),
+                    "shm_regions": len(regions), "shm_bytes": sum(regions.values()),
+                    "roles": {r: {"threads": u.threads, "rss": u.rss, "fds": u.fds} for r, u in roles.items()}})
+        time.sleep(every)
+
+
+def judge(samples_: list[dict], warmup: float, rss_bound: float) -> tuple[list[str], list[str]]:
+    """The trend table's lines and what grew beyond its bound."""
+    lines, grew = [], []
+    after = [s for s in samples_ if s["t"] >= warmup]
+    seen = Counter(r for s in after for r in s["roles"])  # roles of lasting processes, not of one starting
+    steady = sorted(r for r, n in seen.items() if n >= 0.9 * len(after))
+    series = {f"{role} {metric}": [(s["t"], s["roles"].get(role, {}).get(metric, 0)) for s in samples_]
+              for role in steady for metric in ("threads", "fds", "rss")}
+    series["all rss"] = [(s["t"], sum(u["rss"] for u in s["roles"].values())) for s in samples_]
+    series["/dev/shm regions"] = [(s["t"], s["shm_regions"]) for s in samples_]
+    for name, points in series.items():
+        t = trend(points, warmup)
+        if t is None:
+            continue
+        rss = name.endswith("rss")
+        scale, unit = (2**20, "MB") if rss else (1, "")
+        lines.append(f"  {name:34s} {t.first / scale:10.1f} -> {t.last / scale:10.1f}{unit:2s}  "
+                     f"{t.slope_per_hour / scale:+9.2f}{unit}/h" + (f" ({t.percent_per_hour:+.2f}%/h)" if rss else "")
+                     + ("  RISES" if t.rises and not rss else ""))
+        if (not rss and t.rises) or (name == "all rss" and t.percent_per_hour > rss_bound):
+            grew.append(name)
+    return lines, grew
 
 
 def main() -> int:
@@ -110,13 +194,19 @@ def main() -> int:
     parser.add_argument("--size", default="small", choices=("tiny", "small"))
     parser.add_argument("--workdir", default="build/soak")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--faults", type=float, default=0.0,
-                        help="kill one step's stub every this many seconds (0: none)")
+    parser.add_argument("--faults", type=float, default=0.0, help="kill one of FAULT_TARGETS every this many s")
     parser.add_argument("--request-timeout", type=float, default=120.0,
                         help="seconds without an answer after which a request counts as hung")
+    parser.add_argument("--sample-every", type=float, default=5.0)
+    parser.add_argument("--warmup", type=float, help="seconds before trends count (default 600, or a third)")
+    parser.add_argument("--rss-bound", type=float, help="%% an hour the memory may grow (default 1, 2 with faults)")
+    parser.add_argument("--json", help="write the samples and the verdict here")
     args = parser.parse_args()
+    warmup = args.warmup if args.warmup is not None else min(600.0, args.duration / 3)
+    rss_bound = args.rss_bound if args.rss_bound is not None else (2.0 if args.faults else 1.0)
 
     workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
     checkpoint = workdir / f"{FAMILY}-{args.size}"
     if not (checkpoint / "config.json").exists():
         write_demo_checkpoint(FAMILY, checkpoint, args.size)
@@ -134,23 +224,15 @@ def main() -> int:
         "placeholders": (chat(family.image_placeholder * 2 + "?"), [good["image"][1][0]], [], "text_input"),
     }
 
-    reloads: list[tuple[str, float]] = []
-
-    def report(message: str) -> None:
-        print(f"  server: {message}", flush=True)
-        found = re.match(r"model '(\w+)' reloaded", message)
-        if found:
-            reloads.append((found.group(1), time.monotonic()))
-        elif message == "tritonserver restarted":  # every model is back
-            reloads.append(("*", time.monotonic()))
-
-    with TritonServer(repo, log_file=workdir / "tritonserver.log", supervise=args.faults > 0, report=report) as server:
-        expected = {k: generate(server.grpc_url, p, i, v, max_tokens=32).output_ids for k, (p, i, v) in good.items()}
-        rss_start = rss_mb(server.process.pid)
+    deployment = Deployment(repo, workdir / "serve.log")
+    url = deployment.grpc_url
+    try:
+        expected = {k: generate(url, p, i, v, max_tokens=32).output_ids for k, (p, i, v) in good.items()}
         counts: Counter = Counter()
         failures: list[str] = []
         lock = threading.Lock()
-        deadline = time.monotonic() + args.duration
+        started = time.monotonic()
+        deadline = started + args.duration
 
         def worker(index: int) -> None:
             rng = random.Random(args.seed * 1000 + index)
@@ -160,18 +242,16 @@ def main() -> int:
                     if roll < 0.6:
                         kind = rng.choice(list(good))
                         prompt, images, videos = good[kind]
-                        ids = generate(server.grpc_url, prompt, images, videos, max_tokens=32,
-                                       timeout=args.request_timeout).output_ids
+                        ids = generate(url, prompt, images, videos, max_tokens=32, timeout=args.request_timeout).output_ids
                         outcome = f"good {kind}" if ids == expected[kind] else f"WRONG {kind}"
                     elif roll < 0.8:
-                        cancelled_stream(server.grpc_url, *good["image"][:2], args.request_timeout)
+                        cancelled_stream(url, *good["image"][:2], args.request_timeout)
                         outcome = "cancelled stream"
                     else:
                         case = rng.choice(list(bad))
                         prompt, images, videos, named = bad[case]
                         try:
-                            generate(server.grpc_url, prompt, images, videos, max_tokens=8,
-                                     timeout=args.request_timeout)
+                            generate(url, prompt, images, videos, max_tokens=8, timeout=args.request_timeout)
                             outcome = f"WRONG accepted {case}"
                         except RequestError as error:
                             if RESTARTED in str(error) or SERVER_GONE in str(error):
@@ -190,36 +270,46 @@ def main() -> int:
                     if outcome.startswith(("WRONG", "FAILED", "HUNG")):
                         failures.append(outcome)
 
-        threads = [threading.Thread(target=worker, args=(i,)) for i in range(args.concurrency)]
         kills: list[tuple[str, float]] = []
+        taken: list[dict] = []
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(args.concurrency)]
+        threads.append(threading.Thread(target=sampler, args=(deployment, args.sample_every, deadline, started, taken)))
         if args.faults > 0:
-            threads.append(threading.Thread(target=inject_faults, args=(server, args.faults, deadline, kills)))
-        started = time.monotonic()
+            threads.append(threading.Thread(target=inject_faults, args=(deployment, args.faults, deadline, kills)))
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         elapsed = time.monotonic() - started
         idle_deadline = time.monotonic() + 30
-        while (blocks := kv_blocks_used(server)) and time.monotonic() < idle_deadline:
+        while (blocks := deployment.kv_blocks_used()) != 0 and time.monotonic() < idle_deadline:
             time.sleep(0.2)
-        rss_end = rss_mb(server.process.pid)
+    finally:
+        deployment.stop()
 
-    print(f"soak: {elapsed:.0f} s at concurrency {args.concurrency}, {sum(counts.values())} requests")
+    lines, grew = judge(taken, warmup, rss_bound)
+    print(f"soak: {elapsed:.0f} s at concurrency {args.concurrency}, {sum(counts.values())} requests, "
+          f"{len(taken)} samples, trends after {warmup:.0f} s")
     for outcome, n in sorted(counts.items()):
-        print(f"  {outcome:32s} {n}")
-    print(f"  good requests failed or wrong      {len(failures)} (must be 0)")
-    if args.faults > 0:
-        print(f"  hung                               {counts['HUNG']} (must be 0)")
-        for model, at in kills:
-            back = next((t for m, t in reloads if m in (model, "*") and t > at), None)
-            print(f"  killed {model:22s} at {at - started:6.1f} s, serving again after "
-                  + (f"{back - at:.1f} s" if back else "never"))
+        print(f"  {outcome:34s} {n}")
+    print(f"  good requests failed or wrong        {len(failures)} (must be 0)")
+    print(f"  hung                                 {counts['HUNG']} (must be 0)")
+    for model, at in kills:
+        back = next((t for t, m in deployment.recoveries if m in (model, "*") and t > at), None)
+        print(f"  killed {model:22s} at {at - started:7.1f} s, serving again after "
+              + (f"{back - at:.1f} s" if back else "never"))
     for failure in failures[:10]:
         print(f"    {failure}")
-    print(f"  server RSS (tritonserver + stubs)  {rss_start:.0f} MB at start, {rss_end:.0f} MB at end")
-    print(f"  KV blocks in use at the end        {blocks:.0f} (must be 0)")
-    return 0 if not failures and blocks == 0 else 1
+    print(f"  KV blocks in use at the end          {blocks} (must be 0)")
+    print(f"  trends (value at the warm-up's end -> at the end, slope; memory must grow < {rss_bound:g}%/h):")
+    print("\n".join(lines))
+    print(f"  grew: {', '.join(grew) or 'nothing'}")
+    ok = not failures and counts["HUNG"] == 0 and blocks == 0 and not grew
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "counts": counts, "failures": failures,
+                                               "kills": [(m, at - started) for m, at in kills], "grew": grew,
+                                               "kv_blocks_end": blocks, "samples": taken, "ok": ok}, indent=1))
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

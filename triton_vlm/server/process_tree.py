@@ -63,8 +63,9 @@ def descendants(pid: int) -> list[int]:
 
 
 def role(pid: int) -> str:
-    """What `pid` is in a deployment: `tritonserver`, `stub <model>` (a Python-backend stub),
-    `watch` (`triton_vlm.server.stub_watch`), `rank` (a spawned multiprocessing process: the llm's
+    """What `pid` is in a deployment: `tritonserver`, `stub <model>` (a Python-backend stub; `stub
+    <model> (config)` the one that reads its config first), `watch` (`triton_vlm.server.stub_watch`),
+    `reaper` (`triton_vlm.server.reaper`), `rank` (a spawned multiprocessing process: the llm's
     tensor-parallel ranks and their resource tracker), or its command name."""
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -72,9 +73,14 @@ def role(pid: int) -> str:
     except OSError:
         return "gone"
     if argv[0].endswith(b"triton_python_backend_stub") and len(argv) >= 4:
-        return f"stub {model_of(argv[-3].decode())}"
+        instance, model_dir = argv[-3].decode(), Path(argv[1].decode()).parts[-3:-2]
+        if model_dir == (instance,):  # the stub that reads a model's config before its instances start
+            return f"stub {instance} (config)"
+        return f"stub {model_of(instance)}"
     if b"triton_vlm.server.stub_watch" in argv:
         return "watch"
+    if b"triton_vlm.server.reaper" in argv:
+        return "reaper"
     if any(arg.startswith(b"from multiprocessing.") for arg in argv):
         return "rank"
     return comm
@@ -92,9 +98,15 @@ def sample(root: int, root_role: str = "serve") -> dict[str, Usage]:
     return roles
 
 
-def shm_regions() -> dict[str, int]:
-    """The Python backend's shared-memory regions in /dev/shm: name -> bytes."""
-    try:
-        return {p.name: p.stat().st_size for p in SHM_DIR.glob(f"{SHM_PREFIX}*")}
-    except OSError:
-        return {}
+def shm_regions(since: float = 0.0) -> dict[str, int]:
+    """The Python backend's shared-memory regions in /dev/shm changed since `since` (a time.time()):
+    name -> bytes."""
+    found = {}
+    for path in SHM_DIR.glob(f"{SHM_PREFIX}*"):
+        try:
+            stat = path.stat()
+        except OSError:  # (removed meanwhile)
+            continue
+        if stat.st_ctime >= since:
+            found[path.name] = stat.st_size
+    return found
