@@ -51,7 +51,8 @@ from triton_vlm.families.demo import write_demo_checkpoint
 from triton_vlm.media import samples
 from triton_vlm.repository.build import build_repository
 from triton_vlm.server.growth import trend
-from triton_vlm.server.process_tree import sample, shm_regions
+from triton_vlm.server.process_tree import descendants, sample, shm_regions
+from triton_vlm.server.reaper import mapped_regions
 from triton_vlm.server.stubs import stub_processes
 from triton_vlm.server.tritonserver import free_port
 
@@ -151,12 +152,13 @@ def inject_faults(deployment: Deployment, every: float, until: float, kills: lis
 
 def sampler(deployment: Deployment, every: float, until: float, started: float, out: list[dict]) -> None:
     """Every `every` seconds until `until`: each role's threads, RSS and descriptors, the regions in
-    /dev/shm that came since the soak began and the KV blocks in use, as {"t": seconds since
-    `started`, ...}."""
-    since = time.time()
+    /dev/shm that a process of the deployment mapped (and that are still there, mapped or not) and
+    the KV blocks in use, as {"t": seconds since `started`, ...}."""
+    ours: set[str] = set()  # every region a process of the deployment has mapped
     while time.monotonic() < until:
         roles = sample(deployment.process.pid)
-        regions = shm_regions(since)
+        ours |= mapped_regions(descendants(deployment.process.pid))
+        regions = {name: size for name, size in shm_regions().items() if name in ours}
         out.append({"t": time.monotonic() - started, "kv_blocks_used": deployment.kv_blocks_used(),
                     "shm_regions": len(regions), "shm_bytes": sum(regions.values()),
                     "roles": {r: {"threads": u.threads, "rss": u.rss, "fds": u.fds} for r, u in roles.items()}})

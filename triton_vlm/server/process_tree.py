@@ -98,15 +98,12 @@ def sample(root: int, root_role: str = "serve") -> dict[str, Usage]:
     return roles
 
 
-def shm_regions(since: float = 0.0) -> dict[str, int]:
-    """The Python backend's shared-memory regions in /dev/shm changed since `since` (a time.time()):
-    name -> bytes."""
+def shm_regions() -> dict[str, int]:
+    """The Python backend's shared-memory regions in /dev/shm: name -> bytes."""
     found = {}
     for path in SHM_DIR.glob(f"{SHM_PREFIX}*"):
         try:
-            stat = path.stat()
+            found[path.name] = path.stat().st_size
         except OSError:  # (removed meanwhile)
             continue
-        if stat.st_ctime >= since:
-            found[path.name] = stat.st_size
     return found
