@@ -78,13 +78,17 @@ def test_requests_leave_no_thread_in_a_stub_or_the_client(server):
 
 
 @pytest.fixture(scope="module")
-def front_repo(tiny_repo, tmp_path_factory) -> Path:
-    """A repository of the session build's `vision_encoder` front alone: the quickest of the
-    models to start (it holds no weights), a Python model as every step is, and one that answers a
-    request of zero media items by itself."""
-    repo = tmp_path_factory.mktemp("leaks") / "repository"
-    shutil.copytree(tiny_repo / "vision_encoder", repo / "vision_encoder", symlinks=True)
-    return repo
+def front_repo(tiny_checkpoint, tmp_path_factory) -> Path:
+    """A repository of one model, the `vision_encoder` front with one instance: the quickest of the
+    models to start and stop (it holds no weights), a Python model as every step is, and one that
+    answers a request of zero media items by itself."""
+    from triton_vlm.repository.build import build_repository
+    from triton_vlm.repository.options import BuildOptions
+
+    root = tmp_path_factory.mktemp("leaks")
+    built = build_repository(tiny_checkpoint, root / "built", BuildOptions(encoder_frontends=1))
+    shutil.copytree(built / "vision_encoder", root / "repository" / "vision_encoder", symlinks=True)
+    return root / "repository"
 
 
 def _no_items(url: str) -> tuple[int, ...]:
