@@ -3,18 +3,20 @@
 reloads it, later ones are answered as transformers answers them, no KV block stays in use, and the
 server stops on SIGTERM within its exit timeout.
 
-A real supervised tritonserver (as `triton-vlm serve` runs it) per step; clients stream over gRPC
-and over HTTP generate_stream in loops while the step's first stub is killed with SIGKILL.
+One real supervised tritonserver (as `triton-vlm serve` runs it) takes the faults one after another,
+each test leaving it serving again; clients stream over gRPC and over HTTP generate_stream in loops
+while a step's first stub, the ensemble's or tritonserver itself is killed with SIGKILL.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import queue
 import signal
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -108,17 +110,36 @@ class Load:
         self.done.set()
 
 
-@contextlib.contextmanager
-def supervised(tiny_repo, tmp_path):
-    """A server as `triton-vlm serve` runs it, with its supervisor's events; on the way out it is
-    stopped as serve stops it (SIGTERM), which must take no longer than its exit timeout."""
+@dataclass
+class Supervised:
+    """The module's server and everything its supervisor reported."""
+    server: Any
+    events: list[str]
+    log: Path
+
+    def mark(self) -> tuple[int, int]:
+        """Where the events and the log are now (what a test reads from)."""
+        return len(self.events), self.log.stat().st_size
+
+    def log_since(self, offset: int) -> str:
+        with open(self.log) as log:
+            log.seek(offset)
+            return log.read()
+
+
+@pytest.fixture(scope="module")
+def supervised(tiny_repo, tmp_path_factory):
+    """One server as `triton-vlm serve` runs it, for the module's faults one after another (each
+    test leaves it serving again, as its checks show); at the end it is stopped as serve stops it
+    (SIGTERM), which must take no longer than its exit timeout."""
     from triton_vlm.server.tritonserver import EXIT_TIMEOUT_S, TritonServer
 
     events: list[str] = []
-    server = TritonServer(tiny_repo, supervise=True, report=events.append, log_file=tmp_path / "server.log")
+    log = tmp_path_factory.mktemp("step-faults") / "server.log"
+    server = TritonServer(tiny_repo, supervise=True, report=events.append, log_file=log)
     server.start(timeout=RELOAD_LIMIT_S)  # (a reload may take as long)
     try:
-        yield server, events
+        yield Supervised(server, events, log)
     finally:
         server.forward_signal(signal.SIGTERM)
         asked = time.monotonic()
@@ -127,12 +148,13 @@ def supervised(tiny_repo, tmp_path):
     assert took <= EXIT_TIMEOUT_S + 1.0, took  # (the kill, then the exit seen)
 
 
-def wait_for_event(events: list[str], *wanted: str, timeout: float = 2 * RELOAD_LIMIT_S) -> tuple[str, float]:
-    """The first of the `wanted` events to come, and when it was seen."""
+def wait_for_event(events: list[str], since: int, *wanted: str, timeout: float = 2 * RELOAD_LIMIT_S
+                   ) -> tuple[str, float]:
+    """The first of the `wanted` events to come after the first `since`, and when it was seen."""
     deadline = time.monotonic() + timeout
-    while not (seen := [e for e in wanted if e in events]) and time.monotonic() < deadline:
+    while not (seen := [e for e in wanted if e in events[since:]]) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert seen, "\n".join(events)  # (in full: a report of where the stubs were may be among them)
+    assert seen, "\n".join(events[since:])  # (in full: a report of where the stubs were may be among them)
     return seen[0], time.monotonic()
 
 
@@ -161,12 +183,14 @@ def check_restart(events: list[str], reason: str | tuple[str, ...], failed: list
 
 
 @pytest.mark.parametrize("model", ["llm", "preprocess", "vision_encoder", "vision_encoder_batch"])
-def test_a_dead_step_ends_its_requests_with_unavailable_and_the_server_recovers(tiny_repo, tmp_path, expected, model):
-    with supervised(tiny_repo, tmp_path) as (server, events), Load(server) as load:
+def test_a_dead_step_ends_its_requests_with_unavailable_and_the_server_recovers(supervised, expected, model):
+    server, (since, log_at) = supervised.server, supervised.mark()
+    with Load(server) as load:
         victim = next(pid for pid, name in server.stub_processes().items() if name == f"{model}_0_0")
         os.kill(victim, signal.SIGKILL)
         killed = time.monotonic()
-        event, back = wait_for_event(events, f"model {model!r} reloaded", "tritonserver restarted")
+        event, back = wait_for_event(supervised.events, since, f"model {model!r} reloaded", "tritonserver restarted")
+        events = supervised.events[since:]
         time.sleep(4.0)
         failed = check_recovery(load.stop(), killed, back, expected)
 
@@ -175,7 +199,7 @@ def test_a_dead_step_ends_its_requests_with_unavailable_and_the_server_recovers(
             # holding a mutex of the memory they share: boost lock_exception), or it never starts
             # the model's new instances (their stubs wait for their initialize message): the
             # supervisor restarts the server, at once or once the reload overran its limit.
-            if "boost::interprocess::lock_exception" in (tmp_path / "server.log").read_text():
+            if "boost::interprocess::lock_exception" in supervised.log_since(log_at):
                 check_restart(events, "tritonserver exited by itself with code -6", failed, killed)
             else:
                 restarts = [e for e in events if e.endswith(": restarting it")]
@@ -193,18 +217,20 @@ def test_a_dead_step_ends_its_requests_with_unavailable_and_the_server_recovers(
 
 
 @pytest.mark.parametrize("victim", ["ensemble", "tritonserver"])
-def test_a_dead_ensemble_or_server_is_restarted_and_its_requests_end_at_once(tiny_repo, tmp_path, expected, victim):
+def test_a_dead_ensemble_or_server_is_restarted_and_its_requests_end_at_once(supervised, expected, victim):
     """No reload ends what Triton holds for a dead `ensemble` stub, and a tritonserver that
     aborts ends everything: the supervisor kills the server (when it is the ensemble) and starts
     it again on the same ports. Requests in flight end at once (gRPC: UNAVAILABLE), so do those
     sent while it restarts, later ones are answered as transformers answers them."""
-    with supervised(tiny_repo, tmp_path) as (server, events), Load(server) as load:
+    server, (since, log_at) = supervised.server, supervised.mark()
+    with Load(server) as load:
         first, ports = server.process, (server.http_port, server.grpc_port, server.metrics_port)
         stubs = server.stub_processes()
         pid = first.pid if victim == "tritonserver" else next(p for p, i in stubs.items() if i == "ensemble_0_0")
         os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
-        _, back = wait_for_event(events, "tritonserver restarted")
+        _, back = wait_for_event(supervised.events, since, "tritonserver restarted")
+        events = supervised.events[since:]
         time.sleep(4.0)
         failed = check_recovery(load.stop(), killed, back, expected)
 
