@@ -4,6 +4,14 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
+from triton_vlm.repository.options import BuildOptions
+
+# The instance counts of a server whose tests check answers, not how requests spread over
+# instances: each instance costs about a second at every stop (python_backend r24.10 unloads a
+# model's instances one after another, each after a one-second health check) and a `preprocess`
+# instance about 3 s of CPU at every start (torch, torchvision and its warm-up).
+LEAN = BuildOptions(preprocess_instances=1, encoder_frontends=1)
+
 
 @contextlib.contextmanager
 def served(checkpoint, tmp_path_factory, name: str, options, **server_kwargs) -> Iterator:

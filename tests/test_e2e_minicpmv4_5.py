@@ -15,6 +15,7 @@ import pytest
 from tritonclient.utils import InferenceServerException
 
 from tests.minicpmv4_5_golden import CASES, GOLDEN
+from tests.servers import LEAN
 from tests.test_e2e import concurrently, grpc_tokens, http_tokens, infer_direct, media_values
 
 
@@ -27,7 +28,7 @@ def server(tmp_path_factory):
     from triton_vlm.server.tritonserver import TritonServer
 
     root = tmp_path_factory.mktemp("minicpmv4_5")
-    repo = build_repository(write_golden_variant(GOLDEN, root / "checkpoint"), root / "repository")
+    repo = build_repository(write_golden_variant(GOLDEN, root / "checkpoint"), root / "repository", LEAN)
     with TritonServer(repo, log_file=root / "tritonserver.log") as running:
         yield running
 

@@ -214,6 +214,12 @@ def test_a_dead_step_ends_its_requests_with_unavailable_and_the_server_recovers(
         assert used["triton_vlm_llm_kv_blocks:used"] == 0
         restarts = wait_for(server, lambda m: True)
         assert restarts.get("triton_vlm_step_restarts_total", 0) >= 1, restarts
+        # The supervisor said what died and that it reloaded it, and nothing else: the old
+        # instances its reload retired are not reported as deaths.
+        events = supervised.events[since:]
+        assert events[0].startswith(f"model instance {model}_0_0 died (stub pid {victim})"), events
+        assert events[1:] == [f"model {model!r} reloaded"], events
+        assert f"{model}_0_0" in server.stub_processes().values()
 
 
 @pytest.mark.parametrize("victim", ["ensemble", "tritonserver"])
