@@ -53,7 +53,7 @@ from triton_vlm.repository.build import build_repository
 from triton_vlm.server.growth import trend
 from triton_vlm.server.process_tree import descendants, sample, shm_regions
 from triton_vlm.server.reaper import mapped_regions
-from triton_vlm.server.stubs import stub_processes
+from triton_vlm.server.stubs import model_of, stub_processes
 from triton_vlm.server.tritonserver import free_port
 
 FAMILY = "qwen2_5_vl"
@@ -144,7 +144,7 @@ def inject_faults(deployment: Deployment, every: float, until: float, kills: lis
         if server is None:
             continue
         victims = [server] if target == "tritonserver" else sorted(
-            pid for pid, name in stub_processes(server).items() if name.startswith(f"{target}_"))
+            pid for pid, name in stub_processes(server).items() if model_of(name) == target)
         if victims:
             os.kill(victims[0], signal.SIGKILL)
             kills.append((target, time.monotonic()))

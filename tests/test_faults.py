@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -409,6 +410,37 @@ def test_a_server_not_ready_in_time_is_stopped_and_the_error_says_where_it_stood
     if shutil.which("gdb"):
         assert re.search(r"stub \d+ main thread:\n#0 ", stacks), message
     assert server.process.poll() is not None
+
+
+def test_a_model_that_fails_its_reload_has_the_server_restarted_and_one_that_cannot_start_ends_it(tmp_path):
+    """A stub dies and its model's reload fails (here its second load raises): left so, every
+    request routed to it would fail for good, so the supervisor kills tritonserver to start it
+    again; that start fails as well, and the supervisor gives up, `wait` returning the exit code
+    for whatever runs `serve` to act on."""
+    from triton_vlm.server.tritonserver import TritonServer
+
+    marker = tmp_path / "loaded once"
+    events: list[str] = []
+    repo = stuck_repository(tmp_path, f"""\
+        marker = pathlib.Path({str(marker)!r})
+        if marker.exists():
+            raise RuntimeError("this model loads once")
+        marker.touch()
+        """)
+    server = TritonServer(repo, supervise=True, report=events.append).start(timeout=60)
+    stub = next(pid for pid, name in server.stub_processes().items() if name == "stuck_0")
+    os.kill(stub, signal.SIGKILL)
+    waited: list[int] = []
+    waiter = threading.Thread(target=lambda: waited.append(server.wait()), daemon=True)
+    waiter.start()
+    waiter.join(120)
+    if not waited:  # (a supervisor that left the model dead and the server up)
+        server.stop()
+    assert waited and waited[0] != 0 and len(events) == 3, events
+    assert events[0].startswith(f"model instance stuck_0 died (stub pid {stub})"), events
+    assert events[1].startswith("reloading 'stuck' failed (") and "this model loads once" in events[1], events
+    assert events[1].endswith("so tritonserver was killed: restarting it"), events
+    assert events[2].startswith("restarting tritonserver failed: tritonserver exited with code"), events
 
 
 def test_a_supervised_server_not_ready_in_time_is_started_once_more(tmp_path):

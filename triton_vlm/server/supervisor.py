@@ -136,13 +136,16 @@ class Supervisor:
             self._reload(model, limit)
             self.server.event(f"model {model!r} reloaded")
         except InferenceServerException as error:
-            if error.status() != "StatusCode.DEADLINE_EXCEEDED":
-                self.server.event(f"reloading model {model!r} failed: {error}")
+            if process.poll() is not None or self.server.stopping:  # it went meanwhile: its restart follows
                 return
-            # python_backend r24.10 may never start a new instance after a stub was killed (the
-            # new stubs wait for their initialize message): the server is wedged for the model
-            self._kill(process, f"reloading {model!r} did not end within {limit:.0f} s (the time a start may take), "
-                                f"so tritonserver was killed; {self.server.hang_report({model})}")
+            if error.status() == "StatusCode.DEADLINE_EXCEEDED":
+                # python_backend r24.10 may never start a new instance after a stub was killed (the
+                # new stubs wait for their initialize message): the server is wedged for the model
+                self._kill(process, f"reloading {model!r} did not end within {limit:.0f} s (the time a start may "
+                                    f"take), so tritonserver was killed; {self.server.hang_report({model})}")
+                return
+            # a model that is not loaded again would fail every request routed to it for good
+            self._kill(process, f"reloading {model!r} failed ({error}), so tritonserver was killed")
 
     def _reload(self, model: str, limit: float) -> None:
         """Unload `model`, then load it again: Triton treats a load of an unchanged model as a
