@@ -36,6 +36,16 @@ def tiny_repo(tiny_checkpoint, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def lean_repo(tiny_checkpoint, tmp_path_factory):
+    """The session build with one instance per step (tests/servers.LEAN): for the tests that start
+    a server of their own and check what happens to it, not how requests spread over instances."""
+    from tests.servers import LEAN
+    from triton_vlm.repository.build import build_repository
+
+    return build_repository(tiny_checkpoint, tmp_path_factory.mktemp("lean") / "repository", LEAN)
+
+
+@pytest.fixture(scope="session")
 def server(tiny_repo, tmp_path_factory):
     """One real tritonserver for the whole session, on free ports; always stopped."""
     from triton_vlm.server.tritonserver import TritonServer

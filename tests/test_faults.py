@@ -288,7 +288,7 @@ def test_a_stub_watcher_kills_its_stub_when_the_server_goes_and_ends_with_the_st
         server.wait()
 
 
-def test_tritonserver_and_its_stubs_exit_when_the_python_process_that_started_it_is_killed(tiny_repo):
+def test_tritonserver_and_its_stubs_exit_when_the_python_process_that_started_it_is_killed(lean_repo):
     """A process holding a `TritonServer` that is SIGKILLed with its whole process group (a killed
     test run, a CI timeout) cannot stop it: the server's reaper (triton_vlm.server.reaper, in a
     session of its own) sends it SIGTERM instead, and it shuts down with its stubs and their
@@ -297,7 +297,7 @@ def test_tritonserver_and_its_stubs_exit_when_the_python_process_that_started_it
     code = ("import sys, threading, time; from triton_vlm.server.tritonserver import TritonServer; started = []; "
             "t = threading.Thread(target=lambda: started.append(TritonServer(sys.argv[1]).start())); t.start(); "
             "t.join(); print(started[0].process.pid, flush=True); time.sleep(600)")
-    owner = subprocess.Popen([sys.executable, "-c", code, str(tiny_repo)], stdout=subprocess.PIPE, text=True,
+    owner = subprocess.Popen([sys.executable, "-c", code, str(lean_repo)], stdout=subprocess.PIPE, text=True,
                              cwd=Path(__file__).resolve().parent.parent, start_new_session=True)
     pidfds: dict[int, int] = {}
     try:
@@ -324,14 +324,14 @@ def test_tritonserver_and_its_stubs_exit_when_the_python_process_that_started_it
         owner.stdout.close()
 
 
-def test_every_stub_exits_when_tritonserver_is_killed(tiny_repo, tmp_path):
+def test_every_stub_exits_when_tritonserver_is_killed(lean_repo, tmp_path):
     """SIGKILL tritonserver while a request streams, so that stub threads are waiting on it (the
     llm's metrics and responses, the ensemble's BLS calls): every stub, and the watcher process
     each one starts (triton_vlm.server.stub_watch), is gone within a bounded wait; the shared-memory
     regions the dead server leaves in /dev/shm are removed by its reaper, with no `stop`."""
     from triton_vlm.server.tritonserver import TritonServer
 
-    server = TritonServer(tiny_repo, log_file=tmp_path / "server.log").start()
+    server = TritonServer(lean_repo, log_file=tmp_path / "server.log").start()
     maps = Path(f"/proc/{server.process.pid}/maps").read_text()
     regions = set(re.findall(r"/dev/shm/triton_python_backend_shm_region\S*", maps))
     stubs = server.stub_processes()
