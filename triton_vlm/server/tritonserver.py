@@ -208,7 +208,7 @@ class TritonServer:
         deadline = time.monotonic() + self._start_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                self._reader.join(timeout=5)
+                self._after_exit()
                 raise ServerError(f"tritonserver exited with code {self.process.returncode}:\n{self.errors()}")
             if self.is_ready():
                 return
