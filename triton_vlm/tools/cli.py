@@ -50,8 +50,14 @@ def _build(args) -> int:
 
 
 def _serve(args) -> int:
-    from triton_vlm.server.tritonserver import ServerError, TritonServer
+    from triton_vlm.server.stub_python import check_stub_numpy
+    from triton_vlm.server.tritonserver import ServerError, TritonServer, server_env
 
+    try:
+        check_stub_numpy(server_env())
+    except ServerError as error:  # a server that would load and then fail every request
+        print(f"triton-vlm serve: {error}", file=sys.stderr)
+        return 2
     try:
         server = TritonServer(args.repo, args.http_port, args.grpc_port, args.metrics_port, echo=True, supervise=True,
                               admin_key=args.admin_key or None)
