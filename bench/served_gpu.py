@@ -47,7 +47,10 @@ import numpy as np
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 BENCH = Path(__file__).resolve().parent
-sys.path[:0] = [str(BENCH.parent), str(BENCH)]
+# the tree whose triton_vlm is measured (bench/served_host_time.py measures another one's with this bench)
+TREE_ENV = "TRITON_VLM_TREE_ROOT"
+ROOT = Path(os.environ.get(TREE_ENV) or BENCH.parent).resolve()
+sys.path[:0] = [str(ROOT), str(BENCH)]
 
 from triton_vlm.families.qwen2_5_vl import QWEN2_5_VL  # noqa: E402
 
@@ -311,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         repo = Path(tmp) / "repository"
         build = [sys.executable, "-m", "triton_vlm.tools.cli", "build", "--checkpoint", str(checkpoint), "--repo",
                  str(repo), "--device", args.device] + (["--encoder-backend", "torch"] if args.device == "gpu" else [])
-        subprocess.run(build, check=True)
+        subprocess.run(build, check=True, cwd=ROOT)
         figures["build"] = " ".join(build[3:])
         figures["timings_s"]["build"] = round(time.perf_counter() - started, 1)
         with TritonServer(repo, log_file=out_dir / "server.log") as server:
@@ -360,6 +363,8 @@ def tree() -> str:
     try:
         git = lambda *a: subprocess.run(["git", *a], cwd=BENCH, capture_output=True, text=True,  # noqa: E731
                                         check=True).stdout.strip()
+        if ROOT != BENCH.parent:
+            return f"the tree at {ROOT}"
         return git("rev-parse", "--short", "HEAD") + ("-dirty" if git("status", "--porcelain", "-uno") else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
