@@ -172,9 +172,10 @@ def transformers_process(conn, write: dict | None, ckpt: str, device: str, dtype
 
 def run_engine(engine, inputs: list, max_tokens: int, concurrency: int, min_tokens: int = 0, **extra) -> Run:
     """`concurrency` requests in flight at a time until all are done (closed loop). Each input is a
-    prompt's token ids, or the tuple of `Engine.submit`'s (input_ids, embeddings,
-    mrope_position_ids, mrope_position_delta); `extra`, submit's keywords. Emits come after the
-    step's sampled ids reached the host, so their times need no device sync."""
+    prompt's token ids, the tuple of `Engine.submit`'s (input_ids, embeddings, mrope_position_ids,
+    mrope_position_delta), or a dict of submit's keywords; `extra`, submit's keywords for every
+    input. Emits come after the step's sampled ids reached the host, so their times need no device
+    sync."""
     from triton_vlm.llm import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, min_tokens=min_tokens)
@@ -209,9 +210,12 @@ def run_engine(engine, inputs: list, max_tokens: int, concurrency: int, min_toke
     start = time.perf_counter()
     for i, prompt in enumerate(inputs):
         slots.acquire()
+        request_id = f"b{concurrency}-{i}-{time.monotonic_ns()}"
+        if isinstance(prompt, dict):
+            engine.submit(request_id, **prompt, params=params, emit=emit_for(time.perf_counter()), **extra)
+            continue
         args = prompt if isinstance(prompt, tuple) else (prompt, None, None, None)
-        engine.submit(f"b{concurrency}-{i}-{time.monotonic_ns()}", *args, params, emit=emit_for(time.perf_counter()),
-                      **extra)
+        engine.submit(request_id, *args, params, emit=emit_for(time.perf_counter()), **extra)
     done.wait()
     return Run(state["tokens"], time.perf_counter() - start, ttfts, decode)
 

@@ -1,37 +1,45 @@
-"""What bench/served_gpu.py needs on the device machine, which has none of it: the bundled
-tritonserver and what tritonserver loads, and the wheels of tritonclient and PyAV for its Python.
+"""What the device machine needs and has not, packed here for its two calls (bench/device_session.py
+runs them there), and the unpacking both sides share.
 
-    .venv/bin/python bench/device_pack.py server .device/server   # 26 MiB
-    .venv/bin/python bench/device_pack.py wheels .device          # .device/tritonclient 0.1 MiB, .device/av 34 MiB
+    .venv/bin/python bench/device_pack.py .device     # packs .device/call1 and .device/call2, prints the two calls
 
-One device call carries at most 64 MiB, and what it carried stays there while the machine is warm
-(30 s): the first call carries `.device/server` and `.device/tritonclient`, the next, at once,
-`.device/av` and runs `bench/served_gpu.py --carried .device`.
+What the H100 taught (issue #37): a path carried by one call is gone at the next, while `/tmp` and
+the machine's own Python environment stay as long as it is warm (30 s after a call); Triton's Python
+backend stub ignores `PYTHONPATH` (its `sys.path` is its interpreter's own site-packages), so wheels
+go into that Python itself, not a `--target` folder; the machine's numpy (2.x) makes the bundled
+stub (Triton 2.51) read every BYTES tensor wrong, so numpy 1.26.4 replaces it, and the machine's
+scipy and scikit-learn (numpy-2 builds, which transformers imports) go. One call carries at most
+64 MiB with the tree, hence two:
 
-`server`: DIR/server.tar.xz, the nvidia-pytriton wheel's layout cut down to what runs there:
-`pytriton/tritonserver/bin/tritonserver`, the Python backend (its stub for `--python`, 3.12 on the
-device), and of `nvidia_pytriton.libs` the libraries that tritonserver, the backend and the stub
-load (their `ldd` closure within that folder; the server finds them through its RUNPATH). The
-device has CUDA 13's runtime, not 12's; the wheel's own libcudart 12 comes along. `libpython3.X`
-is the stub's one outside need: `unpack` says so plainly where the device's Python has none.
-`wheels`: DIR/tritonclient/*.whl and DIR/av/*.whl for CPython `--python` on manylinux x86-64, the
-versions installed here (pip download; the device has grpcio, protobuf and numpy).
+- `call1/` (about 45 MiB, and the tree): `server.tar.xz`, the nvidia-pytriton wheel's layout cut
+  down to what runs there: `pytriton/tritonserver/bin/tritonserver`, the Python backend (its stub
+  for `--python`, 3.12 there), and of `nvidia_pytriton.libs` the libraries that tritonserver, the
+  backend and the stub load (their `ldd` closure within that folder; the server finds them through
+  its RUNPATH; CUDA 12's runtime comes along, the machine has 13's); the wheels of tritonclient,
+  python-rapidjson (tritonclient.grpc needs it) and numpy 1.26.4 for CPython `--python`.
+- `call2/` (about 47 MiB, and the tree): the wheels of PyAV (`preprocess` decodes videos with it)
+  and transformers (the version pinned here: the oracle of `pytest -m gpu`; the machine has an
+  older one).
 
-`unpack(DIR)` (bench/served_gpu.py `--carried DIR`) extracts the server under /tmp, installs the
-wheels into /tmp/site, and points `TRITON_VLM_TRITON_ROOT` and the import path at them.
+The wheels are the versions installed here (numpy's is fixed), manylinux x86-64, downloaded with
+pip. `unpack_server` and `install_wheels` are what call 1 does there (`bench/served_gpu.py
+--carried` unpacks a server packed here the same way).
 """
 from __future__ import annotations
 
 import argparse
-import os
 import re
+import shlex
 import subprocess
 import sys
 import tarfile
 from pathlib import Path
 
-WHEELS = ("tritonclient", "av")
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
+CALLS = {"call1": ("tritonclient", "python-rapidjson", "numpy"), "call2": ("av", "transformers")}
+PINNED = {"numpy": "1.26.4"}  # the newest numpy the bundled python_backend stub reads BYTES tensors with
+PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
+SERVER_ARCHIVE = "server.tar.xz"
+CARRY_LIMIT = 64 << 20  # bytes one device call carries, the tree included
 
 
 def _ldd_closure(files: list[Path], libs: Path) -> set[Path]:
@@ -65,62 +73,88 @@ def pack_server(dest: Path, python: str, preset: int = 6) -> Path:
     for lib in sorted(_ldd_closure(list(members), libs)):
         members[lib] = f"nvidia_pytriton.libs/{lib.name}"
     dest.mkdir(parents=True, exist_ok=True)
-    archive = dest / "server.tar.xz"
+    archive = dest / SERVER_ARCHIVE
     with tarfile.open(archive, "w:xz", preset=preset) as tar:
         for path, name in members.items():
             tar.add(path, arcname=name)
     return archive
 
 
-def pack_wheels(dest: Path, python: str) -> list[Path]:
-    """DEST/NAME/*.whl for each of WHEELS, at the versions installed here (what the tests ran), one
-    folder each: they are too large for one device call together."""
+def pack_wheels(dest: Path, names: tuple[str, ...], python: str) -> list[Path]:
+    """DEST/*.whl of `names` for CPython `python` on manylinux x86-64, at the versions installed here
+    (what the tests ran) or `PINNED`."""
     from importlib.metadata import version
 
     platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
-    for name in WHEELS:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                        "--python-version", python, "--implementation", "cp", *platforms, "-d", str(dest / name),
-                        f"{name}=={version(name)}"], check=True)
-    return sorted(dest.glob("*/*.whl"))
+    wanted = [f"{name}=={PINNED.get(name) or version(name)}" for name in names]
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                    "--python-version", python, "--implementation", "cp", *platforms, "-d", str(dest), *wanted],
+                   check=True)
+    return sorted(dest.glob("*.whl"))
 
 
-def unpack(carried: Path, into: Path = Path("/tmp/triton-vlm-carried")) -> dict[str, str]:
-    """Make what `carried` holds usable by this process and the server it starts; what was done."""
-    done = {}
-    archive = carried / "server" / "server.tar.xz"
-    if archive.exists():
-        with tarfile.open(archive) as tar:
-            tar.extractall(into, filter="tar")
-        root = into / "pytriton" / "tritonserver"
-        os.environ["TRITON_VLM_TRITON_ROOT"] = str(root)
-        missing = re.findall(r"(\S+) => not found", subprocess.run(
-            ["ldd", str(root / "backends" / "python" / "triton_python_backend_stub")], capture_output=True,
-            text=True).stdout)
-        done["server"] = str(root) + (f"; the stub cannot find {', '.join(missing)}" if missing else "")
-    wheels = sorted(carried.glob("*/*.whl"))
+def unpack_server(archive: Path, into: Path) -> tuple[Path, list[str]]:
+    """The server of `archive` extracted under `into`: its root (for `TRITON_VLM_TRITON_ROOT`) and
+    the libraries its Python backend stub cannot find there (`libpython3.X` is its one outside need)."""
+    with tarfile.open(archive) as tar:
+        tar.extractall(into, filter="tar")
+    root = into / "pytriton" / "tritonserver"
+    missing = re.findall(r"(\S+) => not found", subprocess.run(
+        ["ldd", str(root / "backends" / "python" / "triton_python_backend_stub")], capture_output=True,
+        text=True).stdout)
+    return root, missing
+
+
+def install_wheels(wheels: list[Path]) -> None:
+    """`wheels` into this Python's own environment, the one the stubs load (they ignore PYTHONPATH)."""
     if wheels:
-        site = into / "site"
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                        "--target", str(site), *map(str, wheels)], check=True)
-        sys.path.insert(0, str(site))
-        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
-        done["wheels"] = ", ".join(w.name for w in wheels)
-    return done
+                        "--no-cache-dir", "--upgrade", *map(str, wheels)], check=True)
+
+
+def tree_bytes(root: Path) -> int:
+    """Bytes of the files a device call sends of the checkout (tracked, and untracked not ignored)."""
+    names = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
+                           capture_output=True, check=True).stdout.split(b"\0")
+    return sum((root / n.decode()).stat().st_size for n in names if n and (root / n.decode()).is_file())
+
+
+def calls(dest: Path, root: Path) -> list[tuple[list[str], str]]:
+    """The two device calls: (carry, command) each, the tree measured named by its commit."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                          check=True).stdout.strip()
+    rel = dest.resolve().relative_to(root)
+    return [([str(rel / "call1")], f"python3 bench/device_session.py call1 {shlex.quote(str(rel / 'call1'))}"),
+            ([str(rel / "call2")], f"python3 bench/device_session.py call2 {shlex.quote(str(rel / 'call2'))} "
+                                   f"--tree {head} --out \"$OUT\"")]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=("server", "wheels"))
-    ap.add_argument("dest")
+    ap.add_argument("dest", help="e.g. .device (a folder git ignores)")
     ap.add_argument("--python", default="3.12", help="the device's Python (its stub and wheels)")
     ap.add_argument("--preset", type=int, default=6, help="xz preset of the server archive (6: about 26 MiB, 1 min)")
+    ap.add_argument("--server-only", action="store_true", help="only DEST/call1/server.tar.xz (tests)")
     args = ap.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    made = [pack_server(Path(args.dest), args.python, args.preset)] if args.what == "server" else \
-        pack_wheels(Path(args.dest), args.python)
-    for path in made:
-        print(f"{path}: {path.stat().st_size / 2**20:.1f} MiB")
+    root = Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(root))
+    dest = Path(args.dest)
+    made = {"call1": [pack_server(dest / "call1", args.python, args.preset)]}
+    if not args.server_only:
+        for call, names in CALLS.items():
+            made.setdefault(call, []).extend(pack_wheels(dest / call, names, args.python))
+    tree = tree_bytes(root)
+    for call, paths in made.items():
+        size = sum(p.stat().st_size for p in paths)
+        print(f"{call}: {', '.join(f'{p.name} {p.stat().st_size / 2**20:.1f} MiB' for p in paths)}; "
+              f"with the tree ({tree / 2**20:.1f} MiB): {(size + tree) / 2**20:.1f} MiB of {CARRY_LIMIT >> 20}")
+        if size + tree > CARRY_LIMIT:
+            print(f"  {call} is over the device's limit for one call", file=sys.stderr)
+            return 1
+    if not args.server_only:
+        for n, (carry, command) in enumerate(calls(dest, root), 1):
+            print(f"call {n}: carry {carry}, timeout_s {600 if n == 2 else 120}:\n  {command}")
+        print("call 2 within 30 s of call 1's reply (the machine stays warm that long)")
     return 0
 
 

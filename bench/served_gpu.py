@@ -1,27 +1,33 @@
 """The whole ensemble served by tritonserver, measured end to end with real clients (issue #25), and
 the same prompts through the llm engine alone in the same run: one command, one device call.
 
-    python bench/served_gpu.py --device gpu --carried .device --out "$OUT"      # a lent GPU (bench/device_pack.py)
+    python3 bench/served_gpu.py --device gpu --results "$OUT" --out "$OUT"      # a lent GPU (bench/device_pack.py)
     HF_HUB_OFFLINE=1 .venv/bin/python bench/served_gpu.py --device cpu --size small \
-        --concurrency 1,4 --rounds 2 --video-size 320x180 --video-seconds 2 --out DIR   # the CPU (make test)
+        --concurrency 1,4 --rounds 2 --video-size 320x180 --video-seconds 2 --out DIR   # the CPU
 
 Steps: a random-weight Qwen2.5-VL checkpoint (`--size 7b`: the 7B's text stack, bench/decoder.py
 `--decoder-7b`, and its vision tower, bench/gpu.py's VISION_7B, bfloat16; `tiny`/`small`: the
 demo sizes); `triton-vlm build --device D` (on a GPU `--encoder-backend torch`); the bundled
 tritonserver started on free ports; one streamed answer checked; then, over gRPC streaming
 (`triton_vlm.clients.client.stream_generate`, asyncio: one client thread drives every stream), image
-requests, each with a 1280x720 JPEG (`--image-size`) of its own, so the encoder's cache never
-answers, and a short prompt, `--max-tokens` output tokens each (`min_tokens` the same): at each
-concurrency, that many requests in flight at a time, `--rounds` each (a closed loop), TTFT p50 /
-p99, output tokens/s, and the unary steps' compute time per request (Triton's statistics: where the
-time goes besides the llm); one video request (`--video-seconds` s at `--video-size`, 30 fps), its
-TTFT, and that of the same video again (`--video-repeats`: the encoder's cache answers); PyAV is
-needed on both sides (without it the video is reported as not measured). The server
-stopped, the llm's own engine is built from the repository's llm config and given the same prompt
-(input ids, embeddings and positions as the served preprocess and vision_encoder made them) at the
-same concurrencies: `served_over_engine` is the ratio of output tokens/s.
+requests, every one with a 1280x720 JPEG (`--image-size`) of its own, so that neither the encoder's
+cache nor the llm's prefix cache answers, and a short prompt, `--max-tokens` output tokens each
+(`min_tokens` the same): at each concurrency, that many requests in flight at a time, `--rounds`
+each (a closed loop), TTFT p50 / p99, output tokens/s, and Triton's statistics of the unary steps
+(`step_stats`: queue and compute apart, per request, per execution and per ensemble request, with
+the mean batch); one video request (`--video-seconds` s at `--video-size`, 30 fps), its TTFT, and
+that of the same video again (`--video-repeats`: the one case that measures the encoder's cache);
+PyAV is needed on both sides (without it the video is reported as not measured). Then the llm's
+inputs of every one of those image requests, as the served preprocess and vision_encoder make them
+(input ids, embeddings, positions); the server stopped, the llm's own engine is built from the
+repository's llm config and given those same distinct prompts at the same concurrencies:
+`served_over_engine` is the ratio of output tokens/s, `served_minus_engine_ttft_ms` the served
+path's own time to a first token (c=1: the host's time around the steps, and the steps' compute).
+The JSON says how many distinct images the served side sent (`distinct_images`) and how many
+distinct prompts the engine alone ran (`distinct_prompts`).
 
-Writes `OUT/served.json` and the server's log `OUT/server.log`.
+Writes `OUT/served.json`, the server's log `OUT/server.log`, and the same JSON (with the device, the
+tree and the command) as `RESULTS/served-SIZE-DEVICE-DATE.json` (`--results`, default bench/results).
 """
 from __future__ import annotations
 
@@ -41,7 +47,10 @@ import numpy as np
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 BENCH = Path(__file__).resolve().parent
-sys.path[:0] = [str(BENCH.parent), str(BENCH)]
+# the tree whose triton_vlm is measured (bench/served_host_time.py measures another one's with this bench)
+TREE_ENV = "TRITON_VLM_TREE_ROOT"
+ROOT = Path(os.environ.get(TREE_ENV) or BENCH.parent).resolve()
+sys.path[:0] = [str(ROOT), str(BENCH)]
 
 from triton_vlm.families.qwen2_5_vl import QWEN2_5_VL  # noqa: E402
 
@@ -133,11 +142,43 @@ def step_outputs(url: str, values: dict) -> tuple[dict, dict[str, str]]:
         return tensors, params(steps[-1]["model"])
 
 
-def engine_alone(repo: Path, params: dict[str, str], tensors: dict, max_tokens: int, concurrencies: list[int],
-                 rounds: int) -> tuple[dict, list[int]]:
-    """The llm's engine as the served llm builds it, the same prompt at each concurrency (bench/
-    decoder.py's closed loop, `rounds` requests a client); and the greedy tokens of a first request
-    with `max_tokens` alone (no `min_tokens`), as the check's."""
+def engine_prompt(tensors: dict) -> dict:
+    """`Engine.submit`'s prompt keywords from the llm's inputs (`step_outputs`)."""
+    return {"input_ids": tensors["input_ids"], "embeddings": tensors.get("embeddings"),
+            "mrope_position_ids": tensors["mrope_position_ids"],
+            "mrope_position_delta": int(tensors["mrope_position_delta"].reshape(-1)[0]),
+            "media_position_ids": tensors.get("media_position_ids"), "kept_rows": tensors.get("kept_rows")}
+
+
+def engine_prompts(url: str, images: list[bytes], max_tokens: int) -> list[dict]:
+    """The engine's prompt of each image's request, as the served steps make it (four at a time)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(4) as pool:
+        made = list(pool.map(lambda image: step_outputs(url, request(PROMPT, max_tokens, [image])), images))
+    return [engine_prompt(tensors) for tensors, _ in made]
+
+
+def distinct(values: list) -> int:
+    """How many of `values` (bytes, or dicts of arrays) differ."""
+    import hashlib
+
+    def key(value) -> bytes:
+        if isinstance(value, bytes):
+            return hashlib.sha256(value).digest()
+        digest = hashlib.sha256()
+        for name in sorted(value):
+            if value[name] is not None:
+                digest.update(name.encode() + np.ascontiguousarray(value[name]).tobytes())
+        return digest.digest()
+    return len({key(v) for v in values})
+
+
+def engine_alone(repo: Path, params: dict[str, str], check: dict, prompts: dict[str, list[dict]], max_tokens: int
+                 ) -> tuple[dict, list[int]]:
+    """The llm's engine as the served llm builds it, at each concurrency the prompts of that
+    concurrency's served requests (bench/decoder.py's closed loop); and the greedy tokens of the
+    check's prompt with `max_tokens` alone (no `min_tokens`), as the check's."""
     import dataclasses
     import threading
 
@@ -147,31 +188,32 @@ def engine_alone(repo: Path, params: dict[str, str], tensors: dict, max_tokens: 
     from triton_vlm.llm import Engine, SamplingParams
 
     engine = Engine(repo / "llm" / "1" / params["checkpoint"], **dataclasses.asdict(LLMOptions.from_params(params)))
-    prompt = (tensors["input_ids"], tensors.get("embeddings"), tensors["mrope_position_ids"],
-              int(tensors["mrope_position_delta"].reshape(-1)[0]))
-    pruned = {k: tensors.get(k) for k in ("media_position_ids", "kept_rows")}
     try:
-        check, done = [], threading.Event()  # also the warm-up
+        tokens, done = [], threading.Event()  # also the warm-up
 
         def emit(out) -> None:
-            check.extend(out.token_ids)
+            tokens.extend(out.token_ids)
             if out.finish_reason is not None:
                 done.set()
-        engine.submit("check", *prompt, SamplingParams(max_tokens=max_tokens), emit, **pruned)
+        engine.submit("check", **check, params=SamplingParams(max_tokens=max_tokens), emit=emit)
         done.wait()
         runs = {}
-        for c in concurrencies:
-            run = run_engine(engine, [prompt] * (c * rounds), max_tokens, c, min_tokens=max_tokens, **pruned)
-            runs[str(c)] = load_figures(c * rounds, run.tokens, run.seconds, run.ttfts)
-        return runs, check
+        for c, own in prompts.items():
+            run = run_engine(engine, own, max_tokens, int(c), min_tokens=max_tokens)
+            runs[c] = load_figures(len(own), run.tokens, run.seconds, run.ttfts)
+        return runs, tokens
     finally:
         engine.shutdown()
 
 
-def measure_served(server, args, images: list[bytes], concurrencies: list[int]) -> dict:
+def measure_served(server, args, check_image: bytes, images: dict[str, list[bytes]]) -> dict:
+    """The check request, then each concurrency's image requests (`images[c]`: one image a request)
+    with the unary steps' statistics, then the video."""
+    import step_stats
+
     from triton_vlm.clients.client import aio_channel, generate
 
-    check = generate(server.grpc_url, PROMPT, [images[0]], max_tokens=args.max_tokens, stream=True, timeout=300)
+    check = generate(server.grpc_url, PROMPT, [check_image], max_tokens=args.max_tokens, stream=True, timeout=300)
     if len(check.output_ids) == 0 or check.responses < 2:
         raise SystemExit(f"the check request streamed {check.responses} responses, {len(check.output_ids)} tokens")
     out: dict = {"check": {"output_ids": check.output_ids, "responses": check.responses,
@@ -180,11 +222,12 @@ def measure_served(server, args, images: list[bytes], concurrencies: list[int]) 
     async def run() -> None:
         channel = aio_channel(server.grpc_url)
         try:
-            one = served_one(channel, lambda i: request(PROMPT, args.max_tokens, [images[i % len(images)]]))
-            for c in concurrencies:
-                before = step_times(server.grpc_url)
-                out["image"][str(c)] = run = await closed_loop(one, c, args.rounds)
-                run["step_compute_ms_per_request"] = step_ms(before, step_times(server.grpc_url), run["requests"])
+            for c, own in images.items():
+                one = served_one(channel, lambda i: request(PROMPT, args.max_tokens, [own[i]]))  # noqa: B023
+                before, hits = step_stats.read(server.grpc_url), cache_hits(server.metrics_url)
+                out["image"][c] = run = await closed_loop(one, int(c), args.rounds)
+                run["step_stats"] = step_stats.figures(before, step_stats.read(server.grpc_url), run["requests"])
+                run["encoder_cache_hits"] = cache_hits(server.metrics_url) - hits
             out["video"] = await video_ttft(channel, args)
         finally:
             await channel.close()
@@ -192,27 +235,13 @@ def measure_served(server, args, images: list[bytes], concurrencies: list[int]) 
     return out
 
 
-STEPS = ("preprocess", "vision_encoder", "vision_encoder_batch")
+def cache_hits(metrics_url: str) -> int:
+    """The encoder's cache hits so far (`triton_vlm_encoder_cache_hits`, every instance)."""
+    import urllib.request
 
-
-def step_times(url: str) -> dict[str, tuple[int, int]]:
-    """Triton's statistics of the unary steps: (executions' compute time in ns, requests)."""
-    import tritonclient.grpc as grpcclient
-
-    with grpcclient.InferenceServerClient(url) as client:
-        stats = client.get_inference_statistics(as_json=True)["model_stats"]
-    times = {}
-    for model in stats:
-        if model["name"] in STEPS:
-            infer = model["inference_stats"]
-            compute = sum(int(infer[k].get("ns", 0)) for k in ("compute_input", "compute_infer", "compute_output"))
-            times[model["name"]] = (compute, int(infer["success"].get("count", 0)))
-    return times
-
-
-def step_ms(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]], requests: int) -> dict:
-    """Each unary step's compute time per ensemble request between two `step_times`."""
-    return {model: round((after[model][0] - before.get(model, (0, 0))[0]) / 1e6 / requests, 2) for model in after}
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        lines = response.read().decode().splitlines()
+    return int(sum(float(line.split()[-1]) for line in lines if line.startswith("triton_vlm_encoder_cache_hits{")))
 
 
 async def video_ttft(channel, args) -> dict:
@@ -235,71 +264,108 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
     ap.add_argument("--size", choices=("7b", "small", "tiny"), default="7b")
     ap.add_argument("--concurrency", default="1,16,64")
-    ap.add_argument("--rounds", type=int, default=4, help="requests per concurrent client")
+    ap.add_argument("--rounds", type=int, default=2, help="requests per concurrent client")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--image-size", default="1280x720")
-    ap.add_argument("--distinct-images", type=int, default=64, help="requests cycle through this many images")
     ap.add_argument("--video-size", default="1280x720")
     ap.add_argument("--video-seconds", type=float, default=10.0)
     ap.add_argument("--video-repeats", type=int, default=2, help="the same video again (the encoder's cache)")
-    ap.add_argument("--carried", help="what bench/device_pack.py packed, carried to the device: unpacked first")
+    ap.add_argument("--carried", help="a folder bench/device_pack.py packed (call1): its server unpacked and used")
     ap.add_argument("--unpack-to", default="/tmp/triton-vlm-carried")
+    ap.add_argument("--tree", help="the tree measured, where git cannot tell (a copy without .git)")
+    ap.add_argument("--results", default=str(BENCH / "results"), help="where the run's JSON is kept")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     unpacked = {}
-    if args.carried:
-        from device_pack import unpack
+    if args.carried:  # as call 1 of bench/device_session.py unpacks it
+        from device_pack import SERVER_ARCHIVE, unpack_server
 
-        unpacked = unpack(Path(args.carried), Path(args.unpack_to))
+        root, missing = unpack_server(Path(args.carried) / SERVER_ARCHIVE, Path(args.unpack_to))
+        os.environ["TRITON_VLM_TRITON_ROOT"] = str(root)
+        unpacked = {"server": str(root), "stub_cannot_find": missing}
     from triton_vlm.media import samples
     from triton_vlm.server.tritonserver import TritonServer
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    concurrencies = [c.strip() for c in args.concurrency.split(",")]
     import torch
     from decoder import device_name
 
-    figures: dict = {"device": f"{device_name(torch.device('cuda' if args.device == 'gpu' else 'cpu'))}, "
-                               f"torch {torch.__version__}", "date": datetime.datetime.now().isoformat(timespec="seconds"),
-                     "tree": tree(), "size": args.size, "max_tokens": args.max_tokens, "rounds": args.rounds,
-                     "image_size": args.image_size, "distinct_images": args.distinct_images, "unpacked": unpacked,
-                     "timings_s": {}}
-    width, height = (int(v) for v in args.image_size.split("x"))
-    images = [samples.image_bytes(width, height, seed=float(i)) for i in range(args.distinct_images)]
     started = time.perf_counter()
+    now = datetime.datetime.now()
+    figures: dict = {"device": f"{device_name(torch.device('cuda' if args.device == 'gpu' else 'cpu'))}, "
+                               f"torch {torch.__version__}", "date": now.isoformat(timespec="seconds"),
+                     "tree": args.tree or tree(), "command": command(argv), "size": args.size,
+                     "max_tokens": args.max_tokens, "rounds": args.rounds, "image_size": args.image_size,
+                     "unpacked": unpacked, "timings_s": {}}
+    # one image a request: the check's, then each concurrency's requests' own
+    width, height = (int(v) for v in args.image_size.split("x"))
+    counts = {c: int(c) * args.rounds for c in concurrencies}
+    seeds = iter(range(1 + sum(counts.values())))
+    check_image = samples.image_bytes(width, height, seed=float(next(seeds)))
+    images = {c: [samples.image_bytes(width, height, seed=float(next(seeds))) for _ in range(n)]
+              for c, n in counts.items()}
+    figures["image_requests"] = sum(counts.values())
+    figures["distinct_images"] = distinct([image for own in images.values() for image in own])
     with tempfile.TemporaryDirectory(prefix="served-gpu-") as tmp:
         checkpoint = write_checkpoint(args.size, Path(tmp) / "ckpt", args.device)
         figures["timings_s"]["checkpoint"] = round(time.perf_counter() - started, 1)
         repo = Path(tmp) / "repository"
-        build = [sys.executable, "-m", "triton_vlm.tools.cli", "build", "--checkpoint", str(checkpoint), "--repo", str(repo),
-                 "--device", args.device] + (["--encoder-backend", "torch"] if args.device == "gpu" else [])
-        subprocess.run(build, check=True)
+        build = [sys.executable, "-m", "triton_vlm.tools.cli", "build", "--checkpoint", str(checkpoint), "--repo",
+                 str(repo), "--device", args.device] + (["--encoder-backend", "torch"] if args.device == "gpu" else [])
+        subprocess.run(build, check=True, cwd=ROOT)
         figures["build"] = " ".join(build[3:])
         figures["timings_s"]["build"] = round(time.perf_counter() - started, 1)
         with TritonServer(repo, log_file=out_dir / "server.log") as server:
             figures["timings_s"]["server_ready"] = round(time.perf_counter() - started, 1)
-            figures["served"] = measure_served(server, args, images, concurrencies)
-            tensors, llm_params = step_outputs(server.grpc_url, request(PROMPT, args.max_tokens, images[:1]))
-        figures["timings_s"]["served"] = round(time.perf_counter() - started, 1)
-        figures["prompt_tokens"] = int(tensors["input_ids"].size)
-        figures["engine_alone"], check = engine_alone(repo, llm_params, tensors, args.max_tokens, concurrencies,
-                                                      args.rounds)
+            figures["served"] = measure_served(server, args, check_image, images)
+            figures["timings_s"]["served"] = round(time.perf_counter() - started, 1)
+            check, llm_params = step_outputs(server.grpc_url, request(PROMPT, args.max_tokens, [check_image]))
+            prompts = {c: engine_prompts(server.grpc_url, own, args.max_tokens) for c, own in images.items()}
+        figures["timings_s"]["engine_prompts"] = round(time.perf_counter() - started, 1)
+        figures["prompt_tokens"] = int(check["input_ids"].size)
+        figures["distinct_prompts"] = distinct([prompt for own in prompts.values() for prompt in own])
+        figures["engine_alone"], tokens = engine_alone(repo, llm_params, engine_prompt(check), prompts,
+                                                       args.max_tokens)
     # the served answer (greedy) is the engine's own for the same prompt
-    figures["served"]["check"]["equals_engine_alone"] = figures["served"]["check"]["output_ids"] == check
-    figures["served_over_engine"] = {c: round(figures["served"]["image"][c]["output_tokens_per_s"]
-                                              / figures["engine_alone"][c]["output_tokens_per_s"], 3)
-                                     for c in figures["engine_alone"]}
+    figures["served"]["check"]["equals_engine_alone"] = figures["served"]["check"]["output_ids"] == tokens
+    served, alone = figures["served"]["image"], figures["engine_alone"]
+    figures["served_over_engine"] = {c: round(served[c]["output_tokens_per_s"] / alone[c]["output_tokens_per_s"], 3)
+                                     for c in alone}
+    figures["served_minus_engine_ttft_ms"] = {c: round(served[c]["ttft_p50_ms"] - alone[c]["ttft_p50_ms"], 1)
+                                              for c in alone}
     figures["timings_s"]["total"] = round(time.perf_counter() - started, 1)
-    (out_dir / "served.json").write_text(json.dumps(figures, indent=1))
-    print(json.dumps(figures, indent=1))
+    text = json.dumps(figures, indent=1)
+    (out_dir / "served.json").write_text(text)
+    results = Path(args.results)
+    results.mkdir(parents=True, exist_ok=True)
+    kept = results / f"served-{args.size}-{slug(figures['device'].split(',')[0])}-{now:%Y%m%d-%H%M%S}.json"
+    kept.write_text(text)
+    print(text)
+    print(f"kept as {kept}")
     return 0
 
 
+def slug(text: str) -> str:
+    return "".join(ch if ch.isalnum() else "-" for ch in text.lower()).strip("-").replace("--", "-")
+
+
+def command(argv: list[str] | None) -> str:
+    """This run's command line."""
+    import shlex
+
+    return shlex.join([Path(sys.executable).name, "bench/served_gpu.py", *(sys.argv[1:] if argv is None else argv)])
+
+
 def tree() -> str:
+    """The commit measured, `-dirty` when the tree has changes of its own."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=BENCH, capture_output=True, text=True,
-                              check=True).stdout.strip()
+        git = lambda *a: subprocess.run(["git", *a], cwd=BENCH, capture_output=True, text=True,  # noqa: E731
+                                        check=True).stdout.strip()
+        if ROOT != BENCH.parent:
+            return f"the tree at {ROOT}"
+        return git("rev-parse", "--short", "HEAD") + ("-dirty" if git("status", "--porcelain", "-uno") else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 

@@ -76,6 +76,15 @@ class StepBatch:
 
 
 
+def decoder_weight(key: str, config: DecoderConfig) -> bool:
+    """Whether checkpoint tensor `key` is the decoder's: not the vision tower's, nor a layer past the
+    stack (a multi-token-prediction layer, which transformers does not load either)."""
+    if "visual" in key or "vision" in key or key.startswith(_VISION_PREFIXES):
+        return False
+    layer = _LAYER_KEY.match(key)
+    return layer is None or int(layer[1]) < config.num_layers
+
+
 class DecoderModel:
     """The language model of a VLM checkpoint, on `device` (cpu, cuda, cuda:N) in `dtype` (float32,
     bfloat16, float16: every weight converted once, here, as transformers loads every parameter in
@@ -128,12 +137,7 @@ class DecoderModel:
         shard.check(config)
 
         def wanted(k: str) -> bool:
-            """Not the vision tower's, nor a layer past the stack (a multi-token-prediction
-            layers, which transformers does not load either)."""
-            if "visual" in k or "vision" in k or k.startswith(_VISION_PREFIXES):
-                return False
-            layer = _LAYER_KEY.match(k)
-            return layer is None or int(layer[1]) < config.num_layers
+            return decoder_weight(k, config)
 
         def plan(name: str, shape: tuple[int, ...]):
             return shard.plan(name, shape, config)

@@ -8,13 +8,17 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Callable
 
 from triton_vlm.clients.chat import load_chat_template
 from triton_vlm.contract.tensors import ENCODER_BATCH_MODEL
+from triton_vlm.devices import parse_dtype as torch_dtype
 from triton_vlm.families import detect_family
-from triton_vlm.repository.configs import check_pipeline, encoder_backend, model_configs, write_config
+from triton_vlm.repository.configs import (check_pipeline, encoder_backend, gpu_list, llm_options, model_configs,
+                                           write_config)
 from triton_vlm.repository.options import (CHECKPOINT_DIR, CHECKPOINT_FILES, ENCODER_FILE, ENGINE_FILE, SOURCE_MODELS,
                                            BuildOptions)
+from triton_vlm.repository.sizing import MachineFacts, fixed, gpu_sizes
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
@@ -48,7 +52,31 @@ def check_tensor_parallel(checkpoint: Path, ranks: int) -> None:
         raise ValueError(f"--tensor-parallel {ranks}: {error}") from None
 
 
-def build_repository(checkpoint: str | Path, repo: str | Path, options: BuildOptions = BuildOptions()) -> Path:
+def sized_options(checkpoint: Path, options: BuildOptions, facts: MachineFacts | None = None
+                  ) -> tuple[BuildOptions, list[str]]:
+    """`options` with what the build sizes chosen (`triton_vlm.repository.sizing`; on a GPU build
+    from `facts`, this machine's by default), and the lines saying what was chosen."""
+    backend, dtype = encoder_backend(options)
+    llm = llm_options(options)
+    if options.device == "gpu" and llm.device.startswith("cuda"):
+        gpus = gpu_list(options)
+        encoder_bytes = (4 if options.trt_precision == "fp32" else 2) if backend == "tensorrt" else \
+            torch_dtype(dtype).itemsize
+        options, lines = gpu_sizes(options, checkpoint, facts or MachineFacts.here(gpus), gpus, encoder_bytes,
+                                   backend != "onnxruntime", torch_dtype(llm.dtype).itemsize)
+    else:
+        lines = []
+    options = fixed(options, llm.device)
+    if not lines:
+        kv = "as given" if options.kv_cache_tokens or options.kv_cache_bytes else "256 MiB"
+        lines = [f"preprocess: {options.preprocess_instances} instances; vision_encoder: {options.encoder_frontends} "
+                 f"fronts; llm: {options.llm_max_num_tokens} prompt rows a step, KV cache {kv}"]
+    return options, lines
+
+
+def build_repository(checkpoint: str | Path, repo: str | Path, options: BuildOptions = BuildOptions(),
+                     facts: MachineFacts | None = None, report: Callable[[str], None] = lambda line: None) -> Path:
+    """The repository; `report(line)` is told what the build chose where a flag was left to it."""
     checkpoint, repo = Path(checkpoint).resolve(), Path(repo)
     family = detect_family(checkpoint)
     checkpoint_config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
@@ -56,8 +84,11 @@ def build_repository(checkpoint: str | Path, repo: str | Path, options: BuildOpt
         raise ValueError(f"--device {options.device}: expected cpu or gpu")
     family.pruning_rate(options.video_pruning_rate, "--video-pruning-rate")
     check_tensor_parallel(checkpoint, options.tensor_parallel)
+    options, chosen = sized_options(checkpoint, options, facts)
     configs = model_configs(family, checkpoint_config, options, load_chat_template(checkpoint))
     check_pipeline(configs)
+    for line in chosen:
+        report(line)
     backend, dtype = encoder_backend(options)
 
     if repo.exists():

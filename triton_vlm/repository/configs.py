@@ -21,6 +21,7 @@ from triton_vlm.contract.tensors import (ENCODER_BATCH_MODEL, FINAL_OUTPUT, GENE
                                          llm_inputs)
 from triton_vlm.families.base import Family
 from triton_vlm.repository.options import CHECKPOINT_DIR, ENCODER_FILE, ENGINE_FILE, BuildOptions
+from triton_vlm.repository.sizing import fixed
 
 
 def encoder_backend(options: BuildOptions) -> tuple[str, str]:
@@ -146,7 +147,9 @@ def _pipeline(steps: list[mc.ModelConfig], options: BuildOptions, chat_template:
 
 def model_configs(family: Family, checkpoint_config: dict, options: BuildOptions,
                   chat_template: str | None = None) -> dict[str, mc.ModelConfig]:
-    """Every model's config for one checkpoint and build, keyed by model name."""
+    """Every model's config for one checkpoint and build, keyed by model name (a field left at 0
+    that the build did not size takes its fixed default, `sizing.fixed`)."""
+    options = fixed(options, llm_options(options).device)
     patch_dim, hidden = family.encoder_dims(checkpoint_config)
     common = {"family": family.name, "checkpoint": CHECKPOINT_DIR}
     preprocess_params = {**common, **limits(options).to_params(),

@@ -27,8 +27,10 @@ CHECKPOINT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "
 
 @dataclass(frozen=True)
 class BuildOptions:
+    """A field at 0 marked "sized" is chosen by the build (`triton_vlm.repository.sizing`): from the
+    machine on a GPU build, else its fixed default."""
     device: str = "cpu"
-    preprocess_instances: int = 2
+    preprocess_instances: int = 0       # sized: half the cores on a GPU build (2 to 16), else 2
     limits: Limits = DEFAULT_LIMITS     # preprocess request limits (triton_vlm.contract.limits)
     encoder_instances: int = 1          # instances of the batched encoder (`vision_encoder_batch`)
     encoder_threads: int = 0            # ONNX Runtime intra-op threads; 0: the cores / encoder_instances
@@ -39,7 +41,9 @@ class BuildOptions:
     # --device gpu: the GPUs of the llm and encoder instances, e.g. "0,1" (empty: all visible at
     # build time; [0] where none is).
     gpus: str = ""
-    encoder_frontends: int = 4          # instances of the light `vision_encoder` front (concurrent requests)
+    # instances of the light `vision_encoder` front (concurrent requests); sized: the cores on a GPU
+    # build (4 to 32), else 4
+    encoder_frontends: int = 0
     # dynamic batcher: how long an idle instance waits for more requests (requests that queue while
     # it is busy are batched anyway); 5000 cost image requests 16% at concurrency 1 (RESULTS)
     encoder_max_queue_delay_us: int = 500
@@ -50,14 +54,18 @@ class BuildOptions:
     trt_opt_patches: int = 4096
     trt_max_patches: int = 16384
     trt_precision: str = "fp16"         # fp32 | fp16 | bf16
-    # llm: the paged KV cache pool (tokens wins over bytes; 0 and 0: 256 MiB), its block size,
-    # prompt-prefix block reuse, and the in-flight batch (requests, rows per step).
+    # llm: the paged KV cache pool (tokens wins over bytes; 0 and 0, sized: from each GPU's memory
+    # on a GPU build, else 256 MiB), its block size, prompt-prefix block reuse, and the in-flight
+    # batch (requests, rows per step; sized: 8192 with the llm on CUDA, else 512).
     kv_cache_tokens: int = 0
     kv_cache_bytes: int = 0
     kv_block_size: int = 16
     prefix_caching: bool = True
     llm_max_running: int = 64
-    llm_max_num_tokens: int = 512
+    llm_max_num_tokens: int = 0
+    # --device gpu: the share of each GPU's memory the build plans for (vLLM's gpu_memory_utilization):
+    # the KV cache is what the weights, activations, graphs and encoders leave of it
+    gpu_memory_utilization: float = 0.9
     # llm: where the decoder runs (cpu | cuda | cuda:N; empty: cpu, or cuda with --device gpu) and
     # in which dtype (float32 | bfloat16 | float16; empty: float32 on cpu, bfloat16 on cuda). The KV
     # cache is in that dtype. With --device gpu, `cuda` is each llm instance's own GPU.

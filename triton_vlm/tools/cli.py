@@ -44,14 +44,21 @@ def build_options(args: argparse.Namespace) -> BuildOptions:
 def _build(args) -> int:
     from triton_vlm.repository.build import build_repository
 
-    repo = build_repository(args.checkpoint, args.repo, build_options(args))
+    repo = build_repository(args.checkpoint, args.repo, build_options(args),
+                            report=lambda line: print(f"build: {line}"))
     print(f"built model repository {repo}")
     return 0
 
 
 def _serve(args) -> int:
-    from triton_vlm.server.tritonserver import ServerError, TritonServer
+    from triton_vlm.server.stub_python import check_stub_numpy
+    from triton_vlm.server.tritonserver import ServerError, TritonServer, server_env
 
+    try:
+        check_stub_numpy(server_env())
+    except ServerError as error:  # a server that would load and then fail every request
+        print(f"triton-vlm serve: {error}", file=sys.stderr)
+        return 2
     try:
         server = TritonServer(args.repo, args.http_port, args.grpc_port, args.metrics_port, echo=True, supervise=True,
                               admin_key=args.admin_key or None)
@@ -224,7 +231,7 @@ def parser() -> argparse.ArgumentParser:
            "preprocess and ensemble on the CPU")
     option("gpus", "--device gpu: GPUs of the llm and encoder instances, e.g. 0,1 (default: every GPU visible "
            "at build time; 0 when none is, e.g. building on a machine without CUDA)")
-    option("preprocess_instances")
+    option("preprocess_instances", "0: half the cores on a GPU build (2 to 16), else 2")
     for limit in dataclasses.fields(Limits):  # preprocess request limits, defaults in triton_vlm.contract.limits
         c.add_argument("--" + limit.name.replace("_", "-"), type=float if limit.type == "float" else int,
                        metavar="N", help=f"preprocess limit (default {limit.default})")
@@ -235,7 +242,8 @@ def parser() -> argparse.ArgumentParser:
            "(default: bfloat16 on gpu, float32 on cpu); tensorrt: see --trt-precision",
            choices=("float32", "float16", "bfloat16"))
     option("encoder_instances", "instances of the batched vision encoder")
-    option("encoder_frontends", "instances of the light vision_encoder front")
+    option("encoder_frontends", "instances of the light vision_encoder front; 0: the cores on a GPU build (4 to 32), "
+           "else 4")
     option("encoder_max_queue_delay_us", "dynamic batching delay")
     option("encoder_max_batch_patches", "patch rows per batched execution")
     c.add_argument("--encoder-cache-mb", type=int, default=defaults.encoder_cache_bytes >> 20,
@@ -246,12 +254,14 @@ def parser() -> argparse.ArgumentParser:
     option("trt_precision", choices=PRECISIONS)
     option("kv_cache_tokens", "llm KV cache pool size in tokens (wins over bytes)")
     c.add_argument("--kv-cache-mb", type=int, default=defaults.kv_cache_bytes >> 20,
-                   help="llm KV cache pool size in MiB; both 0: 256 MiB")
+                   help="llm KV cache pool size in MiB; both 0: on a GPU build what --gpu-memory-utilization "
+                        "leaves of each GPU's memory after the weights, activations, graphs and encoders, else 256 MiB")
+    option("gpu_memory_utilization", "--device gpu: the share of each GPU's memory the build plans for")
     option("kv_block_size", "tokens per KV cache block")
     option("prefix_caching", "reuse KV blocks of identical prompt prefixes (token ids, positions, media embeddings)",
            action=argparse.BooleanOptionalAction)
     option("llm_max_running", "requests in the llm's in-flight batch")
-    option("llm_max_num_tokens", "llm rows per step (chunked prefill budget)")
+    option("llm_max_num_tokens", "llm rows per step (chunked prefill budget); 0: 8192 with the llm on CUDA, else 512")
     option("llm_device", "where the llm decoder runs: cpu, cuda or cuda:N (default: cpu; cuda with --device gpu, "
            "where cuda is each llm instance's own GPU)")
     option("llm_dtype", "llm weights, activations and KV cache: float32, bfloat16 or float16 "

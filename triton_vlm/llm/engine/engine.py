@@ -10,7 +10,7 @@ The engine is the loop that joins four parts, each one idea (as nano-vllm's and 
 `submit` checks a request (`InputProcessor`, `inputs.py`: INVALID_ARG before anything is queued or
 taken) and queues it; the scheduler thread then runs steps while anything is waiting or running.
 Its settings are `LLMOptions`' (`triton_vlm.contract.params`), the `llm` model's parameters. Cancellation (`cancel`,
-or the request's `is_cancelled`) is noticed within one step. Each request gets exactly one final
+or the request's `is_cancelled` where one is given) is noticed within one step. Each request gets exactly one final
 emit, after its blocks are back; the thread logs exceptions and never dies of them.
 """
 from __future__ import annotations
@@ -173,9 +173,11 @@ class Engine:
     # ---- public --------------------------------------------------------------------------------
     def submit(self, request_id: str, input_ids, embeddings, mrope_position_ids, mrope_position_delta,
                params: SamplingParams, emit: Callable[[GenerationOutput], None],
-               is_cancelled: Callable[[], bool] = lambda: False, media_position_ids=None, kept_rows=None) -> None:
+               is_cancelled: Callable[[], bool] | None = None, media_position_ids=None, kept_rows=None) -> None:
         """Check (`triton_vlm.llm.engine.inputs`) and queue a request; raises InvalidInput (nothing queued, no
-        block taken) if it cannot be served. With EVS pruning, `media_position_ids` (every unpruned media token's
+        block taken) if it cannot be served. `is_cancelled`, where given, is asked before every step
+        (a caller whose answer costs a round trip asks it elsewhere and calls `cancel`: the served
+        llm's `Outbox`). With EVS pruning, `media_position_ids` (every unpruned media token's
         position) and `kept_rows` (each embedding row's index among them) finish the positions of
         the media tokens and the delta (`triton_vlm.media.mrope.complete_positions`)."""
         prompt = self.inputs(input_ids, embeddings, mrope_position_ids, mrope_position_delta, params,
@@ -205,16 +207,17 @@ class Engine:
             self.num_waiting += 1
             self._lock.notify_all()
 
-    def cancel(self, request_id: str) -> None:
+    def cancel(self, request_id: str, early: bool = True) -> None:
         """Ask the scheduler to end a request with finish_reason "cancelled" at its next step. A stop
         may overtake its request (they come on different calls): one for an id not in flight is
-        kept for the next request of that id, the latest `_EARLY_STOPS` of them, so that stops for
-        ids that never come cannot grow without bound."""
+        kept for the next request of that id (unless not `early`: a request seen cancelled may have
+        ended meanwhile), the latest `_EARLY_STOPS` of them, so that stops for ids that never come
+        cannot grow without bound."""
         request_id = str(request_id)
         with self._lock:
             if request_id in self._ids_in_flight:
                 self._cancel_ids.add(request_id)
-            else:
+            elif early:
                 self._early_stops[request_id] = None
                 self._early_stops.move_to_end(request_id)
                 while len(self._early_stops) > _EARLY_STOPS:
@@ -270,6 +273,8 @@ class Engine:
     def _cancelled(self, seq: Sequence) -> bool:
         if seq.request_id in self._cancel_ids:
             return True
+        if seq.is_cancelled is None:
+            return False
         try:
             return bool(seq.is_cancelled())
         except Exception:

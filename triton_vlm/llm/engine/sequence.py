@@ -25,7 +25,7 @@ class Sequence:
     delta: int                        # decode position = token index + delta
     params: "SamplingParams"
     emit: Callable[["GenerationOutput"], None]
-    is_cancelled: Callable[[], bool]
+    is_cancelled: Callable[[], bool] | None   # asked before every step, where given
     generator: torch.Generator
     detok: "IncrementalDetokenizer"
     arrival: int = 0

@@ -1,7 +1,8 @@
-"""`llm` (decoupled): the engine (`triton_vlm.llm.engine.engine.Engine`), whose scheduler thread sends each
-request's responses itself (`_Emitter`, in tensorrtllm_backend's names: `ResponseBuilder`), with
-its KV cache and request counts as Triton custom metrics. A tensorrtllm_backend `stop` request
-ends the in-flight request of its id."""
+"""`llm` (decoupled): the engine (`triton_vlm.llm.engine.engine.Engine`), its KV cache and request counts
+as Triton custom metrics. Its scheduler thread hands each output to the `Outbox` thread, which
+builds and sends the responses (`_Emitter`, in tensorrtllm_backend's names: `ResponseBuilder`) and
+polls the clients for cancellation, so that neither round trip to the server sits in the step loop.
+A tensorrtllm_backend `stop` request ends the in-flight request of its id."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,9 +18,12 @@ from triton_vlm.contract.sampling import SamplingParams
 from triton_vlm.errors import InvalidInput
 from triton_vlm.serving.backend import pb
 from triton_vlm.serving.loopback import with_code
+from triton_vlm.serving.outbox import Outbox
 from triton_vlm.serving.pipeline import Failure
 
 log = logging.getLogger("triton_vlm")
+# A client of the llm's own that goes away is seen within this (the ensemble sends `stop` itself).
+CANCEL_POLL_S = 0.05
 
 
 class LLMModel:
@@ -30,6 +34,7 @@ class LLMModel:
         options = LLMOptions.from_params(params)
         options = dataclasses.replace(options, device=instance_device(args, options.device))
         self.engine = Engine(version_dir / params["checkpoint"], on_failure=_exit_stub, **dataclasses.asdict(options))
+        self.outbox = Outbox(poll_s=CANCEL_POLL_S)
         self._next_id = 0
         self._lock = threading.Lock()
         labels = {"model": args["model_name"], "version": args["model_version"]}
@@ -100,12 +105,20 @@ class LLMModel:
         builder = ResponseBuilder(params, llm.stream, num_input_tokens=int(llm.input_ids.size),
                                   requested=frozenset(request.requested_output_names()))
         emit = _Emitter(sender, builder, tagged)
+        # from here on only the outbox's thread touches the sender (a refusal's response too)
+        self.outbox.watch(emit, sender.is_cancelled, lambda: self.engine.cancel(request_id, early=False))
         try:
             self.engine.submit(request_id, llm.input_ids, llm.embeddings, llm.mrope_position_ids,
-                               llm.mrope_position_delta, params=params, emit=emit, is_cancelled=sender.is_cancelled,
+                               llm.mrope_position_delta, params=params,
+                               emit=lambda out: self.outbox.put(emit, lambda: emit(out)),
                                media_position_ids=llm.media_position_ids, kept_rows=llm.kept_rows)
         except InvalidInput as error:
-            _send_error(sender, "INVALID_ARG", str(error), tagged)
+            code, message = "INVALID_ARG", str(error)
+        except RuntimeError as error:  # the engine serves no more (shut down, or a rank gone)
+            code, message = "INTERNAL", str(error)
+        else:
+            return
+        self.outbox.put(emit, lambda: emit.fail(code, message))
 
     def execute(self, requests):
         for request in requests:
@@ -115,7 +128,8 @@ class LLMModel:
     def finalize(self) -> None:
         self._metrics_stop.set()
         self._metrics_thread.join()
-        self.engine.shutdown()
+        self.engine.shutdown()  # its last outputs ("cancelled") go to the outbox,
+        self.outbox.close()     # which sends them before the stub goes
         pb.release_metrics(self._metrics, self._families)
 
 
@@ -133,18 +147,21 @@ def _send_error(sender: pb.Sender, code: str, message: str, tagged: bool) -> Non
 
 
 class _Emitter:
-    """Sends a request's responses as its engine outputs come (`ResponseBuilder`); the last one
-    carries the FINAL flag."""
+    """Sends a request's responses as its engine outputs come (`ResponseBuilder`), on the outbox's
+    thread; the last one carries the FINAL flag. Returns whether it sent the last."""
 
     def __init__(self, sender, builder, tagged: bool) -> None:
         self.sender, self.builder, self.tagged = sender, builder, tagged
 
-    def __call__(self, out) -> None:
+    def __call__(self, out) -> bool:
         if out.error:
             # a request the engine refused for now ("rejected": its queue timeout) may be retried
-            code = "UNAVAILABLE" if out.finish_reason == "rejected" else "INTERNAL"
-            _send_error(self.sender, code, out.error, self.tagged)
-            return
+            return self.fail("UNAVAILABLE" if out.finish_reason == "rejected" else "INTERNAL", out.error)
         tensors = self.builder.add(out)
         if tensors is not None:
             self.sender.send(tensors, final=out.finished)
+        return out.finished
+
+    def fail(self, code: str, message: str) -> bool:
+        _send_error(self.sender, code, message, self.tagged)
+        return True
