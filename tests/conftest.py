@@ -48,10 +48,11 @@ def lean_repo(tiny_checkpoint, tmp_path_factory):
 @pytest.fixture(scope="session")
 def server(tiny_repo, tmp_path_factory):
     """One real tritonserver for the whole session, on free ports; always stopped."""
+    from tests.servers import running
     from triton_vlm.server.tritonserver import TritonServer
 
-    with TritonServer(tiny_repo, log_file=tmp_path_factory.mktemp("logs") / "tritonserver.log") as running:
-        yield running
+    with running(TritonServer(tiny_repo, log_file=tmp_path_factory.mktemp("logs") / "tritonserver.log")) as server:
+        yield server
 
 
 # Preprocess fixtures shared by the tests/test_preprocess*.py files.

@@ -14,6 +14,17 @@ LEAN = BuildOptions(preprocess_instances=1, encoder_frontends=1)
 
 
 @contextlib.contextmanager
+def running(server) -> Iterator:
+    """`server` (a `TritonServer`) started, and killed with its stubs when the `with` ends (its
+    reaper removes what they leave): a graceful shutdown costs about a second per model instance
+    and is no part of what a test's server is for; tests/test_cli.py checks that one."""
+    try:
+        yield server.start()
+    finally:
+        server.stop(kill=True)
+
+
+@contextlib.contextmanager
 def served(checkpoint, tmp_path_factory, name: str, options, **server_kwargs) -> Iterator:
     """`checkpoint` built with BuildOptions `options` into a fresh folder named after `name`, and
     served on free ports until the `with` ends."""
@@ -21,5 +32,5 @@ def served(checkpoint, tmp_path_factory, name: str, options, **server_kwargs) ->
     from triton_vlm.server.tritonserver import TritonServer
 
     repo = build_repository(checkpoint, tmp_path_factory.mktemp(name) / "repository", options)
-    with TritonServer(repo, **server_kwargs) as running:
-        yield running
+    with running(TritonServer(repo, **server_kwargs)) as server:
+        yield server

@@ -19,7 +19,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from tests.oracle import Oracle
-from tests.servers import LEAN
+from tests.servers import LEAN, running
 from triton_vlm.clients.client import (RequestError, generate, generate_payload, grpc_inputs, http_generate,
                                        request_values)
 from triton_vlm.families.qwen2_5_vl import QWEN2_5_VL
@@ -67,7 +67,7 @@ def family_server(family: str, root: Path, variant: str) -> Iterator[tuple]:
 
     checkpoint = write_variant(family, variant, root / "checkpoint")
     repo = build_repository(checkpoint, root / "repository", LEAN)
-    with TritonServer(repo, log_file=root / "tritonserver.log") as server:
+    with running(TritonServer(repo, log_file=root / "tritonserver.log")) as server:
         yield server, Oracle(checkpoint)
 
 

@@ -17,7 +17,7 @@ import torch
 from tritonclient.utils import InferenceServerException
 
 from tests.oracle import Oracle
-from tests.servers import LEAN
+from tests.servers import LEAN, running
 from tests.test_e2e import assert_served_tokens, grpc_tokens, infer_direct, media_values, served_concurrently
 from tests.test_preprocess_llava import chat, hf_inputs, hf_rows, image, llava_checkpoints  # noqa: F401 (fixture)
 from triton_vlm.families.llava.processor import IMAGE_TOKEN as IMG
@@ -48,7 +48,7 @@ def served(request, llava_checkpoints, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"llava-e2e-{request.param}")
     checkpoint = derive_variant(llava_checkpoints[request.param], "llava", SERVED_AS[request.param], root / "checkpoint")
     repo = build_repository(checkpoint, root / "repository", LEAN)
-    with TritonServer(repo, log_file=root / "tritonserver.log") as server:
+    with running(TritonServer(repo, log_file=root / "tritonserver.log")) as server:
         yield server, Oracle(checkpoint)
 
 

@@ -15,7 +15,7 @@ import pytest
 from tritonclient.utils import InferenceServerException
 
 from tests.minicpmv4_5_golden import CASES, GOLDEN
-from tests.servers import LEAN
+from tests.servers import LEAN, running
 from tests.test_e2e import concurrently, grpc_tokens, http_tokens, infer_direct, media_values
 
 
@@ -29,8 +29,8 @@ def server(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("minicpmv4_5")
     repo = build_repository(write_golden_variant(GOLDEN, root / "checkpoint"), root / "repository", LEAN)
-    with TritonServer(repo, log_file=root / "tritonserver.log") as running:
-        yield running
+    with running(TritonServer(repo, log_file=root / "tritonserver.log")) as server:
+        yield server
 
 
 CASE_IDS = list(CASES)

@@ -94,6 +94,7 @@ def batching_server(tiny_repo, tiny_checkpoint, tmp_path_factory):
     from triton_vlm.families import detect_family
     from triton_vlm.repository.configs import model_configs, write_config
     from triton_vlm.repository.options import BuildOptions
+    from tests.servers import running
     from triton_vlm.server.tritonserver import TritonServer
 
     repo = encoder_models(tiny_repo, tmp_path_factory.mktemp("encoder_only") / "repository")
@@ -102,8 +103,8 @@ def batching_server(tiny_repo, tiny_checkpoint, tmp_path_factory):
     configs = model_configs(detect_family(tiny_checkpoint), json.loads((tiny_checkpoint / "config.json").read_text()),
                             options)
     write_config(configs["vision_encoder_batch"], repo / "vision_encoder_batch" / "config.pbtxt")
-    with TritonServer(repo, log_file=tmp_path_factory.mktemp("logs") / "encoder_only.log") as running:
-        yield running
+    with running(TritonServer(repo, log_file=tmp_path_factory.mktemp("logs") / "encoder_only.log")) as server:
+        yield server
 
 
 def test_items_of_concurrent_requests_run_in_one_execution_and_split_back(batching_server, hf, tiny_checkpoint):

@@ -35,10 +35,11 @@ N = 8
 
 @pytest.fixture(scope="module")
 def guarded(lean_repo, tmp_path_factory):
+    from tests.servers import running
     from triton_vlm.server.tritonserver import TritonServer
 
     log = tmp_path_factory.mktemp("isolation") / "tritonserver.log"
-    with TritonServer(lean_repo, supervise=True, admin_key=KEY, log_file=log) as server:
+    with running(TritonServer(lean_repo, supervise=True, admin_key=KEY, log_file=log)) as server:
         yield server
     assert KEY not in log.read_text()  # the key is never logged
 

@@ -208,14 +208,15 @@ def test_kv_bytes_per_token_halve_in_bfloat16(tiny_checkpoint):
 @pytest.fixture(scope="module")
 def bf16_server(tiny_checkpoint, tmp_path_factory):
     """tritonserver on `triton-vlm build --llm-dtype bfloat16` of the tiny Qwen2.5-VL checkpoint."""
+    from tests.servers import running
     from triton_vlm.server.tritonserver import TritonServer
     from triton_vlm.tools.cli import main
 
     root = tmp_path_factory.mktemp("bf16-build")
     assert main(["build", "--checkpoint", str(tiny_checkpoint), "--repo", str(root / "repository"),
                  "--llm-dtype", "bfloat16", "--preprocess-instances", "1", "--encoder-frontends", "1"]) == 0
-    with TritonServer(root / "repository", log_file=root / "tritonserver.log") as running:
-        yield running
+    with running(TritonServer(root / "repository", log_file=root / "tritonserver.log")) as server:
+        yield server
 
 
 def test_bfloat16_build_serves_the_engines_tokens_with_half_the_kv_bytes(bf16_server, server, tiny_checkpoint):

@@ -295,8 +295,9 @@ def test_build_repository_serves_the_glm_tower(repo, checkpoints, encoder, setti
 def test_served_by_tritonserver(repo, oracles, tmp_path):
     """The build's two encoder models in a real tritonserver: a video (split into frames by the
     front, as the tower allows) and images of several sizes in one request."""
+    from tests.servers import running
     from triton_vlm.server.tritonserver import TritonServer
 
     pixels, grid, ref = oracles["glm4v"]("images and video")
-    with TritonServer(encoder_models(repo, tmp_path / "repository"), log_file=tmp_path / "tritonserver.log") as server:
+    with running(TritonServer(encoder_models(repo, tmp_path / "repository"), log_file=tmp_path / "tritonserver.log")) as server:
         assert rel_err(encode(server, pixels, grid), ref) < 1e-4

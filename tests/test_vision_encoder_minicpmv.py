@@ -272,8 +272,9 @@ def test_build_repository_serves_the_minicpmv_tower(repo, checkpoint, encoder, s
 def test_served_by_tritonserver(repo, oracle, tmp_path):
     """The build's two encoder models in a real tritonserver: images of several sizes (their
     slices) and a video in one request."""
+    from tests.servers import running
     from triton_vlm.server.tritonserver import TritonServer
 
     pixels, grid, ref = oracle("images and video")
-    with TritonServer(encoder_models(repo, tmp_path / "repository"), log_file=tmp_path / "tritonserver.log") as server:
+    with running(TritonServer(encoder_models(repo, tmp_path / "repository"), log_file=tmp_path / "tritonserver.log")) as server:
         assert rel_err(encode(server, pixels, grid), ref) < 1e-4

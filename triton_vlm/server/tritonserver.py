@@ -298,17 +298,21 @@ class TritonServer:
         self._after_exit()
         return code
 
-    def stop(self, timeout: float = 30.0) -> None:
+    def stop(self, timeout: float = 30.0, kill: bool = False) -> None:
+        """Shut the server down (SIGINT: it unloads every model, a stub after another), killing it
+        with its stubs after `timeout` s; at once with `kill`, for whom a graceful end is no use
+        (a test's server): its reaper removes what its stubs leave either way."""
         self._stopping.set()
         if self.process is None:
             return
         while True:
             process = self.process
             if process.poll() is None:
-                process.send_signal(signal.SIGINT)
-                try:
-                    process.wait(timeout=timeout)
-                except subprocess.TimeoutExpired:
+                if not kill:
+                    process.send_signal(signal.SIGINT)
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        process.wait(timeout=timeout)
+                if process.poll() is None:
                     self._kill(process)
             if self._supervisor is not None:  # a restart under way sees the stop and ends
                 self._supervisor.done.wait(self._start_timeout)
