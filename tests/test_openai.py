@@ -46,9 +46,8 @@ def api(server, tiny_checkpoint, tmp_path_factory):
     log = open(tmp_path_factory.mktemp("openai") / "openai.log", "w")
     command = [sys.executable, "-m", "triton_vlm.tools.cli", "openai", "--url", server.grpc_url, "--checkpoint",
                str(tiny_checkpoint), "--port", str(port), "--model-name", MODEL]
-    since = time.time()
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    watcher = reaper.start(process, 5.0, since)  # (ended with this process too, if a killed test run never ends it)
+    watcher = reaper.start(process, 5.0)  # (ended with this process too, if a killed test run never ends it)
     try:
         deadline = time.monotonic() + 120
         while True:

@@ -11,11 +11,14 @@ thread had none). The reaper sleeps in `poll` on both and:
   (SIGTERM: it drains and unloads its models) and kills what is left after `grace` seconds;
 - when the server ends, however it ended, kills what is left of its process group (its
   Python-backend stubs, their watchers, the llm's tensor-parallel ranks) and, once they have
-  gone, removes the Python backend's shared-memory regions that no process maps any more and
-  that came since the server was started: a server that exits cleanly removes its own; one that
-  is killed leaves about 1 MB per stub in /dev/shm for good.
-Which regions were the server's is not asked of the server: its stubs' watchers kill them the
-moment it dies, and a region may be a few milliseconds old; unmapped is what makes one garbage.
+  gone, removes the Python backend's shared-memory regions of this server start that no process
+  maps any more: a server that exits cleanly removes its own; one that is killed leaves about
+  1 MB per stub in /dev/shm for good.
+Which regions were the server's is told by their names: each start is given a prefix of its own
+(`TritonServer`: python_backend's `shm-region-prefix-name`). Telling them by age and by no process
+mapping them at that moment, as this did first, removed the regions of a server starting beside
+(created, not yet mapped): its stubs then opened fresh, empty ones, and that server aborted with
+boost's `lock_exception` or never saw its models load.
 """
 from __future__ import annotations
 
@@ -62,20 +65,19 @@ def mapped_regions(pids: list[int] | None = None) -> set[str]:
     return found
 
 
-def orphan_regions(since: float) -> list[Path]:
-    """The regions in /dev/shm changed since `since` (a time.time()) that no process maps."""
-    recent = []
-    for path in SHM_DIR.glob(f"{SHM_PREFIX}*"):
-        with contextlib.suppress(FileNotFoundError):
-            if path.stat().st_ctime >= since:
-                recent.append(path)
-    mapped = mapped_regions() if recent else set()
-    return [path for path in recent if path.name not in mapped]
+def orphan_regions(prefix: str) -> list[Path]:
+    """The regions in /dev/shm named `prefix`... (one server start's) that no process maps."""
+    if not prefix.startswith(SHM_PREFIX):
+        raise ValueError(f"{prefix!r}: not a Python backend region prefix")
+    ours = list(SHM_DIR.glob(f"{prefix}*"))
+    mapped = mapped_regions() if ours else set()
+    return [path for path in ours if path.name not in mapped]
 
 
-def reap(owner: int, server: int, server_pid: int, grace: float, since: float) -> None:
+def reap(owner: int, server: int, server_pid: int, grace: float, shm_prefix: str) -> None:
     """Watch the pidfds `owner` and `server` (of `server_pid`, the leader of its process group,
-    started at `since`) until the server has gone, then clean up after it (module docstring)."""
+    whose stubs' regions are named `shm_prefix`..., none where empty) until the server has gone,
+    then clean up after it (module docstring)."""
     poller = select.poll()
     poller.register(owner, select.POLLIN)
     poller.register(server, select.POLLIN)
@@ -89,20 +91,20 @@ def reap(owner: int, server: int, server_pid: int, grace: float, since: float) -
     deadline = time.monotonic() + _GONE_S
     while group_members(server_pid, live=True) and time.monotonic() < deadline:
         time.sleep(0.05)
-    for path in orphan_regions(since):
+    for path in orphan_regions(shm_prefix) if shm_prefix else ():
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
 
 
-def start(process: subprocess.Popen, grace: float, since: float) -> subprocess.Popen:
-    """The reaper of `process` (started in a session of its own, at `since`: it leads its process
-    group), just started: in a session of its own too, with pidfds of this process and of
-    `process` (taken before anything could wait for `process`, so that they name it even if it has
-    exited)."""
+def start(process: subprocess.Popen, grace: float, shm_prefix: str = "") -> subprocess.Popen:
+    """The reaper of `process` (started in a session of its own: it leads its process group; its
+    Python backend's regions named `shm_prefix`...), just started: in a session of its own too,
+    with pidfds of this process and of `process` (taken before anything could wait for `process`,
+    so that they name it even if it has exited)."""
     owner, child = os.pidfd_open(os.getpid()), os.pidfd_open(process.pid)
     try:
         return subprocess.Popen([sys.executable, "-m", "triton_vlm.server.reaper", str(owner), str(child),
-                                 str(process.pid), str(grace), repr(since)], pass_fds=(owner, child),
+                                 str(process.pid), str(grace), shm_prefix], pass_fds=(owner, child),
                                 cwd=_PROJECT_ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 start_new_session=True)
     finally:
@@ -111,5 +113,5 @@ def start(process: subprocess.Popen, grace: float, since: float) -> subprocess.P
 
 
 if __name__ == "__main__":
-    # OWNER_PIDFD SERVER_PIDFD SERVER_PID GRACE_S SINCE: the pidfds are inherited (`start`)
-    reap(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5]))
+    # OWNER_PIDFD SERVER_PIDFD SERVER_PID GRACE_S SHM_PREFIX: the pidfds are inherited (`start`)
+    reap(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), sys.argv[5])

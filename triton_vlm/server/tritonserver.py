@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import re
+import secrets
 import signal
 import site
 import socket
@@ -27,7 +28,8 @@ from typing import Callable
 from triton_vlm.contract.params import PYTHON_ENV, URL_ENV
 from triton_vlm.server import admin, reaper
 from triton_vlm.server.errors import NotReady, ServerError
-from triton_vlm.server.stubs import dump_stacks, model_of, stub_processes
+from triton_vlm.server.process_tree import SHM_DIR, SHM_PREFIX
+from triton_vlm.server.stubs import STUB_EXITS_ENV, dump_stacks, model_of, stub_processes
 from triton_vlm.server.supervisor import Supervisor
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -113,6 +115,7 @@ class TritonServer:
         self.metrics_port = metrics_port or free_port()
         self.log_file, self.echo, self.extra_args = log_file, echo, extra_args
         self.process: subprocess.Popen | None = None
+        self.stub_exits = ""  # this start's (`_launch`)
         self._tail: collections.deque[str] = collections.deque(maxlen=2000)
         self._lines = 0  # read so far
         self._reader: threading.Thread | None = None
@@ -138,9 +141,11 @@ class TritonServer:
     def metrics_url(self) -> str:
         return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
-    def command(self) -> list[str]:
+    def command(self, shm_prefix: str) -> list[str]:
+        """The server's command line; its stubs' shared-memory regions are named `shm_prefix`..."""
         root = triton_root()
         return [str(root / "bin" / "tritonserver"), f"--model-repository={self.repo}",
+                f"--backend-config=python,shm-region-prefix-name={shm_prefix}",
                 f"--backend-directory={root / 'backends'}", f"--http-port={self.http_port}",
                 f"--grpc-port={self.grpc_port}", f"--metrics-port={self.metrics_port}",
                 "--allow-cpu-metrics=true", f"--exit-timeout-secs={EXIT_TIMEOUT_S - STOP_GRACE_S}", "--log-verbose=0",
@@ -197,10 +202,13 @@ class TritonServer:
     def _launch(self) -> None:
         # the ensemble calls its steps over this server's gRPC endpoint (triton_vlm.serving.loopback)
         env = {**server_env(), URL_ENV: self.grpc_url}
-        since = time.time()
-        self.process = subprocess.Popen(self.command(), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True, start_new_session=True)
-        self._reaper = reaper.start(self.process, EXIT_TIMEOUT_S, since)
+        # a prefix of this start's own: its reaper removes exactly its regions (triton_vlm.server.reaper),
+        # and the markers its stubs leave as they end by themselves (triton_vlm.server.stubs)
+        shm_prefix = f"{SHM_PREFIX}_{secrets.token_hex(6)}_"
+        self.stub_exits = env[STUB_EXITS_ENV] = f"{SHM_DIR}/{shm_prefix}exited_"
+        self.process = subprocess.Popen(self.command(shm_prefix), env=env, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self._reaper = reaper.start(self.process, EXIT_TIMEOUT_S, shm_prefix)
         if self._stopping.is_set():  # a stop that came while no process was there to take it
             self.process.send_signal(signal.SIGTERM)
         self._reader = threading.Thread(target=self._read_output, daemon=True)
