@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from triton_vlm.server.stubs import StepWatch, model_of, stub_processes
+from triton_vlm.server.stubs import StepWatch, exit_marker, model_of, start_ticks, stub_processes
 
 PERIOD = 0.02
 SERVER = """
@@ -30,6 +30,7 @@ for line in sys.stdin:  # "MODEL_FILE INSTANCE_NAME" per line: start a stub of t
 class StandIn:
     def __init__(self, tmp_path: Path) -> None:
         self.repository = tmp_path / "repository"
+        self.exits = f"{tmp_path}/exited_"  # (a real server's: under its shared-memory prefix)
         program = tmp_path / "triton_python_backend_stub"
         program.symlink_to(sys.executable)
         self.program, self.started = program, []
@@ -49,6 +50,11 @@ class StandIn:
         wait_until(lambda: Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0] == bytes(self.program))
         time.sleep(2 * PERIOD)
         return pid
+
+    def end(self, pid: int) -> None:
+        """Stub `pid` ends by itself, as at its model's unload: it leaves its marker as it exits."""
+        exit_marker(self.exits, pid, start_ticks(pid)).touch()
+        os.kill(pid, signal.SIGKILL)
 
     def close(self) -> None:
         for pid in self.started:
@@ -73,19 +79,21 @@ def wait_until(condition, timeout: float = 10.0) -> None:
 
 
 def test_a_death_is_reported_once_per_model_and_the_model_is_down_until_a_new_stub_is_ready(server):
-    pids = {name: server.start(name) for name in ("ensemble_0_0", "llm_0_0", "preprocess_0_0", "preprocess_0_1")}
+    pids = {name: server.start(name) for name in ("ensemble_0_0", "llm_0_0", "preprocess_0_0")}
+    time.sleep(1.5)  # one load's instances, started seconds apart (a busy CPU)
+    pids["preprocess_0_1"] = server.start("preprocess_0_1")
     assert stub_processes(server.pid) == {pid: name for name, pid in pids.items()}
     deaths: list[tuple[str, int]] = []
     ready = threading.Event()
     watch = StepWatch(server.pid, {"ensemble"}, lambda instance, pid: deaths.append((instance, pid)),
-                      ready=lambda model: ready.is_set(), period=PERIOD)
+                      ready=lambda model: ready.is_set(), period=PERIOD, exits=server.exits)
     try:
         os.kill(pids["ensemble_0_0"], signal.SIGKILL)  # ignored
         os.kill(pids["preprocess_0_0"], signal.SIGKILL)
         wait_until(lambda: deaths)
         assert deaths == [("preprocess_0_0", pids["preprocess_0_0"])]
         assert watch.down("preprocess") and not watch.down("llm")
-        os.kill(pids["preprocess_0_1"], signal.SIGKILL)  # the reload retires the model's other stub
+        server.end(pids["preprocess_0_1"])  # the reload's unload ends the model's other stub: no death
         server.start("preprocess_0_0")
         assert watch.down("preprocess")  # a new stub, not yet ready
         ready.set()
@@ -107,7 +115,7 @@ def test_the_stub_that_reads_a_models_config_is_not_an_instance(server):
     assert stub_processes(server.pid) == {instance: "vision_encoder_batch_0_0"}
     deaths: list[tuple[str, int]] = []
     watch = StepWatch(server.pid, set(), lambda instance, pid: deaths.append((instance, pid)),
-                      ready=lambda model: True, period=PERIOD)
+                      ready=lambda model: True, period=PERIOD, exits=server.exits)
     try:
         os.kill(config, signal.SIGKILL)
         time.sleep(5 * PERIOD)
@@ -117,20 +125,19 @@ def test_the_stub_that_reads_a_models_config_is_not_an_instance(server):
 
 
 def test_an_operators_load_is_not_retired_by_the_old_stubs_exit(server):
-    """Unload then load: the old stub may exit after the new one started (and is ready). Its exit
-    is seen, but the newer stub is not one of its siblings: the model is not down."""
+    """Unload then load: the old stub may exit after the new one started (and is ready). It ends
+    by itself, no death: the model is not down."""
     deaths: list[tuple[str, int]] = []
     old = server.start("llm_0_0")
     watch = StepWatch(server.pid, set(), lambda instance, pid: deaths.append((instance, pid)),
-                      ready=lambda model: True, period=PERIOD)
+                      ready=lambda model: True, period=PERIOD, exits=server.exits)
     try:
-        time.sleep(1.2)  # (stubs started within a second of each other are one load's)
         new = server.start("llm_0_0")
-        os.kill(old, signal.SIGKILL)
+        server.end(old)
+        time.sleep(5 * PERIOD)
+        assert deaths == [] and not watch.down("llm")
+        os.kill(new, signal.SIGKILL)  # a later death of the new one is seen
         wait_until(lambda: deaths)
-        assert deaths == [("llm_0_0", old)] and not watch.down("llm")
-        os.kill(new, signal.SIGKILL)  # a later death of the new one is seen too
-        wait_until(lambda: len(deaths) == 2)
-        assert deaths[1] == ("llm_0_0", new) and watch.down("llm")
+        assert deaths == [("llm_0_0", new)] and watch.down("llm")
     finally:
         watch.close()

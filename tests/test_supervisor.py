@@ -18,6 +18,7 @@ class StandInServer:
         self.lifetime = lifetime
         self.events: list[str] = []
         self.launches = 0
+        self.stub_exits = ""
         self._stopping = threading.Event()
         self.process = self._spawn()
 

@@ -49,11 +49,14 @@ def exit_without_teardown() -> None:
     released the shared memory, and the server waits for its exit: tearing down every module
     (torch, transformers, ONNX Runtime) took about a second a stub, at every model unload and
     server stop, one instance after another. Registered first, this runs after every other exit
-    handler (they run last registered first)."""
+    handler (they run last registered first). It marks the stub's end as one of its own first."""
     atexit.register(_exit_now)
 
 
 def _exit_now() -> None:
+    from triton_vlm.server.stubs import note_exit
+
+    note_exit()  # an end of its own, not a death (`triton_vlm.server.stubs.StepWatch`)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -79,7 +82,10 @@ def _is_tritonserver(pid: int) -> bool:
 
 def watch(stub_pid: int, server_pid: int) -> None:
     """Wait until the stub or the server exits; kill the stub if the server went first."""
-    stub = os.pidfd_open(stub_pid)
+    try:
+        stub = os.pidfd_open(stub_pid)
+    except ProcessLookupError:
+        return  # the stub is gone already
     if os.getppid() != stub_pid:
         return  # the stub is gone already (taken before this check, the pidfd named it if it was not)
     try:

@@ -5,6 +5,13 @@ wait for responses that never come (server issue 7862). Two parties watch the st
 `StepWatch`: the server's supervisor (`triton_vlm.server.supervisor`, which reloads the model, or
 restarts the server) and the `ensemble`, which ends the requests it has in flight through a step
 that died, so that its clients get UNAVAILABLE at once instead of hanging.
+
+A stub that ends because its model is unloaded (an operator's unload, a reload, the server's own
+stop) leaves a marker as it exits (`note_exit`, from `triton_vlm.server.stub_watch`): one that
+vanishes without one died. Telling them apart by what else was going on (stubs of one load start
+within a second, so the dead one's siblings were the ones a reload retires) failed under load:
+on 2 busy cores one load's instances started seconds apart, each sibling's exit read as a new
+death and its model was reloaded over and over.
 """
 from __future__ import annotations
 
@@ -84,11 +91,25 @@ def _backend_threads(gdb: str, server_pid: int, timeout: float) -> str:
         for t in threads[:12])
 
 
-# Stubs of one model started this close together are instances of one load.
-SIBLING_TICKS = os.sysconf("SC_CLK_TCK")  # 1 s
+# Where a server's stubs mark their ends (a path prefix: `TritonServer` gives each start its own,
+# under its shared-memory prefix, so that its reaper removes the markers with its regions).
+STUB_EXITS_ENV = "TRITON_VLM_STUB_EXITS"
 
 
-def _start_ticks(pid: int) -> int:
+def exit_marker(prefix: str, pid: int, started: int) -> Path:
+    """The marker of stub `pid` (that started at `started` clock ticks: pids are reused)."""
+    return Path(f"{prefix}{pid}_{started}")
+
+
+def note_exit() -> None:
+    """Called by a stub as it ends by itself: mark it (a stub outside `TritonServer` marks nothing)."""
+    prefix = os.environ.get(STUB_EXITS_ENV)
+    if prefix:
+        with contextlib.suppress(OSError):
+            exit_marker(prefix, os.getpid(), start_ticks(os.getpid())).touch()
+
+
+def start_ticks(pid: int) -> int:
     """When `pid` started, in clock ticks since boot (0 if it is gone)."""
     try:
         return int(proc_stat(pid)[19])
@@ -113,19 +134,20 @@ def model_of(instance: str) -> str:
 
 class StepWatch:
     """Calls `on_death(instance, pid)` from its own thread, within `period` seconds, when a stub on
-    `server_pid` of a model not in `ignore` dies; the model's other stubs, which its reload
-    retires, are not counted again. Stubs that start later are watched from then on.
-    `down(model)`: a stub of it died and, since, no new stub of it started that `ready(model)`
-    says is ready (a request sent to it meanwhile would wait for a dead stub, or for its reload)."""
+    `server_pid` of a model not in `ignore` ends without the marker of an end of its own (the path
+    prefix `exits`, default the environment's `STUB_EXITS_ENV`). Stubs that start later are watched
+    from then on. `down(model)`: a stub of it died and, since, no new stub of it started that
+    `ready(model)` says is ready (a request sent to it meanwhile would wait for a dead stub, or for
+    its reload)."""
 
     def __init__(self, server_pid: int, ignore: set[str], on_death: Callable[[str, int], None],
-                 ready: Callable[[str], bool], period: float = 0.2) -> None:
+                 ready: Callable[[str], bool], period: float = 0.2, exits: str | None = None) -> None:
         self.server_pid, self.ignore, self.on_death, self.period = server_pid, ignore, on_death, period
         self.ready = ready
+        self.exits = exits if exits is not None else os.environ.get(STUB_EXITS_ENV, "")
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._down: dict[str, set[int]] = {}  # model -> its stubs when it died (none of them serves again)
-        self._retiring: set[int] = set()  # the other stubs of a model that died: its reload ends them
         self._known: dict[int, str] = {}
         self._born: dict[int, int] = {}  # pid -> its start, in clock ticks
         self._known = self._look()
@@ -148,7 +170,7 @@ class StepWatch:
         """The stubs alive now; the start of each new one is noted."""
         alive = self._stubs()
         for pid in alive.keys() - self._known.keys():
-            self._born[pid] = _start_ticks(pid)
+            self._born[pid] = start_ticks(pid)
         return alive
 
     def _scan(self) -> None:
@@ -157,16 +179,13 @@ class StepWatch:
             if pid in alive:
                 continue
             born = self._born.pop(pid, 0)
-            if pid in self._retiring:  # the reload of an earlier death retires it
-                self._retiring.discard(pid)
+            if self.exits and exit_marker(self.exits, pid, born).exists():  # it ended by itself
                 continue
             model = model_of(instance)
-            # the instances loaded with it (an operator's load may have started newer ones already)
-            others = {p for p, i in alive.items() if model_of(i) == model and p in self._known
-                      and abs(self._born.get(p, 0) - born) <= SIBLING_TICKS}
+            # none of the model's stubs now serves again: its reload retires them
+            others = {p for p, i in alive.items() if model_of(i) == model}
             with self._lock:
                 self._down[model] = {pid} | others | self._down.get(model, set())
-            self._retiring |= others
             self.on_death(instance, pid)
         self._known = alive
         for model in list(self._down):

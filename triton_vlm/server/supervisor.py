@@ -39,6 +39,7 @@ class Supervised(Protocol):
     """What the supervisor needs of the server it watches (`tritonserver.TritonServer`)."""
     process: subprocess.Popen
     admin_key: str
+    stub_exits: str  # where its stubs mark their own ends (`triton_vlm.server.stubs.StepWatch`)
 
     @property
     def grpc_url(self) -> str: ...
@@ -71,7 +72,7 @@ class Supervisor:
     def _watch(self, process: subprocess.Popen) -> StepWatch:
         """A watch of `process`'s stubs as they are now (and of those started later)."""
         return StepWatch(process.pid, set(), lambda instance, pid: self._stub_died(process, instance, pid),
-                         ready=lambda model: True, period=self.period)
+                         ready=lambda model: True, period=self.period, exits=self.server.stub_exits)
 
     def _run(self, process: subprocess.Popen, watch: StepWatch) -> None:
         try:
