@@ -51,8 +51,8 @@ from triton_vlm.families.demo import write_demo_checkpoint
 from triton_vlm.media import samples
 from triton_vlm.repository.build import build_repository
 from triton_vlm.server.growth import trend
+from triton_vlm.server import reaper
 from triton_vlm.server.process_tree import descendants, sample, shm_regions
-from triton_vlm.server.reaper import mapped_regions
 from triton_vlm.server.stubs import model_of, stub_processes
 from triton_vlm.server.tritonserver import free_port
 
@@ -74,6 +74,7 @@ class Deployment:
             [sys.executable, "-m", "triton_vlm.tools.cli", "serve", "--repo", str(repo), "--grpc-port",
              str(self.grpc_port), "--http-port", str(self.http_port), "--metrics-port", str(self.metrics_port)],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        reaper.start(self.process, grace=30.0)  # a soak killed or interrupted takes its deployment with it
         self._ready = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
         if not self._ready.wait(900) or self.process.poll() is not None:
@@ -157,7 +158,7 @@ def sampler(deployment: Deployment, every: float, until: float, started: float, 
     ours: set[str] = set()  # every region a process of the deployment has mapped
     while time.monotonic() < until:
         roles = sample(deployment.process.pid)
-        ours |= mapped_regions(descendants(deployment.process.pid))
+        ours |= reaper.mapped_regions(descendants(deployment.process.pid))
         regions = {name: size for name, size in shm_regions().items() if name in ours}
         out.append({"t": time.monotonic() - started, "kv_blocks_used": deployment.kv_blocks_used(),
                     "shm_regions": len(regions), "shm_bytes": sum(regions.values()),
