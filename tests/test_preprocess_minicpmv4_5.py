@@ -10,19 +10,13 @@ import numpy as np
 import pytest
 
 from tests.minicpmv4_5_golden import CASES, GOLDEN, IMAGE_CASES
+from tests.minicpmv_golden import golden_rows
 from triton_vlm.preprocessing.preprocessor import Preprocessor
 
 
 @pytest.fixture(scope="module")
 def preprocessor():
     return Preprocessor(GOLDEN)
-
-
-def golden_rows(codes: np.ndarray, h: int, w: int) -> np.ndarray:
-    """The README's pixel encoding ([3, 14, 14 * P] codes in `reshape_by_patch` layout) as our rows:
-    [P, 3 * 14 * 14], patch k's pixels in (channel, dy, dx) order."""
-    pixels = ((codes.astype(np.float32) / 255) - 0.5) / 0.5
-    return pixels.reshape(3, 14, h * w, 14).transpose(2, 0, 1, 3).reshape(h * w, -1)
 
 
 @pytest.mark.parametrize("case", IMAGE_CASES)

@@ -1,4 +1,4 @@
-"""MiniCPM-V 4.5's vision tower (`triton_vlm.families.minicpmv.tower_v4_5`) against the official golden
+"""MiniCPM-V 4.5's vision tower (`triton_vlm.families.minicpmv.tower_resampler`) against the official golden
 values, from our preprocess of the golden media: NaViT position ids exact, the first slice's `vpm`
 hidden state and every slice's resampler rows (`vision_embeds`) within 1e-4, in torch, through the
 torch encoder and through the ONNX export in ONNX Runtime; a video's packed frames with their
@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from tests.minicpmv4_5_golden import CASES, GOLDEN, IMAGE_CASES
-from triton_vlm.families.minicpmv.tower_v4_5 import MiniCPMV4_5Tower, metadata, navit_position_ids
+from tests.minicpmv_golden import close
+from triton_vlm.families.minicpmv.tower_resampler import MiniCPMV4_5Tower, metadata, navit_position_ids
 from triton_vlm.preprocessing.preprocessor import Preprocessor
 
 MEDIA_CASES = [case for case in IMAGE_CASES if CASES[case]["media"]]
-ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -44,11 +44,6 @@ def run(tower, pixels: np.ndarray, grid: np.ndarray, settings: dict, temporal_id
     meta = metadata(grid, settings, temporal_ids)
     with torch.inference_mode():
         return tower(torch.from_numpy(pixels), *(torch.from_numpy(meta[k]) for k in MiniCPMV4_5Tower.METADATA_INPUTS))
-
-
-def close(rows, expected) -> None:
-    rows, expected = np.asarray(rows), np.asarray(expected).reshape(np.shape(rows))
-    assert np.allclose(rows, expected, atol=ATOL, rtol=0), np.abs(rows - expected).max()
 
 
 @pytest.mark.parametrize("case", MEDIA_CASES)

@@ -1,0 +1,200 @@
+"""The official MiniCPM-V golden sets (`tests/golden/minicpmv*/`, copies of
+`shared/reference/minicpmv*/`; each README says which official code and versions made each value),
+and the checks every remote-code version's image set passes behind a real tritonserver
+(`GoldenChecks`: a version's test module subclasses it, naming its set; one server per class)."""
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ATOL = 1e-4  # the READMEs' bound for a float32 run of another implementation
+
+
+class GoldenSet:
+    """One version's golden folder: its cases (cases.json) and golden.npz's arrays (`CASE/NAME`)."""
+
+    def __init__(self, name: str):
+        self.root = Path(__file__).parent / "golden" / name
+        self.meta = json.loads((self.root / "cases.json").read_text())
+        self.cases = {case["id"]: case for case in self.meta["cases"]}
+        self.image_cases = [case for case, c in self.cases.items() if all(m["kind"] == "image" for m in c["media"])]
+        self.media_cases = [case for case in self.image_cases if self.cases[case]["media"]]
+
+    @functools.cached_property
+    def values(self) -> dict[str, np.ndarray]:
+        with np.load(self.root / "golden.npz") as npz:
+            return {key: npz[key] for key in npz.files}
+
+    def request(self, case: str) -> tuple[str, list[bytes], list[bytes]]:
+        """(prompt, images, videos) of an image case as a client sends it: the JPEG files' bytes."""
+        c = self.cases[case]
+        return c["prompt"], [(self.root / m["file"]).read_bytes() for m in c["media"]], []
+
+    def special_id(self, token: str) -> int:
+        return int(self.meta["tokenizer"]["special_ids"][token])
+
+
+SETS = {name: GoldenSet(name) for name in ("minicpmv2_6", "minicpmv4_0", "minicpmv4_5")}
+
+
+def golden_rows(codes: np.ndarray, h: int, w: int) -> np.ndarray:
+    """The READMEs' pixel encoding ([3, 14, 14 * P] codes in `reshape_by_patch` layout) as our
+    rows: [P, 3 * 14 * 14], patch k's pixels in (channel, dy, dx) order."""
+    pixels = ((codes.astype(np.float32) / 255) - 0.5) / 0.5
+    return pixels.reshape(3, 14, h * w, 14).transpose(2, 0, 1, 3).reshape(h * w, -1)
+
+
+def official_image_bound(ids: np.ndarray, golden: GoldenSet) -> np.ndarray:
+    """`MiniCPMVProcessor._convert`: [start, end) of each run after `<image>` / `<slice>`, ending at
+    the next `</image>` / `</slice>`."""
+    starts = np.flatnonzero(np.isin(ids, [golden.special_id("<image>"), golden.special_id("<slice>")])) + 1
+    ends = np.flatnonzero(np.isin(ids, [golden.special_id("</image>"), golden.special_id("</slice>")]))
+    return np.stack([starts, ends], axis=1).reshape(-1, 2)
+
+
+def close(rows, expected) -> None:
+    rows, expected = np.asarray(rows), np.asarray(expected).reshape(np.shape(rows))
+    assert np.abs(rows - expected).max(initial=0) <= ATOL, np.abs(rows - expected).max()
+
+
+def pytest_generate_tests(metafunc) -> None:
+    """A `GoldenChecks` test's `case`: every case of its class's set (`media_case`: those with
+    images)."""
+    golden = getattr(metafunc.cls, "GOLDEN", None)
+    for name, cases in (("case", "image_cases"), ("media_case", "media_cases")):
+        if golden is not None and name in metafunc.fixturenames:
+            metafunc.parametrize(name, getattr(golden, cases))
+
+
+class GoldenChecks:
+    """One version's golden set through a real tritonserver built from its golden checkpoint as it
+    is, the JPEGs sent as a client sends them: `preprocess` gives the official ids, image bounds,
+    `tgt_sizes` and pixels; `vision_encoder` (ONNX Runtime) and the torch tower the official
+    resampler rows; the ensemble the official greedy tokens, and log-probabilities the official
+    logits'; the llm's logits step by step equal the official ones. `GOLDEN` names the set."""
+    GOLDEN: GoldenSet
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def server(cls, tmp_path_factory):
+        from triton_vlm.repository.build import build_repository
+        from triton_vlm.server.tritonserver import TritonServer
+
+        root = tmp_path_factory.mktemp(cls.GOLDEN.root.name)
+        repo = build_repository(cls.GOLDEN.root, root / "repository")
+        with TritonServer(repo, log_file=root / "tritonserver.log") as running:
+            yield running
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def preprocessed(cls, server):
+        """Every case through the served `preprocess`."""
+        from tests.test_e2e import infer_direct, media_values
+
+        return {case: infer_direct(server, "preprocess", media_values(*cls.GOLDEN.request(case)),
+                                   ["input_ids", "pixel_values", "grid_thw"]) for case in cls.GOLDEN.image_cases}
+
+    def test_preprocess_gives_the_official_ids_bounds_and_pixels(self, preprocessed, case):
+        """`input_ids` equal; the `<unk>` runs the decoder fills are the official `image_bound`
+        (also read off our ids as the official processor reads them); `tgt_sizes` equal; every
+        slice's pixels the official ones, bit for bit."""
+        golden, values, out = self.GOLDEN, self.GOLDEN.values, preprocessed[case]
+        ids = out["input_ids"].reshape(-1)
+        np.testing.assert_array_equal(ids, values[f"{case}/input_ids"])
+        bound = values[f"{case}/image_bound"].reshape(-1, 2)
+        np.testing.assert_array_equal(official_image_bound(ids, golden), bound)
+        runs = np.concatenate([np.arange(a, b) for a, b in bound] + [np.zeros(0, int)])
+        np.testing.assert_array_equal(np.flatnonzero(ids == golden.special_id("<unk>")), runs)
+        grid = out["grid_thw"].reshape(-1, 3)
+        np.testing.assert_array_equal(grid, np.c_[np.ones(len(grid), int), values[f"{case}/tgt_sizes"].reshape(-1, 2)])
+        starts = np.r_[0, np.cumsum(grid.prod(axis=1))]
+        for i, (_, h, w) in enumerate(grid.tolist()):
+            np.testing.assert_array_equal(out["pixel_values"][starts[i]:starts[i + 1]],
+                                          golden_rows(values[f"{case}/pixel_codes/{i}"], h, w), err_msg=str(i))
+        assert starts[-1] == len(out["pixel_values"])
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def tower(cls):
+        """(its `Tower` class, the torch tower with the golden weights, its settings)."""
+        from triton_vlm.families import detect_family
+
+        tower_class = detect_family(cls.GOLDEN.root).tower_class()
+        return (tower_class, tower_class.load_tower(cls.GOLDEN.root).eval(),
+                tower_class.read_vision_config(cls.GOLDEN.root))
+
+    def test_the_encoders_give_the_official_rows(self, server, preprocessed, tower, media_case):
+        """The served `vision_encoder` (the ONNX export in ONNX Runtime) and the torch tower on the
+        served pixels: the resampler rows, the first slice's `vpm` hidden state and every slice's
+        NaViT position ids."""
+        from tests.test_e2e import infer_direct
+
+        case, values, out = media_case, self.GOLDEN.values, preprocessed[media_case]
+        pixels, grid = np.array(out["pixel_values"]), out["grid_thw"]
+        rows = infer_direct(server, "vision_encoder", {"pixel_values": (pixels, "FP32"), "grid_thw": (grid, "INT64")},
+                            ["embeddings"])["embeddings"]
+        close(rows, values[f"{case}/vision_embeds"])
+        tower_class, tower, settings = tower
+        meta = {k: torch.from_numpy(v) for k, v in tower_class.metadata(grid, settings).items()}
+        first = grid[0, 1] * grid[0, 2]
+        with torch.inference_mode():
+            close(tower(torch.from_numpy(pixels), *(meta[k] for k in tower_class.METADATA_INPUTS)),
+                  values[f"{case}/vision_embeds"])
+            first_meta = tower_class.metadata(grid[:1], settings)
+            hidden = tower.hidden(torch.from_numpy(pixels[:first]), *(torch.from_numpy(first_meta[k]) for k in (
+                "position_ids", "full_index", "full_mask", "full_inverse")))
+        close(hidden, values[f"{case}/vpm_hidden/0"])
+        positions = np.split(meta["position_ids"].numpy(), np.cumsum(grid.prod(axis=1))[:-1])
+        for i, ids in enumerate(positions):
+            np.testing.assert_array_equal(ids, values[f"{case}/vision_position_ids/{i}"], err_msg=str(i))
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def model(cls):
+        from triton_vlm.llm.model import DecoderModel
+
+        return DecoderModel.from_checkpoint(cls.GOLDEN.root)
+
+    def test_greedy_logits_equal_the_official_step_by_step(self, model, case):
+        """The llm on the golden ids with the golden rows at the `<unk>` runs: each of the 8
+        steps' logits (the prompt and the golden tokens so far, run whole) and its argmax."""
+        from triton_vlm.llm import prompt_logits
+
+        values = self.GOLDEN.values
+        ids = torch.from_numpy(values[f"{case}/input_ids"].astype(np.int32))
+        rows = values[f"{case}/vision_embeds"]
+        rows = torch.from_numpy(rows.reshape(-1, rows.shape[-1]))
+        tokens = values[f"{case}/greedy_tokens"]
+        for step, reference in enumerate(values[f"{case}/greedy_logits"]):
+            prompt = torch.cat([ids, torch.from_numpy(tokens[:step].astype(np.int32))])
+            logits = prompt_logits(model, prompt, rows, torch.arange(len(prompt)).expand(3, -1))
+            close(logits, reference)
+            assert int(logits.argmax()) == int(tokens[step]), step
+
+    def test_greedy_tokens_equal_the_official_generate(self, server, case):
+        """The ensemble's tokens over gRPC streaming equal the official `generate`'s (which stops
+        at its terminators), and its HTTP log-probabilities the official logits' log-softmax."""
+        from tests.test_e2e import grpc_tokens
+        from triton_vlm.clients.client import generate_payload, http_generate
+
+        expected = self.GOLDEN.values[f"{case}/gen_tokens"].tolist()
+        assert grpc_tokens(server, *self.GOLDEN.request(case), max_tokens=8) == expected
+        (answer,) = http_generate(server.http_url, generate_payload(*self.GOLDEN.request(case), None, max_tokens=8,
+                                                                    return_log_probs=True))
+        assert [int(i) for i in np.atleast_1d(answer["output_ids"])] == expected
+        logits = self.GOLDEN.values[f"{case}/greedy_logits"][:len(expected)].astype(np.float64)
+        log_softmax = logits - np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1, keepdims=True)) \
+            - logits.max(1, keepdims=True)
+        close(np.ravel(answer["output_log_probs"]), log_softmax[np.arange(len(expected)), expected])
+
+    def test_concurrent_requests_each_get_the_official_answer(self, server):
+        from tests.test_e2e import concurrently, grpc_tokens
+
+        cases = self.GOLDEN.image_cases
+        answers = concurrently(lambda case: grpc_tokens(server, *self.GOLDEN.request(case), max_tokens=8), cases)
+        assert answers == {case: self.GOLDEN.values[f"{case}/gen_tokens"].tolist() for case in cases}
