@@ -192,6 +192,22 @@ class GoldenChecks:
             - logits.max(1, keepdims=True)
         close(np.ravel(answer["output_log_probs"]), log_softmax[np.arange(len(expected)), expected])
 
+    def test_infer_renders_the_checkpoints_chat_template(self, server):
+        """`triton-vlm infer --image FILE --prompt TEXT`: the question through the chat template the
+        server took from the checkpoint, as the official `chat()` writes it, answers as the
+        official `generate` does."""
+        import subprocess
+        import sys
+
+        case = next(c for c in self.GOLDEN.media_cases if len(self.GOLDEN.cases[c]["media"]) == 1)
+        c = self.GOLDEN.cases[case]
+        (question,) = [part for part in c["chat"]["msgs"][0]["content"] if isinstance(part, str)]
+        done = subprocess.run([sys.executable, "-m", "triton_vlm.tools.cli", "infer", "--url", server.grpc_url,
+                               "--image", str(self.GOLDEN.root / c["media"][0]["file"]), "--prompt", question,
+                               "--max-tokens", "8", "--json"], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["output_ids"] == self.GOLDEN.values[f"{case}/gen_tokens"].tolist()
+
     def test_concurrent_requests_each_get_the_official_answer(self, server):
         from tests.test_e2e import concurrently, grpc_tokens
 
