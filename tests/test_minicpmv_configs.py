@@ -115,3 +115,24 @@ def test_what_the_decoder_does_not_implement_is_refused_naming_it(family, key, t
     not the generated tokens'; Llama's biases: refused, naming the key."""
     with pytest.raises(NotImplementedError, match=key):
         DecoderConfig.from_checkpoint(respelled(family, tmp_path, config={key: 12}))
+
+
+def test_an_empty_prompt_is_refused_though_the_tokenizer_puts_bos_before_it():
+    from triton_vlm.errors import InvalidInput
+
+    preprocessor = Preprocessor(SETS["minicpmv4_0"].root)
+    with pytest.raises(InvalidInput, match="^text_input: the prompt is empty$"):
+        preprocessor("", [], [])
+    assert preprocessor("hi", [], []).input_ids[0] == SETS["minicpmv4_0"].special_id("<s>")
+
+
+@pytest.mark.parametrize("family", REMOTE_CODE)
+def test_versions_without_videos_read_a_video_marker_as_text_and_refuse_videos(family):
+    """2.6's and 4.0's processors take images only: `(<video>./</video>)` is text to them."""
+    from triton_vlm.errors import InvalidInput
+
+    preprocessor = Preprocessor(SETS[family].root)
+    text = "(<video>./</video>) what moves?"
+    assert len(preprocessor(text, [], []).input_ids) > 8
+    with pytest.raises(InvalidInput, match=f"^videos: this model \\({family}\\) takes no videos"):
+        preprocessor(text, [], [b"\x00\x00\x00\x18ftypmp42"])

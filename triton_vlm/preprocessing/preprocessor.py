@@ -124,7 +124,7 @@ class Preprocessor:
             raise InvalidInput(f"images, videos: {n_images + n_videos} media items exceed "
                                f"max_media_items={self.limits.max_media_items}")
         ids = self._encode(text)
-        if ids.shape[0] == 0 and not n_images + n_videos:
+        if (ids.shape[0] == 0 or not text) and not n_images + n_videos:  # (a tokenizer may add `<s>` to nothing)
             raise InvalidInput("text_input: the prompt is empty")
         if not self._placeholders(ids).any() and n_images + n_videos:
             ids = self._encode(self.family.image_placeholder * n_images + self.family.video_placeholder * n_videos
