@@ -1,7 +1,7 @@
 """The official MiniCPM-V golden sets (`tests/golden/minicpmv*/`, copies of
 `shared/reference/minicpmv*/`; each README says which official code and versions made each value),
-and the checks every remote-code version's image set passes behind a real tritonserver
-(`GoldenChecks`: a version's test module subclasses it, naming its set; one server per class)."""
+and the checks every version's set passes behind a real tritonserver (`GoldenChecks`: a
+version's test module subclasses it, naming its set; one server per class)."""
 from __future__ import annotations
 
 import functools
@@ -63,21 +63,39 @@ def close(rows, expected) -> None:
 
 
 def pytest_generate_tests(metafunc) -> None:
-    """A `GoldenChecks` test's `case`: every case of its class's set (`media_case`: those with
-    images)."""
-    golden = getattr(metafunc.cls, "GOLDEN", None)
-    for name, cases in (("case", "image_cases"), ("media_case", "media_cases")):
-        if golden is not None and name in metafunc.fixturenames:
-            metafunc.parametrize(name, getattr(golden, cases))
+    """A `GoldenChecks` test's cases from its class: `case` those it serves (`served_cases`),
+    `image_case` those of images (or none), `media_case` those with images, `golden_case` all."""
+    if getattr(metafunc.cls, "GOLDEN", None) is None:
+        return
+    golden = metafunc.cls.GOLDEN
+    for name, cases in (("case", metafunc.cls.served_cases()), ("image_case", golden.image_cases),
+                        ("media_case", golden.media_cases), ("golden_case", list(golden.cases))):
+        if name in metafunc.fixturenames:
+            metafunc.parametrize(name, cases)
 
 
 class GoldenChecks:
-    """One version's golden set through a real tritonserver built from its golden checkpoint as it
-    is, the JPEGs sent as a client sends them: `preprocess` gives the official ids, image bounds,
-    `tgt_sizes` and pixels; `vision_encoder` (ONNX Runtime) and the torch tower the official
-    resampler rows; the ensemble the official greedy tokens, and log-probabilities the official
-    logits'; the llm's logits step by step equal the official ones. `GOLDEN` names the set."""
+    """One version's golden set through a real tritonserver built from its golden checkpoint
+    (`served_checkpoint`), the media sent as a client sends them (`served`): `preprocess` gives the
+    official ids, image bounds, `tgt_sizes` and pixels; `vision_encoder` (ONNX Runtime) and the
+    torch encoder the official resampler rows; the ensemble the official greedy tokens, and
+    log-probabilities the official logits'; the llm's greedy steps the official logits. `GOLDEN`
+    names the set."""
     GOLDEN: GoldenSet
+
+    @classmethod
+    def served_checkpoint(cls, root: Path) -> Path:
+        """The checkpoint the server is built from (a folder under `root` for one of its own)."""
+        return cls.GOLDEN.root
+
+    @classmethod
+    def served(cls, case: str) -> tuple[str, list[bytes], list[bytes], dict | None]:
+        """(prompt, images, videos, mm_options) of a case as a client sends it."""
+        return (*cls.GOLDEN.request(case), None)
+
+    @classmethod
+    def served_cases(cls) -> list[str]:
+        return cls.GOLDEN.image_cases
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -86,7 +104,7 @@ class GoldenChecks:
         from triton_vlm.server.tritonserver import TritonServer
 
         root = tmp_path_factory.mktemp(cls.GOLDEN.root.name)
-        repo = build_repository(cls.GOLDEN.root, root / "repository")
+        repo = build_repository(cls.served_checkpoint(root), root / "repository")
         with TritonServer(repo, log_file=root / "tritonserver.log") as running:
             yield running
 
@@ -96,14 +114,16 @@ class GoldenChecks:
         """Every case through the served `preprocess`."""
         from tests.test_e2e import infer_direct, media_values
 
-        return {case: infer_direct(server, "preprocess", media_values(*cls.GOLDEN.request(case)),
-                                   ["input_ids", "pixel_values", "grid_thw"]) for case in cls.GOLDEN.image_cases}
+        outputs = ["input_ids", "pixel_values", "grid_thw", "mrope_position_ids", "mrope_position_delta"]
+        return {case: infer_direct(server, "preprocess", media_values(*cls.served(case)), outputs)
+                for case in cls.GOLDEN.image_cases}
 
-    def test_preprocess_gives_the_official_ids_bounds_and_pixels(self, preprocessed, case):
+    def test_preprocess_gives_the_official_ids_bounds_and_pixels(self, preprocessed, image_case):
         """`input_ids` equal; the `<unk>` runs the decoder fills are the official `image_bound`
         (also read off our ids as the official processor reads them); `tgt_sizes` equal; every
-        slice's pixels the official ones, bit for bit."""
-        golden, values, out = self.GOLDEN, self.GOLDEN.values, preprocessed[case]
+        slice's pixels the official ones, bit for bit; positions 0..S-1 (the official model gives
+        its language model none)."""
+        case, golden, values, out = image_case, self.GOLDEN, self.GOLDEN.values, preprocessed[image_case]
         ids = out["input_ids"].reshape(-1)
         np.testing.assert_array_equal(ids, values[f"{case}/input_ids"])
         bound = values[f"{case}/image_bound"].reshape(-1, 2)
@@ -117,6 +137,8 @@ class GoldenChecks:
             np.testing.assert_array_equal(out["pixel_values"][starts[i]:starts[i + 1]],
                                           golden_rows(values[f"{case}/pixel_codes/{i}"], h, w), err_msg=str(i))
         assert starts[-1] == len(out["pixel_values"])
+        np.testing.assert_array_equal(out["mrope_position_ids"], np.broadcast_to(np.arange(len(ids)), (3, len(ids))))
+        assert int(np.ravel(out["mrope_position_delta"])[0]) == 0
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -129,28 +151,26 @@ class GoldenChecks:
                 tower_class.read_vision_config(cls.GOLDEN.root))
 
     def test_the_encoders_give_the_official_rows(self, server, preprocessed, tower, media_case):
-        """The served `vision_encoder` (the ONNX export in ONNX Runtime) and the torch tower on the
-        served pixels: the resampler rows, the first slice's `vpm` hidden state and every slice's
-        NaViT position ids."""
+        """The served `vision_encoder` (the ONNX export in ONNX Runtime) and the torch encoder on
+        the served pixels: the resampler rows; the torch tower's first slice `vpm` hidden state and
+        every slice's NaViT position ids."""
         from tests.test_e2e import infer_direct
+        from triton_vlm.vision.runtime.torch_encoder import TorchEncoder
 
         case, values, out = media_case, self.GOLDEN.values, preprocessed[media_case]
         pixels, grid = np.array(out["pixel_values"]), out["grid_thw"]
         rows = infer_direct(server, "vision_encoder", {"pixel_values": (pixels, "FP32"), "grid_thw": (grid, "INT64")},
                             ["embeddings"])["embeddings"]
         close(rows, values[f"{case}/vision_embeds"])
+        close(TorchEncoder(self.GOLDEN.root).encode(pixels, grid), values[f"{case}/vision_embeds"])
         tower_class, tower, settings = tower
-        meta = {k: torch.from_numpy(v) for k, v in tower_class.metadata(grid, settings).items()}
-        first = grid[0, 1] * grid[0, 2]
+        first = tower_class.metadata(grid[:1], settings)
         with torch.inference_mode():
-            close(tower(torch.from_numpy(pixels), *(meta[k] for k in tower_class.METADATA_INPUTS)),
-                  values[f"{case}/vision_embeds"])
-            first_meta = tower_class.metadata(grid[:1], settings)
-            hidden = tower.hidden(torch.from_numpy(pixels[:first]), *(torch.from_numpy(first_meta[k]) for k in (
-                "position_ids", "full_index", "full_mask", "full_inverse")))
+            hidden = tower.hidden(torch.from_numpy(pixels[:grid[0, 1] * grid[0, 2]]), *(
+                torch.from_numpy(first[k]) for k in ("position_ids", "full_index", "full_mask", "full_inverse")))
         close(hidden, values[f"{case}/vpm_hidden/0"])
-        positions = np.split(meta["position_ids"].numpy(), np.cumsum(grid.prod(axis=1))[:-1])
-        for i, ids in enumerate(positions):
+        positions = tower_class.metadata(grid, settings)["position_ids"]
+        for i, ids in enumerate(np.split(positions, np.cumsum(grid.prod(axis=1))[:-1])):
             np.testing.assert_array_equal(ids, values[f"{case}/vision_position_ids/{i}"], err_msg=str(i))
 
     @pytest.fixture(scope="class")
@@ -162,34 +182,38 @@ class GoldenChecks:
         yield engine
         engine.shutdown()
 
-    def test_greedy_logits_equal_the_official_step_by_step(self, engine, case):
+    def test_greedy_logits_equal_the_official_step_by_step(self, engine, golden_case):
         """The llm on the golden ids with the golden rows at the `<unk>` runs: its greedy steps (a
         prefill, then decode steps over the paged KV cache) give the official `generate`'s tokens,
-        each step's logits (those after the golden tokens so far) within 1e-4 of the golden ones."""
+        each step's logits (those after the golden tokens so far) within 1e-4 of the golden ones, and
+        stops where it does (a terminator, or the 8 tokens)."""
         from tests.test_llm import Collector
         from triton_vlm.llm import SamplingParams
 
-        values = self.GOLDEN.values
+        case, values = golden_case, self.GOLDEN.values
         ids, rows = values[f"{case}/input_ids"].astype(np.int32), values[f"{case}/vision_embeds"]
         n, collector = len(ids), Collector()
         engine.submit(case, ids, rows.reshape(-1, rows.shape[-1]).astype(np.float32),
                       np.broadcast_to(np.arange(n), (3, n)).copy(), np.zeros(1, np.int64),
                       SamplingParams(max_tokens=8), collector)
         collector.wait()
-        assert collector.ids == values[f"{case}/gen_tokens"].tolist()
-        assert len(collector.outputs) == len(collector.ids)
+        expected = values[f"{case}/gen_tokens"].tolist()
+        assert collector.ids == expected and len(collector.outputs) == len(expected)
+        assert collector.finish_reason == ("stop" if expected[-1] in engine.eos_token_ids else "length")
         for out, reference in zip(collector.outputs, values[f"{case}/greedy_logits"]):
             close(out.logits, reference)
 
     def test_greedy_tokens_equal_the_official_generate(self, server, case):
         """The ensemble's tokens over gRPC streaming equal the official `generate`'s (which stops
-        at its terminators), and its HTTP log-probabilities the official logits' log-softmax."""
+        at its terminators), and over HTTP generate too, with log-probabilities the official
+        logits' log-softmax."""
         from tests.test_e2e import grpc_tokens
         from triton_vlm.clients.client import generate_payload, http_generate
 
+        prompt, images, videos, options = self.served(case)
         expected = self.GOLDEN.values[f"{case}/gen_tokens"].tolist()
-        assert grpc_tokens(server, *self.GOLDEN.request(case), max_tokens=8) == expected
-        (answer,) = http_generate(server.http_url, generate_payload(*self.GOLDEN.request(case), None, max_tokens=8,
+        assert grpc_tokens(server, prompt, images, videos, max_tokens=8, mm_options=options) == expected
+        (answer,) = http_generate(server.http_url, generate_payload(prompt, images, videos, options, max_tokens=8,
                                                                     return_log_probs=True))
         assert [int(i) for i in np.atleast_1d(answer["output_ids"])] == expected
         logits = self.GOLDEN.values[f"{case}/greedy_logits"][:len(expected)].astype(np.float64)
@@ -216,6 +240,10 @@ class GoldenChecks:
     def test_concurrent_requests_each_get_the_official_answer(self, server):
         from tests.test_e2e import concurrently, grpc_tokens
 
-        cases = self.GOLDEN.image_cases
-        answers = concurrently(lambda case: grpc_tokens(server, *self.GOLDEN.request(case), max_tokens=8), cases)
+        def answer(case: str) -> list[int]:
+            prompt, images, videos, options = self.served(case)
+            return grpc_tokens(server, prompt, images, videos, max_tokens=8, mm_options=options)
+
+        cases = self.served_cases()
+        answers = concurrently(answer, cases)
         assert answers == {case: self.GOLDEN.values[f"{case}/gen_tokens"].tolist() for case in cases}
