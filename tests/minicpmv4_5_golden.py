@@ -5,7 +5,7 @@ from __future__ import annotations
 from tests.minicpmv_golden import SETS
 
 GOLDEN_SET = SETS["minicpmv4_5"]
-GOLDEN, CASES, IMAGE_CASES = GOLDEN_SET.root, GOLDEN_SET.cases, GOLDEN_SET.image_cases
+GOLDEN, CASES = GOLDEN_SET.root, GOLDEN_SET.cases
 
 
 def golden_values():
