@@ -2,7 +2,9 @@
 keys left out take the official classes' defaults (`MiniCPMVConfig` on transformers 4.40's
 `Qwen2Config` for 2.6 and 4.51's `LlamaConfig` for 4.0, `SiglipVisionConfig`,
 `MiniCPMVImageProcessor`), where those differ from the golden values the served outputs move as the
-official ones would, and 4.0's LongRoPE reads as transformers 4.51 reads it. In process, cheap."""
+official ones would, and 4.0's LongRoPE reads as transformers 4.51 reads it; every version's decoder
+(4.5's too) reads its placeholders, terminators and weights as the official model runs. In process,
+cheap."""
 from __future__ import annotations
 
 import json
@@ -18,6 +20,38 @@ from triton_vlm.llm import DecoderConfig
 from triton_vlm.preprocessing.preprocessor import Preprocessor
 
 REMOTE_CODE = ("minicpmv2_6", "minicpmv4_0")
+
+
+@pytest.mark.parametrize("family", sorted(SETS))
+def test_the_decoder_reads_as_the_official_model_runs(family):
+    """Placeholders the `<unk>` runs, stops the official `chat`'s terminators, 1-D RoPE; the
+    language model's weights only (`vpm.*`, `resampler.*` are the tower's), the head its own."""
+    from triton_vlm.llm.model import DecoderModel
+
+    golden = SETS[family]
+    config = DecoderConfig.from_checkpoint(golden.root)
+    assert config.family == family
+    assert config.placeholder_token_ids == (golden.special_id("<unk>"),)
+    assert set(config.eos_token_ids) == set(golden.meta["generation"]["terminators"])
+    assert config.mrope_section == (config.rotary_dim // 2,)
+    model = DecoderModel.from_checkpoint(golden.root)
+    official = json.loads((golden.root / "config.json").read_text())
+    assert model.embed_tokens.shape == (official["vocab_size"], official["hidden_size"])
+    assert len(model.layers) == official["num_hidden_layers"] and model.lm_head is not model.embed_tokens
+
+
+@pytest.mark.parametrize("family", sorted(SETS))
+def test_the_image_rows_sit_on_the_image_bound_runs(family):
+    """In every golden case (4.5's video too) the `<unk>` tokens the decoder fills are exactly the
+    official `image_bound` runs, each as long as `query_num`."""
+    golden = SETS[family]
+    unk, query_num = golden.special_id("<unk>"), json.loads((golden.root / "config.json").read_text())["query_num"]
+    for case in golden.cases:
+        ids, bound = golden.values[f"{case}/input_ids"], golden.values[f"{case}/image_bound"].reshape(-1, 2)
+        runs = np.concatenate([np.arange(a, b) for a, b in bound] + [np.zeros(0, int)])
+        np.testing.assert_array_equal(np.flatnonzero(ids == unk), runs, err_msg=case)
+        assert golden.values[f"{case}/vision_embeds"].shape[:2] == (len(bound), query_num), case
+        assert set(bound[:, 1] - bound[:, 0]) <= {query_num}, case
 
 
 def respelled(family: str, tmp_path, config: dict | None = None, drop: tuple[str, ...] = (), **processor):
