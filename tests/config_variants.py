@@ -13,9 +13,9 @@ optional key it always sets, or always leaves out, never varied. Two variants of
   a Qwen2.5-VL config without `text_config`, `preprocessor_config.json` files, `min_pixels`), keys
   transformers ignores (`mrope_interleaved`) and keys left out (`VARIED`).
 
-MiniCPM-V 4.5 has no transformers class: its bare config is the official one the golden set
-carries (`tests/golden/minicpmv4_5`, written by the official `MiniCPMVConfig`), and its varied one
-respells that in ways the official code reads the same (`write_golden_variant`).
+MiniCPM-V 2.6, 4.0 and 4.5 have no transformers class: their bare config is the official one their
+golden set carries (`tests/golden/minicpmv*`, written by the official `MiniCPMVConfig`), and their
+varied one respells that in ways the official code reads the same (`write_golden_variant`).
 """
 from __future__ import annotations
 
@@ -283,14 +283,28 @@ VARIED: dict[str, Callable[[dict, dict], None]] = {
 }
 
 
-# ---- MiniCPM-V 4.5: the official config (the golden set's), respelled as the official code reads it alike ----
+# ---- MiniCPM-V 2.6, 4.0, 4.5: the official config (the golden set's), respelled as the official code reads it alike ----
 
-# Keys the official `MiniCPMVConfig` (a transformers 4.51 `Qwen3Config`) and `MiniCPMVImageProcessor`
-# default to the golden set's values: left out, they read the same.
-GOLDEN_DEFAULTED = ("rope_scaling", "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings", "attention_bias",
+# Keys the official `MiniCPMVConfig` (4.5: a transformers 4.51 `Qwen3Config`; 2.6: a 4.40 `Qwen2Config`;
+# 4.0: a 4.51 `LlamaConfig`) and `MiniCPMVImageProcessor` default to the golden set's values: left
+# out, they read the same.
+GOLDEN_DEFAULTED = {
+    "minicpmv4_5": ("rope_scaling", "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings", "attention_bias",
                     "hidden_act", "use_sliding_window", "sliding_window", "max_window_layers", "use_cache",
-                    "attention_dropout", "initializer_range", "slice_mode", "batch_vision_input")
-GOLDEN_PROCESSOR_DEFAULTED = ("version", "use_image_id", "norm_mean", "norm_std", "slice_mode")
+                    "attention_dropout", "initializer_range", "slice_mode", "batch_vision_input"),
+    "minicpmv2_6": ("hidden_act", "initializer_range", "max_position_embeddings", "rms_norm_eps", "use_cache",
+                    "tie_word_embeddings", "use_sliding_window", "attention_dropout", "slice_mode",
+                    "batch_vision_input"),
+    "minicpmv4_0": ("attention_bias", "mlp_bias", "attention_dropout", "hidden_act", "pretraining_tp", "rms_norm_eps",
+                    "rope_theta", "tie_word_embeddings", "use_cache", "use_image_id", "vision_batch_size",
+                    "slice_mode", "batch_vision_input"),
+}
+GOLDEN_PROCESSOR_DEFAULTED = {
+    "minicpmv4_5": ("version", "use_image_id", "norm_mean", "norm_std", "slice_mode"),
+    "minicpmv2_6": ("version", "max_slice_nums", "scale_resolution", "patch_size", "norm_mean", "norm_std",
+                    "slice_mode"),
+}
+GOLDEN_PROCESSOR_DEFAULTED["minicpmv4_0"] = GOLDEN_PROCESSOR_DEFAULTED["minicpmv2_6"]
 
 
 def write_golden_variant(golden: Path, out: Path, **processor: Any) -> Path:
@@ -299,10 +313,10 @@ def write_golden_variant(golden: Path, out: Path, **processor: Any) -> Path:
     _copy(golden, out)
     config = json.loads((golden / "config.json").read_text())
     config["dtype"] = config.pop("torch_dtype")
-    for key in GOLDEN_DEFAULTED:
+    for key in GOLDEN_DEFAULTED[golden.name]:
         config.pop(key)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     image = json.loads((golden / "preprocessor_config.json").read_text())
-    image = {k: v for k, v in image.items() if k not in GOLDEN_PROCESSOR_DEFAULTED} | processor
+    image = {k: v for k, v in image.items() if k not in GOLDEN_PROCESSOR_DEFAULTED[golden.name]} | processor
     (out / "preprocessor_config.json").write_text(json.dumps(image, indent=2))
     return out

@@ -111,7 +111,7 @@ def test_infer_reports_invalid_input(server, tmp_path):
 
 
 # Families transformers has no class for: their oracle is the official code's golden set.
-OFFICIAL_ONLY = {"minicpmv4_5"}
+OFFICIAL_ONLY = {"minicpmv2_6", "minicpmv4_0", "minicpmv4_5"}
 
 
 @pytest.mark.parametrize("family", sorted(set(FAMILIES) - OFFICIAL_ONLY))
@@ -133,31 +133,38 @@ def test_demo_checkpoint_small_loads_offline_in_transformers(family, tmp_path):
         == model.config.image_token_id
 
 
-def test_demo_checkpoint_of_minicpmv4_5_has_the_official_layout(tmp_path):
-    """MiniCPM-V 4.5's tiny demo checkpoint holds the weights of the official golden checkpoint
-    (written by the official code, the same shape): every name, every shape but the vocabulary's
-    rows; the processor's fields are the official's too."""
+@pytest.mark.parametrize("family", sorted(OFFICIAL_ONLY))
+def test_demo_checkpoint_of_a_remote_code_version_has_the_official_layout(family, tmp_path):
+    """A remote-code MiniCPM-V version's tiny demo checkpoint holds the weights of its official
+    golden checkpoint (written by the official code, the same shape): every name, every shape but
+    the vocabulary's rows; the processor's fields are the official's too. (The command itself is run
+    for one version; the others are written in process.)"""
     from safetensors import safe_open
 
-    from tests.minicpmv4_5_golden import GOLDEN
+    from tests.minicpmv_golden import SETS
+    from triton_vlm.families.demo import write_demo_checkpoint
 
-    out = tmp_path / "minicpmv4_5"
-    subprocess.run([sys.executable, "-m", "triton_vlm.tools.cli", "demo-checkpoint", "--family", "minicpmv4_5", "--out",
-                    str(out)], check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=600)
-    assert detect_family(out).name == "minicpmv4_5"
+    golden, out = SETS[family].root, tmp_path / family
+    if family == "minicpmv4_5":
+        subprocess.run([sys.executable, "-m", "triton_vlm.tools.cli", "demo-checkpoint", "--family", family, "--out",
+                        str(out)], check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=600)
+    else:
+        write_demo_checkpoint(family, out)
+    assert detect_family(out).name == family
 
     def layout(checkpoint):
         with safe_open(checkpoint / "model.safetensors", "pt") as f:
             return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
 
-    ours, official = layout(out), layout(GOLDEN)
+    ours, official = layout(out), layout(golden)
     assert set(ours) == set(official)
     vocab = {"llm.model.embed_tokens.weight", "llm.lm_head.weight"}
     assert {n: s for n, s in ours.items() if n not in vocab} == {n: s for n, s in official.items() if n not in vocab}
     assert all(ours[n][1:] == official[n][1:] for n in vocab)
-    processor, golden = (json.loads((c / "preprocessor_config.json").read_text()) for c in (out, GOLDEN))
-    assert {k: processor[k] for k in processor if k != "scale_resolution" and k != "max_slice_nums"} == {
-        k: golden[k] for k in processor if k != "scale_resolution" and k != "max_slice_nums"}
+    processor, official_processor = (json.loads((c / "preprocessor_config.json").read_text()) for c in (out, golden))
+    sized = ("scale_resolution", "max_slice_nums")
+    assert {k: v for k, v in processor.items() if k not in sized} == {
+        k: official_processor[k] for k in processor if k not in sized}
 
 
 def test_llm_device_and_dtype_are_build_options(tiny_checkpoint, tmp_path):

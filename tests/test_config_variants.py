@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.config_variants import KINDS, write_variant
+from tests.config_variants import GOLDEN_DEFAULTED, KINDS, write_variant
 from tests.oracle import Oracle, decode_frames
 from triton_vlm.families import FAMILIES
 from triton_vlm.media import samples
@@ -28,7 +28,7 @@ from triton_vlm.media import samples
 NEW_TOKENS = 6
 IMAGE = samples.image_bytes(200, 150)
 VIDEO = samples.video_bytes(seconds=2.0, fps=4, width=280, height=200)
-FAMILY_NAMES = [name for name in FAMILIES if name != "minicpmv4_5"]
+FAMILY_NAMES = [name for name in FAMILIES if name not in GOLDEN_DEFAULTED]  # (those: their golden sets)
 
 
 # transformers' GLM cannot generate from an image and a video in one prompt (its video mask also
@@ -264,7 +264,7 @@ def test_minicpmv4_5_reads_norm_mean_and_norm_std_as_the_official_processor(gold
     """`norm_mean` / `norm_std` (the official spelling) normalise the official processor's pixels."""
     from tests.config_variants import write_golden_variant
     from tests.minicpmv4_5_golden import GOLDEN
-    from tests.test_preprocess_minicpmv4_5 import golden_rows
+    from tests.minicpmv_golden import golden_rows
     from triton_vlm.preprocessing.preprocessor import Preprocessor
 
     mean, std = np.float32([0.4, 0.5, 0.6]), np.float32([0.3, 0.4, 0.5])
@@ -285,7 +285,7 @@ def test_minicpmv4_5_without_drop_vision_last_layer_is_refused(tmp_path):
     import json
 
     from tests.minicpmv4_5_golden import GOLDEN
-    from triton_vlm.families.minicpmv.tower_v4_5 import vision_settings
+    from triton_vlm.families.minicpmv.tower_resampler import vision_settings
 
     config = json.loads((GOLDEN / "config.json").read_text())
     assert vision_settings(config)["depth"] == config["vision_config"]["num_hidden_layers"]

@@ -76,13 +76,27 @@ def test_unsupported_model_type_names_the_supported_ones(tmp_path):
         detect_family(tmp_path)
 
 
-def test_a_model_type_spanning_versions_serves_the_versions_named(tmp_path):
-    """MiniCPM-V's `minicpmv` covers 2.0 to 4.5; only what is tested (4.5) is served."""
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "minicpmv", "version": 4.5}))
-    assert detect_family(tmp_path).name == "minicpmv4_5"
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "minicpmv", "version": 2.6}))
-    with pytest.raises(ValueError, match="minicpmv version 2.6 is not supported; supported versions: 4.5"):
-        detect_family(tmp_path)
+@pytest.mark.parametrize("config, family", [
+    ({"version": 2.6}, "minicpmv2_6"), ({"version": 4.0}, "minicpmv4_0"), ({"version": 4.5}, "minicpmv4_5")])
+def test_minicpmv_versions_are_dispatched_by_the_configs_version(tmp_path, config, family):
+    """`minicpmv` spans the official `MiniCPMV`'s versions: each served one is its own family."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "minicpmv", **config}))
+    assert detect_family(tmp_path).name == family
+
+
+@pytest.mark.parametrize("config, version", [
+    ({"version": 2.5}, "2.5"), ({"version": 4}, "4"),
+    ({}, "2.5"), ({"hidden_size": 2304, "query_num": 64}, "2.0")])  # no version: vLLM's guess
+def test_a_minicpmv_version_not_served_is_refused_at_build_naming_it(tmp_path, config, version):
+    from triton_vlm.repository.build import build_repository
+
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps({"model_type": "minicpmv", **config}))
+    message = f"minicpmv version {version} is not supported; supported versions: 2.6, 4.0, 4.5$"
+    with pytest.raises(ValueError, match=message):
+        build_repository(checkpoint, tmp_path / "repository")
+    assert not (tmp_path / "repository").exists()
 
 
 def test_demo_checkpoint_overrides(tmp_path):

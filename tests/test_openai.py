@@ -273,17 +273,20 @@ def test_render_chat_is_the_processors_apply_chat_template(tiny_checkpoint, proc
         == processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
-@pytest.mark.parametrize("case", ["a_image_640x480", "c_two_images", "d_video", "e_text_only"])
-def test_render_chat_is_the_official_minicpmv4_5_chat(case):
-    """The official 4.5 template takes string content only: the parts joined by newlines, media as
-    their placeholders, rendered with `enable_thinking=False`, as the official `chat()` writes the
-    golden prompts (a video as one marker, which `preprocess` expands to its frames' lines)."""
-    from tests.minicpmv4_5_golden import CASES, GOLDEN
+@pytest.mark.parametrize("family, case", [(f, c) for f in ("minicpmv2_6", "minicpmv4_0") for c in ("c_two_images",
+                                                                                                  "d_text_only")]
+                         + [("minicpmv4_5", c) for c in ("a_image_640x480", "c_two_images", "d_video", "e_text_only")])
+def test_render_chat_is_the_official_minicpmv_chat(family, case):
+    """The official remote-code templates take string content only: the parts joined by newlines,
+    media as their placeholders, rendered as the official `chat()` writes the golden prompts (4.5
+    with `enable_thinking=False`, a video as one marker, which `preprocess` expands to its frames'
+    lines; 2.6's template adds its default system prompt)."""
+    from tests.minicpmv_golden import SETS
 
-    c = CASES[case]
+    c = SETS[family].cases[case]
     parts = [{"type": "text", "text": part} if isinstance(part, str) else {"type": "video" if "video_frames" in part
              else "image"} for part in c["chat"]["msgs"][0]["content"]]
-    prompt = render_chat(load_chat_template(GOLDEN), FAMILIES["minicpmv4_5"], [{"role": "user", "content": parts}])
+    prompt = render_chat(load_chat_template(SETS[family].root), FAMILIES[family], [{"role": "user", "content": parts}])
     frames = "\n".join(["(<image>./</image>)"] * len(c.get("video", {}).get("frame_indices", [])))
     assert prompt == (c["prompt"].replace(frames, "(<video>./</video>)") if frames else c["prompt"])
 

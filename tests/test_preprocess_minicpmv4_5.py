@@ -1,7 +1,7 @@
-"""`preprocess` of MiniCPM-V 4.5 images against the official processor's golden values
-(`tests/golden/minicpmv4_5/`): the JPEGs as a client sends them and the golden prompt give the
-golden `input_ids` (placeholders expanded to `<image_id>`, `<image>` and `<slice>` runs of
-`query_num` `<unk>`), `tgt_sizes` and pixel values, bit for bit."""
+"""`preprocess` of MiniCPM-V 4.5 against the official processor's golden values
+(`tests/golden/minicpmv4_5/`), in process: the expanded prompt's text, placeholders found in the
+text, and videos as the official "chat with video" makes them (the images' ids, `tgt_sizes` and
+pixels are checked through the server: `tests/test_e2e_minicpmv4_5.py`)."""
 from __future__ import annotations
 
 import json
@@ -9,37 +9,14 @@ import json
 import numpy as np
 import pytest
 
-from tests.minicpmv4_5_golden import CASES, GOLDEN, IMAGE_CASES
+from tests.minicpmv4_5_golden import CASES, GOLDEN
+from tests.minicpmv_golden import golden_rows
 from triton_vlm.preprocessing.preprocessor import Preprocessor
 
 
 @pytest.fixture(scope="module")
 def preprocessor():
     return Preprocessor(GOLDEN)
-
-
-def golden_rows(codes: np.ndarray, h: int, w: int) -> np.ndarray:
-    """The README's pixel encoding ([3, 14, 14 * P] codes in `reshape_by_patch` layout) as our rows:
-    [P, 3 * 14 * 14], patch k's pixels in (channel, dy, dx) order."""
-    pixels = ((codes.astype(np.float32) / 255) - 0.5) / 0.5
-    return pixels.reshape(3, 14, h * w, 14).transpose(2, 0, 1, 3).reshape(h * w, -1)
-
-
-@pytest.mark.parametrize("case", IMAGE_CASES)
-def test_images_are_the_official_processors_to_the_bit(preprocessor, golden, case):
-    c = CASES[case]
-    out = preprocessor(c["prompt"], [(GOLDEN / m["file"]).read_bytes() for m in c["media"]], [])
-    assert np.array_equal(out.input_ids, golden[f"{case}/input_ids"])
-    assert np.array_equal(out.grid_thw[:, 1:], golden[f"{case}/tgt_sizes"].reshape(-1, 2))
-    assert (out.grid_thw[:, 0] == 1).all()
-    start = 0
-    for i, (_, h, w) in enumerate(out.grid_thw.tolist()):
-        assert np.array_equal(out.pixel_values[start:start + h * w], golden_rows(golden[f"{case}/pixel_codes/{i}"], h, w)), i
-        start += h * w
-    assert start == len(out.pixel_values)
-    n = len(out.input_ids)  # the official model numbers the tokens 0..S-1
-    assert np.array_equal(out.mrope_position_ids, np.broadcast_to(np.arange(n), (3, n)))
-    assert int(out.mrope_position_delta) == 0
 
 
 def test_the_expanded_prompt_reads_as_the_official_one(preprocessor):

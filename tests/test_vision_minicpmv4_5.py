@@ -1,20 +1,18 @@
-"""MiniCPM-V 4.5's vision tower (`triton_vlm.families.minicpmv.tower_v4_5`) against the official golden
-values, from our preprocess of the golden media: NaViT position ids exact, the first slice's `vpm`
-hidden state and every slice's resampler rows (`vision_embeds`) within 1e-4, in torch, through the
-torch encoder and through the ONNX export in ONNX Runtime; a video's packed frames with their
-temporal ids resampled together as the official does."""
+"""MiniCPM-V 4.5's vision tower (`triton_vlm.families.minicpmv.tower_resampler`) against the official
+golden values: a video's packed frames with their temporal ids resampled together as the official
+does, in torch, through the torch encoder and through the ONNX export in ONNX Runtime, and the
+frames chosen and their temporal ids (the images' rows are checked through the server and the torch
+encoder: `tests/test_e2e_minicpmv4_5.py`)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from tests.minicpmv4_5_golden import CASES, GOLDEN, IMAGE_CASES
-from triton_vlm.families.minicpmv.tower_v4_5 import MiniCPMV4_5Tower, metadata, navit_position_ids
+from tests.minicpmv4_5_golden import CASES, GOLDEN
+from tests.minicpmv_golden import close
+from triton_vlm.families.minicpmv.tower_resampler import MiniCPMV4_5Tower, metadata
 from triton_vlm.preprocessing.preprocessor import Preprocessor
-
-MEDIA_CASES = [case for case in IMAGE_CASES if CASES[case]["media"]]
-ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -35,50 +33,10 @@ def onnx_encoder(tmp_path_factory):
     return VisionEncoder(export_onnx(GOLDEN, tmp_path_factory.mktemp("minicpmv4_5") / "vision.onnx"))
 
 
-def preprocessed(case: str):
-    c = CASES[case]
-    return Preprocessor(GOLDEN)(c["prompt"], [(GOLDEN / m["file"]).read_bytes() for m in c["media"]], [])
-
-
 def run(tower, pixels: np.ndarray, grid: np.ndarray, settings: dict, temporal_ids=None) -> torch.Tensor:
     meta = metadata(grid, settings, temporal_ids)
     with torch.inference_mode():
         return tower(torch.from_numpy(pixels), *(torch.from_numpy(meta[k]) for k in MiniCPMV4_5Tower.METADATA_INPUTS))
-
-
-def close(rows, expected) -> None:
-    rows, expected = np.asarray(rows), np.asarray(expected).reshape(np.shape(rows))
-    assert np.allclose(rows, expected, atol=ATOL, rtol=0), np.abs(rows - expected).max()
-
-
-@pytest.mark.parametrize("case", MEDIA_CASES)
-def test_image_rows_equal_the_official(tower, settings, golden, case):
-    out = preprocessed(case)
-    for i, (_, h, w) in enumerate(out.grid_thw.tolist()):
-        assert np.array_equal(navit_position_ids(h, w, settings["pos_embed_size"]),
-                              golden[f"{case}/vision_position_ids/{i}"]), i
-    _, h, w = out.grid_thw[0].tolist()
-    first = metadata(out.grid_thw[:1], settings)
-    with torch.inference_mode():
-        hidden = tower.hidden(torch.from_numpy(out.pixel_values[:h * w]),
-                              *(torch.from_numpy(first[k]) for k in ("position_ids", "full_index", "full_mask",
-                                                                     "full_inverse")))
-    close(hidden, golden[f"{case}/vpm_hidden/0"])
-    close(run(tower, out.pixel_values, out.grid_thw, settings), golden[f"{case}/vision_embeds"])
-
-
-@pytest.mark.parametrize("case", MEDIA_CASES)
-def test_the_encoders_give_the_official_rows(onnx_encoder, golden, case):
-    """The torch encoder and the ONNX export in ONNX Runtime: `query_num` rows per slice, every
-    slice of every case in one call (slices of several sizes: the encoder's runs)."""
-    from triton_vlm.vision.runtime.torch_encoder import TorchEncoder
-
-    out = preprocessed(case)
-    expected = golden[f"{case}/vision_embeds"]
-    for encoder in (TorchEncoder(GOLDEN), onnx_encoder):
-        rows = encoder.encode(out.pixel_values, out.grid_thw)
-        assert rows.shape == (len(out.grid_thw) * 8, 256)
-        close(rows, expected)
 
 
 def test_a_videos_packed_frames_are_resampled_together_as_the_official(tower, settings, golden):

@@ -46,15 +46,16 @@ def detect_family(checkpoint: str | Path) -> Family:
     checkpoint's, else the one whose own model type it is."""
     checkpoint = Path(checkpoint)
     config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
-    model_type, version = config.get("model_type"), str(config.get("version"))
+    model_type = config.get("model_type")
     candidates = [f for f in FAMILIES.values() if model_type in f.model_types]
     if not candidates:
         raise ValueError(f"{checkpoint}: model_type {model_type!r} is not supported; supported: "
                          + ", ".join(dict.fromkeys(t for f in FAMILIES.values() for t in f.model_types)))
-    served = [f for f in candidates if not f.versions or version in f.versions]
+    served = [f for f in candidates if not f.versions or f.config_version(config) in f.versions]
     if not served:
-        raise ValueError(f"{checkpoint}: {model_type} version {version} is not supported; supported versions: "
-                         + ", ".join(v for f in candidates for v in f.versions))
+        versioned = [f for f in candidates if f.versions]
+        raise ValueError(f"{checkpoint}: {model_type} version {versioned[0].config_version(config)} is not supported; "
+                         "supported versions: " + ", ".join(sorted(v for f in versioned for v in f.versions)))
     candidates = served
     video_processor = _video_processor_type(checkpoint)
     return max(candidates, key=lambda f: (video_processor in f.video_processor_types, f.model_types[0] == model_type))

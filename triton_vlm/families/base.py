@@ -165,6 +165,8 @@ class Family:
     demo: str
     versions: tuple[str, ...] = ()
     video_processor_types: tuple[str, ...] = ()
+    # How a checkpoint's `config.json` names its version (what `versions` holds).
+    config_version: Callable[[dict], str] = lambda config: str(config.get("version"))
 
     @property
     def image_placeholder(self) -> str:

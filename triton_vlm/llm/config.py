@@ -14,7 +14,7 @@ import torch
 from triton_vlm.families import DEFAULT_FAMILY, detect_family
 from triton_vlm.llm.layers.linear_attention import LinearAttentionConfig
 from triton_vlm.llm.layers.moe import MoeConfig
-from triton_vlm.llm.text_config import Rope, TextRules, layer_types, text_section, tied
+from triton_vlm.llm.text_config import LongRope, Rope, TextRules, context_limit, layer_types, text_section, tied
 
 
 def _ids(value: Any) -> list[int]:
@@ -57,7 +57,7 @@ class DecoderConfig:
     rms_norm_eps: float
     rope_theta: float
     mrope_section: tuple[int, ...]
-    max_position_embeddings: int
+    max_position_embeddings: int  # the positions a sequence may take (`text_config.context_limit`)
     tie_word_embeddings: bool
     placeholder_token_ids: tuple[int, ...]  # prompt tokens replaced by image/video embedding rows
     eos_token_ids: tuple[int, ...]
@@ -67,6 +67,7 @@ class DecoderConfig:
     mrope_interleaved: bool = False  # the decoder's layout (`TextRules`); config.json's key is never read
     moe: MoeConfig | None = None  # set for mixture-of-experts decoders (config `n_routed_experts`)
     text_model_type: str = ""  # `text_config.model_type`: picks the decoder where a family has several
+    longrope: LongRope | None = None  # `rope_type` "longrope": its frequency factors and cos/sin scale
 
     @property
     def moe_layers(self) -> tuple[bool, ...]:
@@ -103,9 +104,10 @@ class DecoderConfig:
         text = text_section(cfg, rules)
 
         rope = Rope.read(text, rules)
-        if rope.rope_type != "default":
-            raise NotImplementedError(f"rope_type {rope.rope_type!r} is not supported (only default M-RoPE)")
-        if text.get("use_sliding_window"):
+        if rope.rope_type not in ("default", "longrope") or (rope.rope_type == "longrope" and spec.mrope):
+            raise NotImplementedError(f"rope_type {rope.rope_type!r} is not supported (only default M-RoPE, "
+                                      "and LongRoPE of 1-D positions)")
+        if text.get("use_sliding_window") and not rules.sdpa_sliding_window:
             raise NotImplementedError("sliding-window attention is not supported")
         if refused := [key for key in spec.refused_flags if text.get(key)]:
             raise NotImplementedError(f"{family.name}: text_config {', '.join(refused)} is not supported")
@@ -114,8 +116,14 @@ class DecoderConfig:
             raise NotImplementedError(f"hidden_act {act!r} is not supported")
 
         hidden, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
-        head_dim = int(text.get("head_dim") or hidden // heads)
+        head_dim = int((rules.head_dim_key and text.get("head_dim")) or hidden // heads)
         rotary_dim = int(head_dim * rope.rotary_factor)
+        longrope = LongRope.read(text, rope.scaling, rotary_dim) if rope.rope_type == "longrope" else None
+        positions = context_limit(text, rules)
+        if longrope is not None and longrope.short_factor != longrope.long_factor:
+            # The long factors would turn the keys of a sequence's later steps only: positions end
+            # before they apply.
+            positions = min(positions, longrope.original_max_position_embeddings)
         section = rope.mrope_section if spec.mrope else (rotary_dim // 2,)  # 1-D RoPE: the first position row
         # Frequencies in runs split exactly by the section (transformers' `split`); interleaved, the
         # section only bounds the height and width frequencies, so any section fits.
@@ -149,8 +157,8 @@ class DecoderConfig:
             num_heads=heads, num_kv_heads=int(text.get("num_key_value_heads") or heads),
             head_dim=head_dim, rotary_dim=rotary_dim, rms_norm_eps=float(text["rms_norm_eps"]),
             rope_theta=rope.theta, mrope_section=tuple(section),
-            max_position_embeddings=int(text["max_position_embeddings"]),
+            max_position_embeddings=positions,
             tie_word_embeddings=tied(cfg, text, rules), placeholder_token_ids=placeholders,
             eos_token_ids=tuple(dict.fromkeys(eos)), family=family.name, layer_types=types, linear_attention=linear,
-            mrope_interleaved=rules.mrope_interleaved, moe=moe, text_model_type=text_model_type,
+            mrope_interleaved=rules.mrope_interleaved, moe=moe, text_model_type=text_model_type, longrope=longrope,
         )

@@ -8,6 +8,7 @@ config class defaults and what its text model reads; `text_section` and `Rope.re
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,15 @@ class TextRules:
     # Without a `text_config`, the text fields are the config's top level (older hub configs,
     # remote-code configs); otherwise the class takes its text config's defaults.
     flat: bool = False
+    # Whether the model reads `head_dim` (else hidden_size // num_attention_heads: transformers
+    # 4.40's Qwen2) and `rope_scaling` / `rope_parameters` (4.40's Qwen2 reads neither: plain RoPE
+    # of `rope_theta`).
+    head_dim_key: bool = True
+    rope_scaling: bool = True
+    # Under SDPA the causal mask hides keys more than `sliding_window` positions back whatever
+    # `use_sliding_window` says (transformers 4.40's Qwen2): `use_sliding_window` is not read, and the
+    # context ends where the window would start to hide a key (`context_limit`).
+    sdpa_sliding_window: bool = False
 
 
 def class_defaults(vocab: int, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int | None,
@@ -75,6 +85,50 @@ def layer_types(text: dict[str, Any], rules: TextRules, num_layers: int) -> tupl
     return tuple("linear_attention" if interval and (i + 1) % interval else "full_attention" for i in range(num_layers))
 
 
+def context_limit(text: dict[str, Any], rules: TextRules) -> int:
+    """The positions a sequence may take: `max_position_embeddings`, and where the SDPA mask
+    applies `sliding_window` (`TextRules.sdpa_sliding_window`), no more than the window lets every
+    key be seen (a query at position q sees keys from q - sliding_window on)."""
+    limit = int(text["max_position_embeddings"])
+    if rules.sdpa_sliding_window and text.get("sliding_window") is not None:
+        limit = min(limit, int(text["sliding_window"]) + 1)
+    return limit
+
+
+@dataclass(frozen=True)
+class LongRope:
+    """LongRoPE (`rope_type` "longrope"), as transformers 4.51 computes it
+    (`_compute_longrope_parameters`, `dynamic_rope_update`): each frequency divided by its
+    `short_factor` entry, by its `long_factor` one once a forward's positions pass
+    `original_max_position_embeddings` (the config's top-level key, else `max_position_embeddings`;
+    the `rope_scaling` dict's is not read); cos and sin scaled by `attention_factor` (the dict's, else
+    1 for a `factor` up to 1, else sqrt(1 + ln(factor) / ln(original))), `factor` being
+    max_position_embeddings / original where the top-level key exists, else the dict's."""
+    short_factor: tuple[float, ...]
+    long_factor: tuple[float, ...]
+    attention_factor: float
+    original_max_position_embeddings: int
+
+    @classmethod
+    def read(cls, text: dict[str, Any], rope: dict[str, Any], rotary_dim: int) -> "LongRope":
+        short, long = (tuple(float(f) for f in rope[key]) for key in ("short_factor", "long_factor"))
+        if len(short) != rotary_dim // 2 or len(long) != rotary_dim // 2:
+            raise ValueError(f"rope_scaling: short_factor and long_factor need {rotary_dim // 2} entries "
+                             f"(half the rotary dims), got {len(short)} and {len(long)}")
+        factor = rope.get("factor")
+        if text.get("original_max_position_embeddings") is not None:
+            original = int(text["original_max_position_embeddings"])
+            factor = int(text["max_position_embeddings"]) / original
+        else:
+            original = int(text["max_position_embeddings"])
+        attention = rope.get("attention_factor")
+        if attention is None and factor is None:
+            raise ValueError("rope_scaling: longrope takes a factor or an attention_factor")
+        if attention is None:
+            attention = 1.0 if float(factor) <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        return cls(short, long, float(attention), original)
+
+
 @dataclass(frozen=True)
 class Rope:
     """The decoder's rotary as the text model computes it."""
@@ -82,6 +136,8 @@ class Rope:
     theta: float
     rotary_factor: float
     mrope_section: tuple[int, ...]
+    # The `rope_scaling` dict, where the model reads one (LongRoPE's factors).
+    scaling: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def read(cls, text: dict[str, Any], rules: TextRules) -> "Rope":
@@ -89,11 +145,12 @@ class Rope:
         spelling of one dict), then `rope_theta` and `partial_rotary_factor` from the dict, else
         beside it, else the class's defaults; the older type "mrope" is "default".
         `mrope_interleaved` is not read: the layout is the model's (`TextRules.mrope_interleaved`)."""
-        rope = dict(text.get("rope_scaling") or text.get("rope_parameters") or {})
+        rope = dict(text.get("rope_scaling") or text.get("rope_parameters") or {}) if rules.rope_scaling else {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         factor = 1.0 if rules.partial_rotary_factor is None else float(
             rope.get("partial_rotary_factor", text.get("partial_rotary_factor", rules.partial_rotary_factor)))
         return cls(rope_type="default" if rope_type == "mrope" else str(rope_type),
                    theta=float(rope.get("rope_theta", text.get("rope_theta", rules.rope_theta))),
                    rotary_factor=factor,
-                   mrope_section=tuple(int(s) for s in rope.get("mrope_section") or rules.mrope_section))
+                   mrope_section=tuple(int(s) for s in rope.get("mrope_section") or rules.mrope_section),
+                   scaling=rope)

@@ -59,8 +59,10 @@ class Preprocessor:
         named = self.family.prompt.named_special_tokens
         if self.family.prompt.placeholders_in_text:  # marks no tokenizer gives, where the text has a placeholder
             self.image_token_id, self.video_token_id = IMAGE_MARK, VIDEO_MARK
-            self._placeholder_pattern = re.compile(
-                "(" + "|".join(map(re.escape, (self.family.image_placeholder, self.family.video_placeholder))) + ")")
+            videos = self.family.processor.takes_videos
+            placeholders = (self.family.image_placeholder,) + (self.family.video_placeholder,) * videos
+            self._placeholder_pattern = re.compile("(" + "|".join(map(re.escape, placeholders)) + ")")
+            self._special_around = _special_tokens_around(self.tokenizer)
         else:
             self.image_token_id = self._token_id("image_token_id", named["image_token"])
             # A family that takes no videos may have no video token in its tokenizer.
@@ -104,10 +106,11 @@ class Preprocessor:
         marks = {self.family.image_placeholder: IMAGE_MARK, self.family.video_placeholder: VIDEO_MARK}
         pieces = self._placeholder_pattern.split(text)  # text, placeholder, text, ...
         texts = self._encode_pieces(pieces[::2])
-        ids = [*texts[0]]
+        before, after = self._special_around
+        ids = [*before, *texts[0]]
         for placeholder, following in zip(pieces[1::2], texts[1:]):
             ids += [marks[placeholder], *following]
-        return np.asarray(ids, dtype=np.int32)
+        return np.asarray(ids + after, dtype=np.int32)
 
     def _encode_pieces(self, texts: list[str]) -> list[list[int]]:
         """Ids of text pieces spliced between special tokens (no special tokens added)."""
@@ -121,7 +124,7 @@ class Preprocessor:
             raise InvalidInput(f"images, videos: {n_images + n_videos} media items exceed "
                                f"max_media_items={self.limits.max_media_items}")
         ids = self._encode(text)
-        if ids.shape[0] == 0 and not n_images + n_videos:
+        if (ids.shape[0] == 0 or not text) and not n_images + n_videos:  # (a tokenizer may add `<s>` to nothing)
             raise InvalidInput("text_input: the prompt is empty")
         if not self._placeholders(ids).any() and n_images + n_videos:
             ids = self._encode(self.family.image_placeholder * n_images + self.family.video_placeholder * n_videos
@@ -294,6 +297,14 @@ class Preprocessor:
                                 media_position_ids=media, video_pruning_rate=rate, extras=extras)
 
 
+def _special_tokens_around(tokenizer) -> tuple[list[int], list[int]]:
+    """The ids the tokenizer's post-processor puts before and after an encoded text (a Llama
+    tokenizer's `<s>`; none for most): what the whole prompt gets where its placeholders are text
+    (the processor encodes the expanded prompt in one piece, special tokens added)."""
+    bare = tokenizer.encode("a", add_special_tokens=False).ids
+    whole = tokenizer.encode("a").ids
+    start = next(i for i in range(len(whole) - len(bare) + 1) if whole[i:i + len(bare)] == bare)
+    return whole[:start], whole[start + len(bare):]
 
 
 def _text_input(text: str | bytes) -> str:

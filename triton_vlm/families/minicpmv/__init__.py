@@ -1,13 +1,16 @@
-"""MiniCPM-V: versions of one family that share slicing rules and prompt runs (`slicing`), a
-SigLIP tower with a window merger (4.6, 4.7, MiniCPM-OCR: `tower_v4_6`) or a resampler (4.5:
-`tower_v4_5`), and decoders (`decoder`); each version's own rules are in its module (`v4_6`,
-`v4_7` with `canvas_mrope`, `ocr`, `v4_5`). A version is a `Family`, picked by the checkpoint's
-`model_type` (and, for `minicpmv`, its config `version`).
+"""MiniCPM-V: versions of one family that share slicing rules and prompt runs (`slicing`), SigLIP
+towers and decoders (`decoder`). 4.6, 4.7 and MiniCPM-OCR are transformers' classes: a tower with
+a window merger (`tower_v4_6`), each version's own rules in its module (`v4_6`, `v4_7` with
+`canvas_mrope`, `ocr`). 2.6, 4.0 and 4.5 are the official remote code's `MiniCPMV` (`model_type`
+`minicpmv`), which picks them by the config's `version` as vLLM's `MiniCPMV` does
+(`remote_code.version`): the same processor and a resampler tower (`tower_resampler`), each on its
+own decoder (2.6: Qwen2, 4.0: Llama with LongRoPE, 4.5: Qwen3), 4.5 with videos (`v4_5`). A
+version is a `Family`, picked by the checkpoint's `model_type` (and, for `minicpmv`, its version).
 """
 import dataclasses
 
 from triton_vlm.families.base import Family, ProcessorRules, Prompt
-from triton_vlm.families.minicpmv import ocr, v4_5, v4_6, v4_7
+from triton_vlm.families.minicpmv import ocr, remote_code, v4_5, v4_6, v4_7
 from triton_vlm.families.minicpmv.slicing import slice_rule
 
 DEMOS = "triton_vlm.families.minicpmv.demo:DEMOS"
@@ -42,24 +45,21 @@ MINICPM_OCR = dataclasses.replace(
     decoder="triton_vlm.families.minicpmv.decoder:QWEN3_5_TIED",
     processor=dataclasses.replace(MINICPMV4_6.processor, refine_layout=ocr.refine_layout,
                                   vision_defaults={**MINICPMV4_6.processor.vision_defaults, "downsample_mode": "4x"}))
-MINICPMV4_5 = Family(
-    name="minicpmv4_5",
-    model_types=("minicpmv",),
-    versions=("4.5",),
-    prompt=Prompt(image_placeholder=v4_5.IMAGE_PLACEHOLDER, video_placeholder=v4_5.VIDEO_PLACEHOLDER,
-                  special_tokens=v4_5.SPECIAL_TOKENS, named_special_tokens=v4_5.NAMED_TOKENS,
-                  eos_tokens=(v4_5.IM_END, v4_5.ENDOFTEXT), placeholders_in_text=True, chat_content_as_text=True,
-                  chat_template_kwargs=dict(enable_thinking=False)),
-    processor=ProcessorRules(
-        slice_rule=slice_rule, expand_media=v4_5.expand_media, sample_frames=v4_5.sample_frames,
-        default_video_fps=3.0,  # the official chat's choose_fps
-        pack_frames=v4_5.pack_frames, video_settings=dict(max_slice_nums=1, use_image_id=False),
-        vision_defaults=dict(temporal_patch_size=1, merge_size=1, image_mean=(0.5, 0.5, 0.5),
-                             image_std=(0.5, 0.5, 0.5), downsample_mode="resampler", backend="pil")),
-    encoder_dims=v4_5.encoder_dims,
-    tower="triton_vlm.families.minicpmv.tower_v4_5:MiniCPMV4_5Tower",
-    decoder="triton_vlm.families.minicpmv.decoder:QWEN3",
-    demo=DEMOS,
-)
+# The official `MiniCPMV` versions. Their image processor numbers images only where its config
+# says so (`use_image_id`; 4.5's keeps the setting it has always had here).
+MINICPMV2_6 = remote_code.version(
+    "minicpmv2_6", "2.6", special_tokens=v4_5.SPECIAL_TOKENS, eos_tokens=(remote_code.IM_END, v4_5.ENDOFTEXT),
+    tower="MiniCPMVTower", decoder="QWEN2", vision_defaults={**remote_code.VISION_DEFAULTS, "use_image_id": False})
+MINICPMV4_0 = remote_code.version(
+    "minicpmv4_0", "4.0", special_tokens=(remote_code.UNK, "<s>", "</s>", remote_code.IM_END, remote_code.IM_START,
+                                          *remote_code.MARKERS),  # the official ids' order (the pad: id 0)
+    eos_tokens=(remote_code.IM_END, "</s>"), tower="MiniCPMVTower", decoder="LLAMA",
+    vision_defaults=MINICPMV2_6.processor.vision_defaults)
+MINICPMV4_5 = remote_code.version(
+    "minicpmv4_5", "4.5", special_tokens=v4_5.SPECIAL_TOKENS, eos_tokens=(remote_code.IM_END, v4_5.ENDOFTEXT),
+    tower="MiniCPMV4_5Tower", decoder="QWEN3", chat_template_kwargs=dict(enable_thinking=False),
+    expand_media=v4_5.expand_media, sample_frames=v4_5.sample_frames, takes_videos=True,
+    default_video_fps=3.0,  # the official chat's choose_fps
+    pack_frames=v4_5.pack_frames, video_settings=dict(max_slice_nums=1, use_image_id=False))
 
-FAMILIES = (MINICPMV4_6, MINICPMV4_5, MINICPMV4_7, MINICPM_OCR)
+FAMILIES = (MINICPMV4_6, MINICPMV4_5, MINICPMV2_6, MINICPMV4_0, MINICPMV4_7, MINICPM_OCR)

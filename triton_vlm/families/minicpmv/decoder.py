@@ -1,8 +1,12 @@
-"""The MiniCPM-V versions' decoders: 4.6's (and 4.7's, MiniCPM-OCR's) Qwen3.5 hybrid stack, and
-4.5's Qwen3 with 1-D positions."""
+"""The MiniCPM-V versions' decoders: 4.6's (and 4.7's, MiniCPM-OCR's) Qwen3.5 hybrid stack, and the
+official `MiniCPMV` class's language models with 1-D positions, its image rows replacing `<unk>`
+runs (the processor's `image_bound`): 2.6's Qwen2, 4.0's Llama with LongRoPE, 4.5's Qwen3. Their
+official configs are flat (`MiniCPMVConfig` subclasses the text config class of the transformers
+version the official code ran on: 4.40's `Qwen2Config` for 2.6, 4.51's `LlamaConfig` for 4.0 and
+`Qwen3Config` for 4.5), and the official `chat` stops on its own terminators."""
 from dataclasses import replace
 
-from triton_vlm.llm.layers.decoder import Qwen3Layer, Qwen35AttentionLayer, Qwen35LinearLayer
+from triton_vlm.llm.layers.decoder import LlamaLayer, Qwen2Layer, Qwen3Layer, Qwen35AttentionLayer, Qwen35LinearLayer
 from triton_vlm.llm.layers.rotary import HalfPairs
 from triton_vlm.llm.layers.spec import DecoderSpec
 from triton_vlm.llm.text_config import TextRules, class_defaults
@@ -16,10 +20,22 @@ QWEN3_5 = DecoderSpec(Qwen35AttentionLayer, HalfPairs, ("image_token_id", "video
                                      mrope_interleaved=True))
 # MiniCPM-OCR's: `MiniCPMOcrConfig` ties the word embeddings unless its config says otherwise.
 QWEN3_5_TIED = replace(QWEN3_5, text=replace(QWEN3_5.text, tie_word_embeddings=True))
-# MiniCPM-V 4.5's Qwen3: its image rows replace `<unk>` runs (the processor's `image_bound`). The
-# official `MiniCPMVConfig` is a flat Qwen3 config (transformers 4.51's `Qwen3Config` defaults).
-QWEN3 = DecoderSpec(Qwen3Layer, HalfPairs, (), placeholder_tokens=("<unk>",),
-                    eos_tokens=("<|im_end|>", "<|endoftext|>"), mrope=False, text=TextRules(
-                        class_defaults(151936, 4096, 22016, 32, 32, 32, 32768, 1e-6, head_dim=128),
-                        partial_rotary_factor=None, flat=True))
 
+# The official `MiniCPMV`'s: image rows replace the `<unk>` runs; positions 0..S-1.
+_OFFICIAL = DecoderSpec(Qwen3Layer, HalfPairs, (), placeholder_tokens=("<unk>",),
+                        eos_tokens=("<|im_end|>", "<|endoftext|>"), mrope=False)
+# 4.5: transformers 4.51's `Qwen3Config` defaults.
+QWEN3 = replace(_OFFICIAL, text=TextRules(class_defaults(151936, 4096, 22016, 32, 32, 32, 32768, 1e-6, head_dim=128),
+                                          partial_rotary_factor=None, flat=True))
+# 2.6: transformers 4.40's `Qwen2` reads neither `head_dim` nor `rope_scaling`, and under SDPA (the
+# official code's attention here) masks keys `sliding_window` back (default 4096) whatever
+# `use_sliding_window` says. The official `get_vllm_embedding` scales the prompt's token embeddings
+# by a config's `scale_emb` (not the generated tokens'): not implemented, refused.
+QWEN2 = replace(_OFFICIAL, layer=Qwen2Layer, refused_flags=("scale_emb",), text=TextRules(
+    class_defaults(151936, 4096, 22016, 32, 32, 32, 32768, 1e-6, sliding_window=4096), partial_rotary_factor=None,
+    flat=True, head_dim_key=False, rope_scaling=False, sdpa_sliding_window=True))
+# 4.0: transformers 4.51's `LlamaConfig` (LongRoPE in its `rope_scaling`), stopping on `</s>`.
+LLAMA = replace(_OFFICIAL, layer=LlamaLayer, eos_tokens=("<|im_end|>", "</s>"),
+                refused_flags=("attention_bias", "mlp_bias", "scale_emb"), text=TextRules(
+                    class_defaults(32000, 4096, 11008, 32, 32, None, 2048, 1e-6), partial_rotary_factor=None,
+                    flat=True))

@@ -1,6 +1,6 @@
-"""The MiniCPM-V versions' demo checkpoints: their sizes, reduced chat templates and random-weight
-writers (4.6, 4.7 and MiniCPM-OCR through transformers' classes; 4.5, which transformers lacks,
-as the official remote code reads it)."""
+"""The demo checkpoints of the MiniCPM-V versions transformers has classes for (4.6, 4.7 and
+MiniCPM-OCR): their sizes, reduced chat template and random-weight writer (the remote-code
+versions' are `demo_remote_code`'s)."""
 from __future__ import annotations
 
 from functools import partial
@@ -9,18 +9,12 @@ from typing import Any
 
 from triton_vlm.families.demo import Demo, chat_template, random_model
 from triton_vlm.families.minicpmv import MINICPMV4_6
-from triton_vlm.families.minicpmv import v4_5 as mc45
 from triton_vlm.families.minicpmv import v4_6 as mc
 from triton_vlm.families.minicpmv.slicing import IMAGE_END, IMAGE_START, SLICE_END, SLICE_START
 
 MINICPMV_TEMPLATE = chat_template(
     prefix="", message_start="<|im_start|>{{ message['role'] }}\n", message_end="<|im_end|>\n",
     image=mc.IMAGE_TOKEN, video=mc.VIDEO_TOKEN, generation_prompt="<|im_start|>assistant\n")
-
-
-MINICPMV4_5_TEMPLATE = chat_template(
-    prefix="", message_start="<|im_start|>{{ message['role'] }}\n", message_end="<|im_end|>\n",
-    image=mc45.IMAGE_PLACEHOLDER, video=mc45.VIDEO_PLACEHOLDER, generation_prompt="<|im_start|>assistant\n")
 
 
 # MiniCPM-V 4.6: the text stack alternates linear-attention (gated delta rule) and full-attention
@@ -52,28 +46,6 @@ MINICPMV4_6_SIZES: dict[str, dict[str, Any]] = {
 # their glyphs ("adaptive").
 MINICPM_OCR_SIZES: dict[str, dict[str, Any]] = {
     size: {**shape, "small_image_upsize": "adaptive"} for size, shape in MINICPMV4_6_SIZES.items()}
-
-
-# MiniCPM-V 4.5: a Qwen3 decoder (its width a multiple of 128: the resampler's heads are 128 wide),
-# SigLIP with a 980 px position table, `query_num` rows per slice.
-MINICPMV4_5_SIZES: dict[str, dict[str, Any]] = {
-    "tiny": dict(
-        vocab_size=1024,
-        text=dict(hidden_size=256, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16),
-        vision=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                    image_size=980, patch_size=14),
-        query_num=8, scale_resolution=112, max_slice_nums=4,
-    ),
-    "small": dict(
-        vocab_size=8192,
-        text=dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
-                  num_key_value_heads=2, head_dim=64),
-        vision=dict(hidden_size=256, intermediate_size=704, num_hidden_layers=8, num_attention_heads=4,
-                    image_size=980, patch_size=14),
-        query_num=64, scale_resolution=448, max_slice_nums=9,
-    ),
-}
 
 
 # transformers class prefix, image and video processor classes of the MiniCPM-V variants written
@@ -131,46 +103,6 @@ def _write_minicpmv(out: Path, shape: dict[str, Any], tokenizer, seed: int, *, v
     processor.save_pretrained(out)
 
 
-def _write_minicpmv4_5(out: Path, shape: dict[str, Any], tokenizer, seed: int) -> None:
-    """A random-weight MiniCPM-V 4.5 checkpoint as the official remote code reads it (transformers
-    has no class for it): the decoder's weights made by transformers' Qwen3 under `llm.`, the
-    tower's by ours (`vpm.`, `resampler.`), the official config and processor fields."""
-    import json
-
-    import torch
-    from safetensors.torch import save_file
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from triton_vlm.families.minicpmv.tower_v4_5 import MiniCPMV4_5VisionTower, vision_settings
-
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in mc45.SPECIAL_TOKENS}
-    patch = shape["vision"]["patch_size"]
-    text = dict(vocab_size=shape["model_vocab_size"], max_position_embeddings=4096, rms_norm_eps=1e-6,
-                rope_theta=1000000.0, hidden_act="silu", attention_bias=False, tie_word_embeddings=False,
-                bos_token_id=ids[mc45.IM_START], eos_token_id=ids[mc45.IM_END], **shape["text"])
-    config = dict(version=4.5, architectures=["MiniCPMV"], model_type="minicpmv", **text,
-                  vision_config=dict(model_type="siglip", **shape["vision"]), query_num=shape["query_num"],
-                  image_size=shape["scale_resolution"], patch_size=patch, slice_mode=True, batch_vision_input=True,
-                  batch_3d_resampler=True, drop_vision_last_layer=False)
-    llm = random_model(Qwen3ForCausalLM, Qwen3Config(**text), shape, seed)
-    tower = random_model(MiniCPMV4_5VisionTower, vision_settings(config), shape, seed + 1)
-    with torch.no_grad():  # (the module starts them at zero: the checkpoint sets them)
-        tower.resampler.query.normal_(std=0.02)
-        tower.resampler.proj.normal_(std=tower.resampler.proj.shape[0] ** -0.5)
-    weights = {f"llm.{name}": value for name, value in llm.state_dict().items()} | tower.state_dict()
-    save_file({name: value.contiguous() for name, value in weights.items()}, out / "model.safetensors")
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    processor = dict(image_processor_type="MiniCPMVImageProcessor", processor_class="MiniCPMVProcessor",
-                     max_slice_nums=shape["max_slice_nums"], scale_resolution=shape["scale_resolution"],
-                     patch_size=patch, use_image_id=True, image_feature_size=shape["query_num"], slice_mode=True,
-                     norm_mean=[0.5] * 3, norm_std=[0.5] * 3, **{key: token for key, token in mc45.NAMED_TOKENS.items()
-                                                                  if key != "unk_token"}, unk=mc45.UNK)
-    (out / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
-    tokenizer.chat_template = MINICPMV4_5_TEMPLATE
-    tokenizer.save_pretrained(out)
-
-
 DEMOS = {"minicpmv4_6": Demo(MINICPMV4_6_SIZES, partial(_write_minicpmv, variant="minicpmv4_6")),
          "minicpmv4_7": Demo(MINICPMV4_6_SIZES, partial(_write_minicpmv, variant="minicpmv4_7")),
-         "minicpm_ocr": Demo(MINICPM_OCR_SIZES, partial(_write_minicpmv, variant="minicpm_ocr")),
-         "minicpmv4_5": Demo(MINICPMV4_5_SIZES, _write_minicpmv4_5)}
+         "minicpm_ocr": Demo(MINICPM_OCR_SIZES, partial(_write_minicpmv, variant="minicpm_ocr"))}

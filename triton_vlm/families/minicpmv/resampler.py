@@ -1,7 +1,8 @@
-"""MiniCPM-V's resampler (the official `resampler.py`, 4.5's `Resampler4_5` with temporal ids): its
-learned queries attend over each group's tower rows, keys carrying a 2-D sin-cos of their patch's
-(row, column) and, for a video frame, a 1-D sin-cos of its temporal id; every group gives
-`query_num` rows."""
+"""MiniCPM-V's resampler (the official `resampler.py`): learned queries attending over each group's
+tower rows, keys carrying a 2-D sin-cos of their patch's (row, column); every group gives
+`query_num` rows. 2.6's and 4.0's `Resampler` resample each slice on its own; 4.5's
+(`Resampler4_5`) also adds to a video frame's keys a 1-D sin-cos of its temporal id, a group being
+the frames packed together."""
 from __future__ import annotations
 
 from typing import Any
@@ -22,29 +23,31 @@ def sincos(pos: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 class Resampler(nn.Module):
-    """`Resampler4_5`: keys and values from the tower's rows (`kv_proj`, `ln_kv`; keys plus their
-    2-D sin-cos, column half first, and a frame's temporal sin-cos), the learned queries (`ln_q`)
-    attending over each group's keys, `ln_post`, `proj`."""
+    """`Resampler`: keys and values from the tower's rows (`kv_proj`, an identity where the tower
+    is as wide as the LLM; `ln_kv`), keys plus their 2-D sin-cos (column half first), the learned
+    queries (`ln_q`) attending over each group's keys, `ln_post`, `proj`. `key_positions`: each
+    row's (row, column, temporal id or -1)."""
 
     def __init__(self, cfg: dict[str, Any]):
         super().__init__()
         dim, q = cfg["out_hidden_size"], cfg["query_num"]
         self.num_heads = dim // 128
         self.query = nn.Parameter(torch.zeros(q, dim))
-        self.kv_proj = nn.Linear(cfg["hidden_size"], dim, bias=False)
+        self.kv_proj = nn.Linear(cfg["hidden_size"], dim, bias=False) if cfg["hidden_size"] != dim else nn.Identity()
         self.attn = nn.MultiheadAttention(dim, self.num_heads)
         self.ln_q, self.ln_kv, self.ln_post = (tower_layers.LayerNorm(dim, eps=LAYER_NORM_EPS) for _ in range(3))
         self.proj = nn.Parameter(torch.zeros(dim, dim))
 
+    def key_sincos(self, key_positions: torch.Tensor) -> torch.Tensor:
+        half = self.query.shape[1] // 2
+        return torch.cat([sincos(key_positions[:, 1], half), sincos(key_positions[:, 0], half)], dim=-1)
+
     def forward(self, x, key_positions, group_index, group_mask):
         dim = self.query.shape[1]
         x = self.ln_kv(self.kv_proj(x)).float()
-        pos = torch.cat([sincos(key_positions[:, 1], dim // 2), sincos(key_positions[:, 0], dim // 2)], dim=-1)
-        temporal = key_positions[:, 2]
-        pos = pos + sincos(temporal.clamp(min=0), dim) * (temporal >= 0).float()[:, None]
         w, b = self.attn.in_proj_weight.float(), self.attn.in_proj_bias.float()
         q = nn.functional.linear(self.ln_q(self.query).float(), w[:dim], b[:dim])
-        k = nn.functional.linear(x + pos, w[dim:2 * dim], b[dim:2 * dim])
+        k = nn.functional.linear(x + self.key_sincos(key_positions), w[dim:2 * dim], b[dim:2 * dim])
         v = nn.functional.linear(x, w[2 * dim:], b[2 * dim:])
         groups, length = group_index.shape
         flat = group_index.reshape(-1)
@@ -57,3 +60,11 @@ class Resampler(nn.Module):
         out = nn.functional.linear(out, self.attn.out_proj.weight.float(), self.attn.out_proj.bias.float())
         return self.ln_post(out.to(self.proj.dtype)) @ self.proj
 
+
+class Resampler4_5(Resampler):
+    """`Resampler4_5`: a video frame's keys (temporal id >= 0) also carry its temporal sin-cos."""
+
+    def key_sincos(self, key_positions: torch.Tensor) -> torch.Tensor:
+        temporal = key_positions[:, 2]
+        pos = super().key_sincos(key_positions)
+        return pos + sincos(temporal.clamp(min=0), self.query.shape[1]) * (temporal >= 0).float()[:, None]

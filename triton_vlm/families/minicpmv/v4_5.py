@@ -1,12 +1,6 @@
 """MiniCPM-V 4.5 (`model_type` `minicpmv`, config `version` 4.5; official remote code, which
-transformers 5 lacks): a SigLIP-NaViT tower and `Resampler4_5` on a Qwen3 decoder.
-
-Its oracle is the official code's golden set (`shared/reference/minicpmv4_5/`). The decoder
-(`triton_vlm.families.minicpmv.decoder.QWEN3`) takes image rows in place of the `<unk>` runs that the processor puts
-between `<image>`/`<slice>` and their end tokens (the `image_bound` rows), positions 1-D. A prompt's
-`(<image>./</image>)` (several tokens: found in the text) becomes `slice_runs` of
-`image_feature_size` (`query_num`) `<unk>` each, the slices cut as MiniCPM-V 4.6 cuts them but with
-sides in whole patches (`downsample_mode` "resampler").
+transformers 5 lacks): a SigLIP-NaViT tower and `Resampler4_5` on a Qwen3 decoder. Its images are
+every remote-code version's (`triton_vlm.families.minicpmv.remote_code`); its own are videos.
 
 Videos follow the official README's "chat with video": frames chosen by `choose_frames` (`fps` is
 its `choose_fps`, default 3; `mm_options.force_packing` its `force_packing`), each frame unsliced
@@ -24,32 +18,26 @@ import numpy as np
 
 from triton_vlm.errors import InvalidInput
 from triton_vlm.families.base import MediaLayout
-from triton_vlm.families.minicpmv.slicing import (IMAGE_END, IMAGE_ID_END, IMAGE_ID_START, IMAGE_START, SLICE_END,
-                                                  SLICE_START, slice_runs)
+from triton_vlm.families.minicpmv.remote_code import IM_END, IM_START, MARKERS, UNK, expand_images
 from triton_vlm.media.mrope import MediaSpan
 from triton_vlm.media.videos import distinct_indices, video_facts
 
-IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER = "(<image>./</image>)", "(<video>./</video>)"
-UNK, ENDOFTEXT, IM_START, IM_END = "<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"
-SPECIAL_TOKENS = (ENDOFTEXT, UNK, IM_START, IM_END, IMAGE_START, IMAGE_END, SLICE_START, SLICE_END,
-                  IMAGE_ID_START, IMAGE_ID_END)
-NAMED_TOKENS = {"unk_token": UNK, "im_start": IMAGE_START, "im_end": IMAGE_END, "slice_start": SLICE_START,
-                "slice_end": SLICE_END, "im_id_start": IMAGE_ID_START, "im_id_end": IMAGE_ID_END}
+ENDOFTEXT = "<|endoftext|>"
+SPECIAL_TOKENS = (ENDOFTEXT, UNK, IM_START, IM_END, *MARKERS)
 
 
 def expand_media(media: MediaLayout, token_id: Callable[[str], int],
                  encode: Callable[[list[str]], list[list[int]]]) -> tuple[np.ndarray, list[MediaSpan]]:
-    """`MiniCPMVImageProcessor.get_slice_image_placeholder`: runs of `<unk>`. A video's marker
-    stands for its frames' `(<image>./</image>)` joined by newlines (the official chat's prompt);
+    """An image's runs as every version writes them (`expand_images`). A video's marker stands for
+    its frames' `(<image>./</image>)` joined by newlines (the official chat's prompt);
     `MiniCPMVProcessor` gives each packed group's first frame its placeholder and drops the other
     frames' with the (stripped) text before them, so the groups' runs are joined by newlines."""
-    unk = token_id(UNK)
     if not media.video:
-        return slice_runs(media, unk, token_id, encode)
+        return expand_images(media, token_id, encode)
     newline = encode(["\n"])[0]
     ids: list[int] = []
     for k, grid in enumerate(media.grids):
-        group, _ = slice_runs(dataclasses.replace(media, grids=[grid], num_frames=1), unk, token_id, encode)
+        group, _ = expand_images(dataclasses.replace(media, grids=[grid], num_frames=1), token_id, encode)
         ids += [*newline] * bool(k) + group.tolist()
     return np.asarray(ids, dtype=np.int32), []
 
@@ -132,10 +120,3 @@ def pack_frames(metadata, *, fps: float | None = 3.0, force_packing: int | None 
     if force_packing:
         packing = min(int(force_packing), MAX_NUM_PACKING)
     return _groups(temporal_ids(metadata.frames_indices, file_fps, duration), packing)
-
-
-def encoder_dims(config: dict) -> tuple[int, int]:
-    """A patch row holds 3 x 14 x 14 pixel values; the resampler's queries are the LLM's width."""
-    return 3 * config["patch_size"] ** 2, config["hidden_size"]
-
-

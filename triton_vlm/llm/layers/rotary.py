@@ -46,7 +46,8 @@ class Rotary:
     `recomposition_frequencies`): frequency j turns by the height axis if j % 3 == 1 and
     j < 3 * section[1], by the width axis if j % 3 == 2 and j < 3 * section[2], else by time.
     As in transformers, angles, cos and sin are float32 whatever the model's dtype; cos and sin are
-    cast to `dtype` before they rotate q and k (in `dtype`)."""
+    cast to `dtype` before they rotate q and k (in `dtype`). LongRoPE (`DecoderConfig.longrope`)
+    divides each frequency by its factor and scales cos and sin."""
 
     def __init__(self, config: DecoderConfig, pairing: type, device: torch.device = torch.device("cpu"),
                  dtype: torch.dtype = torch.float32):
@@ -59,7 +60,12 @@ class Rotary:
                                        torch.where((j % 3 == 2) & (j < 3 * section[2]), 2, 0))
         else:
             axis_of_freq = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(section)])
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float) / r))
+        base = config.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float) / r)
+        # LongRoPE: each frequency divided by its short factor (positions end before the long ones
+        # apply, `DecoderConfig.from_checkpoint`), cos and sin scaled by the attention factor.
+        longrope = config.longrope
+        inv_freq = 1.0 / (base if longrope is None else torch.tensor(longrope.short_factor, dtype=torch.float) * base)
+        self.scale = 1.0 if longrope is None else longrope.attention_factor
         self.axis, self.inv_freq, self.sign = (t.to(device) for t in (axis_of_freq[freq], inv_freq[freq], sign))
         self.dtype = dtype
         self.partners, self.interleaved = pairing.partners, pairing.interleaved
@@ -68,7 +74,10 @@ class Rotary:
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [n, rotary_dim] in the model's dtype for 3-D positions [3, n] (on any device)."""
         angles = positions.to(self.axis.device)[self.axis].t().float() * self.inv_freq
-        return angles.cos().to(self.dtype), (angles.sin() * self.sign).to(self.dtype)
+        cos, sin = angles.cos(), angles.sin() * self.sign
+        if self.scale != 1.0:
+            cos, sin = cos * self.scale, sin * self.scale
+        return cos.to(self.dtype), sin.to(self.dtype)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, heads, head_dim] rotated; cos, sin [T, 1, rotary_dim]. On CUDA, one kernel (`cuda_ops`)."""

@@ -1,16 +1,17 @@
-"""MiniCPM-V 4.5 vision tower (`minicpmv4_5`): the official `SiglipVisionTransformer`
-(`modeling_navit_siglip.py`, NaViT position ids) and `Resampler` (`resampler`, the 4.5 one with
-temporal ids) in an export-friendly form, and its host-side metadata.
+"""The vision tower of the official `MiniCPMV` class (2.6, 4.0, 4.5; `MiniCPMVTower`,
+`MiniCPMV4_5Tower`): the official `SiglipVisionTransformer` (`modeling_navit_siglip.py`, the same
+file in the three versions: NaViT position ids) and `Resampler` (`resampler`: 2.6's and 4.0's 2-D
+one, 4.5's with temporal ids) in an export-friendly form, and its host-side metadata.
 
 Input convention as `triton_vlm.families.minicpmv.tower_v4_6`: one `pixel_values` row per 14 x 14 patch in the
 Conv2d weight's (channel, dy, dx) order, each slice's patches row-major, slices one after another.
 `grid_thw` has one row `[t, h, w]` per resampler group: an image slice (t = 1, the processor's
-`tgt_sizes` row) or a video's packed frames (t of them, h x w each). SigLIP attends inside each
+`tgt_sizes` row) or a 4.5 video's packed frames (t of them, h x w each). SigLIP attends inside each
 slice or frame; the resampler's `query_num` learned queries attend over the whole group, so each
 grid row gives `query_num` embedding rows (`Tower.embedding_rows`), the rows of its `<unk>` run.
 
-Keys of the resampler carry a 2-D sin-cos of their patch's (row, column) and, for a video frame, a
-1-D sin-cos of its temporal id; the host gives each patch's (row, column, temporal id or -1) as
+Keys of the resampler carry a 2-D sin-cos of their patch's (row, column) and, for a 4.5 video frame,
+a 1-D sin-cos of its temporal id; the host gives each patch's (row, column, temporal id or -1) as
 `key_positions` and the graph computes the tables (a [patches, hidden] table of an 8B model would
 be 16 KiB a patch to send).
 """
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from triton_vlm.families.minicpmv.resampler import LAYER_NORM_EPS, Resampler
+from triton_vlm.families.minicpmv.resampler import LAYER_NORM_EPS, Resampler, Resampler4_5
 from triton_vlm.families.minicpmv.tower_v4_6 import Embeddings
 from triton_vlm.vision.tower import attention_groups
 from triton_vlm.vision.tower import config as tower_config
@@ -32,23 +33,30 @@ from triton_vlm.vision.tower.base import Tower
 from triton_vlm.vision.tower.siglip import EncoderLayer
 
 METADATA_INPUTS = ("position_ids",) + attention_groups.FULL_INPUTS + ("key_positions", "group_index", "group_mask")
-_VISION_DEFAULTS: dict[str, Any] = dict(
-    hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16, num_channels=3,
-    image_size=980, patch_size=14, hidden_act="gelu_pytorch_tanh", layer_norm_eps=LAYER_NORM_EPS,
+# The official `SiglipVisionConfig`'s defaults (what a `vision_config` leaves out), and the vision
+# config `MiniCPMVConfig` takes where a config has none (`default_vision_config`).
+_SIGLIP_DEFAULTS: dict[str, Any] = dict(
+    hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12, num_channels=3,
+    image_size=224, patch_size=16, hidden_act="gelu_pytorch_tanh", layer_norm_eps=LAYER_NORM_EPS,
+)
+_DEFAULT_VISION_CONFIG: dict[str, Any] = dict(
+    hidden_size=1152, image_size=980, intermediate_size=4304, num_attention_heads=16, num_hidden_layers=27,
+    patch_size=14,
 )
 PREFIXES = {"vpm.": "vpm.", "resampler.": "resampler."}
 
 
 def vision_settings(config: Any) -> dict[str, Any]:
-    """A MiniCPM-V 4.5 `config.json` (its top level holds `query_num` and the decoder's
-    `hidden_size`, the resampler's width) as the plain dict of the fields this module uses; what
-    it leaves out, the official `MiniCPMVConfig`'s defaults."""
+    """A MiniCPM-V `config.json` (its top level holds `query_num` and the decoder's `hidden_size`,
+    the resampler's width) as the plain dict of the fields this module uses, read as the official
+    `MiniCPMVConfig` reads them: what it leaves out, that class's defaults."""
     cfg = tower_config.as_dict(config)
     if cfg.get("drop_vision_last_layer", True):  # the official default: the tower's last layer unused
-        raise NotImplementedError("MiniCPM-V 4.5: drop_vision_last_layer (true, or left out: the official default) "
+        raise NotImplementedError("MiniCPM-V: drop_vision_last_layer (true, or left out: the official default) "
                                   "is not supported")
-    vision = tower_config.as_dict(cfg.get("vision_config") or {})
-    out = {key: vision.get(key, default) for key, default in _VISION_DEFAULTS.items()}
+    given = cfg.get("vision_config")
+    vision = _DEFAULT_VISION_CONFIG if given is None else tower_config.as_dict(given)
+    out = {key: vision.get(key, default) for key, default in _SIGLIP_DEFAULTS.items()}
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_channels",
                 "image_size", "patch_size"):
         out[key] = int(out[key])
@@ -112,9 +120,10 @@ def profile_shapes(settings: dict[str, Any], patches: tuple[int, int, int]) -> t
 # --------------------------------------------------------------------------------------------
 
 
-class MiniCPMV4_5VisionTower(nn.Module):
+class MiniCPMVVisionTower(nn.Module):
     """Inputs: `pixel_values` [N, patch_dim] plus `METADATA_INPUTS`; output float32
     [grid rows * query_num, out_hidden]."""
+    resampler_class: type[Resampler] = Resampler
 
     def __init__(self, cfg: dict[str, Any]):
         super().__init__()
@@ -123,7 +132,7 @@ class MiniCPMV4_5VisionTower(nn.Module):
         self.vpm.encoder = nn.Module()
         self.vpm.encoder.layers = nn.ModuleList([EncoderLayer(cfg) for _ in range(cfg["depth"])])
         self.vpm.post_layernorm = tower_layers.LayerNorm(cfg["hidden_size"], eps=cfg["layer_norm_eps"])
-        self.resampler = Resampler(cfg)
+        self.resampler = self.resampler_class(cfg)
 
     def hidden(self, pixel_values, position_ids, full_index, full_mask, full_inverse):
         """`vpm`'s last hidden state: SigLIP inside each slice or frame."""
@@ -139,10 +148,15 @@ class MiniCPMV4_5VisionTower(nn.Module):
         return self.resampler(x, key_positions, group_index, group_mask).float()
 
 
-class MiniCPMV4_5Tower(Tower):
-    """Its settings come from the whole `config.json` (`query_num` and the resampler's width are
-    at its top level)."""
-    module = MiniCPMV4_5VisionTower
+class MiniCPMV4_5VisionTower(MiniCPMVVisionTower):
+    """4.5's: the resampler also takes each frame's temporal id."""
+    resampler_class = Resampler4_5
+
+
+class MiniCPMVTower(Tower):
+    """2.6's and 4.0's: one group per image slice. Its settings come from the whole `config.json`
+    (`query_num` and the resampler's width are at its top level)."""
+    module = MiniCPMVVisionTower
     METADATA_INPUTS = METADATA_INPUTS
     METADATA_AXES = {
         "position_ids": {0: "patches"}, "full_index": {0: "frames", 1: "frame_len"},
@@ -152,12 +166,18 @@ class MiniCPMV4_5Tower(Tower):
     }
     PREFIXES = PREFIXES
     EXAMPLE_GRID = ((1, 6, 10), (1, 8, 8))
-    PACKED_FRAMES = True
-    EXTRAS = ("temporal_ids",)
     vision_settings = staticmethod(vision_settings)
     encoder_metadata = staticmethod(metadata)
     profile_shapes = staticmethod(profile_shapes)
     WHOLE_CONFIG = True
+
+
+class MiniCPMV4_5Tower(MiniCPMVTower):
+    """4.5's: a grid row may be a video's packed frames, which the resampler takes whole, with
+    their temporal ids (`temporal_ids`)."""
+    module = MiniCPMV4_5VisionTower
+    PACKED_FRAMES = True
+    EXTRAS = ("temporal_ids",)
 
     @classmethod
     def metadata(cls, grid_thw: np.ndarray, settings: dict[str, Any],

@@ -1,0 +1,71 @@
+"""The MiniCPM-V versions served from the official remote code's layout (its `MiniCPMV` class,
+which transformers lacks; `model_type` `minicpmv`, told apart by the config's `version`: 2.6, 4.0,
+4.5): what they share in their prompts and processor, and the `Family` of one version (`version`).
+
+The official processor (`MiniCPMVProcessor`, `MiniCPMVImageProcessor`) finds `(<image>./</image>)`
+in the prompt's text and writes for each image `slice_runs` of `image_feature_size` `<unk>` each,
+the slices cut by `slice_rule` (sides in whole patches: `downsample_mode` "resampler"), pixels
+resized by Pillow (`backend` "pil"); the whole text is then encoded with the tokenizer's own special
+tokens (4.0's Llama tokenizer puts `<s>` first). The resampler tower gives `query_num` rows per
+slice, which replace the `<unk>` runs (`image_bound`); positions are 0..S-1. The official `chat()`
+joins a message's parts by newlines before its chat template (`Prompt.chat_content_as_text`).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from triton_vlm.families.base import Family, MediaLayout, ProcessorRules, Prompt
+from triton_vlm.families.minicpmv.slicing import (IMAGE_END, IMAGE_ID_END, IMAGE_ID_START, IMAGE_START, SLICE_END,
+                                                  SLICE_START, slice_rule, slice_runs)
+from triton_vlm.media.mrope import MediaSpan
+
+IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER = "(<image>./</image>)", "(<video>./</video>)"
+UNK, IM_START, IM_END = "<unk>", "<|im_start|>", "<|im_end|>"
+MARKERS = (IMAGE_START, IMAGE_END, SLICE_START, SLICE_END, IMAGE_ID_START, IMAGE_ID_END)
+NAMED_TOKENS = {"unk_token": UNK, "im_start": IMAGE_START, "im_end": IMAGE_END, "slice_start": SLICE_START,
+                "slice_end": SLICE_END, "im_id_start": IMAGE_ID_START, "im_id_end": IMAGE_ID_END}
+# `MiniCPMVImageProcessor`'s pixels (one frame per item, patches in raster order) and what its
+# class defaults where the config leaves a key out.
+VISION_DEFAULTS: dict[str, Any] = dict(temporal_patch_size=1, merge_size=1, image_mean=(0.5, 0.5, 0.5),
+                                       image_std=(0.5, 0.5, 0.5), downsample_mode="resampler", backend="pil")
+
+
+def expand_images(media: MediaLayout, token_id: Callable[[str], int],
+                  encode: Callable[[list[str]], list[list[int]]]) -> tuple[np.ndarray, list[MediaSpan]]:
+    """`MiniCPMVImageProcessor.get_slice_image_placeholder`: runs of `<unk>`."""
+    return slice_runs(media, token_id(UNK), token_id, encode)
+
+
+def encoder_dims(config: dict) -> tuple[int, int]:
+    """A patch row holds 3 x 14 x 14 pixel values; the resampler's queries are the LLM's width."""
+    return 3 * config["patch_size"] ** 2, config["hidden_size"]
+
+
+def config_version(config: dict) -> str:
+    """The config's version as vLLM's `MiniCPMV` dispatch reads it: its `version`, else 2.0 (a
+    2304-wide model with 64 queries) or 2.5."""
+    if config.get("version") is None:
+        return "2.0" if config.get("hidden_size") == 2304 and config.get("query_num") == 64 else "2.5"
+    return str(config["version"])
+
+
+def version(name: str, served: str, *, special_tokens: tuple[str, ...], eos_tokens: tuple[str, ...],
+            tower: str, decoder: str, chat_template_kwargs: dict[str, Any] | None = None,
+            **processor: Any) -> Family:
+    """The `Family` of one version: its tokenizer's tokens (the first the pad token, as the demo
+    trains them), stop tokens (the official `chat`'s terminators), tower and decoder, the
+    variables its chat template is rendered with, and `ProcessorRules` over the shared ones."""
+    rules = dict(slice_rule=slice_rule, expand_media=expand_images, vision_defaults=VISION_DEFAULTS,
+                 takes_videos=False)
+    return Family(
+        name=name, model_types=("minicpmv",), versions=(served,), config_version=config_version,
+        prompt=Prompt(image_placeholder=IMAGE_PLACEHOLDER, video_placeholder=VIDEO_PLACEHOLDER,
+                      special_tokens=special_tokens, named_special_tokens=NAMED_TOKENS, eos_tokens=eos_tokens,
+                      placeholders_in_text=True, chat_content_as_text=True,
+                      chat_template_kwargs=chat_template_kwargs or {}),
+        processor=ProcessorRules(**{**rules, **processor}), encoder_dims=encoder_dims,
+        tower=f"triton_vlm.families.minicpmv.tower_resampler:{tower}",
+        decoder=f"triton_vlm.families.minicpmv.decoder:{decoder}", demo="triton_vlm.families.minicpmv.demo_remote_code:DEMOS")
