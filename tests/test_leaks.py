@@ -50,6 +50,17 @@ def _own() -> tuple[int, int]:
     return len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
 
 
+def _descriptors() -> list[str]:
+    """What this process's descriptors are open on (said when their count does not come back)."""
+    targets = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            targets.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            continue
+    return sorted(targets)
+
+
 def _settle(before: tuple[int, int], timeout: float = 10.0) -> tuple[int, int]:
     """This process's threads and descriptors once what is ending has ended (at most `timeout`)."""
     deadline = time.monotonic() + timeout
@@ -70,7 +81,7 @@ def test_requests_leave_no_thread_in_a_stub_or_the_client(server):
         with pytest.raises(RequestError, match=r"images\[0\]"):
             generate(server.grpc_url, PROMPT, [b"not an image"], max_tokens=4)
     wait_for(server, lambda m: m.get("triton_vlm_llm_kv_blocks:used") == 0)
-    assert _settle(own) == own
+    assert _settle(own) == own, _descriptors()
     deadline = time.monotonic() + 10  # (a cancelled stream's threads end a moment after it)
     while (now := _stub_threads(server.process.pid)) != stubs and time.monotonic() < deadline:
         time.sleep(0.1)
