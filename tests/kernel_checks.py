@@ -112,7 +112,7 @@ def check_rotary(device: str, dtype: torch.dtype, pairing: str, head_dim: int, r
 
     pairs = {"half": HalfPairs, "interleaved": InterleavedPairs}[pairing]
     config = SimpleNamespace(rotary_dim=rotary_dim, head_dim=head_dim, mrope_section=(rotary_dim // 2, 0, 0),
-                             mrope_interleaved=False, rope_theta=1e6)
+                             mrope_interleaved=False, rope_theta=1e6, longrope=None)
     rope = Rotary(config, pairs, torch.device(device), dtype)
     positions = torch.randint(0, 5000, (3, tokens), device=device)
     cos, sin = (t[:, None] for t in rope.cos_sin(positions))

@@ -162,18 +162,19 @@ def test_a_dead_rank_under_serve_ends_its_requests_and_the_llm_is_reloaded(tiny_
     exits, `serve`'s supervisor reloads the model with new ranks, and later requests get
     transformers' tokens again."""
     from tests.test_faults import _children
-    from tests.test_step_faults import IMAGE, PROMPT, Load, N, check_recovery, supervised, wait_for_event
+    from tests.test_step_faults import IMAGE, PROMPT, Load, N, check_recovery, supervised_server, wait_for_event
     from triton_vlm.repository.build import build_repository
     from triton_vlm.repository.options import BuildOptions
 
     repo = build_repository(tiny_checkpoint, tmp_path / "repository", BuildOptions(tensor_parallel=2))
     expected = hf.generate(hf.inputs(PROMPT, [IMAGE]), N)
-    with supervised(repo, tmp_path) as (server, events), Load(server) as load:
+    with supervised_server(repo, tmp_path / "server.log") as supervised, Load(supervised.server) as load:
+        server, events = supervised.server, supervised.events
         stub = next(pid for pid, name in server.stub_processes().items() if name == "llm_0_0")
         rank1 = next(pid for pid in _children(stub) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes())
         os.kill(rank1, signal.SIGKILL)
         killed = time.monotonic()
-        event, back = wait_for_event(events, "model 'llm' reloaded", "tritonserver restarted")
+        event, back = wait_for_event(events, 0, "model 'llm' reloaded", "tritonserver restarted")
         time.sleep(4.0)
         failed = check_recovery(load.stop(), killed, back, expected)
         assert event == "model 'llm' reloaded", "\n".join(events)

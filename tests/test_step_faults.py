@@ -9,6 +9,7 @@ while a step's first stub, the ensemble's or tritonserver itself is killed with 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import signal
@@ -16,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import pytest
@@ -127,16 +128,14 @@ class Supervised:
             return log.read()
 
 
-@pytest.fixture(scope="module")
-def supervised(tiny_repo, tmp_path_factory):
-    """One server as `triton-vlm serve` runs it, for the module's faults one after another (each
-    test leaves it serving again, as its checks show); at the end it is stopped as serve stops it
+@contextlib.contextmanager
+def supervised_server(repo: Path, log: Path) -> Iterator[Supervised]:
+    """A server of `repo` as `triton-vlm serve` runs it; at the end it is stopped as serve stops it
     (SIGTERM), which must take no longer than its exit timeout."""
     from triton_vlm.server.tritonserver import EXIT_TIMEOUT_S, TritonServer
 
     events: list[str] = []
-    log = tmp_path_factory.mktemp("step-faults") / "server.log"
-    server = TritonServer(tiny_repo, supervise=True, report=events.append, log_file=log)
+    server = TritonServer(repo, supervise=True, report=events.append, log_file=log)
     server.start(timeout=RELOAD_LIMIT_S)  # (a reload may take as long)
     try:
         yield Supervised(server, events, log)
@@ -146,6 +145,14 @@ def supervised(tiny_repo, tmp_path_factory):
         server.wait()
         took = time.monotonic() - asked
     assert took <= EXIT_TIMEOUT_S + 1.0, took  # (the kill, then the exit seen)
+
+
+@pytest.fixture(scope="module")
+def supervised(tiny_repo, tmp_path_factory):
+    """One supervised server for the module's faults one after another (each test leaves it
+    serving again, as its checks show)."""
+    with supervised_server(tiny_repo, tmp_path_factory.mktemp("step-faults") / "server.log") as running:
+        yield running
 
 
 def wait_for_event(events: list[str], since: int, *wanted: str, timeout: float = 2 * RELOAD_LIMIT_S
