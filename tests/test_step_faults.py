@@ -179,10 +179,11 @@ def check_recovery(outcomes: list[Outcome], killed: float, back: float, expected
 
 
 def check_restart(events: list[str], reason: str | tuple[str, ...], failed: list[Outcome], killed: float) -> None:
-    """The supervisor restarted the server for `reason` (or one of them); gRPC requests in flight
-    got UNAVAILABLE."""
+    """The supervisor restarted the server for `reason` (or one of them), taking the stubs the
+    kill ended for no deaths (no reload was tried); gRPC requests in flight got UNAVAILABLE."""
     restarts = [e for e in events if e.endswith(": restarting it")]
     assert restarts and restarts[0].startswith(reason), events
+    assert not any("reloading" in e for e in events[:events.index(restarts[0])]), events
     assert any(o.start < killed < o.end for o in failed), failed
     for o in failed:
         if o.transport == "grpc" and o.start < killed:

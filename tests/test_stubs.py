@@ -48,7 +48,7 @@ class StandIn:
         pid = int(self.process.stdout.readline())
         self.started.append(pid)
         wait_until(lambda: Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0] == bytes(self.program))
-        time.sleep(2 * PERIOD)
+        time.sleep(25 * PERIOD)  # (a watch looks every PERIOD: margin for a busy CPU)
         return pid
 
     def end(self, pid: int) -> None:

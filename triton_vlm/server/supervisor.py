@@ -27,7 +27,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from triton_vlm.server import admin
-from triton_vlm.server.errors import ServerError
+from triton_vlm.server.errors import Aborted, ServerError
 from triton_vlm.server.stubs import StepWatch, model_of
 
 # Models whose stub's death restarts the server: the clients' entry point.
@@ -93,21 +93,24 @@ class Supervisor:
         """Start the server again after it exited with `code`, unless it was restarted too often;
         the watch of the new server's stubs, taken as soon as it is ready."""
         reason, self._kill_reason = self._kill_reason or f"tritonserver exited by itself with code {code}", None
-        now = time.monotonic()
-        while self._restarts and now - self._restarts[0] > RESTART_WINDOW_S:
-            self._restarts.popleft()
-        if len(self._restarts) >= MAX_RESTARTS:
-            self.server.event(f"{reason}; {MAX_RESTARTS} restarts within {RESTART_WINDOW_S:.0f} s already: "
-                              f"giving up")
-            return None
-        self._restarts.append(now)
-        self.server.event(f"{reason}: restarting it")
-
-        try:
-            self.server.relaunch()
-        except ServerError as error:
-            self.server.event(f"restarting tritonserver failed: {error}")
-            return None
+        while True:
+            now = time.monotonic()
+            while self._restarts and now - self._restarts[0] > RESTART_WINDOW_S:
+                self._restarts.popleft()
+            if len(self._restarts) >= MAX_RESTARTS:
+                self.server.event(f"{reason}; {MAX_RESTARTS} restarts within {RESTART_WINDOW_S:.0f} s already: "
+                                  f"giving up")
+                return None
+            self._restarts.append(now)
+            self.server.event(f"{reason}: restarting it")
+            try:
+                self.server.relaunch()
+                break
+            except Aborted as error:  # a crash of the start's own: one more, within the budget
+                reason = f"tritonserver aborted while starting ({error})"
+            except ServerError as error:
+                self.server.event(f"restarting tritonserver failed: {error}")
+                return None
         watch = self._watch(self.server.process)
         with self._changed:
             self._changed.notify_all()
@@ -121,7 +124,8 @@ class Supervisor:
             return self.server.process is not process
 
     def _stub_died(self, process: subprocess.Popen, instance: str, pid: int) -> None:
-        if process.poll() is not None or self.server.stopping:  # the server went, and its stubs with it
+        # the server went, or is being killed (a dead ensemble): its stubs go with it
+        if process.poll() is not None or self.server.stopping or self._kill_reason is not None:
             return
         model = model_of(instance)
         if model in RESTART_ON_DEATH:
@@ -161,7 +165,7 @@ class Supervisor:
             client.load_model(model, headers=key, client_timeout=limit)
 
     def _kill(self, process: subprocess.Popen, reason: str) -> None:
-        """Kill the server and its stubs; `_run` restarts it, for `reason`."""
-        self._kill_reason = reason
+        """Kill the server and its stubs; `_run` restarts it, for `reason` (the first one given)."""
+        self._kill_reason = self._kill_reason or reason
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)

@@ -27,7 +27,7 @@ from typing import Callable
 
 from triton_vlm.contract.params import PYTHON_ENV, URL_ENV
 from triton_vlm.server import admin, reaper
-from triton_vlm.server.errors import NotReady, ServerError
+from triton_vlm.server.errors import Aborted, NotReady, ServerError
 from triton_vlm.server.process_tree import SHM_DIR, SHM_PREFIX
 from triton_vlm.server.stubs import STUB_EXITS_ENV, dump_stacks, model_of, stub_processes
 from triton_vlm.server.supervisor import Supervisor
@@ -182,11 +182,11 @@ class TritonServer:
         self._start_timeout = timeout
         try:
             self._launch()
-        except NotReady as error:
+        except (NotReady, Aborted) as error:
             if not self.supervise:
                 raise
             # python_backend r24.10 may leave a stub waiting for its initialize message for good
-            # (seen in CI): a supervised server gets one more start
+            # (seen in CI), or abort (`Aborted`): a supervised server gets one more start
             self.event(f"{error}\nstarting it again")
             self._launch()
         if self.supervise:  # started before returning: a stub may die right after
@@ -215,9 +215,10 @@ class TritonServer:
         self._reader.start()
         deadline = time.monotonic() + self._start_timeout
         while time.monotonic() < deadline:
-            if self.process.poll() is not None:
+            if (code := self.process.poll()) is not None:
                 self._after_exit()
-                raise ServerError(f"tritonserver exited with code {self.process.returncode}:\n{self.errors()}")
+                error = Aborted if code < 0 and not self._stopping.is_set() else ServerError
+                raise error(f"tritonserver exited with code {code}:\n{self.errors()}")
             if self.is_ready():
                 return
             time.sleep(0.5)
