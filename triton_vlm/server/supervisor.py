@@ -8,7 +8,7 @@ models, and the server itself, serving after a crash.
   ends every connection at once (a gRPC client gets UNAVAILABLE), and started again.
 - A tritonserver that exits by itself is started again on the same ports (python_backend r24.10
   once aborted, `boost::interprocess::lock_exception`, after a stub was killed holding a mutex of
-  the shared memory).
+  the shared memory), and so is one whose restart aborted or never became ready.
 At most MAX_RESTARTS restarts within RESTART_WINDOW_S: past them the server stays down and `wait`
 returns its exit code, for what runs `triton-vlm serve` (Kubernetes, systemd) to act on.
 """
@@ -27,7 +27,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from triton_vlm.server import admin
-from triton_vlm.server.errors import Aborted, ServerError
+from triton_vlm.server.errors import Aborted, NotReady, ServerError
 from triton_vlm.server.stubs import StepWatch, model_of
 
 # Models whose stub's death restarts the server: the clients' entry point.
@@ -106,8 +106,9 @@ class Supervisor:
             try:
                 self.server.relaunch()
                 break
-            except Aborted as error:  # a crash of the start's own: one more, within the budget
-                reason = f"tritonserver aborted while starting ({error})"
+            except (Aborted, NotReady) as error:  # a start that crashed or wedged: one more, within the budget
+                self.server.event(f"the restart failed: {error}")
+                reason = "the restart failed"
             except ServerError as error:
                 self.server.event(f"restarting tritonserver failed: {error}")
                 return None

@@ -33,8 +33,9 @@ class LLMModel:
         version_dir, params = pb.model_dir(args)
         options = LLMOptions.from_params(params)
         options = dataclasses.replace(options, device=instance_device(args, options.device))
-        self.engine = Engine(version_dir / params["checkpoint"], on_failure=_exit_stub, **dataclasses.asdict(options))
         self.outbox = Outbox(poll_s=CANCEL_POLL_S)
+        self.engine = Engine(version_dir / params["checkpoint"], on_failure=self._exit_stub,
+                             **dataclasses.asdict(options))
         self._next_id = 0
         self._lock = threading.Lock()
         labels = {"model": args["model_name"], "version": args["model_version"]}
@@ -120,6 +121,14 @@ class LLMModel:
             return
         self.outbox.put(emit, lambda: emit.fail(code, message))
 
+    def _exit_stub(self, message: str) -> None:
+        """The llm engine serves no more (a tensor-parallel rank exited; its requests' errors are in
+        the outbox): once the outbox has sent them, end this stub, so that `triton-vlm serve`
+        reloads the model with new ranks."""
+        log.error("llm: %s; exiting the stub for a reload", message)
+        self.outbox.close(timeout=5.0)
+        os._exit(1)
+
     def execute(self, requests):
         for request in requests:
             self._submit(request)
@@ -131,13 +140,6 @@ class LLMModel:
         self.engine.shutdown()  # its last outputs ("cancelled") go to the outbox,
         self.outbox.close()     # which sends them before the stub goes
         pb.release_metrics(self._metrics, self._families)
-
-
-def _exit_stub(message: str) -> None:
-    """The llm engine serves no more (a tensor-parallel rank exited; its requests have had their
-    errors): end this stub, so that `triton-vlm serve` reloads the model with new ranks."""
-    log.error("llm: %s; exiting the stub for a reload", message)
-    os._exit(1)
 
 
 def _send_error(sender: pb.Sender, code: str, message: str, tagged: bool) -> None:
