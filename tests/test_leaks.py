@@ -138,12 +138,14 @@ def test_supervised_servers_one_after_another_leave_nothing_behind(front_repo):
     from triton_vlm.server.tritonserver import TritonServer
 
     regions: set[str] = set()
+    markers: set[Path] = set()  # the folders of the stubs' exit markers, one a start
     processes: set[tuple[int, int]] = set()  # (pid, start): a pid alone may name a later process
     for i in range(SERVERS):
         if i == 1:  # once the first has started gRPC's and the supervisor's process-wide pools
             own, children = _own(), set(_children())
         events: list[str] = []
         server = TritonServer(front_repo, supervise=True, report=events.append).start(timeout=120)
+        markers.add(Path(server.stub_exits))
         try:
             expected = _no_items(server.grpc_url)
             with pytest.raises(RequestError):  # a stream refused: this repository has no ensemble
@@ -161,6 +163,7 @@ def test_supervised_servers_one_after_another_leave_nothing_behind(front_repo):
                     generate(server.grpc_url, PROMPT, [IMAGE], max_tokens=4, timeout=30)
                 _wait_event(events, "tritonserver restarted")
             assert _no_items(server.grpc_url) == expected
+            markers.add(Path(server.stub_exits))
             regions |= mapped_regions(group_members(server.process.pid))
             processes |= _processes(server.process.pid)
         finally:
@@ -170,6 +173,7 @@ def test_supervised_servers_one_after_another_leave_nothing_behind(front_repo):
             else:
                 server.stop()
     assert regions and not [r for r in regions if Path("/dev/shm", r).exists()]
+    assert len(markers) == SERVERS + SERVERS // 4 and not [m for m in markers if m.exists()]
     left = [command for pid, start in processes if (command := _running(pid, start))]
     assert not left, f"processes of stopped servers are left: {left}"
     assert set(_children()) == children, "a child process of this one is left"

@@ -1,12 +1,14 @@
 """`triton_vlm.server.supervisor.Supervisor`'s restarts, on a stand-in server whose "tritonserver" is a
 process that exits at once (a crash loop): each exit is restarted until MAX_RESTARTS within
 RESTART_WINDOW_S, then the supervisor gives up and `replaced` tells the waiter so; a stop ends
-it without a restart."""
+it without a restart. A reload that leaves the model's old instances running gets the server
+restarted."""
 from __future__ import annotations
 
 import subprocess
 import sys
 import threading
+import time
 
 from triton_vlm.server.supervisor import MAX_RESTARTS, Supervisor
 
@@ -24,7 +26,9 @@ class StandInServer:
 
     def _spawn(self) -> subprocess.Popen:
         self.launches += 1
-        return subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({self.lifetime})"])
+        # the leader of its own process group, as tritonserver is (the supervisor kills the group)
+        return subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({self.lifetime})"],
+                                start_new_session=True)
 
     @property
     def stopping(self) -> bool:
@@ -61,3 +65,77 @@ def test_a_stopped_server_is_not_restarted():
     assert supervisor.done.wait(30)
     assert server.launches == 1 and server.events == []
     assert not supervisor.replaced(first)
+
+
+class StandInWithStubs(StandInServer):
+    """A stand-in whose "stubs" of `vision_encoder` are sleeping processes."""
+    start_timeout = 3.0
+
+    def __init__(self) -> None:
+        super().__init__(lifetime=60.0)
+        self.stubs = {subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]): f"vision_encoder_0_{i}"
+                      for i in range(2)}
+
+    def stub_processes(self) -> dict[int, str]:
+        return {stub.pid: name for stub, name in self.stubs.items() if stub.poll() is None}
+
+    def model_states(self) -> dict[str, str]:
+        return {"vision_encoder": "READY"}
+
+    def end(self) -> None:
+        self._stopping.set()
+        self.process.kill()
+        for stub in self.stubs:
+            stub.kill()
+            stub.wait()
+
+
+class Reloading(Supervisor):
+    """Its reload of a model ends the model's old stubs where `retires` (as Triton's unload does),
+    or leaves them running."""
+    retires = True
+
+    def _reload(self, model: str, limit: float) -> None:
+        self.server.event(f"reload {model}")
+        for stub in self.server.stubs if self.retires else ():
+            stub.kill()
+
+
+def reload_after_death(retires: bool) -> tuple[StandInWithStubs, Reloading, float]:
+    server = StandInWithStubs()
+    supervisor = Reloading(server, period=0.05)
+    supervisor.retires = retires
+    started = time.monotonic()
+    supervisor._stub_died(server.process, "vision_encoder_0_2", 1)  # as its watch calls it
+    return server, supervisor, time.monotonic() - started
+
+
+def test_a_reload_whose_old_instances_end_keeps_the_server():
+    server, supervisor, took = reload_after_death(retires=True)
+    try:
+        assert server.events == ["model instance vision_encoder_0_2 died (stub pid 1); requests routed to it fail "
+                                 "until the model is reloaded: reloading 'vision_encoder'",
+                                 "reload vision_encoder", "model 'vision_encoder' reloaded"]
+        assert took < server.start_timeout and server.process.poll() is None and server.launches == 1
+    finally:
+        server.end()
+        assert supervisor.done.wait(30)
+
+
+def test_old_instances_still_running_after_a_reload_get_the_server_restarted():
+    server, supervisor, took = reload_after_death(retires=False)
+    try:
+        assert took >= server.start_timeout
+        with supervisor._changed:
+            assert supervisor._changed.wait_for(lambda: "tritonserver restarted" in server.events, timeout=30)
+        pids = sorted(stub.pid for stub in server.stubs)
+        assert server.events[2:] == [
+            "model 'vision_encoder' reloaded",
+            f"the old instances of 'vision_encoder' (stub pids {pids}) were still there 3 s after its reload: "
+            f"Triton unloads a model version once all its requests have ended, and those the dead stub held "
+            f"never do; so tritonserver was killed: restarting it",
+            "tritonserver restarted"], server.events
+        assert server.launches == 2
+    finally:
+        server.end()
+        assert supervisor.done.wait(30)

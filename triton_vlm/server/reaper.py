@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -92,6 +93,9 @@ def reap(owner: int, server: int, server_pid: int, grace: float, shm_prefix: str
     while group_members(server_pid, live=True) and time.monotonic() < deadline:
         time.sleep(0.05)
     for path in orphan_regions(shm_prefix) if shm_prefix else ():
+        if path.is_dir():  # the folder of its stubs' exit markers (`triton_vlm.server.stubs`)
+            shutil.rmtree(path, ignore_errors=True)
+            continue
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
 

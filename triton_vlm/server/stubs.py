@@ -91,8 +91,8 @@ def _backend_threads(gdb: str, server_pid: int, timeout: float) -> str:
         for t in threads[:12])
 
 
-# Where a server's stubs mark their ends (a path prefix: `TritonServer` gives each start its own,
-# under its shared-memory prefix, so that its reaper removes the markers with its regions).
+# Where a server's stubs mark their ends (a path prefix: `TritonServer` gives each start a folder of
+# its own, named after its shared-memory prefix, so that its reaper removes it with its regions).
 STUB_EXITS_ENV = "TRITON_VLM_STUB_EXITS"
 
 

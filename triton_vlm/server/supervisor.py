@@ -3,6 +3,11 @@ models, and the server itself, serving after a crash.
 
 - A Python stub that dies leaves Triton ready, with every request routed to that instance failing
   ("Stub process ... is not healthy") and no restart: its model is reloaded (unload, then load).
+  Its other instances, the old version's, end once that version unloads, which Triton does only
+  when all of its requests have ended: one the dead stub held may never end, and the old stubs,
+  their regions and the server's threads for them stayed for good (seen in an hour's soak). Old
+  stubs still there RETIRE_S after the reload get the server restarted (a steady 1 in 5 kills of a
+  busy step's stub in tests/test_step_faults.py).
 - The `ensemble`'s stub is the exception. Triton holds forever the requests a decoupled model had
   when its stub died (server issue 7862), and no reload ends them; the server is killed, which
   ends every connection at once (a gRPC client gets UNAVAILABLE), and started again.
@@ -28,11 +33,15 @@ from tritonclient.utils import InferenceServerException
 
 from triton_vlm.server import admin
 from triton_vlm.server.errors import Aborted, NotReady, ServerError
-from triton_vlm.server.stubs import StepWatch, model_of
+from triton_vlm.server.stubs import StepWatch, model_of, start_ticks
 
 # Models whose stub's death restarts the server: the clients' entry point.
 RESTART_ON_DEATH = frozenset({"ensemble"})
 MAX_RESTARTS, RESTART_WINDOW_S = 5, 300.0
+# Seconds a reloaded model's old instances may take to end: their requests' own time, several times over.
+RETIRE_S = 60.0
+# Seconds from a server that dropped its connections (an abort) to its exit, seen.
+EXIT_SEEN_S = 5.0
 
 
 class Supervised(Protocol):
@@ -50,6 +59,7 @@ class Supervised(Protocol):
     def relaunch(self) -> None: ...
     def event(self, message: str) -> None: ...
     def model_states(self) -> dict[str, str]: ...
+    def stub_processes(self) -> dict[int, str]: ...
     def hang_report(self, models: set[str] | None = None) -> str: ...
 
 
@@ -138,10 +148,14 @@ class Supervisor:
         self.server.event(f"model instance {instance} died (stub pid {pid}); requests routed to it fail "
                           f"until the model is reloaded: reloading {model!r}")
         limit = self.server.start_timeout
+        old = {p: start_ticks(p) for p, i in self.server.stub_processes().items() if model_of(i) == model}
         try:
             self._reload(model, limit)
             self.server.event(f"model {model!r} reloaded")
         except InferenceServerException as error:
+            if error.status() == "StatusCode.UNAVAILABLE":  # the server dropped the call: it may be going
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(timeout=EXIT_SEEN_S)
             if process.poll() is not None or self.server.stopping:  # it went meanwhile: its restart follows
                 return
             if error.status() == "StatusCode.DEADLINE_EXCEEDED":
@@ -152,6 +166,26 @@ class Supervisor:
                 return
             # a model that is not loaded again would fail every request routed to it for good
             self._kill(process, f"reloading {model!r} failed ({error}), so tritonserver was killed")
+            return
+        self._retire(process, model, old, min(limit, RETIRE_S))
+
+    def _retire(self, process: subprocess.Popen, model: str, old: dict[int, int], limit: float) -> None:
+        """Wait until the old instances of `model` (pid -> start, in clock ticks) have ended; kill
+        the server if some are still there after `limit` seconds (the module's docstring). Deaths
+        of other stubs meanwhile are handled after."""
+        deadline = time.monotonic() + limit
+        while True:
+            if process.poll() is not None or self.server.stopping or self._kill_reason is not None:
+                return
+            lingering = sorted(p for p in self.server.stub_processes() if p in old and start_ticks(p) == old[p])
+            if not lingering:
+                return
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(self.period)
+        self._kill(process, f"the old instances of {model!r} (stub pids {lingering}) were still there {limit:.0f} s "
+                            f"after its reload: Triton unloads a model version once all its requests have ended, "
+                            f"and those the dead stub held never do; so tritonserver was killed")
 
     def _reload(self, model: str, limit: float) -> None:
         """Unload `model`, then load it again: Triton treats a load of an unchanged model as a
