@@ -15,7 +15,10 @@ memory, open descriptors), the Python backend's regions in /dev/shm and the KV b
 the warm-up (`--warmup`, default the first 10 minutes, a third of a shorter run) it prints each
 one's trend (`triton_vlm.server.growth`: slope per hour, and whether its floor rose above its
 earlier ceiling) and fails when threads, descriptors or /dev/shm regions rise, or when the
-deployment's memory grows more than `--rss-bound` percent an hour (default 1; 2 with faults).
+deployment's memory grows more than `--memory-bound` percent an hour (default 1; 2 with faults).
+The deployment's memory is the sum of its processes' proportional set sizes (`all pss`: a page
+shared by several processes counted once; `triton_vlm.server.process_tree.Usage`); the sum of
+their RSS (`all rss`) is printed beside it.
 
 With `--faults SECONDS`, every SECONDS one of FAULT_TARGETS is killed with SIGKILL in turn (a
 step's first stub, or tritonserver itself). A request that then fails with UNAVAILABLE ("the
@@ -162,30 +165,31 @@ def sampler(deployment: Deployment, every: float, until: float, started: float, 
         regions = {name: size for name, size in shm_regions().items() if name in ours}
         out.append({"t": time.monotonic() - started, "kv_blocks_used": deployment.kv_blocks_used(),
                     "shm_regions": len(regions), "shm_bytes": sum(regions.values()),
-                    "roles": {r: {"threads": u.threads, "rss": u.rss, "fds": u.fds} for r, u in roles.items()}})
+                    "roles": {r: {"threads": u.threads, "rss": u.rss, "pss": u.pss, "fds": u.fds} for r, u in roles.items()}})
         time.sleep(every)
 
 
-def judge(samples_: list[dict], warmup: float, rss_bound: float) -> tuple[list[str], list[str]]:
+def judge(samples_: list[dict], warmup: float, memory_bound: float) -> tuple[list[str], list[str]]:
     """The trend table's lines and what grew beyond its bound."""
     lines, grew = [], []
     after = [s for s in samples_ if s["t"] >= warmup]
     seen = Counter(r for s in after for r in s["roles"])  # roles of lasting processes, not of one starting
     steady = sorted(r for r, n in seen.items() if n >= 0.9 * len(after))
     series = {f"{role} {metric}": [(s["t"], s["roles"].get(role, {}).get(metric, 0)) for s in samples_]
-              for role in steady for metric in ("threads", "fds", "rss")}
-    series["all rss"] = [(s["t"], sum(u["rss"] for u in s["roles"].values())) for s in samples_]
+              for role in steady for metric in ("threads", "fds", "pss")}
+    for metric in ("rss", "pss"):
+        series[f"all {metric}"] = [(s["t"], sum(u.get(metric, 0) for u in s["roles"].values())) for s in samples_]
     series["/dev/shm regions"] = [(s["t"], s["shm_regions"]) for s in samples_]
     for name, points in series.items():
         t = trend(points, warmup)
         if t is None:
             continue
-        rss = name.endswith("rss")
-        scale, unit = (2**20, "MB") if rss else (1, "")
+        memory = name.endswith(("rss", "pss"))
+        scale, unit = (2**20, "MB") if memory else (1, "")
         lines.append(f"  {name:34s} {t.first / scale:10.1f} -> {t.last / scale:10.1f}{unit:2s}  "
-                     f"{t.slope_per_hour / scale:+9.2f}{unit}/h" + (f" ({t.percent_per_hour:+.2f}%/h)" if rss else "")
-                     + ("  RISES" if t.rises and not rss else ""))
-        if (not rss and t.rises) or (name == "all rss" and t.percent_per_hour > rss_bound):
+                     f"{t.slope_per_hour / scale:+9.2f}{unit}/h" + (f" ({t.percent_per_hour:+.2f}%/h)" if memory else "")
+                     + ("  RISES" if t.rises and not memory else ""))
+        if (not memory and t.rises) or (name == "all pss" and t.percent_per_hour > memory_bound):
             grew.append(name)
     return lines, grew
 
@@ -202,11 +206,11 @@ def main() -> int:
                         help="seconds without an answer after which a request counts as hung")
     parser.add_argument("--sample-every", type=float, default=5.0)
     parser.add_argument("--warmup", type=float, help="seconds before trends count (default 600, or a third)")
-    parser.add_argument("--rss-bound", type=float, help="%% an hour the memory may grow (default 1, 2 with faults)")
+    parser.add_argument("--memory-bound", type=float, help="%% an hour the memory (all pss) may grow (default 1, 2 with faults)")
     parser.add_argument("--json", help="write the samples and the verdict here")
     args = parser.parse_args()
     warmup = args.warmup if args.warmup is not None else min(600.0, args.duration / 3)
-    rss_bound = args.rss_bound if args.rss_bound is not None else (2.0 if args.faults else 1.0)
+    memory_bound = args.memory_bound if args.memory_bound is not None else (2.0 if args.faults else 1.0)
 
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -290,7 +294,7 @@ def main() -> int:
     finally:
         deployment.stop()
 
-    lines, grew = judge(taken, warmup, rss_bound)
+    lines, grew = judge(taken, warmup, memory_bound)
     print(f"soak: {elapsed:.0f} s at concurrency {args.concurrency}, {sum(counts.values())} requests, "
           f"{len(taken)} samples, trends after {warmup:.0f} s")
     for outcome, n in sorted(counts.items()):
@@ -304,7 +308,7 @@ def main() -> int:
     for failure in failures[:10]:
         print(f"    {failure}")
     print(f"  KV blocks in use at the end          {blocks} (must be 0)")
-    print(f"  trends (value at the warm-up's end -> at the end, slope; memory must grow < {rss_bound:g}%/h):")
+    print(f"  trends (value at the warm-up's end -> at the end, slope; memory (all pss) must grow < {memory_bound:g}%/h):")
     print("\n".join(lines))
     print(f"  grew: {', '.join(grew) or 'nothing'}")
     ok = not failures and counts["HUNG"] == 0 and blocks == 0 and not grew

@@ -20,25 +20,40 @@ SHM_PREFIX = "triton_python_backend_shm_region"
 
 @dataclass(frozen=True)
 class Usage:
-    """One process's (or a role's summed) threads, resident memory in bytes and open descriptors."""
+    """One process's (or a role's summed) threads, resident memory in bytes and open descriptors.
+
+    `rss` counts every page a process maps, shared or not; `pss` counts a page shared by N
+    processes as 1/N in each, so a sum of `pss` is what the processes hold in memory. Summed `rss`
+    counts the libraries every stub maps once a stub, a Python backend region once for the server
+    and once for its stub, and, in the server, a region again for each mapping of it python_backend
+    keeps as the region grows (it never unmaps the old ones)."""
     threads: int = 0
     rss: int = 0
     fds: int = 0
+    pss: int = 0
 
     def __add__(self, other: Usage) -> Usage:
-        return Usage(self.threads + other.threads, self.rss + other.rss, self.fds + other.fds)
+        return Usage(self.threads + other.threads, self.rss + other.rss, self.fds + other.fds, self.pss + other.pss)
+
+
+def _kb(text: str, field: str) -> int:
+    """The value of `field` (in kB) in a /proc status or smaps_rollup text, in bytes (0 if absent)."""
+    for line in text.splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def usage(pid: int) -> Usage | None:
     """`pid`'s usage now (None once it is gone)."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
+        rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
         fds = len(os.listdir(f"/proc/{pid}/fd"))
     except OSError:
         return None
-    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-    rss_kb = int(fields.get("VmRSS", "0 kB").split()[0])
-    return Usage(int(fields["Threads"]), rss_kb * 1024, fds)
+    threads = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("Threads:"))
+    return Usage(threads, _kb(status, "VmRSS"), fds, _kb(rollup, "Pss"))
 
 
 def children() -> dict[int, list[int]]:

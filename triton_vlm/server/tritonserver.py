@@ -70,10 +70,6 @@ def server_env() -> dict[str, str]:
     # sleep: the models share the cores, and a spinning llm worker took them from preprocess and
     # the encoder (2 cores: image requests at concurrency 4, 26 -> 43 req/s; bench/RESULTS.md).
     env.setdefault("GOMP_SPINCOUNT", "1000")
-    # glibc gives each thread that allocates an arena of its own, up to 8 a core, and returns little
-    # of them to the system: tritonserver runs hundreds of threads, and its RSS grew 16% in half an
-    # hour of serving (Triton's known issue; its remedy, tcmalloc or jemalloc, is not installed here)
-    env.setdefault("MALLOC_ARENA_MAX", "2")
     return env
 
 
