@@ -1,0 +1,86 @@
+"""How much of tritonserver's own memory each kind of request leaves behind (issue #36): a server
+of the `small` demo repository (the soak's), `--concurrency` clients sending `--requests` requests
+of one kind, then of the next, and tritonserver's anonymous memory (`RssAnon`: its heap, not the
+Python backend's shared regions) before and after each round, per request.
+
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/server_memory.py --repo build/soak/repository \\
+        --kinds image,image,text,cancel,bad --requests 300
+
+Run it again with the allocator changed (`MALLOC_ARENA_MAX=2`, or `LD_PRELOAD=.../libjemalloc.so.2`
+in the environment: tritonserver inherits it) to compare allocators on the same rounds.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+from soak import cancelled_stream
+
+from triton_vlm.clients.client import RequestError, generate
+from triton_vlm.families import get_family
+from triton_vlm.media import samples
+from triton_vlm.server.tritonserver import TritonServer
+
+WARMUP = 40  # requests of a kind sent before its round is measured
+
+
+def kinds() -> dict[str, Callable[[str], object]]:
+    """kind -> one request of it to a server's gRPC url (the soak's requests)."""
+    family = get_family("qwen2_5_vl")
+    chat = lambda text: f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"  # noqa: E731
+    image, video = samples.image_bytes(448, 336), samples.video_bytes(2.0, 10, 320, 240)
+    seeing = chat(family.image_placeholder + "What is this?")
+    return {
+        "text": lambda url: generate(url, chat("Tell me about the road."), max_tokens=8),
+        "image": lambda url: generate(url, seeing, [image], max_tokens=8),
+        "video": lambda url: generate(url, chat(family.video_placeholder + "What moves?"), [], [video], max_tokens=8),
+        "cancel": lambda url: cancelled_stream(url, seeing, [image], 60.0),
+        "bad": lambda url: generate(url, chat(family.image_placeholder + "?"), [b"\xff\xd8\xff not a jpeg" * 10],
+                                    max_tokens=8),
+    }
+
+
+def anonymous_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1])
+    raise ValueError(f"no RssAnon for {pid}")
+
+
+def send(request: Callable[[str], object], url: str, n: int, concurrency: int) -> None:
+    def one(_: int) -> None:
+        try:
+            request(url)
+        except RequestError:  # a refused request is one of the kinds
+            pass
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(one, range(n)))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repo", required=True, help="a built repository (bench/soak.py's WORKDIR/repository)")
+    parser.add_argument("--kinds", default="image,image,text,cancel,bad", help="rounds, in order: " + ",".join(kinds()))
+    parser.add_argument("--requests", type=int, default=300, help="requests a round")
+    parser.add_argument("--concurrency", type=int, default=4)
+    args = parser.parse_args()
+    requests = kinds()
+    with TritonServer(args.repo, supervise=True) as server:
+        for kind in args.kinds.split(","):
+            send(requests[kind], server.grpc_url, WARMUP, args.concurrency)
+            time.sleep(3.0)
+            before, started = anonymous_kb(server.process.pid), time.monotonic()
+            send(requests[kind], server.grpc_url, args.requests, args.concurrency)
+            time.sleep(3.0)
+            after = anonymous_kb(server.process.pid)
+            print(f"{kind}: {args.requests} requests in {time.monotonic() - started:.0f} s, tritonserver's anonymous "
+                  f"memory {before} -> {after} kB, {(after - before) / args.requests:.1f} kB a request", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
