@@ -22,6 +22,7 @@ from soak import cancelled_stream
 from triton_vlm.clients.client import RequestError, generate
 from triton_vlm.families import get_family
 from triton_vlm.media import samples
+from triton_vlm.server.process_tree import proc_bytes
 from triton_vlm.server.tritonserver import TritonServer
 
 WARMUP = 40  # requests of a kind sent before its round is measured
@@ -44,10 +45,7 @@ def kinds() -> dict[str, Callable[[str], object]]:
 
 
 def anonymous_kb(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1])
-    raise ValueError(f"no RssAnon for {pid}")
+    return proc_bytes(Path(f"/proc/{pid}/status").read_text(), "RssAnon") // 1024
 
 
 def send(request: Callable[[str], object], url: str, n: int, concurrency: int) -> None:

@@ -36,7 +36,7 @@ class Usage:
         return Usage(self.threads + other.threads, self.rss + other.rss, self.fds + other.fds, self.pss + other.pss)
 
 
-def _kb(text: str, field: str) -> int:
+def proc_bytes(text: str, field: str) -> int:
     """The value of `field` (in kB) in a /proc status or smaps_rollup text, in bytes (0 if absent)."""
     for line in text.splitlines():
         if line.startswith(field + ":"):
@@ -53,7 +53,7 @@ def usage(pid: int) -> Usage | None:
     except OSError:
         return None
     threads = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("Threads:"))
-    return Usage(threads, _kb(status, "VmRSS"), fds, _kb(rollup, "Pss"))
+    return Usage(threads, proc_bytes(status, "VmRSS"), fds, proc_bytes(rollup, "Pss"))
 
 
 def children() -> dict[int, list[int]]:
