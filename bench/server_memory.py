@@ -17,11 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
-from soak import cancelled_stream
+from soak import cancelled_stream, soak_requests
 
 from triton_vlm.clients.client import RequestError, generate
-from triton_vlm.families import get_family
-from triton_vlm.media import samples
 from triton_vlm.server.process_tree import proc_bytes
 from triton_vlm.server.tritonserver import TritonServer
 
@@ -30,18 +28,11 @@ WARMUP = 40  # requests of a kind sent before its round is measured
 
 def kinds() -> dict[str, Callable[[str], object]]:
     """kind -> one request of it to a server's gRPC url (the soak's requests)."""
-    family = get_family("qwen2_5_vl")
-    chat = lambda text: f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"  # noqa: E731
-    image, video = samples.image_bytes(448, 336), samples.video_bytes(2.0, 10, 320, 240)
-    seeing = chat(family.image_placeholder + "What is this?")
-    return {
-        "text": lambda url: generate(url, chat("Tell me about the road."), max_tokens=8),
-        "image": lambda url: generate(url, seeing, [image], max_tokens=8),
-        "video": lambda url: generate(url, chat(family.video_placeholder + "What moves?"), [], [video], max_tokens=8),
-        "cancel": lambda url: cancelled_stream(url, seeing, [image], 60.0),
-        "bad": lambda url: generate(url, chat(family.image_placeholder + "?"), [b"\xff\xd8\xff not a jpeg" * 10],
-                                    max_tokens=8),
-    }
+    good, bad = soak_requests()
+    kinds = {kind: (lambda url, r=request: generate(url, *r, max_tokens=8)) for kind, request in good.items()}
+    kinds["cancel"] = lambda url: cancelled_stream(url, *good["image"][:2], 60.0)
+    kinds["bad"] = lambda url: generate(url, *bad["corrupt image"][:3], max_tokens=8)
+    return kinds
 
 
 def anonymous_kb(pid: int) -> int:

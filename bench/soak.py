@@ -194,6 +194,26 @@ def judge(samples_: list[dict], warmup: float, memory_bound: float) -> tuple[lis
     return lines, grew
 
 
+def soak_requests() -> tuple[dict[str, tuple[str, list[bytes], list[bytes]]],
+                             dict[str, tuple[str, list[bytes], list[bytes], str]]]:
+    """The soak's requests: good ones by kind (prompt, images, videos), and bad ones by case (the
+    same, and the input their refusal must name)."""
+    family = get_family(FAMILY)
+    chat = lambda text: f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"  # noqa: E731
+    video = samples.video_bytes(2.0, 10, 320, 240)
+    good = {
+        "text": (chat("Tell me about the road."), [], []),
+        "image": (chat(family.image_placeholder + "What is this?"), [samples.image_bytes(448, 336)], []),
+        "video": (chat(family.video_placeholder + "What moves?"), [], [video]),
+    }
+    bad = {
+        "corrupt image": (chat(family.image_placeholder + "?"), [b"\xff\xd8\xff not a jpeg" * 10], [], "images[0]"),
+        "truncated video": (chat(family.video_placeholder + "?"), [], [video[:2000]], "videos[0]"),
+        "placeholders": (chat(family.image_placeholder * 2 + "?"), good["image"][1], [], "text_input"),
+    }
+    return good, bad
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--duration", type=float, default=300.0, help="seconds of load")
@@ -218,18 +238,7 @@ def main() -> int:
     if not (checkpoint / "config.json").exists():
         write_demo_checkpoint(FAMILY, checkpoint, args.size)
     repo = build_repository(checkpoint, workdir / "repository")
-    family = get_family(FAMILY)
-    chat = lambda text: f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"  # noqa: E731
-    good = {
-        "text": (chat("Tell me about the road."), [], []),
-        "image": (chat(family.image_placeholder + "What is this?"), [samples.image_bytes(448, 336)], []),
-        "video": (chat(family.video_placeholder + "What moves?"), [], [samples.video_bytes(2.0, 10, 320, 240)]),
-    }
-    bad = {
-        "corrupt image": (chat(family.image_placeholder + "?"), [b"\xff\xd8\xff not a jpeg" * 10], [], "images[0]"),
-        "truncated video": (chat(family.video_placeholder + "?"), [], [good["video"][2][0][:2000]], "videos[0]"),
-        "placeholders": (chat(family.image_placeholder * 2 + "?"), [good["image"][1][0]], [], "text_input"),
-    }
+    good, bad = soak_requests()
 
     deployment = Deployment(repo, workdir / "serve.log")
     url = deployment.grpc_url

@@ -6,8 +6,9 @@ models, and the server itself, serving after a crash.
   Its other instances, the old version's, end once that version unloads, which Triton does only
   when all of its requests have ended: one the dead stub held may never end, and the old stubs,
   their regions and the server's threads for them stayed for good (seen in an hour's soak). Old
-  stubs still there RETIRE_S after the reload get the server restarted (a steady 1 in 5 kills of a
-  busy step's stub in tests/test_step_faults.py).
+  stubs still there `retire_s` after the reload (default RETIRE_S) get the server restarted (a
+  steady 1 in 5 kills of a busy step's stub in tests/test_step_faults.py); the wait runs on a
+  thread of its own, so that other deaths meanwhile are handled at once.
 - The `ensemble`'s stub is the exception. Triton holds forever the requests a decoupled model had
   when its stub died (server issue 7862), and no reload ends them; the server is killed, which
   ends every connection at once (a gRPC client gets UNAVAILABLE), and started again.
@@ -67,8 +68,8 @@ class Supervisor:
     """Watches `server`'s process and stubs from its own thread, from `start` until the server
     is stopped or given up (`done`)."""
 
-    def __init__(self, server: Supervised, period: float = 0.5) -> None:
-        self.server, self.period = server, period
+    def __init__(self, server: Supervised, period: float = 0.5, retire_s: float = RETIRE_S) -> None:
+        self.server, self.period, self.retire_s = server, period, retire_s
         self.done = threading.Event()
         self._changed = threading.Condition()
         self._restarts: collections.deque[float] = collections.deque()
@@ -167,18 +168,20 @@ class Supervisor:
             # a model that is not loaded again would fail every request routed to it for good
             self._kill(process, f"reloading {model!r} failed ({error}), so tritonserver was killed")
             return
-        self._retire(process, model, old, min(limit, RETIRE_S))
+        threading.Thread(target=self._retire, args=(process, model, old, min(limit, self.retire_s)),
+                         name="triton-retire", daemon=True).start()
 
     def _retire(self, process: subprocess.Popen, model: str, old: dict[int, int], limit: float) -> None:
-        """Wait until the old instances of `model` (pid -> start, in clock ticks) have ended; kill
-        the server if some are still there after `limit` seconds (the module's docstring). Deaths
-        of other stubs meanwhile are handled after."""
+        """Wait until the old instances of `model` (pid -> start, in clock ticks) have ended, and
+        say so; kill the server if some are still there after `limit` seconds (the module's
+        docstring)."""
         deadline = time.monotonic() + limit
         while True:
             if process.poll() is not None or self.server.stopping or self._kill_reason is not None:
                 return
             lingering = sorted(p for p in self.server.stub_processes() if p in old and start_ticks(p) == old[p])
             if not lingering:
+                self.server.event(f"the old instances of {model!r} ended")
                 return
             if time.monotonic() >= deadline:
                 break

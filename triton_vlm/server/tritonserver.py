@@ -30,7 +30,7 @@ from triton_vlm.server import admin, reaper
 from triton_vlm.server.errors import Aborted, NotReady, ServerError
 from triton_vlm.server.process_tree import SHM_DIR, SHM_PREFIX
 from triton_vlm.server.stubs import STUB_EXITS_ENV, dump_stacks, model_of, stub_processes
-from triton_vlm.server.supervisor import Supervisor
+from triton_vlm.server.supervisor import RETIRE_S, Supervisor
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 # Seconds from a stop signal to a server gone: tritonserver waits for requests in flight for the
@@ -100,7 +100,8 @@ class TritonServer:
     shared-memory regions are removed.
 
     `supervise` (as `triton-vlm serve` runs it): a `Supervisor` reloads a model whose stub died
-    and starts the server again when it exits by itself (`triton_vlm.server.supervisor`).
+    and starts the server again when it exits by itself (`triton_vlm.server.supervisor`); it does
+    so too when the old instances of a reloaded model are still there `retire_s` after the reload.
 
     Its admin APIs answer only requests with `admin_key` (`triton_vlm.server.admin`; default: a random
     key of this start, held by this object alone)."""
@@ -108,7 +109,8 @@ class TritonServer:
     def __init__(self, repo: str | Path, http_port: int | None = None, grpc_port: int | None = None,
                  metrics_port: int | None = None, log_file: str | Path | None = None, echo: bool = False,
                  extra_args: tuple[str, ...] = (), supervise: bool = False,
-                 report: Callable[[str], None] | None = None, admin_key: str | None = None) -> None:
+                 report: Callable[[str], None] | None = None, admin_key: str | None = None,
+                 retire_s: float = RETIRE_S) -> None:
         self.repo = Path(repo).resolve()
         self.http_port = http_port or free_port()
         self.grpc_port = grpc_port or free_port()
@@ -119,7 +121,7 @@ class TritonServer:
         self._tail: collections.deque[str] = collections.deque(maxlen=2000)
         self._lines = 0  # read so far
         self._reader: threading.Thread | None = None
-        self.supervise = supervise
+        self.supervise, self.retire_s = supervise, retire_s
         self.report = report or (lambda message: print(f"triton-vlm serve: {message}", file=sys.stderr, flush=True))
         self.events: list[str] = []
         self._stopping = threading.Event()
@@ -190,7 +192,7 @@ class TritonServer:
             self.event(f"{error}\nstarting it again")
             self._launch()
         if self.supervise:  # started before returning: a stub may die right after
-            self._supervisor = Supervisor(self)
+            self._supervisor = Supervisor(self, retire_s=self.retire_s)
         return self
 
     def relaunch(self) -> None:
