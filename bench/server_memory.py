@@ -6,12 +6,15 @@ Python backend's shared regions) before and after each round, per request.
     HF_HUB_OFFLINE=1 .venv/bin/python bench/server_memory.py --repo build/soak/repository \\
         --kinds image,image,text,cancel,bad --requests 300
 
+`mix` is the soak's mix of them all (`--kinds mix,mix,mix,mix,mix,mix --requests 400 --concurrency 8`).
+
 Run it again with the allocator changed (`MALLOC_ARENA_MAX=2`, or `LD_PRELOAD=.../libjemalloc.so.2`
 in the environment: tritonserver inherits it) to compare allocators on the same rounds.
 """
 from __future__ import annotations
 
 import argparse
+import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -32,6 +35,9 @@ def kinds() -> dict[str, Callable[[str], object]]:
     kinds = {kind: (lambda url, r=request: generate(url, *r, max_tokens=8)) for kind, request in good.items()}
     kinds["cancel"] = lambda url: cancelled_stream(url, *good["image"][:2], 60.0)
     kinds["bad"] = lambda url: generate(url, *bad["corrupt image"][:3], max_tokens=8)
+    # the soak's mix: each of the five alike often (good ones 60%, cancelled 20%, refused 20%)
+    rng, each = random.Random(0), list(kinds.values())
+    kinds["mix"] = lambda url: rng.choice(each)(url)
     return kinds
 
 

@@ -101,6 +101,9 @@ def generate(url: str, prompt: str, images=(), videos=(), *, on_text: Callable[[
             while True:
                 res, err = responses.get(timeout=timeout)  # queue.Empty: no response within `timeout`
                 if err is not None:
+                    # the ensemble's error ends its request (or the stream broke): nothing to cancel,
+                    # and Triton 2.51 keeps the memory of a stream cancelled after its last response
+                    finished = True
                     raise RequestError(stream_error(err))
                 response = res.get_response()
                 if response.outputs:
@@ -131,8 +134,8 @@ def close_stream(client, cancel: bool) -> None:
     tritonclient (2.73, as its main branch) ends a cancelled stream without ending the iterator
     that feeds it requests, so gRPC's thread that reads that iterator waits for a next request
     for good: one thread, with the stream's callback and what it holds, per cancelled stream
-    (grpc issue 21995). The ensemble cancels its llm stream at the end of every request, and its
-    stub gained a thread a request; a client retrying through a server restart gained hundreds.
+    (grpc issue 21995). The ensemble cancelled its llm stream at the end of every request, and
+    its stub gained a thread a request; a client retrying through a server restart gained hundreds.
     The iterator's end marker (None) ends that thread; a stream closed without cancelling has it
     already, and a second one is never read."""
     stream = client._stream  # (tritonclient's own: no public way to end the request iterator)
