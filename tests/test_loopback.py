@@ -1,9 +1,7 @@
 """`triton_vlm.serving.loopback`'s error codes, without a server: a gRPC call's status, a streamed error's
-`[CODE] ` prefix (the llm's, when the ensemble asks), refusals for now as UNAVAILABLE; which streams
-it cancels. The stream itself runs in every test that goes through the ensemble."""
+`[CODE] ` prefix (the llm's, when the ensemble asks), refusals for now as UNAVAILABLE. The stream
+itself runs in every test that goes through the ensemble."""
 from __future__ import annotations
-
-import threading
 
 import numpy as np
 import pytest
@@ -65,50 +63,3 @@ def test_a_step_that_died_is_refused_or_aborted_never_waited_for():
     replies = list(steps.stream("llm", tensors, ["output_ids"], "r2"))
     assert len(replies) == 1 and replies[0] != dead and url in replies[0].message
 
-
-class _Final:
-    """A stream's last response, as tritonclient gives it: no outputs, the final flag."""
-
-    def __init__(self, request_id: str) -> None:
-        from types import SimpleNamespace
-
-        flag = SimpleNamespace(bool_param=True)
-        self.response = SimpleNamespace(id=request_id, parameters={"triton_final_response": flag})
-
-    def get_response(self):
-        return self.response
-
-    def as_numpy(self, name):
-        return None
-
-
-def test_a_stream_is_cancelled_only_when_its_request_did_not_end(monkeypatch):
-    """Triton 2.51 keeps the request message of a stream cancelled as its last response completes
-    (bench/RESULTS.md, "what tritonserver's heap holds"): a stream whose final response came is closed
-    as a client ends its requests; one left before (a client that went, a dead step) is cancelled."""
-    from triton_vlm.serving import loopback
-
-    closed: list[bool] = []
-    monkeypatch.setattr(loopback, "close_stream", lambda client, cancel: closed.append(cancel))
-
-    class FakeClient:
-        def __init__(self, url: str) -> None:
-            pass
-
-        def start_stream(self, callback) -> None:
-            self.callback = callback
-
-        def async_stream_infer(self, model, inputs, request_id, **kwargs) -> None:
-            self.callback(_Final(request_id), None)
-
-    monkeypatch.setattr("tritonclient.grpc.InferenceServerClient", FakeClient)
-    steps = loopback.GrpcSteps("127.0.0.1:1")
-    tensors = {"input_ids": np.array([[1, 2]], dtype=np.int32)}
-    assert list(steps.stream("llm", tensors, ["output_ids"], "r1")) == []  # (the final response has no outputs)
-    assert closed == [False]
-
-    monkeypatch.setattr(FakeClient, "async_stream_infer", lambda self, *args, **kwargs: None)  # no answer comes
-    dead = Failure("UNAVAILABLE", "the llm step restarted; retry")
-    threading.Timer(0.2, steps.abort, ("llm", dead)).start()  # its step dies meanwhile
-    assert list(steps.stream("llm", tensors, ["output_ids"], "r2")) == [dead]
-    assert closed == [False, True]

@@ -5,7 +5,9 @@ request is the same stream with `stream=false`: one response with the whole answ
 """
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import http.client
 import json
 import queue
@@ -213,6 +215,7 @@ async def stream_generate(channel: grpc.aio.Channel, values: dict[str, tuple],
     try:
         async for response in call:
             if response.error_message:
+                await _ended(call)  # (the ensemble's error ends its request)
                 raise RequestError(response.error_message)
             result = InferResult(response.infer_response)
             if response.infer_response.outputs:
@@ -222,9 +225,18 @@ async def stream_generate(channel: grpc.aio.Channel, values: dict[str, tuple],
                                 b"".join(result.as_numpy("finish_reason")).decode(),
                                 None if prompt_tokens is None else int(prompt_tokens.reshape(-1)[0]))
             if response.infer_response.parameters["triton_final_response"].bool_param:
+                await _ended(call)
                 return
     finally:
         call.cancel()  # a no-op once the call has ended
+
+
+async def _ended(call, timeout: float = 5.0) -> None:
+    """Wait for the end of a stream whose request ended (the server ends it at once: its one
+    request was sent), cancelling it only if it has not within `timeout`: Triton 2.51 keeps the
+    request message of a stream cancelled after its last response (bench/RESULTS.md)."""
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(call.code(), timeout)
 
 
 def generate_payload(prompt: str, images=(), videos=(), mm_options: dict | None = None, max_tokens: int = 64,
