@@ -10,11 +10,18 @@ Python backend's shared regions) before and after each round, per request.
 
 Run it again with the allocator changed (`MALLOC_ARENA_MAX=2`, or `LD_PRELOAD=.../libjemalloc.so.2`
 in the environment: tritonserver inherits it) to compare allocators on the same rounds.
+
+`--heaptrack FILE`: heaptrack is attached to tritonserver after the first warm-up and detached
+after the last round; what the rounds allocated and did not free is printed (`heaptrack_print
+--print-leaks 1 FILE.zst` shows where it was allocated). heaptrack's own memory then counts in the
+rounds' figures.
 """
 from __future__ import annotations
 
 import argparse
 import random
+import signal
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -62,12 +69,18 @@ def main() -> int:
     parser.add_argument("--kinds", default="image,image,text,cancel,bad", help="rounds, in order: " + ",".join(kinds()))
     parser.add_argument("--requests", type=int, default=300, help="requests a round")
     parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--heaptrack", metavar="FILE", help="trace tritonserver's heap over the rounds into FILE.zst")
     args = parser.parse_args()
     requests = kinds()
+    tracer = None
     with TritonServer(args.repo, supervise=True) as server:
         ends = []  # the anonymous memory after each round
         for kind in args.kinds.split(","):
             send(requests[kind], server.grpc_url, WARMUP, args.concurrency)
+            if args.heaptrack and tracer is None:
+                tracer = subprocess.Popen(["heaptrack", "-o", args.heaptrack, "-p", str(server.process.pid)],
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                time.sleep(15.0)  # (its injection through gdb)
             time.sleep(3.0)
             before, started = anonymous_kb(server.process.pid), time.monotonic()
             send(requests[kind], server.grpc_url, args.requests, args.concurrency)
@@ -75,6 +88,14 @@ def main() -> int:
             ends.append(after := anonymous_kb(server.process.pid))
             print(f"{kind}: {args.requests} requests in {time.monotonic() - started:.0f} s, tritonserver's anonymous "
                   f"memory {before} -> {after} kB, {(after - before) / args.requests:.1f} kB a request", flush=True)
+        if tracer is not None:
+            tracer.send_signal(signal.SIGINT)  # detach
+            tracer.communicate(timeout=120)
+    if tracer is not None:
+        summary = subprocess.run(["heaptrack_print", "-f", f"{args.heaptrack}.zst", "--print-leaks", "0",
+                                  "--print-peaks", "0", "--print-allocators", "0", "--print-temporary", "0"],
+                                 capture_output=True, text=True).stdout
+        print("heaptrack:", "; ".join(line.strip() for line in summary.splitlines()[-3:]))
     if len(ends) > 3:  # a round's own figure swings with what the allocator keeps; the ends show the trend
         rest = (args.requests + WARMUP) * (len(ends) - 3)
         print(f"after the third round: {ends[2]} -> {ends[-1]} kB, {(ends[-1] - ends[2]) / rest:.1f} kB a request")
