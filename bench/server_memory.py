@@ -12,7 +12,7 @@ Run it again with the allocator changed (`MALLOC_ARENA_MAX=2`, or `LD_PRELOAD=..
 in the environment: tritonserver inherits it) to compare allocators on the same rounds.
 
 `--heaptrack FILE`: heaptrack is attached to tritonserver after the first warm-up and detached
-after the last round; what the rounds allocated and did not free is printed (`heaptrack_print
+after the last round (its own output in FILE.log); what the rounds allocated and did not free is printed (`heaptrack_print
 --print-leaks 1 FILE.zst` shows where it was allocated). heaptrack's own memory then counts in the
 rounds' figures.
 """
@@ -79,7 +79,7 @@ def main() -> int:
             send(requests[kind], server.grpc_url, WARMUP, args.concurrency)
             if args.heaptrack and tracer is None:
                 tracer = subprocess.Popen(["heaptrack", "-o", args.heaptrack, "-p", str(server.process.pid)],
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                          stdout=open(f"{args.heaptrack}.log", "w"), stderr=subprocess.STDOUT)
                 time.sleep(15.0)  # (its injection through gdb)
             time.sleep(3.0)
             before, started = anonymous_kb(server.process.pid), time.monotonic()
@@ -90,7 +90,7 @@ def main() -> int:
                   f"memory {before} -> {after} kB, {(after - before) / args.requests:.1f} kB a request", flush=True)
         if tracer is not None:
             tracer.send_signal(signal.SIGINT)  # detach
-            tracer.communicate(timeout=120)
+            tracer.wait(timeout=120)  # (what it started may keep its output open longer)
     if tracer is not None:
         summary = subprocess.run(["heaptrack_print", "-f", f"{args.heaptrack}.zst", "--print-leaks", "0",
                                   "--print-peaks", "0", "--print-allocators", "0", "--print-temporary", "0"],
