@@ -62,4 +62,3 @@ def test_a_step_that_died_is_refused_or_aborted_never_waited_for():
     steps.refusal = lambda model: None
     replies = list(steps.stream("llm", tensors, ["output_ids"], "r2"))
     assert len(replies) == 1 and replies[0] != dead and url in replies[0].message
-
