@@ -51,6 +51,9 @@ BENCH = Path(__file__).resolve().parent
 TREE_ENV = "TRITON_VLM_TREE_ROOT"
 ROOT = Path(os.environ.get(TREE_ENV) or BENCH.parent).resolve()
 sys.path[:0] = [str(ROOT), str(BENCH)]
+import other_tree  # noqa: E402
+
+other_tree.install(ROOT)
 
 from triton_vlm.families.qwen2_5_vl import QWEN2_5_VL  # noqa: E402
 
@@ -312,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint = write_checkpoint(args.size, Path(tmp) / "ckpt", args.device)
         figures["timings_s"]["checkpoint"] = round(time.perf_counter() - started, 1)
         repo = Path(tmp) / "repository"
-        build = [sys.executable, "-m", "triton_vlm.tools.cli", "build", "--checkpoint", str(checkpoint), "--repo",
+        build = [sys.executable, "-m", other_tree.cli_module(ROOT), "build", "--checkpoint", str(checkpoint), "--repo",
                  str(repo), "--device", args.device] + (["--encoder-backend", "torch"] if args.device == "gpu" else [])
         subprocess.run(build, check=True, cwd=ROOT)
         figures["build"] = " ".join(build[3:])

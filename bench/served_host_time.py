@@ -27,11 +27,13 @@ BENCH = Path(__file__).resolve().parent
 
 
 def run(tree: Path, out: Path, bench_args: list[str]) -> dict:
-    """One served_gpu.py run on `tree`'s code at concurrency 1: its figures."""
+    """One served_gpu.py run on `tree`'s code at concurrency 1: its figures. It runs in `tree`, whose
+    package Triton's stubs then import (bench/other_tree.py)."""
+    out = out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, str(BENCH / "served_gpu.py"), *bench_args, "--concurrency", "1", "--results",
-                    str(out), "--out", str(out)], check=True, env={**os.environ, "TRITON_VLM_TREE_ROOT": str(tree)},
-                   stdout=subprocess.DEVNULL)
+    subprocess.run([sys.executable, str(BENCH / "served_gpu.py"), *bench_args, "--concurrency", "1", "--tree",
+                    str(tree), "--results", str(out), "--out", str(out)], check=True, cwd=tree,
+                   env={**os.environ, "TRITON_VLM_TREE_ROOT": str(tree)}, stdout=subprocess.DEVNULL)
     figures = json.loads((out / "served.json").read_text())
     served, alone = figures["served"]["image"]["1"], figures["engine_alone"]["1"]
     steps = served["step_stats"]
