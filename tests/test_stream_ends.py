@@ -140,6 +140,63 @@ def test_stream_generate(monkeypatch, error):
     assert not ended.cancelled
     # a server that does not end the stream within the wait: cancelled all the same
     hanging = FakeCall([aio_response(final=not error, error=error)], ends=False)
-    monkeypatch.setattr(clients._ended, "__defaults__", (0.2,))
+    monkeypatch.setattr(clients, "CLOSE_WAIT_S", 0.2)
     asyncio.run(run(hanging))
     assert hanging.cancelled
+
+
+class StreamServer:
+    """A gRPC server with Triton's stream call alone: it answers each request with a final response,
+    then ends the stream once the client's half has ended, or, `wedged`, never: only a cancel ends it."""
+
+    def __init__(self, wedged: bool) -> None:
+        from concurrent import futures
+
+        import grpc
+        from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+        self.ended, self.cancelled = threading.Event(), False
+        server = self
+
+        class Service(service_pb2_grpc.GRPCInferenceServiceServicer):
+            def ModelStreamInfer(self, requests, context):
+                for request in requests:
+                    response = service_pb2.ModelInferResponse(id=request.id)
+                    response.parameters["triton_final_response"].bool_param = True
+                    yield service_pb2.ModelStreamInferResponse(infer_response=response)
+                while wedged and context.is_active():
+                    threading.Event().wait(0.02)
+                server.cancelled = not context.is_active()
+                server.ended.set()
+
+        self.grpc = grpc.server(futures.ThreadPoolExecutor(2))
+        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Service(), self.grpc)
+        self.url = f"127.0.0.1:{self.grpc.add_insecure_port('127.0.0.1:0')}"
+        self.grpc.start()
+
+
+@pytest.mark.parametrize("wedged", [False, True])
+def test_close_stream_waits_a_bounded_time(monkeypatch, wedged):
+    """A stream whose request ended is closed without cancelling, and the server ends it; one the
+    server never ends is cancelled after CLOSE_WAIT_S, instead of holding its caller for good."""
+    import time
+
+    import tritonclient.grpc as grpcclient
+
+    monkeypatch.setattr(clients, "CLOSE_WAIT_S", 0.5)
+    server = StreamServer(wedged)
+    try:
+        with grpcclient.InferenceServerClient(server.url) as client:
+            finals = queue.SimpleQueue()
+            client.start_stream(callback=lambda result, error: finals.put(error))
+            handler = client._stream._handler
+            client.async_stream_infer("ensemble", [], request_id="r1", enable_empty_final_response=True)
+            assert finals.get(timeout=10) is None
+            start = time.monotonic()
+            clients.close_stream(client, cancel=False)
+            took = time.monotonic() - start
+        assert not handler.is_alive()
+        assert server.ended.wait(5) and server.cancelled == wedged  # cancelled only when the server never ended it
+        assert (took >= 0.5) == wedged and took < 5
+    finally:
+        server.grpc.stop(None)

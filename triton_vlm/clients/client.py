@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 MODEL = "ensemble"
 # The ensemble's output with the expanded prompt's length (`usage.prompt_tokens`), where it has one.
 PROMPT_TOKENS_OUTPUT = "num_input_tokens"
+# Seconds a client waits for the server to end a stream whose requests ended, before it cancels it.
+CLOSE_WAIT_S = 5.0
 
 
 class RequestError(RuntimeError):
@@ -133,14 +135,22 @@ def generate(url: str, prompt: str, images=(), videos=(), *, on_text: Callable[[
 def close_stream(client, cancel: bool) -> None:
     """`client.stop_stream(cancel_requests=cancel)`, and the end of the stream's requests.
 
+    Not cancelled, the stream ends when the server has ended it (its requests' last responses
+    came): tritonclient then joins its reader thread without a limit, so a server that never ends
+    the stream (wedged) would hold the caller for good. Here the wait is CLOSE_WAIT_S, and a stream
+    still open then is cancelled.
+
     tritonclient (2.73, as its main branch) ends a cancelled stream without ending the iterator
     that feeds it requests, so gRPC's thread that reads that iterator waits for a next request
     for good: one thread, with the stream's callback and what it holds, per cancelled stream
     (grpc issue 21995). The ensemble cancelled its llm stream at the end of every request, and
     its stub gained a thread a request; a client retrying through a server restart gained hundreds.
-    The iterator's end marker (None) ends that thread; a stream closed without cancelling has it
-    already, and a second one is never read."""
-    stream = client._stream  # (tritonclient's own: no public way to end the request iterator)
+    The iterator's end marker (None) ends that thread; a second one is never read."""
+    stream = client._stream  # (tritonclient's own: no public way to end the request iterator or bound the wait)
+    if stream is not None and not cancel and stream._handler is not None:
+        stream._request_queue.put(None)  # the client's half of the stream ends: the server then ends it
+        stream._handler.join(CLOSE_WAIT_S)
+        cancel = stream._handler.is_alive()
     client.stop_stream(cancel_requests=cancel)
     if stream is not None:
         stream._request_queue.put(None)
@@ -231,12 +241,12 @@ async def stream_generate(channel: grpc.aio.Channel, values: dict[str, tuple],
         call.cancel()  # a no-op once the call has ended
 
 
-async def _ended(call, timeout: float = 5.0) -> None:
+async def _ended(call) -> None:
     """Wait for the end of a stream whose request ended (the server ends it at once: its one
-    request was sent), cancelling it only if it has not within `timeout`: Triton 2.51 keeps the
-    request message of a stream cancelled after its last response (bench/RESULTS.md)."""
+    request was sent), up to CLOSE_WAIT_S; the caller cancels it only if it has not ended: Triton
+    2.51 keeps the request message of a stream cancelled after its last response (bench/RESULTS.md)."""
     with contextlib.suppress(asyncio.TimeoutError):
-        await asyncio.wait_for(call.code(), timeout)
+        await asyncio.wait_for(call.code(), CLOSE_WAIT_S)
 
 
 def generate_payload(prompt: str, images=(), videos=(), mm_options: dict | None = None, max_tokens: int = 64,
