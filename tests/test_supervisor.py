@@ -2,19 +2,26 @@
 process that exits at once (a crash loop): each exit is restarted until MAX_RESTARTS within
 RESTART_WINDOW_S, then the supervisor gives up and `replaced` tells the waiter so; a stop ends
 it without a restart. A reload that leaves the model's old instances running gets the server
-restarted, without holding up the supervisor's handling of other deaths meanwhile."""
+restarted, without holding up the supervisor's handling of other deaths meanwhile. A stub that
+dies while the server starts is seen, and its model reloaded once the server is ready."""
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
+from triton_vlm.server.stubs import stub_processes
 from triton_vlm.server.supervisor import MAX_RESTARTS, Supervisor
 
 
 class StandInServer:
-    """What the supervisor uses of a `TritonServer`; its process exits after `lifetime` seconds."""
+    """What the supervisor uses of a `TritonServer`, started as `TritonServer.start` does (`start`);
+    its process exits after `lifetime` seconds."""
+    start_timeout = 3.0
 
     def __init__(self, lifetime: float) -> None:
         self.lifetime = lifetime
@@ -22,13 +29,27 @@ class StandInServer:
         self.launches = 0
         self.stub_exits = ""
         self._stopping = threading.Event()
-        self.process = self._spawn()
+        self.supervisor: Supervisor | None = None
 
-    def _spawn(self) -> subprocess.Popen:
+    def start(self, supervisor: type[Supervisor] = Supervisor, **options) -> Supervisor:
+        self.supervisor = supervisor(self, period=0.05, **options)
+        self.relaunch()
+        self.supervisor.begin()
+        return self.supervisor
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-c", f"import time; time.sleep({self.lifetime})"]
+
+    def relaunch(self) -> None:
         self.launches += 1
         # the leader of its own process group, as tritonserver is (the supervisor kills the group)
-        return subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({self.lifetime})"],
-                                start_new_session=True)
+        self.process = subprocess.Popen(self.command(), start_new_session=True)
+        self.supervisor.launched(self.process)
+        while not self.is_ready():  # as TritonServer's start returns once the server is ready
+            time.sleep(0.05)
+
+    def is_ready(self) -> bool:
+        return True
 
     @property
     def stopping(self) -> bool:
@@ -37,14 +58,11 @@ class StandInServer:
     def event(self, message: str) -> None:
         self.events.append(message)
 
-    def relaunch(self) -> None:
-        self.process = self._spawn()
-
 
 def test_a_server_exiting_by_itself_is_restarted_until_the_budget_is_spent():
     server = StandInServer(lifetime=0.0)
+    supervisor = server.start()
     first = server.process
-    supervisor = Supervisor(server, period=0.05)
     assert supervisor.replaced(first)  # a waiter on the first process goes on to the next
     assert supervisor.done.wait(60)
     assert server.launches == 1 + MAX_RESTARTS
@@ -58,7 +76,7 @@ def test_a_server_exiting_by_itself_is_restarted_until_the_budget_is_spent():
 
 def test_a_stopped_server_is_not_restarted():
     server = StandInServer(lifetime=60.0)
-    supervisor = Supervisor(server, period=0.05)
+    supervisor = server.start()
     first = server.process
     server._stopping.set()
     first.terminate()
@@ -69,7 +87,6 @@ def test_a_stopped_server_is_not_restarted():
 
 class StandInWithStubs(StandInServer):
     """A stand-in whose "stubs" of `vision_encoder` are sleeping processes."""
-    start_timeout = 3.0
 
     def __init__(self) -> None:
         super().__init__(lifetime=60.0)
@@ -101,9 +118,53 @@ class Reloading(Supervisor):
             stub.kill()
 
 
+class Starting(StandInServer):
+    """A stand-in "tritonserver" that starts two stubs of `preprocess` as Triton does (children
+    named `triton_python_backend_stub`, the instance name third from the end), one of which dies
+    at once, and that is ready only `ready_s` seconds after its start."""
+    ready_s = 1.5
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__(lifetime=60.0)
+        (folder / "preprocess" / "1").mkdir(parents=True)
+        (model := folder / "preprocess" / "1" / "model.py").write_text("import sys, time; time.sleep(float(sys.argv[1]))")
+        (stub := folder / "triton_python_backend_stub").symlink_to(sys.executable)
+        self.script = (f"import subprocess, time\n"
+                       f"for seconds, instance in ((0.3, 'preprocess_0_0'), (60, 'preprocess_0_1')):\n"
+                       f"    subprocess.Popen([{str(stub)!r}, {str(model)!r}, str(seconds), instance, 'DEFAULT'])\n"
+                       f"time.sleep(60)")
+
+    def command(self) -> list[str]:
+        self.started = time.monotonic()
+        return [sys.executable, "-c", self.script]
+
+    def is_ready(self) -> bool:
+        return time.monotonic() - self.started > self.ready_s
+
+    def stub_processes(self) -> dict[int, str]:
+        return stub_processes(self.process.pid)
+
+    def model_states(self) -> dict[str, str]:
+        return {"preprocess": "READY"}
+
+    def end(self) -> None:
+        self._stopping.set()
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+
+class ReloadingStubs(Supervisor):
+    """Its reload of a model ends the model's stubs, as Triton's unload does."""
+
+    def _reload(self, model: str, limit: float) -> None:
+        self.server.event(f"reload {model}, ready {self.server.is_ready()}")
+        for pid in self.server.stub_processes():
+            os.kill(pid, signal.SIGKILL)
+
+
 def reload_after_death(retires: bool) -> tuple[StandInWithStubs, Reloading, float]:
     server = StandInWithStubs()
-    supervisor = Reloading(server, period=0.05)
+    supervisor = server.start(Reloading)
     supervisor.retires = retires
     started = time.monotonic()
     supervisor._stub_died(server.process, "vision_encoder_0_2", 1)  # as its watch calls it
@@ -144,6 +205,22 @@ def test_old_instances_still_running_after_a_reload_get_the_server_restarted():
             f"never do; so tritonserver was killed: restarting it",
             "tritonserver restarted"], server.events
         assert server.launches == 2
+    finally:
+        server.end()
+        assert supervisor.done.wait(30)
+
+
+def test_a_stub_that_dies_while_the_server_starts_is_reloaded_once_it_is_ready(tmp_path):
+    """Its watch begins at the start, not once the server is ready: Triton keeps a model whose stub
+    died READY, and every request routed to that instance would fail."""
+    server = Starting(tmp_path)
+    supervisor = server.start(ReloadingStubs)
+    try:
+        wait_for_event(server, "the old instances of 'preprocess' ended")
+        died = server.events[0]
+        assert died.startswith("model instance preprocess_0_0 died (stub pid "), server.events
+        assert server.events[1:] == ["reload preprocess, ready True", "model 'preprocess' reloaded",
+                                     "the old instances of 'preprocess' ended"], server.events
     finally:
         server.end()
         assert supervisor.done.wait(30)

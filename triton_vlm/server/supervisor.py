@@ -65,8 +65,10 @@ class Supervised(Protocol):
 
 
 class Supervisor:
-    """Watches `server`'s process and stubs from its own thread, from `start` until the server
-    is stopped or given up (`done`)."""
+    """Watches `server`'s process from `begin` until the server is stopped or given up (`done`),
+    and the stubs of each start of it from that start's `launched`, which the server calls as soon
+    as the process is there: a stub that dies while other models still load is seen, and handled
+    once the server is ready (a watch taken once it was ready never knew that stub)."""
 
     def __init__(self, server: Supervised, period: float = 0.5, retire_s: float = RETIRE_S) -> None:
         self.server, self.period, self.retire_s = server, period, retire_s
@@ -74,25 +76,34 @@ class Supervisor:
         self._changed = threading.Condition()
         self._restarts: collections.deque[float] = collections.deque()
         self._kill_reason: str | None = None
-        # The first stubs are known before this returns: one may die right after the start.
-        first = self._watch(server.process)
-        self._thread = threading.Thread(target=self._run, args=(server.process, first), name="triton-supervisor",
-                                        daemon=True)
-        self._thread.start()
+        self._watch: StepWatch | None = None
+        self._serving: subprocess.Popen | None = None  # the process whose start has ended (ready)
 
-    def _watch(self, process: subprocess.Popen) -> StepWatch:
-        """A watch of `process`'s stubs as they are now (and of those started later)."""
-        return StepWatch(process.pid, set(), lambda instance, pid: self._stub_died(process, instance, pid),
-                         ready=lambda model: True, period=self.period, exits=self.server.stub_exits)
+    def launched(self, process: subprocess.Popen) -> None:
+        """A start of the server: its stubs are watched from now on, as they start; the watch of
+        the start before ends."""
+        self.close()
+        self._watch = StepWatch(process.pid, set(), lambda instance, pid: self._stub_died(process, instance, pid),
+                                ready=lambda model: True, period=self.period, exits=self.server.stub_exits)
 
-    def _run(self, process: subprocess.Popen, watch: StepWatch) -> None:
+    def begin(self) -> None:
+        """The server is ready: from now on its process is waited for, and started again when it exits."""
+        self._serving = self.server.process
+        threading.Thread(target=self._run, args=(self.server.process,), name="triton-supervisor", daemon=True).start()
+
+    def close(self) -> None:
+        """End the watch of the stubs (a start that failed: `begin` never came)."""
+        if self._watch is not None:
+            self._watch.close()
+
+    def _run(self, process: subprocess.Popen) -> None:
         try:
             while True:
                 try:
                     code = process.wait()
                 finally:
-                    watch.close()
-                if self.server.stopping or (watch := self._restart(code)) is None:
+                    self.close()
+                if self.server.stopping or not self._restart(code):
                     return
                 process = self.server.process
         finally:
@@ -100,9 +111,9 @@ class Supervisor:
                 self.done.set()
                 self._changed.notify_all()
 
-    def _restart(self, code: int) -> StepWatch | None:
-        """Start the server again after it exited with `code`, unless it was restarted too often;
-        the watch of the new server's stubs, taken as soon as it is ready."""
+    def _restart(self, code: int) -> bool:
+        """Start the server again after it exited with `code`, unless it was restarted too often
+        (False)."""
         reason, self._kill_reason = self._kill_reason or f"tritonserver exited by itself with code {code}", None
         while True:
             now = time.monotonic()
@@ -111,7 +122,7 @@ class Supervisor:
             if len(self._restarts) >= MAX_RESTARTS:
                 self.server.event(f"{reason}; {MAX_RESTARTS} restarts within {RESTART_WINDOW_S:.0f} s already: "
                                   f"giving up")
-                return None
+                return False
             self._restarts.append(now)
             self.server.event(f"{reason}: restarting it")
             try:
@@ -122,12 +133,12 @@ class Supervisor:
                 reason = "the restart failed"
             except ServerError as error:
                 self.server.event(f"restarting tritonserver failed: {error}")
-                return None
-        watch = self._watch(self.server.process)
+                return False
+        self._serving = self.server.process
         with self._changed:
             self._changed.notify_all()
         self.server.event("tritonserver restarted")
-        return watch
+        return True
 
     def replaced(self, process: subprocess.Popen) -> bool:
         """After `process` exited: wait until a restart has replaced it (True) or none will (False)."""
@@ -137,7 +148,7 @@ class Supervisor:
 
     def _stub_died(self, process: subprocess.Popen, instance: str, pid: int) -> None:
         # the server went, or is being killed (a dead ensemble): its stubs go with it
-        if process.poll() is not None or self.server.stopping or self._kill_reason is not None:
+        if not self._serves(process):
             return
         model = model_of(instance)
         if model in RESTART_ON_DEATH:
@@ -170,6 +181,19 @@ class Supervisor:
             return
         threading.Thread(target=self._retire, args=(process, model, old, min(limit, self.retire_s)),
                          name="triton-retire", daemon=True).start()
+
+    def _serves(self, process: subprocess.Popen) -> bool:
+        """Wait until the start of `process` has ended (a death seen while the server starts is
+        handled once it is ready); False if it went, or is being stopped or killed, first."""
+        deadline = time.monotonic() + self.server.start_timeout
+        while True:
+            if process.poll() is not None or self.server.stopping or self._kill_reason is not None:
+                return False
+            if self._serving is process:
+                return True
+            if time.monotonic() > deadline:  # its start's own limit kills it
+                return False
+            time.sleep(self.period)
 
     def _retire(self, process: subprocess.Popen, model: str, old: dict[int, int], limit: float) -> None:
         """Wait until the old instances of `model` (pid -> start, in clock ticks) have ended, and

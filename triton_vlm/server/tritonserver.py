@@ -182,6 +182,20 @@ class TritonServer:
         if busy:
             raise ServerError(f"{', '.join(busy)} already in use (another server?)")
         self._start_timeout = timeout
+        if self.supervise:  # it watches each start's stubs from the start's launch
+            self._supervisor = Supervisor(self, retire_s=self.retire_s)
+        try:
+            self._first_launch()
+        except BaseException:
+            if self._supervisor is not None:
+                self._supervisor.close()
+                self._supervisor = None
+            raise
+        if self._supervisor is not None:
+            self._supervisor.begin()
+        return self
+
+    def _first_launch(self) -> None:
         try:
             self._launch()
         except (NotReady, Aborted) as error:
@@ -191,9 +205,6 @@ class TritonServer:
             # (seen in CI), or abort (`Aborted`): a supervised server gets one more start
             self.event(f"{error}\nstarting it again")
             self._launch()
-        if self.supervise:  # started before returning: a stub may die right after
-            self._supervisor = Supervisor(self, retire_s=self.retire_s)
-        return self
 
     def relaunch(self) -> None:
         """Start the server again on the same ports, once it exited (`Supervisor`, from the thread
@@ -213,6 +224,8 @@ class TritonServer:
         self.process = subprocess.Popen(self.command(shm_prefix), env=env, stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self._reaper = reaper.start(self.process, EXIT_TIMEOUT_S, shm_prefix)
+        if self._supervisor is not None:
+            self._supervisor.launched(self.process)
         if self._stopping.is_set():  # a stop that came while no process was there to take it
             self.process.send_signal(signal.SIGTERM)
         self._reader = threading.Thread(target=self._read_output, daemon=True)
