@@ -14,7 +14,7 @@ import threading
 import time
 from pathlib import Path
 
-from triton_vlm.server.stubs import stub_processes
+from triton_vlm.server.stubs import exit_marker, start_ticks, stub_processes
 from triton_vlm.server.supervisor import MAX_RESTARTS, Supervisor
 
 
@@ -31,8 +31,8 @@ class StandInServer:
         self._stopping = threading.Event()
         self.supervisor: Supervisor | None = None
 
-    def start(self, supervisor: type[Supervisor] = Supervisor, **options) -> Supervisor:
-        self.supervisor = supervisor(self, period=0.05, **options)
+    def start(self, supervisor: type[Supervisor] = Supervisor, period: float = 0.05) -> Supervisor:
+        self.supervisor = supervisor(self, period=period)
         self.relaunch()
         self.supervisor.begin()
         return self.supervisor
@@ -120,17 +120,19 @@ class Reloading(Supervisor):
 
 class Starting(StandInServer):
     """A stand-in "tritonserver" that starts two stubs of `preprocess` as Triton does (children
-    named `triton_python_backend_stub`, the instance name third from the end), one of which dies
-    at once, and that is ready only `ready_s` seconds after its start."""
-    ready_s = 1.5
+    named `triton_python_backend_stub`, the instance name third from the end), the first of which
+    ends after `first_s` seconds, and that is ready `ready_s` seconds after its start."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, first_s: float = 0.3, ready_s: float = 1.5) -> None:
         super().__init__(lifetime=60.0)
+        self.ready_s = ready_s
+        (folder / "exited").mkdir()
+        self.stub_exits = f"{folder / 'exited'}/"  # where the stubs an unload ends are marked
         (folder / "preprocess" / "1").mkdir(parents=True)
         (model := folder / "preprocess" / "1" / "model.py").write_text("import sys, time; time.sleep(float(sys.argv[1]))")
         (stub := folder / "triton_python_backend_stub").symlink_to(sys.executable)
         self.script = (f"import subprocess, time\n"
-                       f"for seconds, instance in ((0.3, 'preprocess_0_0'), (60, 'preprocess_0_1')):\n"
+                       f"for seconds, instance in (({first_s}, 'preprocess_0_0'), (60, 'preprocess_0_1')):\n"
                        f"    subprocess.Popen([{str(stub)!r}, {str(model)!r}, str(seconds), instance, 'DEFAULT'])\n"
                        f"time.sleep(60)")
 
@@ -154,11 +156,13 @@ class Starting(StandInServer):
 
 
 class ReloadingStubs(Supervisor):
-    """Its reload of a model ends the model's stubs, as Triton's unload does."""
+    """Its reload of a model ends the model's stubs, marked as ending by themselves (as Triton's
+    unload ends them, and they mark it)."""
 
     def _reload(self, model: str, limit: float) -> None:
         self.server.event(f"reload {model}, ready {self.server.is_ready()}")
         for pid in self.server.stub_processes():
+            exit_marker(self.server.stub_exits, pid, start_ticks(pid)).touch()
             os.kill(pid, signal.SIGKILL)
 
 
@@ -221,6 +225,21 @@ def test_a_stub_that_dies_while_the_server_starts_is_reloaded_once_it_is_ready(t
         assert died.startswith("model instance preprocess_0_0 died (stub pid "), server.events
         assert server.events[1:] == ["reload preprocess, ready True", "model 'preprocess' reloaded",
                                      "the old instances of 'preprocess' ended"], server.events
+    finally:
+        server.end()
+        assert supervisor.done.wait(30)
+
+
+def test_a_stub_that_dies_right_after_the_start_is_seen_before_the_next_scan_knew_it(tmp_path):
+    """The stubs alive when the server is ready are known before its start returns: a scan may
+    not have come since the last of them started (here scans are 3 s apart)."""
+    server = Starting(tmp_path, first_s=60.0, ready_s=0.3)
+    supervisor = server.start(ReloadingStubs, period=3.0)
+    try:
+        stub = next(pid for pid, name in server.stub_processes().items() if name == "preprocess_0_0")
+        os.kill(stub, signal.SIGKILL)
+        wait_for_event(server, "model 'preprocess' reloaded", timeout=20)
+        assert server.events[0].startswith(f"model instance preprocess_0_0 died (stub pid {stub})"), server.events
     finally:
         server.end()
         assert supervisor.done.wait(30)

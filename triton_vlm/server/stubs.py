@@ -147,6 +147,7 @@ class StepWatch:
         self.exits = exits if exits is not None else os.environ.get(STUB_EXITS_ENV, "")
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        self._scanning = threading.Lock()  # a scan, or a `learn`, at a time
         self._down: dict[str, set[int]] = {}  # model -> its stubs when it died (none of them serves again)
         self._known: dict[int, str] = {}
         self._born: dict[int, int] = {}  # pid -> its start, in clock ticks
@@ -173,7 +174,17 @@ class StepWatch:
             self._born[pid] = start_ticks(pid)
         return alive
 
+    def learn(self) -> None:
+        """Know the stubs alive now at once, not at the next scan: one that dies right after is
+        seen (its death is told by the next scan)."""
+        with self._scanning:
+            self._known = {**self._known, **self._look()}
+
     def _scan(self) -> None:
+        with self._scanning:
+            self._scan_once()
+
+    def _scan_once(self) -> None:
         alive = self._look()
         for pid, instance in self._known.items():
             if pid in alive:

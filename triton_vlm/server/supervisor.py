@@ -87,8 +87,11 @@ class Supervisor:
                                 ready=lambda model: True, period=self.period, exits=self.server.stub_exits)
 
     def begin(self) -> None:
-        """The server is ready: from now on its process is waited for, and started again when it exits."""
+        """The server is ready: from now on its process is waited for, and started again when it
+        exits. Its stubs are known before this returns (a scan may not have come since the last
+        of them started)."""
         self._serving = self.server.process
+        self._watch.learn()
         threading.Thread(target=self._run, args=(self.server.process,), name="triton-supervisor", daemon=True).start()
 
     def close(self) -> None:
@@ -135,6 +138,7 @@ class Supervisor:
                 self.server.event(f"restarting tritonserver failed: {error}")
                 return False
         self._serving = self.server.process
+        self._watch.learn()
         with self._changed:
             self._changed.notify_all()
         self.server.event("tritonserver restarted")
