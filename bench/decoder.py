@@ -401,6 +401,7 @@ def main() -> None:
         target=transformers_process, args=(child_conn, write, str(ckpt), str(device), str(dtype).removeprefix("torch.")),
         daemon=True)
     child.start()
+    child_conn.close()  # the child's end is the child's alone: its death ends `recv` (EOFError) instead of a wait for good
     facts = conn.recv()
     if write:
         print(f"wrote {ckpt} in {facts['written_s']:.0f} s")
