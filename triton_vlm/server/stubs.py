@@ -163,7 +163,8 @@ class StepWatch:
     def _run(self) -> None:
         while not self._stop.wait(self.period):
             try:
-                self._scan()
+                with self._scanning:
+                    self._scan()
             except Exception:  # the watcher must outlive surprises in /proc and in callbacks
                 log.exception("step watch failed")
 
@@ -181,10 +182,6 @@ class StepWatch:
             self._known = {**self._known, **self._look()}
 
     def _scan(self) -> None:
-        with self._scanning:
-            self._scan_once()
-
-    def _scan_once(self) -> None:
         alive = self._look()
         for pid, instance in self._known.items():
             if pid in alive:

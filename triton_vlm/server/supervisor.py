@@ -90,9 +90,14 @@ class Supervisor:
         """The server is ready: from now on its process is waited for, and started again when it
         exits. Its stubs are known before this returns (a scan may not have come since the last
         of them started)."""
+        self._ready()
+        threading.Thread(target=self._run, args=(self.server.process,), name="triton-supervisor", daemon=True).start()
+
+    def _ready(self) -> None:
+        """The server's current start has ended: deaths seen meanwhile are handled from now on
+        (`_serves`), and its stubs are known at once."""
         self._serving = self.server.process
         self._watch.learn()
-        threading.Thread(target=self._run, args=(self.server.process,), name="triton-supervisor", daemon=True).start()
 
     def close(self) -> None:
         """End the watch of the stubs (a start that failed: `begin` never came)."""
@@ -137,8 +142,7 @@ class Supervisor:
             except ServerError as error:
                 self.server.event(f"restarting tritonserver failed: {error}")
                 return False
-        self._serving = self.server.process
-        self._watch.learn()
+        self._ready()
         with self._changed:
             self._changed.notify_all()
         self.server.event("tritonserver restarted")
