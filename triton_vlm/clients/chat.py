@@ -23,7 +23,7 @@ MEDIA_TYPES = ("image", "video")
 def load_chat_template(checkpoint: str | Path) -> str | None:
     """The template a transformers processor of this checkpoint applies, or None: its
     `chat_template.jinja`, else `chat_template.json`, else the tokenizer config's (`default` where
-    it names several)."""
+    it names several), else its family's chat format (`Prompt.chat_template`)."""
     checkpoint = Path(checkpoint)
     if (checkpoint / "chat_template.jinja").is_file():
         return (checkpoint / "chat_template.jinja").read_text(encoding="utf-8")
@@ -34,7 +34,11 @@ def load_chat_template(checkpoint: str | Path) -> str | None:
                 template = {t["name"]: t["template"] for t in template}.get("default")
             if template:
                 return template
-    return None
+    if not (checkpoint / "config.json").is_file():
+        return None
+    from triton_vlm.families import detect_family
+
+    return detect_family(checkpoint).prompt.chat_template
 
 
 def render_chat(template: str, family: Family, messages: list[dict]) -> str:
