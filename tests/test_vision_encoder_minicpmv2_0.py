@@ -253,6 +253,22 @@ def test_onnx_one_run_of_slices_of_several_sizes(encoder, golden):
     close(encoder._run(pixels, grid, {}), np.concatenate([e for _, _, e in inputs]))
 
 
+def test_half_precision_towers_stay_close(golden, settings, tmp_path):
+    """The float16 export in ONNX Runtime and the bfloat16 torch tower: within 1e-2 of the largest
+    golden row value (the position weights, residual stream and norms stay float32)."""
+    from tests.encoder_checks import rel_err
+    from triton_vlm.vision.runtime.encoder import VisionEncoder
+    from triton_vlm.vision.runtime.export import export_onnx
+
+    with stand_in_family():
+        half = VisionEncoder(export_onnx(GOLDEN, tmp_path / "float16.onnx", dtype="float16"), intra_op_threads=1)
+    bf16 = T.load_tower(GOLDEN, torch.bfloat16)
+    for case in CASES:
+        pixels, grid, expected = case_inputs(golden, case)
+        assert rel_err(half.encode(pixels, grid), expected) < 1e-2, case
+        assert rel_err(run(bf16, pixels, grid, settings), expected) < 1e-2, case
+
+
 def test_unfused_graph_runs_standard_ops_and_matches(onnx_path, settings, golden, tmp_path):
     cases = {case: case_inputs(golden, case) for case in ("a_image_480x640", "c_image_1500x500")}
     check_unfused_matches(onnx_path, T, settings, cases, tmp_path)

@@ -79,7 +79,7 @@ def sized_settings(settings: dict[str, Any], shapes: Mapping[str, tuple[int, ...
     side = math.isqrt(positions)
     if side * side != positions or width % HEAD_DIM:
         raise ValueError(f"MiniCPM-V 2.0: vpm.pos_embed {list(shapes['vpm.pos_embed'])} is not a square grid "
-                         f"{HEAD_DIM}-wide heads divide")
+                         f"of a width that {HEAD_DIM}-wide heads divide")
     out = dict(settings, hidden_size=width, depth=len(blocks), num_heads=width // HEAD_DIM, pos_embed_size=side,
                intermediate_size=shapes["vpm.blocks.0.mlp.fc1.weight"][0])
     return tower_config.add_derived(out)
@@ -144,7 +144,8 @@ class Block(nn.Module):
         self.attn = tower_layers.VisionAttention(dim, cfg["num_heads"], qkv_bias=True, proj_bias=True)
         self.mlp = SiglipMLP(dim, cfg["intermediate_size"], cfg["hidden_act"])
 
-    def forward(self, x, index, mask, inverse, lengths):
+    def forward(self, x: torch.Tensor, index: torch.Tensor, mask: torch.Tensor, inverse: torch.Tensor,
+                lengths: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), None, None, index, mask, inverse, lengths)
         return x + self.mlp(self.norm2(x))
 
@@ -170,7 +171,8 @@ class MiniCPMV2_0VisionTower(nn.Module):
         weights = (row_weights[:, :, None] * col_weights[:, None, :]).flatten(1)
         return weights @ self.vpm.pos_embed[0].float()
 
-    def hidden(self, pixel_values, row_weights, col_weights, full_index, full_mask, full_inverse):
+    def hidden(self, pixel_values: torch.Tensor, row_weights: torch.Tensor, col_weights: torch.Tensor,
+               full_index: torch.Tensor, full_mask: torch.Tensor, full_inverse: torch.Tensor) -> torch.Tensor:
         """`vpm.forward_features` of each slice: the final `norm`'s output."""
         x = tower_layers.residual_stream(tower_layers.patch_linear(pixel_values, self.vpm.patch_embed.proj))
         x = x + self.positions(row_weights, col_weights)
@@ -180,7 +182,9 @@ class MiniCPMV2_0VisionTower(nn.Module):
             x = block(x, full_index, full_mask, full_inverse, lengths)
         return self.vpm.norm(x)
 
-    def forward(self, pixel_values, row_weights, col_weights, full_index, full_mask, full_inverse, key_positions):
+    def forward(self, pixel_values: torch.Tensor, row_weights: torch.Tensor, col_weights: torch.Tensor,
+                full_index: torch.Tensor, full_mask: torch.Tensor, full_inverse: torch.Tensor,
+                key_positions: torch.Tensor) -> torch.Tensor:
         x = self.hidden(pixel_values, row_weights, col_weights, full_index, full_mask, full_inverse)
         return self.resampler(x, key_positions, full_index, full_mask).float()
 

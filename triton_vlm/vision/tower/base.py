@@ -1,9 +1,10 @@
 """`Tower`: one family's vision tower as the encoders, the ONNX exporter and the TensorRT builder
 see it. A subclass names its torch module (`module`, parameter names as in the HF state_dict),
 its metadata inputs and their dynamic axes, and implements `vision_settings`, `encoder_metadata`
-and `profile_shapes` (and `weight_settings` where the config does not size it); reading a checkpoint, loading its weights, example inputs and the full
-ONNX axes are the same for every tower and live here. Towers hold no state: everything is a
-class method, and a `Family` names its tower class (`Family.tower_class`).
+and `profile_shapes` (and `weight_settings` where no config key sizes the tower); reading a
+checkpoint, loading its weights, example inputs and the full ONNX axes are the same for every
+tower and live here. Towers hold no state: everything is a class method, and a `Family` names its
+tower class (`Family.tower_class`).
 """
 from __future__ import annotations
 
