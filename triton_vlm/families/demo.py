@@ -26,7 +26,7 @@ _WORDS = (
 ).split(" ")
 
 
-def _corpus(n_lines: int, seed: int) -> list[str]:
+def corpus(n_lines: int, seed: int) -> list[str]:
     rng = random.Random(seed)
     return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 24))) for _ in range(n_lines)]
 
@@ -41,7 +41,7 @@ def train_tokenizer(family: Family, vocab_size: int, seed: int = 0):
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(family.prompt.special_tokens),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    bpe.train_from_iterator(_corpus(4000, seed), trainer=trainer)
+    bpe.train_from_iterator(corpus(4000, seed), trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=bpe, eos_token=family.prompt.eos_tokens[0], pad_token=family.prompt.special_tokens[0],
         extra_special_tokens=dict(family.prompt.named_special_tokens))

@@ -68,7 +68,7 @@ MINICPMV4_5 = remote_code.version(
 MINICPMV2_0 = remote_code.version(
     "minicpmv2_0", "2.0", special_tokens=(remote_code.UNK, "<s>", "</s>", *remote_code.MARKERS[:4], *remote_code.CHAT_2_0),
     eos_tokens=("</s>",), tower="triton_vlm.families.minicpmv.tower_v2_0:MiniCPMV2_0Tower", decoder="MINICPM",
-    chat_template=remote_code.CHAT_2_0_TEMPLATE, max_images=1,
+    chat_template=remote_code.CHAT_2_0_TEMPLATE, max_images=1, demo="triton_vlm.families.minicpmv.demo_v2_0:DEMOS",
     config_settings={"image_feature_size": "query_num", "max_slice_nums": "max_slice_nums",
                      "scale_resolution": "scale_resolution", "patch_size": "patch_size", "slice_mode": "slice_mode"},
     vision_defaults={**remote_code.VISION_DEFAULTS, "use_image_id": False})

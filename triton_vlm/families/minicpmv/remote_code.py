@@ -63,7 +63,8 @@ def config_version(config: dict) -> str:
 
 def version(name: str, served: str, *, special_tokens: tuple[str, ...], eos_tokens: tuple[str, ...],
             tower: str, decoder: str, chat_template_kwargs: dict[str, Any] | None = None,
-            chat_template: str | None = None, **processor: Any) -> Family:
+            chat_template: str | None = None, demo: str = "triton_vlm.families.minicpmv.demo_remote_code:DEMOS",
+            **processor: Any) -> Family:
     """The `Family` of one version: its tokenizer's tokens (the first the pad token, as the demo
     trains them), stop tokens (the official `chat`'s terminators), tower (a class of
     `tower_resampler`, or "module:class") and decoder, the
@@ -78,4 +79,4 @@ def version(name: str, served: str, *, special_tokens: tuple[str, ...], eos_toke
                       chat_template_kwargs=chat_template_kwargs or {}, chat_template=chat_template),
         processor=ProcessorRules(**{**rules, **processor}), encoder_dims=encoder_dims,
         tower=tower if ":" in tower else f"triton_vlm.families.minicpmv.tower_resampler:{tower}",
-        decoder=f"triton_vlm.families.minicpmv.decoder:{decoder}", demo="triton_vlm.families.minicpmv.demo_remote_code:DEMOS")
+        decoder=f"triton_vlm.families.minicpmv.decoder:{decoder}", demo=demo)
