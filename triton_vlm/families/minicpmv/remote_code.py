@@ -1,13 +1,13 @@
 """The MiniCPM-V versions served from the official remote code's layout (its `MiniCPMV` class,
-which transformers lacks; `model_type` `minicpmv`, told apart by the config's `version`: 2.6, 4.0,
-4.5): what they share in their prompts and processor, and the `Family` of one version (`version`).
+which transformers lacks; `model_type` `minicpmv`, told apart by the config's `version`: 2.5, 2.6,
+4.0, 4.5): what they share in their prompts and processor, and the `Family` of one version (`version`).
 
 The official processor (`MiniCPMVProcessor`, `MiniCPMVImageProcessor`) finds `(<image>./</image>)`
 in the prompt's text and writes for each image `slice_runs` of `image_feature_size` `<unk>` each,
 the slices cut by `slice_rule` (sides in whole patches: `downsample_mode` "resampler"), pixels
 resized by Pillow (`backend` "pil"); the whole text is then encoded with the tokenizer's own special
-tokens (4.0's Llama tokenizer puts `<s>` first). The resampler tower gives `query_num` rows per
-slice, which replace the `<unk>` runs (`image_bound`); positions are 0..S-1. The official `chat()`
+tokens (4.0's Llama tokenizer puts `<s>` first, 2.5's Llama 3 one `<|begin_of_text|>`). The
+resampler tower gives `query_num` rows per slice, which replace the `<unk>` runs (`image_bound`); positions are 0..S-1. The official `chat()`
 joins a message's parts by newlines before its chat template (`Prompt.chat_content_as_text`).
 """
 from __future__ import annotations
@@ -24,6 +24,11 @@ from triton_vlm.media.mrope import MediaSpan
 
 IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER = "(<image>./</image>)", "(<video>./</video>)"
 UNK, IM_START, IM_END = "<unk>", "<|im_start|>", "<|im_end|>"
+EOT = "<|eot_id|>"
+# 2.5's Llama 3 tokenizer's special tokens (official ids' order, the eos first) and its markers.
+LLAMA3_TOKENS = ("<|end_of_text|>", "<|begin_of_text|>", UNK, "<|start_header_id|>", "<|end_header_id|>", EOT,
+                 IMAGE_START, IMAGE_END, SLICE_START, SLICE_END)
+LLAMA3_EOS = ("<|end_of_text|>", EOT)  # the official `generate`'s terminators
 MARKERS = (IMAGE_START, IMAGE_END, SLICE_START, SLICE_END, IMAGE_ID_START, IMAGE_ID_END)
 NAMED_TOKENS = {"unk_token": UNK, "im_start": IMAGE_START, "im_end": IMAGE_END, "slice_start": SLICE_START,
                 "slice_end": SLICE_END, "im_id_start": IMAGE_ID_START, "im_id_end": IMAGE_ID_END}
