@@ -61,14 +61,15 @@ def version(name: str, served: str, *, special_tokens: tuple[str, ...], eos_toke
             tower: str, decoder: str, chat_template_kwargs: dict[str, Any] | None = None,
             **processor: Any) -> Family:
     """The `Family` of one version: its tokenizer's tokens (the first the pad token, as the demo
-    trains them), stop tokens (the official `chat`'s terminators), tower and decoder, the
+    trains them; the markers among them are its named ones), stop tokens (the official `chat`'s terminators), tower and decoder, the
     variables its chat template is rendered with, and `ProcessorRules` over the shared ones."""
     rules = dict(slice_rule=slice_rule, expand_media=expand_images, vision_defaults=VISION_DEFAULTS,
                  takes_videos=False)
     return Family(
         name=name, model_types=("minicpmv",), versions=(served,), config_version=config_version,
         prompt=Prompt(image_placeholder=IMAGE_PLACEHOLDER, video_placeholder=VIDEO_PLACEHOLDER,
-                      special_tokens=special_tokens, named_special_tokens=NAMED_TOKENS, eos_tokens=eos_tokens,
+                      special_tokens=special_tokens, eos_tokens=eos_tokens,
+                      named_special_tokens={k: t for k, t in NAMED_TOKENS.items() if t in special_tokens},
                       placeholders_in_text=True, chat_content_as_text=True,
                       chat_template_kwargs=chat_template_kwargs or {}),
         processor=ProcessorRules(**{**rules, **processor}), encoder_dims=encoder_dims,
