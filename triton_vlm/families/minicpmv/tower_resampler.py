@@ -166,6 +166,7 @@ class MiniCPMVVisionTower(nn.Module):
     """Inputs: `pixel_values` [N, patch_dim] plus `METADATA_INPUTS`; output float32
     [grid rows * query_num, out_hidden]."""
     resampler_class: type[Resampler] = Resampler
+    HIDDEN_INPUTS = METADATA_INPUTS[:4]  # the metadata `hidden` takes, in order
 
     def __init__(self, cfg: dict[str, Any]):
         super().__init__()
@@ -194,14 +195,16 @@ class PaddedVisionTower(MiniCPMVVisionTower):
     """2.5's: `vpm` over the padded frames (`padded_metadata`), the resampler over the real patches.
     Inputs: `pixel_values` plus `PADDED_INPUTS`."""
 
-    def padded_hidden(self, pixel_values, pixel_index, position_ids, full_index, full_mask, full_inverse, real_rows):
+    HIDDEN_INPUTS = PADDED_INPUTS[:6]
+
+    def hidden(self, pixel_values, pixel_index, position_ids, full_index, full_mask, full_inverse, real_rows):
         """`vpm`'s last hidden state of the real patches, each frame run padded with zero pixels."""
         padded = nn.functional.pad(pixel_values, (0, 0, 0, 1)).index_select(0, pixel_index)
-        return self.hidden(padded, position_ids, full_index, full_mask, full_inverse).index_select(0, real_rows)
+        return super().hidden(padded, position_ids, full_index, full_mask, full_inverse).index_select(0, real_rows)
 
     def forward(self, pixel_values, pixel_index, position_ids, full_index, full_mask, full_inverse, real_rows,
                 key_positions, group_index, group_mask):
-        x = self.padded_hidden(pixel_values, pixel_index, position_ids, full_index, full_mask, full_inverse, real_rows)
+        x = self.hidden(pixel_values, pixel_index, position_ids, full_index, full_mask, full_inverse, real_rows)
         return self.resampler(x, key_positions, group_index, group_mask).float()
 
 
