@@ -36,8 +36,8 @@ class TestMiniCPMV2_5(GoldenChecks):
             with pytest.raises(InferenceServerException) as refused:
                 infer_direct(server, "vision_encoder", {**values, "padded_patches": (padded, "INT64")}, ["embeddings"])
             assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"
-            assert re.match(r"^padded_patches: each must lie in \[its frame's h \* w, max_frame_patches=\d+\]",
-                            refused.value.message())
+            assert re.match(r"^padded_patches: frame 0 of 1036 patches padded to \d+; each must lie in "
+                            r"\[its frame's h \* w, max_frame_patches=65536\]$", refused.value.message())
         rows = infer_direct(server, "vision_encoder", {**values, "padded_patches": (out["padded_patches"], "INT64")},
                             ["embeddings"])["embeddings"]
         np.testing.assert_allclose(rows, GOLDEN.values["a_image_480x640/vision_embeds"].reshape(rows.shape), atol=1e-4)

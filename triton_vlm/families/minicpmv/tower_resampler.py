@@ -27,8 +27,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from triton_vlm.contract.limits import Limits
-from triton_vlm.errors import InvalidInput
+from triton_vlm.families.minicpmv.padded_slices import embedding_rows, padded_frames
 from triton_vlm.families.minicpmv.resampler import LAYER_NORM_EPS, Resampler, Resampler4_5
 from triton_vlm.families.minicpmv.tower_v4_6 import Embeddings
 from triton_vlm.vision.tower import attention_groups
@@ -127,22 +126,16 @@ def padded_metadata(grid_thw: np.ndarray, settings: dict[str, Any], padded_patch
     largest. Its position ids are those of a 1 x padded grid, it attends over the padding, and only
     its real patches go on to the resampler. `pixel_index`: each padded row's pixel row, the padding
     that one past the last (the graph appends a zero row); `real_rows`: each real patch's padded row.
-    InvalidInput (naming `padded_patches`) for a frame padded to fewer patches than it holds, or to
-    more than a frame may (`Limits.max_frame_patches`)."""
+    InvalidInput for `padded_patches` out of bounds (`padded_frames`)."""
     grid = attention_groups.check_grid(grid_thw, 1)
-    real = np.repeat(grid[:, 1] * grid[:, 2], grid[:, 0])
-    given = np.zeros(len(grid), np.int64) if padded_patches is None else np.asarray(padded_patches, np.int64)
-    padded = np.repeat(np.where(given.reshape(-1) > 0, given.reshape(-1), grid[:, 1] * grid[:, 2]), grid[:, 0])
-    limit = Limits().max_frame_patches
-    if (padded < real).any() or padded.max() > limit:
-        raise InvalidInput(f"padded_patches: each must lie in [its frame's h * w, max_frame_patches={limit}], got "
-                           f"{padded.tolist()} for frames of {real.tolist()} patches")
-    starts, padded_starts = np.r_[0, np.cumsum(real)[:-1]], np.r_[0, np.cumsum(padded)[:-1]]
+    real, padded = padded_frames(grid, padded_patches)
+    padded_starts = np.r_[0, np.cumsum(padded)[:-1]]
     real_rows = np.concatenate([b + np.arange(n) for b, n in zip(padded_starts.tolist(), real.tolist())])
-    pixel_index = np.full(int(padded.sum()), int(real.sum()), np.int64)
-    pixel_index[real_rows] = np.concatenate([b + np.arange(n) for b, n in zip(starts.tolist(), real.tolist())])
+    pixel_index = np.full(int(padded.sum()), len(real_rows), np.int64)  # (the zero row the graph appends)
+    pixel_index[real_rows] = np.arange(len(real_rows))
     side = settings["pos_embed_size"]
-    positions = np.concatenate([navit_position_ids(1, n, side) for n in padded.tolist()])
+    table = {n: navit_position_ids(1, n, side) for n in set(padded.tolist())}
+    positions = np.concatenate([table[n] for n in padded.tolist()])
     index, mask, inverse = attention_groups.groups(np.arange(len(pixel_index), dtype=np.int64), padded)
     return {**metadata(grid, settings), "pixel_index": pixel_index, "position_ids": positions, "full_index": index,
             "full_mask": mask, "full_inverse": inverse, "real_rows": real_rows}
@@ -253,6 +246,7 @@ class MiniCPMV2_5Tower(MiniCPMVTower):
     METADATA_AXES = {**MiniCPMVTower.METADATA_AXES, "pixel_index": {0: "padded"}, "position_ids": {0: "padded"},
                      "full_inverse": {0: "padded"}, "real_rows": {0: "patches"}}
     EXTRAS = ("padded_patches",)
+    ROWS = staticmethod(embedding_rows)
     vision_settings = staticmethod(partial(vision_settings, vision_defaults=_IDEFICS2_DEFAULTS))
     encoder_metadata = staticmethod(padded_metadata)
 
