@@ -257,7 +257,9 @@ class MiniCPMV2_5Tower(MiniCPMVTower):
 
     @staticmethod
     def profile_shapes(settings: dict[str, Any], patches: tuple[int, int, int]) -> trt_profile.Shapes:
-        """As 2.6's, the padded rows' inputs up to twice the patches."""
+        """As 2.6's, the padded rows' inputs (`pixel_index`, the attention groups) up to twice the
+        patches of a run: room for slices padded to about their own size, not for a small slice
+        padded to a far larger one (a TensorRT engine of 2.5 is not tested here)."""
         padded = (patches[0], patches[1], 2 * patches[2])
         shapes = profile_shapes(settings, padded)
         return {**shapes, "pixel_values": trt_profile.per_patch(patches, settings["patch_dim"]),
