@@ -26,9 +26,10 @@ SPECIAL_TOKEN_VARIABLES = ("bos_token", "eos_token", "unk_token", "pad_token")
 def load_chat_template(checkpoint: str | Path) -> str | None:
     """The template a transformers processor of this checkpoint applies, or None: its
     `chat_template.jinja`, else `chat_template.json`, else the tokenizer config's (`default` where
-    it names several). transformers renders it with the tokenizer's special tokens as variables
-    (a template may write `bos_token`): those the checkpoint names are set first in the template,
-    so that it renders alike wherever it travels (the `ensemble` config, clients)."""
+    it names several), else its family's chat format (`Prompt.chat_template`). transformers renders
+    it with the tokenizer's special tokens as variables (a template may write `bos_token`): those
+    the checkpoint names are set first in the template, so that it renders alike wherever it
+    travels (the `ensemble` config, clients)."""
     checkpoint = Path(checkpoint)
     template = None
     if (checkpoint / "chat_template.jinja").is_file():
@@ -39,6 +40,10 @@ def load_chat_template(checkpoint: str | Path) -> str | None:
             if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
                 template = {t["name"]: t["template"] for t in template}.get("default")
             template = template or None
+    if template is None and (checkpoint / "config.json").is_file():
+        from triton_vlm.families import detect_family
+
+        template = detect_family(checkpoint).prompt.chat_template
     if template is None:
         return None
     tokens = _special_tokens(checkpoint)

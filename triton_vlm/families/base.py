@@ -69,6 +69,9 @@ class Prompt:
     chat_content_as_text: bool = False
     # Variables the chat template is rendered with, as the official chat passes them.
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # The chat format of checkpoints that ship no chat template (their official `chat()`'s), as a
+    # Jinja template; None: a checkpoint without one has none.
+    chat_template: str | None = None
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,11 @@ class ProcessorRules:
     # `VisionSettings` values where the processor config leaves them out (the processor class's own
     # defaults that its config does not store).
     vision_defaults: dict[str, Any] = field(default_factory=dict)
+    # `VisionSettings` fields read from the model's config.json (field -> key) where the processor
+    # config leaves them out: models that process images in their own code keep these settings there.
+    config_settings: dict[str, str] = field(default_factory=dict)
+    # The images a prompt may hold (0: as many as the limits allow), for processors that take fewer.
+    max_images: int = 0
     # `VisionSettings` values a video's frames take over the processor config's.
     video_settings: dict[str, Any] = field(default_factory=dict)
     # `VisionSettings` values every image of a prompt with several takes over the processor config's.

@@ -14,7 +14,9 @@ import torch
 from triton_vlm.families import DEFAULT_FAMILY, detect_family
 from triton_vlm.llm.layers.linear_attention import LinearAttentionConfig
 from triton_vlm.llm.layers.moe import MoeConfig
-from triton_vlm.llm.text_config import LongRope, Rope, TextRules, context_limit, layer_types, text_section, tied
+from triton_vlm.llm.text_config import (LongRope, Rope, Scaling, TextRules, context_limit, layer_types, text_section,
+                                        tied)
+from triton_vlm.tokenizer import load_tokenizer
 
 
 def _ids(value: Any) -> list[int]:
@@ -25,14 +27,15 @@ def _ids(value: Any) -> list[int]:
     return [int(value)]
 
 
-def _added_token_ids(root: Path, tokens: tuple[str, ...]) -> tuple[int, ...]:
-    """The ids of `tokens` among the checkpoint tokenizer's added tokens (tokenizer.json)."""
+def _token_ids(root: Path, tokens: tuple[str, ...]) -> tuple[int, ...]:
+    """The ids of `tokens` in the checkpoint's tokenizer (`triton_vlm.tokenizer`)."""
     if not tokens:
         return ()
-    added = {t["content"]: int(t["id"]) for t in json.loads((root / "tokenizer.json").read_text(encoding="utf-8")).get("added_tokens", [])}
-    if missing := [t for t in tokens if t not in added]:
-        raise ValueError(f"tokenizer.json: no added token {missing}")
-    return tuple(added[t] for t in tokens)
+    tokenizer = load_tokenizer(root)
+    ids = {t: tokenizer.token_to_id(t) for t in tokens}
+    if missing := [t for t, i in ids.items() if i is None]:
+        raise ValueError(f"{root}: the tokenizer has no token {missing}")
+    return tuple(ids[t] for t in tokens)
 
 
 def _eos_ids(root: Path, config: dict) -> list[int]:
@@ -68,6 +71,7 @@ class DecoderConfig:
     moe: MoeConfig | None = None  # set for mixture-of-experts decoders (config `n_routed_experts`)
     text_model_type: str = ""  # `text_config.model_type`: picks the decoder where a family has several
     longrope: LongRope | None = None  # `rope_type` "longrope": its frequency factors and cos/sin scale
+    scaling: Scaling = Scaling()  # embedding, residual and logit multipliers (MiniCPM's)
 
     @property
     def moe_layers(self) -> tuple[bool, ...]:
@@ -130,9 +134,9 @@ class DecoderConfig:
         if not rules.mrope_interleaved and sum(section) * 2 != rotary_dim:
             raise ValueError(f"mrope_section {list(section)} does not cover the {rotary_dim} rotary dims of each head")
 
-        eos = _eos_ids(root, cfg) + list(_added_token_ids(root, spec.eos_tokens))
+        eos = _eos_ids(root, cfg) + list(_token_ids(root, spec.eos_tokens))
         placeholders = (tuple(int(cfg[k]) for k in spec.placeholder_keys if cfg.get(k) is not None)
-                        + _added_token_ids(root, spec.placeholder_tokens))
+                        + _token_ids(root, spec.placeholder_tokens))
         num_layers = int(text["num_hidden_layers"])
         # without use_sliding_window (refused above) transformers' "sliding_attention" layers attend fully
         types = tuple("full_attention" if t == "sliding_attention" else t
@@ -161,4 +165,5 @@ class DecoderConfig:
             tie_word_embeddings=tied(cfg, text, rules), placeholder_token_ids=placeholders,
             eos_token_ids=tuple(dict.fromkeys(eos)), family=family.name, layer_types=types, linear_attention=linear,
             mrope_interleaved=rules.mrope_interleaved, moe=moe, text_model_type=text_model_type, longrope=longrope,
+            scaling=Scaling.read(text, rules),
         )

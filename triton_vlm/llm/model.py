@@ -120,6 +120,8 @@ class DecoderModel:
         # head the checkpoint holds is the head even where the config ties it to the embedding: so
         # does transformers, which ties only a head that is missing or equal to the embedding.
         self.lm_head = self.embed_tokens[shard.vocab_rows(c.vocab_size)] if head is None else convert(head)
+        if c.scaling.embedding != 1.0:  # every token's embedding scaled (a gather of a scaled table is exact)
+            self.embed_tokens = self.embed_tokens * c.scaling.embedding
         self.layers = []
         self.layer_index: list[int] = []  # per layer: its index in the KV cache, or in the StateCache
         for i, (kind, moe) in enumerate(zip(c.layer_types, c.moe_layers)):
@@ -196,5 +198,8 @@ class DecoderModel:
             q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
             attn = attention.forward(li, q, k, v, batch.attn)
             h = layer.finish(h, attn.view(h.shape[0], c.num_heads * c.head_dim), gate)
-        logits = F.linear(_rms(h.index_select(0, batch.logits_rows), self.norm, c.rms_norm_eps), self.lm_head).float()
+        h = _rms(h.index_select(0, batch.logits_rows), self.norm, c.rms_norm_eps)
+        if c.scaling.logits_divisor != 1.0:
+            h = h / c.scaling.logits_divisor
+        logits = F.linear(h, self.lm_head).float()
         return logits if self.shard.world == 1 else gather_logits(logits, self.vocab_size)

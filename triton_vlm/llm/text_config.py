@@ -49,6 +49,27 @@ class TextRules:
     # `use_sliding_window` says (transformers 4.40's Qwen2): `use_sliding_window` is not read, and the
     # context ends where the window would start to hide a key (`context_limit`).
     sdpa_sliding_window: bool = False
+    # MiniCPM's scalings (`Scaling`): its config's `scale_emb`, `scale_depth` and `dim_model_base`.
+    mup_scaling: bool = False
+
+
+@dataclass(frozen=True)
+class Scaling:
+    """Multipliers a decoder applies beside the plain pre-norm stack (none: all 1). MiniCPM's
+    (`TextRules.mup_scaling`): input token embeddings times `scale_emb` (vision rows are not
+    scaled), each residual branch times `scale_depth / sqrt(num_hidden_layers)`, the final hidden
+    state divided by `hidden_size / dim_model_base` before the head."""
+    embedding: float = 1.0
+    residual: float = 1.0
+    logits_divisor: float = 1.0
+
+    @classmethod
+    def read(cls, text: dict[str, Any], rules: TextRules) -> "Scaling":
+        if not rules.mup_scaling:
+            return cls()
+        return cls(embedding=float(text["scale_emb"]),
+                   residual=float(text["scale_depth"]) / math.sqrt(int(text["num_hidden_layers"])),
+                   logits_divisor=int(text["hidden_size"]) / float(text["dim_model_base"]))
 
 
 def class_defaults(vocab: int, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int | None,

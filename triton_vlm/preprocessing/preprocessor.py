@@ -33,6 +33,7 @@ from triton_vlm.media.sizing import VisionSettings, target_size
 from triton_vlm.media.videos import demux_video
 from triton_vlm.preprocessing.items import Item, bind_sampler, fill, frame_settings, item_extras, map_items
 from triton_vlm.preprocessing.request import Defaults, RequestOptions, parse_mm_options
+from triton_vlm.tokenizer import load_tokenizer
 
 # Where a family's placeholders are text (`Family.placeholders_in_text`), the ids that stand for
 # one in the prompt until it is expanded: no tokenizer gives a negative id.
@@ -44,13 +45,11 @@ class Preprocessor:
 
     def __init__(self, checkpoint: str | Path, limits: Limits = DEFAULT_LIMITS,
                  options: PreprocessOptions = PreprocessOptions()):
-        from tokenizers import Tokenizer
-
         checkpoint = Path(checkpoint)
         self.family: Family = detect_family(checkpoint)
         self.config: dict = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
         self.limits = limits
-        self.tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
+        self.tokenizer = load_tokenizer(checkpoint)
 
         self.defaults = Defaults.read(checkpoint, self.family, limits, options.video_pruning_rate)
         self.image_settings, self.video_settings = self.defaults.image, self.defaults.video
@@ -120,6 +119,9 @@ class Preprocessor:
         """The prompt's ids, one placeholder per item (put before the text if it holds none)."""
         if n_videos and not self.family.processor.takes_videos:
             raise InvalidInput(f"videos: this model ({self.family.name}) takes no videos in this version of triton-vlm")
+        if self.family.processor.max_images and n_images > self.family.processor.max_images:
+            raise InvalidInput(f"images: {n_images} images exceed this model's {self.family.processor.max_images} "
+                               f"per prompt ({self.family.name})")
         if n_images + n_videos > self.limits.max_media_items:
             raise InvalidInput(f"images, videos: {n_images + n_videos} media items exceed "
                                f"max_media_items={self.limits.max_media_items}")

@@ -124,6 +124,10 @@ class Defaults:
     def read(cls, checkpoint: Path, family: Family, limits: Limits, video_pruning_rate: float) -> Defaults:
         rules = family.processor
         image_section, video_section = load_processor_sections(checkpoint)
+        if rules.config_settings:
+            config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
+            from_config = {name: config[key] for name, key in rules.config_settings.items() if key in config}
+            image_section, video_section = {**from_config, **image_section}, {**from_config, **video_section}
         image = vision_settings(image_section, rules.image_size_default, rules)
         # The processor numbers videos by its image processor's `use_image_id` too.
         video = dataclasses.replace(vision_settings(video_section, rules.video_size_default, rules),

@@ -20,7 +20,7 @@ ENGINE_FILE = "encoder.plan"   # --device gpu: TensorRT engine, in vision_encode
 
 
 # Small files every Python model may read; weights go only where they are used.
-CHECKPOINT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+CHECKPOINT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer.model", "tokenizer_config.json",
                      "special_tokens_map.json", "chat_template.jinja", "chat_template.json",
                      "processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json")
 

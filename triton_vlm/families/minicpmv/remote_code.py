@@ -1,8 +1,8 @@
 """The MiniCPM-V versions served from the official remote code's layout (its `MiniCPMV` class,
-which transformers lacks; `model_type` `minicpmv`, told apart by the config's `version`: 2.5, 2.6,
-4.0, 4.5): what they share in their prompts and processor, and the `Family` of one version (`version`).
+which transformers lacks; `model_type` `minicpmv`, told apart by the config's `version`: 2.0,
+2.5, 2.6, 4.0, 4.5): what they share in their prompts and processor, and the `Family` of one version (`version`).
 
-The official processor (`MiniCPMVProcessor`, `MiniCPMVImageProcessor`) finds `(<image>./</image>)`
+The official processor (`MiniCPMVProcessor`, `MiniCPMVImageProcessor`; 2.0's model code) finds `(<image>./</image>)`
 in the prompt's text and writes for each image `slice_runs` of `image_feature_size` `<unk>` each,
 the slices cut by `slice_rule` (sides in whole patches: `downsample_mode` "resampler"), pixels
 resized by Pillow (`backend` "pil"); the whole text is then encoded with the tokenizer's own special
@@ -32,6 +32,12 @@ LLAMA3_EOS = ("<|end_of_text|>", EOT)  # the official `generate`'s terminators
 MARKERS = (IMAGE_START, IMAGE_END, SLICE_START, SLICE_END, IMAGE_ID_START, IMAGE_ID_END)
 NAMED_TOKENS = {"unk_token": UNK, "im_start": IMAGE_START, "im_end": IMAGE_END, "slice_start": SLICE_START,
                 "slice_end": SLICE_END, "im_id_start": IMAGE_ID_START, "im_id_end": IMAGE_ID_END}
+# 2.0's `chat()`: each message `<用户>` (user) or `<AI>` (assistant) + its content, then `<AI>`.
+CHAT_2_0 = ("<用户>", "<AI>")
+CHAT_2_0_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'user' %}<用户>{% elif message['role'] == 'assistant' %}"
+    "<AI>{% else %}{{ raise_exception('MiniCPM-V 2.0 chat takes user and assistant messages only') }}{% endif %}"
+    "{{ message['content'] }}{% endfor %}{% if add_generation_prompt %}<AI>{% endif %}")
 # `MiniCPMVImageProcessor`'s pixels (one frame per item, patches in raster order) and what its
 # class defaults where the config leaves a key out.
 VISION_DEFAULTS: dict[str, Any] = dict(temporal_patch_size=1, merge_size=1, image_mean=(0.5, 0.5, 0.5),
@@ -50,18 +56,22 @@ def encoder_dims(config: dict) -> tuple[int, int]:
 
 
 def config_version(config: dict) -> str:
-    """The config's version as vLLM's `MiniCPMV` dispatch reads it: its `version`, else 2.0 (a
-    2304-wide model with 64 queries) or 2.5."""
-    if config.get("version") is None:
-        return "2.0" if config.get("hidden_size") == 2304 and config.get("query_num") == 64 else "2.5"
-    return str(config["version"])
+    """The config's `version`; a config without one is 2.0's where vLLM's `MiniCPMV` takes it for
+    2.0 (the real checkpoint's 2304-wide model with 64 queries) or where it has the keys only 2.0's
+    config has (its timm tower's name, `vision_encoder`, and `scale_emb`). vLLM takes any other
+    config without a version for 2.5, whose published config does say its version: refused."""
+    if config.get("version") is not None:
+        return str(config["version"])
+    real = config.get("hidden_size") == 2304 and config.get("query_num") == 64
+    return "2.0" if real or ("vision_encoder" in config and "scale_emb" in config) else "(none, and not 2.0's config)"
 
 
 def version(name: str, served: str, *, special_tokens: tuple[str, ...], eos_tokens: tuple[str, ...],
             tower: str, decoder: str, chat_template_kwargs: dict[str, Any] | None = None,
-            **processor: Any) -> Family:
+            chat_template: str | None = None, **processor: Any) -> Family:
     """The `Family` of one version: its tokenizer's tokens (the first the pad token, as the demo
-    trains them; the markers among them are its named ones), stop tokens (the official `chat`'s terminators), tower and decoder, the
+    trains them; the markers among them are its named ones), stop tokens (the official `chat`'s
+    terminators), tower (a class of `tower_resampler`, or "module:class") and decoder, the
     variables its chat template is rendered with, and `ProcessorRules` over the shared ones."""
     rules = dict(slice_rule=slice_rule, expand_media=expand_images, vision_defaults=VISION_DEFAULTS,
                  takes_videos=False)
@@ -71,7 +81,7 @@ def version(name: str, served: str, *, special_tokens: tuple[str, ...], eos_toke
                       special_tokens=special_tokens, eos_tokens=eos_tokens,
                       named_special_tokens={k: t for k, t in NAMED_TOKENS.items() if t in special_tokens},
                       placeholders_in_text=True, chat_content_as_text=True,
-                      chat_template_kwargs=chat_template_kwargs or {}),
+                      chat_template_kwargs=chat_template_kwargs or {}, chat_template=chat_template),
         processor=ProcessorRules(**{**rules, **processor}), encoder_dims=encoder_dims,
-        tower=f"triton_vlm.families.minicpmv.tower_resampler:{tower}",
+        tower=tower if ":" in tower else f"triton_vlm.families.minicpmv.tower_resampler:{tower}",
         decoder=f"triton_vlm.families.minicpmv.decoder:{decoder}", demo="triton_vlm.families.minicpmv.demo_remote_code:DEMOS")

@@ -1,6 +1,7 @@
 """MiniCPM-V's resampler (the official `resampler.py`): learned queries attending over each group's
 tower rows, keys carrying a 2-D sin-cos of their patch's (row, column); every group gives
-`query_num` rows. 2.6's and 4.0's `Resampler` resample each slice on its own; 4.5's
+`query_num` rows. 2.6's and 4.0's `Resampler` resample each slice on its own (2.0's,
+`Resampler2_0`, with the stored query sin-cos added to its queries); 4.5's
 (`Resampler4_5`) also adds to a video frame's keys a 1-D sin-cos of its temporal id, a group being
 the frames packed together."""
 from __future__ import annotations
@@ -42,11 +43,15 @@ class Resampler(nn.Module):
         half = self.query.shape[1] // 2
         return torch.cat([sincos(key_positions[:, 1], half), sincos(key_positions[:, 0], half)], dim=-1)
 
+    def queries(self) -> torch.Tensor:
+        """The attention's query inputs, float32 [query_num, dim]."""
+        return self.ln_q(self.query).float()
+
     def forward(self, x, key_positions, group_index, group_mask):
         dim = self.query.shape[1]
         x = self.ln_kv(self.kv_proj(x)).float()
         w, b = self.attn.in_proj_weight.float(), self.attn.in_proj_bias.float()
-        q = nn.functional.linear(self.ln_q(self.query).float(), w[:dim], b[:dim])
+        q = nn.functional.linear(self.queries(), w[:dim], b[:dim])
         k = nn.functional.linear(x + self.key_sincos(key_positions), w[dim:2 * dim], b[dim:2 * dim])
         v = nn.functional.linear(x, w[2 * dim:], b[2 * dim:])
         groups, length = group_index.shape
@@ -59,6 +64,18 @@ class Resampler(nn.Module):
         out = torch.matmul(torch.softmax(scores, dim=-1), v).transpose(1, 2).reshape(-1, dim)
         out = nn.functional.linear(out, self.attn.out_proj.weight.float(), self.attn.out_proj.bias.float())
         return self.ln_post(out.to(self.proj.dtype)) @ self.proj
+
+
+class Resampler2_0(Resampler):
+    """2.0's: the queries also carry the query grid's 2-D sin-cos, a table the checkpoint stores
+    (`pos_embed`)."""
+
+    def __init__(self, cfg: dict[str, Any]):
+        super().__init__(cfg)
+        self.pos_embed = nn.Parameter(torch.zeros_like(self.query))
+
+    def queries(self) -> torch.Tensor:
+        return super().queries() + self.pos_embed.float()
 
 
 class Resampler4_5(Resampler):

@@ -39,6 +39,7 @@ from triton_vlm.llm.engine.sequence import Sequence
 from triton_vlm.llm.engine.streaming import GenerationOutput, IncrementalDetokenizer
 from triton_vlm.llm.engine.tensor_parallel import WorkerGone, Workers
 from triton_vlm.llm.model import DecoderModel
+from triton_vlm.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -103,14 +104,12 @@ class Engine:
     def _build(self, *, model: DecoderModel | None, tokenizer, return_logits: bool) -> None:
         """Everything that holds tensors: the model (loaded here unless given), the KV cache, the
         scheduler, the runner and the output processor. Runs on the scheduler thread."""
-        from tokenizers import Tokenizer
-
         s = self.settings
         self.model = model or DecoderModel.from_checkpoint(self.checkpoint_dir, device=s.device, dtype=s.dtype,
                                                            shard=Shard(0, s.tensor_parallel))
         self.config = c = self.model.config
         self.kv_bytes_per_token = c.kv_bytes_per_token(self.model.dtype)
-        self.tokenizer = tokenizer or Tokenizer.from_file(str(self.checkpoint_dir / "tokenizer.json"))
+        self.tokenizer = tokenizer or load_tokenizer(self.checkpoint_dir)
         self.eos_token_ids = frozenset(self.config.eos_token_ids)
         self.context_length = self.config.max_position_embeddings
         self.return_logits = bool(return_logits)

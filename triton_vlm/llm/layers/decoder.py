@@ -53,8 +53,12 @@ class SwiGLULayer:
     def __init__(self, w: Callable[[str], torch.Tensor], config: DecoderConfig, shard: Shard = Shard()):
         """`config`: this rank's (`Shard.config`); `w` gives this rank's part of each weight."""
         self.c, self.shard = config, shard
-        # a row-parallel output (o_proj, down, the experts) summed over the ranks; unsplit, itself
+        # a residual branch's row-parallel output (o_proj, down, the experts, the mixer) summed over
+        # the ranks (unsplit: itself), and scaled where the decoder scales its branches
         self.reduce: Callable[[torch.Tensor], torch.Tensor] = _whole if shard.world == 1 else all_reduce
+        if config.scaling.residual != 1.0:
+            reduce, scale = self.reduce, config.scaling.residual
+            self.reduce = lambda x: reduce(x) * scale
         self.ln1 = self.norm_weight(w("input_layernorm.weight"))
         self.ln2 = self.norm_weight(w("post_attention_layernorm.weight"))
         self.init_mlp(w)

@@ -1,9 +1,10 @@
 """`Tower`: one family's vision tower as the encoders, the ONNX exporter and the TensorRT builder
 see it. A subclass names its torch module (`module`, parameter names as in the HF state_dict),
 its metadata inputs and their dynamic axes, and implements `vision_settings`, `encoder_metadata`
-and `profile_shapes`; reading a checkpoint, loading its weights, example inputs and the full
-ONNX axes are the same for every tower and live here. Towers hold no state: everything is a
-class method, and a `Family` names its tower class (`Family.tower_class`).
+and `profile_shapes` (and `weight_settings` where no config key sizes the tower); reading a
+checkpoint, loading its weights, example inputs and the full ONNX axes are the same for every
+tower and live here. Towers hold no state: everything is a class method, and a `Family` names its
+tower class (`Family.tower_class`).
 """
 from __future__ import annotations
 
@@ -91,8 +92,16 @@ class Tower:
         return cls.vision_settings(config if cls.WHOLE_CONFIG else config["vision_config"])
 
     @classmethod
+    def weight_settings(cls, settings: dict[str, Any], checkpoint_dir: str | Path) -> dict[str, Any]:
+        """`settings` completed with the sizes that only the checkpoint's weights give (a tower that
+        no config key sizes); the others' settings are complete already."""
+        return settings
+
+    @classmethod
     def read_vision_config(cls, checkpoint_dir: str | Path) -> dict[str, Any]:
-        return cls.checkpoint_settings(tower_config.read_config_json(checkpoint_dir))
+        """The settings of a checkpoint: its `config.json`'s, completed from its weights."""
+        config = tower_config.read_config_json(checkpoint_dir, cls.WHOLE_CONFIG)
+        return cls.weight_settings(cls.checkpoint_settings(config), checkpoint_dir)
 
     @classmethod
     def load_tower(cls, checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:

@@ -44,10 +44,11 @@ def add_derived(out: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def read_config_json(checkpoint_dir: str | Path) -> dict[str, Any]:
-    """The checkpoint's `config.json` (which must have a `vision_config`)."""
+def read_config_json(checkpoint_dir: str | Path, whole: bool = False) -> dict[str, Any]:
+    """The checkpoint's `config.json` (which must have a `vision_config`, unless the tower reads
+    the `whole` config)."""
     config = json.loads((Path(checkpoint_dir) / "config.json").read_text(encoding="utf-8"))
-    if "vision_config" not in config:
+    if not whole and "vision_config" not in config:
         raise ValueError(f"{checkpoint_dir}: config.json has no vision_config")
     return config
 

@@ -175,9 +175,10 @@ class VisionAttention(nn.Module):
             q, k = qk.unbind(1)
             qk = torch.stack((self.q_norm(q), self.k_norm(k)), dim=1)
         v = nn.functional.linear(x, w[2 * dim:], None if b is None else b[2 * dim:])
-        dtype = qk.dtype
-        qk = qk.float()
-        qk = (qk * cos + rotate_half(qk) * sin).to(dtype)
+        if cos is not None:  # None: a tower without rotary (positions added at the embedding)
+            dtype = qk.dtype
+            qk = qk.float()
+            qk = (qk * cos + rotate_half(qk) * sin).to(dtype)
         # rows gathered into groups: [G, L, dim] each
         qk = qk.reshape(n, 2 * dim).index_select(0, flat)
         q, k = qk.reshape(groups_, length, 2, dim).unbind(2)
