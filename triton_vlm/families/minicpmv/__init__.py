@@ -64,14 +64,15 @@ MINICPMV4_5 = remote_code.version(
     pack_frames=v4_5.pack_frames, video_settings=dict(max_slice_nums=1, use_image_id=False))
 
 # 2.0: the image processing lives in the official model code (`slice_image`), its settings in
-# config.json; `chat()` takes one image and writes `<用户>` / `<AI>` turns (no template is shipped).
+# config.json; `chat()` takes one image and writes `<用户>` / `<AI>` turns (no template is shipped);
+# 2.5's placeholders (a slice grid in one `<slice>`).
 MINICPMV2_0 = remote_code.version(
     "minicpmv2_0", "2.0", special_tokens=(remote_code.UNK, "<s>", "</s>", *remote_code.MARKERS[:4], *remote_code.CHAT_2_0),
     eos_tokens=("</s>",), tower="triton_vlm.families.minicpmv.tower_v2_0:MiniCPMV2_0Tower", decoder="MINICPM",
     chat_template=remote_code.CHAT_2_0_TEMPLATE, max_images=1,
     config_settings={"image_feature_size": "query_num", "max_slice_nums": "max_slice_nums",
                      "scale_resolution": "scale_resolution", "patch_size": "patch_size", "slice_mode": "slice_mode"},
-    vision_defaults={**remote_code.VISION_DEFAULTS, "use_image_id": False})
+    vision_defaults={**remote_code.VISION_DEFAULTS, "use_image_id": False, "grid_in_one_slice": True})
 
 # 2.5: Llama 3's tokens (its pad, id 0, is "!"; the demo's, `<|end_of_text|>`), a slice grid in one
 # `<slice>`; every slice of a request padded to its largest in the tower (`padded_patches`).
