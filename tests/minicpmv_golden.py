@@ -175,8 +175,8 @@ class GoldenChecks:
 
         case, values, out = media_case, self.GOLDEN.values, preprocessed[media_case]
         pixels, grid, padded = np.array(out["pixel_values"]), out["grid_thw"], np.ravel(out["padded_patches"])
-        rows = infer_direct(server, "vision_encoder", {"pixel_values": (pixels, "FP32"), "grid_thw": (grid, "INT64"),
-                                                       "padded_patches": (padded, "INT64")}, ["embeddings"])["embeddings"]
+        inputs = {"pixel_values": (pixels, "FP32"), "grid_thw": (grid, "INT64"), "padded_patches": (padded, "INT64")}
+        rows = infer_direct(server, "vision_encoder", inputs, ["embeddings"])["embeddings"]
         close(rows, values[f"{case}/vision_embeds"])
         tower_class, tower, settings = tower
         extras = {"padded_patches": padded} if "padded_patches" in tower_class.EXTRAS else {}

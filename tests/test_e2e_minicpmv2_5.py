@@ -101,7 +101,8 @@ def test_the_demo_checkpoint_builds_and_serves(tmp_path_factory):
         tokens = grpc_tokens(server, prompt, images, [], max_tokens=6)
     out = Preprocessor(checkpoint)(prompt, images, [])
     assert len(out.grid_thw) > 2 and set(out.extras["padded_patches"]) == {out.grid_thw.prod(axis=1).max()}
-    rows = TorchEncoder(checkpoint).encode(out.pixel_values, out.grid_thw, {"padded_patches": out.extras["padded_patches"]})
+    padded = {"padded_patches": out.extras["padded_patches"]}
+    rows = TorchEncoder(checkpoint).encode(out.pixel_values, out.grid_thw, padded)
     engine, collector, n = Engine(checkpoint), Collector(), len(out.input_ids)
     try:
         engine.submit("demo", out.input_ids, rows, np.broadcast_to(np.arange(n), (3, n)).copy(), np.zeros(1, np.int64),

@@ -21,7 +21,8 @@ def padded_frames(grid: np.ndarray, padded_patches: np.ndarray | None) -> tuple[
     patches than it holds, or to more than a frame may hold (`Limits.max_frame_patches`)."""
     grid = np.asarray(grid, dtype=np.int64).reshape(-1, 3)
     own = grid[:, 1] * grid[:, 2]
-    given = np.zeros(len(grid), np.int64) if padded_patches is None else np.asarray(padded_patches, np.int64).reshape(-1)
+    given = np.zeros(len(grid), np.int64) if padded_patches is None else np.asarray(padded_patches, np.int64)
+    given = given.reshape(-1)
     real, padded = np.repeat(own, grid[:, 0]), np.repeat(np.where(given > 0, given, own), grid[:, 0])
     limit = Limits().max_frame_patches
     if bad := np.flatnonzero((padded < real) | (padded > limit)).tolist():

@@ -1,14 +1,16 @@
 """The MiniCPM-V versions served from the official remote code's layout (its `MiniCPMV` class,
 which transformers lacks; `model_type` `minicpmv`, told apart by the config's `version`: 2.0,
-2.5, 2.6, 4.0, 4.5): what they share in their prompts and processor, and the `Family` of one version (`version`).
+2.5, 2.6, 4.0, 4.5): what they share in their prompts and processor, and the `Family` of one
+version (`version`).
 
-The official processor (`MiniCPMVProcessor`, `MiniCPMVImageProcessor`; 2.0's model code) finds `(<image>./</image>)`
-in the prompt's text and writes for each image `slice_runs` of `image_feature_size` `<unk>` each,
-the slices cut by `slice_rule` (sides in whole patches: `downsample_mode` "resampler"), pixels
-resized by Pillow (`backend` "pil"); the whole text is then encoded with the tokenizer's own special
-tokens (4.0's Llama tokenizer puts `<s>` first, 2.5's Llama 3 one `<|begin_of_text|>`). The
-resampler tower gives `query_num` rows per slice, which replace the `<unk>` runs (`image_bound`); positions are 0..S-1. The official `chat()`
-joins a message's parts by newlines before its chat template (`Prompt.chat_content_as_text`).
+The official processor (`MiniCPMVProcessor`, `MiniCPMVImageProcessor`; 2.0's model code) finds
+`(<image>./</image>)` in the prompt's text and writes for each image `slice_runs` of
+`image_feature_size` `<unk>` each, the slices cut by `slice_rule` (sides in whole patches:
+`downsample_mode` "resampler"), pixels resized by Pillow (`backend` "pil"); the whole text is then
+encoded with the tokenizer's own special tokens (4.0's Llama tokenizer puts `<s>` first, 2.5's
+Llama 3 one `<|begin_of_text|>`). The resampler tower gives `query_num` rows per slice, which
+replace the `<unk>` runs (`image_bound`); positions are 0..S-1. The official `chat()` joins a
+message's parts by newlines before its chat template (`Prompt.chat_content_as_text`).
 """
 from __future__ import annotations
 
