@@ -184,3 +184,15 @@ def test_the_official_2_5_config_as_published_is_2_5():
     ids = Preprocessor(golden.root)(*golden.request("d_text_only")).input_ids
     np.testing.assert_array_equal(ids, golden.values["d_text_only/input_ids"])
     assert ids[:2].tolist() == [golden.special_id("<|begin_of_text|>")] * 2
+
+
+def test_2_5_without_its_batched_vision_call_is_refused_naming_it():
+    """2.5's official code pads a request's slices to the largest only in its batched `vpm` call
+    (`batch_vision_input`, true by default, as configured); false is refused, naming the key."""
+    golden = SETS["minicpmv2_5"]
+    config = json.loads((golden.root / "config.json").read_text())
+    tower = detect_family(golden.root).tower_class()
+    assert tower.checkpoint_settings({k: v for k, v in config.items() if k != "batch_vision_input"}) \
+        == tower.read_vision_config(golden.root)
+    with pytest.raises(NotImplementedError, match="batch_vision_input false"):
+        tower.checkpoint_settings({**config, "batch_vision_input": False})

@@ -20,7 +20,6 @@ be 16 KiB a patch to send).
 """
 from __future__ import annotations
 
-from functools import partial
 from typing import Any, Mapping
 
 import numpy as np
@@ -238,6 +237,15 @@ class MiniCPMV4_5Tower(MiniCPMVTower):
         return metadata(grid_thw, settings, (extras or {}).get("temporal_ids"))
 
 
+def padded_vision_settings(config: Any) -> dict[str, Any]:
+    """2.5's `vision_settings` (`Idefics2VisionConfig`'s defaults). Its official code pads the slices
+    only in its batched call (`batch_vision_input`, true by default); false, it encodes each slice
+    alone (2-D position ids, no padding), which is not implemented: refused, naming the key."""
+    if not tower_config.as_dict(config).get("batch_vision_input", True):
+        raise NotImplementedError("MiniCPM-V 2.5: batch_vision_input false (each slice encoded alone) is not supported")
+    return vision_settings(config, _IDEFICS2_DEFAULTS)
+
+
 class MiniCPMV2_5Tower(MiniCPMVTower):
     """2.5's: `Idefics2VisionTransformer` (SigLIP-NaViT's weights and layers under Idefics2's config
     defaults), every frame padded to its `padded_patches` (`padded_metadata`)."""
@@ -247,7 +255,7 @@ class MiniCPMV2_5Tower(MiniCPMVTower):
                      "full_inverse": {0: "padded"}, "real_rows": {0: "patches"}}
     EXTRAS = ("padded_patches",)
     ROWS = staticmethod(embedding_rows)
-    vision_settings = staticmethod(partial(vision_settings, vision_defaults=_IDEFICS2_DEFAULTS))
+    vision_settings = staticmethod(padded_vision_settings)
     encoder_metadata = staticmethod(padded_metadata)
 
     @classmethod
