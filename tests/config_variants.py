@@ -13,7 +13,7 @@ optional key it always sets, or always leaves out, never varied. Two variants of
   a Qwen2.5-VL config without `text_config`, `preprocessor_config.json` files, `min_pixels`), keys
   transformers ignores (`mrope_interleaved`) and keys left out (`VARIED`).
 
-MiniCPM-V 2.6, 4.0 and 4.5 have no transformers class: their bare config is the official one their
+MiniCPM-V 2.5, 2.6, 4.0 and 4.5 have no transformers class: their bare config is the official one their
 golden set carries (`tests/golden/minicpmv*`, written by the official `MiniCPMVConfig`), and their
 varied one respells that in ways the official code reads the same (`write_golden_variant`).
 """
@@ -298,6 +298,9 @@ GOLDEN_DEFAULTED = {
     "minicpmv4_0": ("attention_bias", "mlp_bias", "attention_dropout", "hidden_act", "pretraining_tp", "rms_norm_eps",
                     "rope_theta", "tie_word_embeddings", "use_cache", "use_image_id", "vision_batch_size",
                     "slice_mode", "batch_vision_input"),
+    # 2.5: transformers 4.40's `LlamaConfig` (no `mlp_bias` yet) and 2.5's `MiniCPMVConfig`.
+    "minicpmv2_5": ("attention_bias", "attention_dropout", "hidden_act", "initializer_range", "pretraining_tp",
+                    "rope_scaling", "tie_word_embeddings", "slice_mode", "batch_vision_input"),
 }
 GOLDEN_PROCESSOR_DEFAULTED = {
     "minicpmv4_5": ("version", "use_image_id", "norm_mean", "norm_std", "slice_mode"),
@@ -305,6 +308,8 @@ GOLDEN_PROCESSOR_DEFAULTED = {
                     "slice_mode"),
 }
 GOLDEN_PROCESSOR_DEFAULTED["minicpmv4_0"] = GOLDEN_PROCESSOR_DEFAULTED["minicpmv2_6"]
+# 2.5's `MiniCPMVImageProcessor(max_slice_nums=9, scale_resolution=448, patch_size=14)`.
+GOLDEN_PROCESSOR_DEFAULTED["minicpmv2_5"] = ("max_slice_nums", "scale_resolution", "patch_size")
 
 
 def write_golden_variant(golden: Path, out: Path, **processor: Any) -> Path:

@@ -18,8 +18,11 @@ ATOL = 1e-4  # the READMEs' bound for a float32 run of another implementation
 class GoldenSet:
     """One version's golden folder: its cases (cases.json) and golden.npz's arrays (`CASE/NAME`)."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, run_markers: tuple[str, ...] = ("<image>", "<slice>")):
         self.root = Path(__file__).parent / "golden" / name
+        # The markers the official processor starts an `image_bound` run after (`_convert`): 2.5's
+        # `<image>` only (its slices are `<image>` runs inside one `<slice>`).
+        self.run_markers = run_markers
         self.meta = json.loads((self.root / "cases.json").read_text())
         self.cases = {case["id"]: case for case in self.meta["cases"]}
         self.image_cases = [case for case, c in self.cases.items() if all(m["kind"] == "image" for m in c["media"])]
@@ -39,7 +42,8 @@ class GoldenSet:
         return int(self.meta["tokenizer"]["special_ids"][token])
 
 
-SETS = {name: GoldenSet(name) for name in ("minicpmv2_6", "minicpmv4_0", "minicpmv4_5")}
+SETS = {name: GoldenSet(name) for name in ("minicpmv2_6", "minicpmv4_0", "minicpmv4_5")} | {
+    "minicpmv2_5": GoldenSet("minicpmv2_5", run_markers=("<image>",))}
 
 
 def golden_rows(codes: np.ndarray, h: int, w: int) -> np.ndarray:
@@ -50,10 +54,10 @@ def golden_rows(codes: np.ndarray, h: int, w: int) -> np.ndarray:
 
 
 def official_image_bound(ids: np.ndarray, golden: GoldenSet) -> np.ndarray:
-    """`MiniCPMVProcessor._convert`: [start, end) of each run after `<image>` / `<slice>`, ending at
-    the next `</image>` / `</slice>`."""
-    starts = np.flatnonzero(np.isin(ids, [golden.special_id("<image>"), golden.special_id("<slice>")])) + 1
-    ends = np.flatnonzero(np.isin(ids, [golden.special_id("</image>"), golden.special_id("</slice>")]))
+    """`MiniCPMVProcessor._convert`: [start, end) of each run after one of the set's `run_markers`
+    (`<image>` / `<slice>`), ending at the next closing one (`</image>` / `</slice>`)."""
+    starts = np.flatnonzero(np.isin(ids, [golden.special_id(m) for m in golden.run_markers])) + 1
+    ends = np.flatnonzero(np.isin(ids, [golden.special_id(m.replace("<", "</")) for m in golden.run_markers]))
     return np.stack([starts, ends], axis=1).reshape(-1, 2)
 
 
@@ -115,7 +119,8 @@ class GoldenChecks:
         """Every case through the served `preprocess`."""
         from tests.test_e2e import infer_direct, media_values
 
-        outputs = ["input_ids", "pixel_values", "grid_thw", "mrope_position_ids", "mrope_position_delta"]
+        outputs = ["input_ids", "pixel_values", "grid_thw", "mrope_position_ids", "mrope_position_delta",
+                   "padded_patches"]
         return {case: infer_direct(server, "preprocess", media_values(*cls.served(case)), outputs)
                 for case in cls.GOLDEN.image_cases}
 
@@ -140,39 +145,57 @@ class GoldenChecks:
         assert starts[-1] == len(out["pixel_values"])
         np.testing.assert_array_equal(out["mrope_position_ids"], np.broadcast_to(np.arange(len(ids)), (3, len(ids))))
         assert int(np.ravel(out["mrope_position_delta"])[0]) == 0
+        padded = np.ravel(out["padded_patches"])
+        if "padded_patches" in self.tower_class().EXTRAS:  # 2.5's: every slice padded to the largest
+            np.testing.assert_array_equal(padded, np.full(len(grid), grid.prod(axis=1).max(initial=0)))
+        else:
+            assert not padded.any()
+
+    @classmethod
+    def tower_class(cls) -> type:
+        from triton_vlm.families import detect_family
+
+        return detect_family(cls.GOLDEN.root).tower_class()
 
     @pytest.fixture(scope="class")
     @classmethod
     def tower(cls):
         """(its `Tower` class, the torch tower with the golden weights, its settings)."""
-        from triton_vlm.families import detect_family
-
-        tower_class = detect_family(cls.GOLDEN.root).tower_class()
+        tower_class = cls.tower_class()
         return (tower_class, tower_class.load_tower(cls.GOLDEN.root).eval(),
                 tower_class.read_vision_config(cls.GOLDEN.root))
 
     def test_the_encoders_give_the_official_rows(self, server, preprocessed, tower, media_case):
         """The served `vision_encoder` (the ONNX export in ONNX Runtime) and the torch encoder on
-        the served pixels: the resampler rows; the torch tower's first slice `vpm` hidden state and
-        every slice's NaViT position ids."""
+        the served pixels and extras: the resampler rows; the torch tower's `vpm` hidden state of
+        every slice the set holds one of (`vpm_hidden/I`), and every slice's NaViT position ids
+        (the first h * w of a padded slice's)."""
         from tests.test_e2e import infer_direct
         from triton_vlm.vision.runtime.torch_encoder import TorchEncoder
 
         case, values, out = media_case, self.GOLDEN.values, preprocessed[media_case]
-        pixels, grid = np.array(out["pixel_values"]), out["grid_thw"]
-        rows = infer_direct(server, "vision_encoder", {"pixel_values": (pixels, "FP32"), "grid_thw": (grid, "INT64")},
-                            ["embeddings"])["embeddings"]
+        pixels, grid, padded = np.array(out["pixel_values"]), out["grid_thw"], np.ravel(out["padded_patches"])
+        inputs = {"pixel_values": (pixels, "FP32"), "grid_thw": (grid, "INT64"), "padded_patches": (padded, "INT64")}
+        rows = infer_direct(server, "vision_encoder", inputs, ["embeddings"])["embeddings"]
         close(rows, values[f"{case}/vision_embeds"])
-        close(TorchEncoder(self.GOLDEN.root).encode(pixels, grid), values[f"{case}/vision_embeds"])
         tower_class, tower, settings = tower
-        first = tower_class.metadata(grid[:1], settings)
+        extras = {"padded_patches": padded} if "padded_patches" in tower_class.EXTRAS else {}
+        close(TorchEncoder(self.GOLDEN.root).encode(pixels, grid, extras), values[f"{case}/vision_embeds"])
+        metadata = tower_class.metadata(grid, settings, extras)
         with torch.inference_mode():
-            hidden = tower.hidden(torch.from_numpy(pixels[:grid[0, 1] * grid[0, 2]]), *(
-                torch.from_numpy(first[k]) for k in ("position_ids", "full_index", "full_mask", "full_inverse")))
-        close(hidden, values[f"{case}/vpm_hidden/0"])
-        positions = tower_class.metadata(grid, settings)["position_ids"]
-        for i, ids in enumerate(np.split(positions, np.cumsum(grid.prod(axis=1))[:-1])):
-            np.testing.assert_array_equal(ids, values[f"{case}/vision_position_ids/{i}"], err_msg=str(i))
+            hidden = tower.hidden(torch.from_numpy(pixels), *(torch.from_numpy(metadata[k])
+                                                              for k in type(tower).HIDDEN_INPUTS)).numpy()
+        checked = 0
+        for i, slice_hidden in enumerate(np.split(hidden, np.cumsum(grid.prod(axis=1))[:-1])):
+            if f"{case}/vpm_hidden/{i}" in values:
+                close(slice_hidden, values[f"{case}/vpm_hidden/{i}"])
+                checked += 1
+        assert checked >= 1
+        frames = (metadata["full_mask"] == 0).sum(axis=1)  # each slice's attended rows, padding included
+        for i, ids in enumerate(np.split(metadata["position_ids"], np.cumsum(frames)[:-1])):
+            expected = values[f"{case}/vision_position_ids/{i}"]
+            np.testing.assert_array_equal(ids[:len(expected)], expected, err_msg=str(i))
+            assert len(expected) == grid[i, 1] * grid[i, 2]
 
     @pytest.fixture(scope="class")
     @classmethod

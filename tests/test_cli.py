@@ -111,7 +111,7 @@ def test_infer_reports_invalid_input(server, tmp_path):
 
 
 # Families transformers has no class for: their oracle is the official code's golden set.
-OFFICIAL_ONLY = {"minicpmv2_6", "minicpmv4_0", "minicpmv4_5"}
+OFFICIAL_ONLY = {"minicpmv2_5", "minicpmv2_6", "minicpmv4_0", "minicpmv4_5"}
 
 
 @pytest.mark.parametrize("family", sorted(set(FAMILIES) - OFFICIAL_ONLY))

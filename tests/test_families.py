@@ -78,6 +78,7 @@ def test_unsupported_model_type_names_the_supported_ones(tmp_path):
 
 @pytest.mark.parametrize("config, family", [
     ({"version": 2.6}, "minicpmv2_6"), ({"version": 4.0}, "minicpmv4_0"), ({"version": 4.5}, "minicpmv4_5"),
+    ({"version": 2.5}, "minicpmv2_5"),
     ({"hidden_size": 2304, "query_num": 64}, "minicpmv2_0"),  # no version: the real 2.0 (vLLM's test)
     ({"vision_encoder": "vit_so400m_patch14_siglip_384.webli", "scale_emb": 12}, "minicpmv2_0")])  # 2.0's keys
 def test_minicpmv_versions_are_dispatched_by_the_configs_version(tmp_path, config, family):
@@ -87,7 +88,7 @@ def test_minicpmv_versions_are_dispatched_by_the_configs_version(tmp_path, confi
 
 
 @pytest.mark.parametrize("config, version", [
-    ({"version": 2.5}, "2.5"), ({"version": 4}, "4"),
+    ({"version": 4}, "4"),
     ({}, r"\(none, and not 2.0's config\)"), ({"scale_emb": 12}, r"\(none, and not 2.0's config\)")])
 def test_a_minicpmv_version_not_served_is_refused_at_build_naming_it(tmp_path, config, version):
     from triton_vlm.repository.build import build_repository
@@ -95,7 +96,7 @@ def test_a_minicpmv_version_not_served_is_refused_at_build_naming_it(tmp_path, c
     checkpoint = tmp_path / "checkpoint"
     checkpoint.mkdir()
     (checkpoint / "config.json").write_text(json.dumps({"model_type": "minicpmv", **config}))
-    message = f"minicpmv version {version} is not supported; supported versions: 2.0, 2.6, 4.0, 4.5$"
+    message = f"minicpmv version {version} is not supported; supported versions: 2.0, 2.5, 2.6, 4.0, 4.5$"
     with pytest.raises(ValueError, match=message):
         build_repository(checkpoint, tmp_path / "repository")
     assert not (tmp_path / "repository").exists()

@@ -19,7 +19,7 @@ from triton_vlm.families import detect_family
 from triton_vlm.llm import DecoderConfig
 from triton_vlm.preprocessing.preprocessor import Preprocessor
 
-REMOTE_CODE = ("minicpmv2_6", "minicpmv4_0")
+REMOTE_CODE = ("minicpmv2_6", "minicpmv4_0")  # (2.5's processor numbers no images: its own tests below)
 
 
 @pytest.mark.parametrize("family", sorted(SETS))
@@ -63,7 +63,7 @@ def respelled(family: str, tmp_path, config: dict | None = None, drop: tuple[str
     return out
 
 
-@pytest.mark.parametrize("family", REMOTE_CODE)
+@pytest.mark.parametrize("family", REMOTE_CODE + ("minicpmv2_5",))
 def test_keys_left_out_read_as_the_official_classes_default(family, tmp_path):
     """Without the keys whose official defaults are the golden values: the same decoder, tower and
     `preprocess` outputs."""
@@ -143,10 +143,12 @@ def test_longrope_reads_as_transformers_4_51(tmp_path):
 
 
 @pytest.mark.parametrize("family, key", [("minicpmv2_6", "scale_emb"), ("minicpmv4_0", "scale_emb"),
-                                         ("minicpmv4_0", "attention_bias")])
+                                         ("minicpmv4_0", "attention_bias"), ("minicpmv2_5", "attention_bias"),
+                                         ("minicpmv2_5", "rope_scaling")])
 def test_what_the_decoder_does_not_implement_is_refused_naming_it(family, key, tmp_path):
     """The official `get_vllm_embedding` scales the prompt's token embeddings by `scale_emb` but
-    not the generated tokens'; Llama's biases: refused, naming the key."""
+    not the generated tokens'; Llama's biases; transformers 4.40's Llama `rope_scaling` (linear,
+    dynamic): refused, naming the key."""
     with pytest.raises(NotImplementedError, match=key):
         DecoderConfig.from_checkpoint(respelled(family, tmp_path, config={key: 12}))
 
@@ -160,7 +162,7 @@ def test_an_empty_prompt_is_refused_though_the_tokenizer_puts_bos_before_it():
     assert preprocessor("hi", [], []).input_ids[0] == SETS["minicpmv4_0"].special_id("<s>")
 
 
-@pytest.mark.parametrize("family", REMOTE_CODE)
+@pytest.mark.parametrize("family", REMOTE_CODE + ("minicpmv2_5",))
 def test_versions_without_videos_read_a_video_marker_as_text_and_refuse_videos(family):
     """2.6's and 4.0's processors take images only: `(<video>./</video>)` is text to them."""
     from triton_vlm.errors import InvalidInput
@@ -170,3 +172,27 @@ def test_versions_without_videos_read_a_video_marker_as_text_and_refuse_videos(f
     assert len(preprocessor(text, [], []).input_ids) > 8
     with pytest.raises(InvalidInput, match=f"^videos: this model \\({family}\\) takes no videos"):
         preprocessor(text, [], [b"\x00\x00\x00\x18ftypmp42"])
+
+
+def test_the_official_2_5_config_as_published_is_2_5():
+    """The official 2.5 `config.json` (the golden one: the publisher's with only sizes and ids
+    changed, `version` 2.5) serves as 2.5; its tokenizer puts a second `<|begin_of_text|>` after the
+    template's, as the official processor's does."""
+    golden = SETS["minicpmv2_5"]
+    assert json.loads((golden.root / "config.json").read_text())["version"] == "2.5"
+    assert detect_family(golden.root).name == "minicpmv2_5"
+    ids = Preprocessor(golden.root)(*golden.request("d_text_only")).input_ids
+    np.testing.assert_array_equal(ids, golden.values["d_text_only/input_ids"])
+    assert ids[:2].tolist() == [golden.special_id("<|begin_of_text|>")] * 2
+
+
+def test_2_5_without_its_batched_vision_call_is_refused_naming_it():
+    """2.5's official code pads a request's slices to the largest only in its batched `vpm` call
+    (`batch_vision_input`, true by default, as configured); false is refused, naming the key."""
+    golden = SETS["minicpmv2_5"]
+    config = json.loads((golden.root / "config.json").read_text())
+    tower = detect_family(golden.root).tower_class()
+    assert tower.checkpoint_settings({k: v for k, v in config.items() if k != "batch_vision_input"}) \
+        == tower.read_vision_config(golden.root)
+    with pytest.raises(NotImplementedError, match="batch_vision_input false"):
+        tower.checkpoint_settings({**config, "batch_vision_input": False})

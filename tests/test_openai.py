@@ -275,7 +275,8 @@ def test_render_chat_is_the_processors_apply_chat_template(tiny_checkpoint, proc
 
 @pytest.mark.parametrize("family, case", [(f, c) for f in ("minicpmv2_6", "minicpmv4_0") for c in ("c_two_images",
                                                                                                   "d_text_only")]
-                         + [("minicpmv4_5", c) for c in ("a_image_640x480", "c_two_images", "d_video", "e_text_only")])
+                         + [("minicpmv4_5", c) for c in ("a_image_640x480", "c_two_images", "d_video", "e_text_only")]
+                         + [("minicpmv2_5", c) for c in ("a_image_480x640", "c_two_images", "d_text_only")])
 def test_render_chat_is_the_official_minicpmv_chat(family, case):
     """The official remote-code templates take string content only: the parts joined by newlines,
     media as their placeholders, rendered as the official `chat()` writes the golden prompts (4.5

@@ -272,10 +272,10 @@ def test_encoder_configs_cpu_and_gpu(checkpoint):
         assert batch.max_batch_size == options.encoder_max_batch_patches
         assert batch.dynamic_batching.max_queue_delay_microseconds == 1234
         assert [t.name for t in batch.input] == ["pixel_values", "patch_grid", "odd_share", "patch_temporal_id",
-                                                "patch_image_size"]
+                                                "patch_image_size", "patch_padded_patches"]
         assert list(batch.input[1].dims) == [3] and all(t.optional for t in batch.input[2:])
-        assert [t.name for t in front.input][-2:] == ["temporal_ids", "image_sizes"]
-        assert all(t.optional for t in front.input[-2:])
+        assert [t.name for t in front.input][-3:] == ["temporal_ids", "image_sizes", "padded_patches"]
+        assert all(t.optional for t in front.input[-3:])
         assert front.parameters["packed_frames"].string_value == "false"  # Qwen2.5-VL's frames are independent
         assert batch.parameters["cache_bytes"].string_value == str(1 << 20)
         assert batch.instance_group[0].count == 2

@@ -20,25 +20,50 @@ from triton_vlm.families.base import Family
 MEDIA_TYPES = ("image", "video")
 
 
+SPECIAL_TOKEN_VARIABLES = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
 def load_chat_template(checkpoint: str | Path) -> str | None:
     """The template a transformers processor of this checkpoint applies, or None: its
     `chat_template.jinja`, else `chat_template.json`, else the tokenizer config's (`default` where
-    it names several), else its family's chat format (`Prompt.chat_template`)."""
+    it names several), else its family's chat format (`Prompt.chat_template`). transformers renders
+    it with the tokenizer's special tokens as variables (a template may write `bos_token`): those
+    the checkpoint names are set first in the template, so that it renders alike wherever it
+    travels (the `ensemble` config, clients)."""
     checkpoint = Path(checkpoint)
+    template = None
     if (checkpoint / "chat_template.jinja").is_file():
-        return (checkpoint / "chat_template.jinja").read_text(encoding="utf-8")
+        template = (checkpoint / "chat_template.jinja").read_text(encoding="utf-8")
     for name in ("chat_template.json", "tokenizer_config.json"):
-        if (checkpoint / name).is_file():
+        if template is None and (checkpoint / name).is_file():
             template = json.loads((checkpoint / name).read_text(encoding="utf-8")).get("chat_template")
             if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
                 template = {t["name"]: t["template"] for t in template}.get("default")
-            if template:
-                return template
-    if not (checkpoint / "config.json").is_file():
-        return None
-    from triton_vlm.families import detect_family
+            template = template or None
+    if template is None and (checkpoint / "config.json").is_file():
+        from triton_vlm.families import detect_family
 
-    return detect_family(checkpoint).prompt.chat_template
+        template = detect_family(checkpoint).prompt.chat_template
+    if template is None:
+        return None
+    tokens = _special_tokens(checkpoint)
+    return "".join(f"{{% set {name} = {json.dumps(tokens[name])} %}}" for name in SPECIAL_TOKEN_VARIABLES
+                   if name in tokens) + template
+
+
+def _special_tokens(checkpoint: Path) -> dict[str, str]:
+    """The tokenizer's named special tokens (`special_tokens_map.json` under `tokenizer_config.json`),
+    each a string or an added token's `content`."""
+    tokens: dict[str, str] = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        if (checkpoint / name).is_file():
+            config = json.loads((checkpoint / name).read_text(encoding="utf-8"))
+            for key in SPECIAL_TOKEN_VARIABLES:
+                value = config.get(key)
+                value = value.get("content") if isinstance(value, dict) else value
+                if isinstance(value, str):
+                    tokens[key] = value
+    return tokens
 
 
 def render_chat(template: str, family: Family, messages: list[dict]) -> str:

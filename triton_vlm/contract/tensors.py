@@ -6,7 +6,8 @@ ensemble runs the steps that `STEPS` names, and its stream to the llm casts each
 spec (`triton_vlm.serving.loopback`). A tensor's name, type and shape are stated here once.
 
 Per-item extras (`ItemExtra`, `EXTRAS`) are the one channel for what some towers need beside the
-pixels (a packed frame's temporal id, an image's own size): `preprocess` gives each, the
+pixels (a packed frame's temporal id, an image's own size, the
+patches a frame is padded to): `preprocess` gives each, the
 `vision_encoder` front checks it and sends it per patch row to `vision_encoder_batch`, and the
 tower takes it by name (`Tower.EXTRAS`). A new one is a line in `EXTRAS`.
 """
@@ -170,6 +171,9 @@ EXTRAS = (
     ItemExtra("temporal_ids", per_frame=True, width=1, none=-1, patch_input="patch_temporal_id"),
     # An image's own (height, width) (`ProcessorRules.image_sizes`), for a tower that unpads by it.
     ItemExtra("image_sizes", per_frame=False, width=2, none=0, patch_input="patch_image_size"),
+    # The patches every frame of a grid row is zero-padded to before the tower's attention (the
+    # request's largest frame, `ProcessorRules.padded_patches`); none: its own h * w.
+    ItemExtra("padded_patches", per_frame=False, width=1, none=0, patch_input="patch_padded_patches"),
 )
 EXTRA = {extra.name: extra for extra in EXTRAS}
 

@@ -149,6 +149,10 @@ class ProcessorRules:
     # Each grid row's image size (height, width; a video's (0, 0)) goes from preprocess to the tower
     # (`image_sizes`, `Tower.IMAGE_SIZES`).
     image_sizes: bool = False
+    # Every frame of a request is zero-padded to the request's largest frame (its h * w patches) in
+    # the tower, which then attends over the padding too (`padded_patches`, `Tower.EXTRAS`): what
+    # MiniCPM-V 2.5's official batched vision call computes.
+    padded_patches: bool = False
 
 
 @dataclass(frozen=True)

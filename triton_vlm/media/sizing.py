@@ -39,6 +39,9 @@ class VisionSettings:
     downsample_mode: str = "16x"
     use_image_id: bool = True
     image_feature_size: int = 64
+    # A sliced image's grid in one `<slice>` ... `</slice>`, each slice's run between `<image>` and
+    # `</image>` (MiniCPM-V 2.0, 2.5), rather than each slice in its own `<slice>` ... `</slice>`.
+    grid_in_one_slice: bool = False
     # How an image or slice no larger than `scale_resolution`^2 is sized: "always" upscaled to
     # it, "never" kept native, "adaptive" by its glyphs (`ProcessorRules.refine_layout`).
     small_image_upsize: str = "always"

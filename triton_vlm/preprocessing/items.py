@@ -46,15 +46,19 @@ class Item:
     temporal_ids: list[list[int]] | None = None  # a packed video's, per group (`ProcessorRules.pack_frames`)
 
 
-def item_extras(item: Item, rules: ProcessorRules) -> dict[str, np.ndarray]:
+def item_extras(item: Item, rules: ProcessorRules, largest_frame: int) -> dict[str, np.ndarray]:
     """The contract's extras an item says something in (`contract.tensors.EXTRAS`): a packed
     video's temporal ids, one per frame of its grid rows (`ProcessorRules.pack_frames`); an image's
-    own size, one per grid row, where the tower unpads by it (`ProcessorRules.image_sizes`)."""
+    own size, one per grid row, where the tower unpads by it (`ProcessorRules.image_sizes`); the
+    request's `largest_frame` (patches), one per grid row, where the tower pads every frame to it
+    (`ProcessorRules.padded_patches`)."""
     extras = {}
     if item.temporal_ids is not None:
         extras["temporal_ids"] = np.array([i for group in item.temporal_ids for i in group], dtype=np.int64)
     if rules.image_sizes and item.probed:
         extras["image_sizes"] = np.array([item.probed] * len(item.grids), dtype=np.int64).reshape(-1, 2)
+    if rules.padded_patches:
+        extras["padded_patches"] = np.full(len(item.grids), largest_frame, dtype=np.int64)
     return extras
 
 

@@ -282,7 +282,8 @@ class Preprocessor:
         pieces.append(ids[previous:])
         input_ids = np.concatenate(pieces).astype(np.int32, copy=False)
         grids = np.array([g for item in items for g in item.grids], dtype=np.int64).reshape(-1, 3)
-        extras = [item_extras(item, self.family.processor) for item in items]
+        largest_frame = max((h * w for item in items for _, h, w in item.grids), default=0)
+        extras = [item_extras(item, self.family.processor, largest_frame) for item in items]
         extras = {extra.name: np.concatenate([e.get(extra.name, extra.empty(item.grids))
                                               for e, item in zip(extras, items)] + [extra.empty(np.zeros((0, 3)))])
                   for extra in EXTRAS}

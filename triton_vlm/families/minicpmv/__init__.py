@@ -1,11 +1,11 @@
 """MiniCPM-V: versions of one family that share slicing rules and prompt runs (`slicing`), SigLIP
 towers and decoders (`decoder`). 4.6, 4.7 and MiniCPM-OCR are transformers' classes: a tower with
 a window merger (`tower_v4_6`), each version's own rules in its module (`v4_6`, `v4_7` with
-`canvas_mrope`, `ocr`). 2.0, 2.6, 4.0 and 4.5 are the official remote code's `MiniCPMV` (`model_type`
-`minicpmv`), which picks them by the config's `version` as vLLM's `MiniCPMV` does
+`canvas_mrope`, `ocr`). 2.0, 2.5, 2.6, 4.0 and 4.5 are the official remote code's `MiniCPMV`
+(`model_type` `minicpmv`), which picks them by the config's `version` as vLLM's `MiniCPMV` does
 (`remote_code.version`): the same processor and a resampler tower (`tower_resampler`; 2.0's timm
-SigLIP, `tower_v2_0`), each on its own decoder (2.0: MiniCPM, 2.6: Qwen2, 4.0: Llama with LongRoPE,
-4.5: Qwen3), 4.5 with videos (`v4_5`). A
+SigLIP, `tower_v2_0`), each on its own decoder (2.0: MiniCPM, 2.5: Llama 3, 2.6: Qwen2, 4.0: Llama
+with LongRoPE, 4.5: Qwen3), 4.5 with videos (`v4_5`). A
 version is a `Family`, picked by the checkpoint's `model_type` (and, for `minicpmv`, its version).
 """
 import dataclasses
@@ -64,13 +64,22 @@ MINICPMV4_5 = remote_code.version(
     pack_frames=v4_5.pack_frames, video_settings=dict(max_slice_nums=1, use_image_id=False))
 
 # 2.0: the image processing lives in the official model code (`slice_image`), its settings in
-# config.json; `chat()` takes one image and writes `<用户>` / `<AI>` turns (no template is shipped).
+# config.json; `chat()` takes one image and writes `<用户>` / `<AI>` turns (no template is shipped);
+# 2.5's placeholders (a slice grid in one `<slice>`).
 MINICPMV2_0 = remote_code.version(
     "minicpmv2_0", "2.0", special_tokens=(remote_code.UNK, "<s>", "</s>", *remote_code.MARKERS[:4], *remote_code.CHAT_2_0),
     eos_tokens=("</s>",), tower="triton_vlm.families.minicpmv.tower_v2_0:MiniCPMV2_0Tower", decoder="MINICPM",
     chat_template=remote_code.CHAT_2_0_TEMPLATE, max_images=1, demo="triton_vlm.families.minicpmv.demo_v2_0:DEMOS",
     config_settings={"image_feature_size": "query_num", "max_slice_nums": "max_slice_nums",
                      "scale_resolution": "scale_resolution", "patch_size": "patch_size", "slice_mode": "slice_mode"},
-    vision_defaults={**remote_code.VISION_DEFAULTS, "use_image_id": False})
+    vision_defaults={**remote_code.VISION_DEFAULTS, "use_image_id": False, "grid_in_one_slice": True})
 
-FAMILIES = (MINICPMV4_6, MINICPMV4_5, MINICPMV2_6, MINICPMV4_0, MINICPMV4_7, MINICPM_OCR, MINICPMV2_0)
+# 2.5: Llama 3's tokens (its pad, id 0, is "!"; the demo's, `<|end_of_text|>`), a slice grid in one
+# `<slice>`; every slice of a request padded to its largest in the tower (`padded_patches`).
+MINICPMV2_5 = remote_code.version(
+    "minicpmv2_5", "2.5", special_tokens=remote_code.LLAMA3_TOKENS, eos_tokens=remote_code.LLAMA3_EOS,
+    tower="MiniCPMV2_5Tower", decoder="LLAMA3", padded_patches=True,
+    vision_defaults={**remote_code.VISION_DEFAULTS, "use_image_id": False, "grid_in_one_slice": True})
+
+FAMILIES = (MINICPMV4_6, MINICPMV4_5, MINICPMV2_6, MINICPMV4_0, MINICPMV2_5, MINICPMV4_7, MINICPM_OCR,
+            MINICPMV2_0)

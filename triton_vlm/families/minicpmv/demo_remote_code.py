@@ -1,7 +1,8 @@
-"""Demo checkpoints of the MiniCPM-V versions transformers lacks (2.6, 4.0, 4.5: the official remote
-code's `MiniCPMV`), written as that code reads them: the decoder's weights made by transformers'
-class for it (Qwen2, Llama, Qwen3) under `llm.`, the tower's by ours (`vpm.`, `resampler.`), the
-official config's and processor config's fields, the official chat template (4.5: a reduced one).
+"""Demo checkpoints of the MiniCPM-V versions transformers lacks (2.5, 2.6, 4.0, 4.5: the official
+remote code's `MiniCPMV`), written as that code reads them: the decoder's weights made by
+transformers' class for it (Llama, Qwen2, Qwen3) under `llm.`, the tower's by ours (`vpm.`,
+`resampler.`), the official config's and processor config's fields, the official chat template
+(4.5: a reduced one).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from triton_vlm.families.demo import Demo, chat_template, random_model
-from triton_vlm.families.minicpmv import MINICPMV2_6, MINICPMV4_0, MINICPMV4_5
+from triton_vlm.families.minicpmv import MINICPMV2_5, MINICPMV2_6, MINICPMV4_0, MINICPMV4_5
 from triton_vlm.families.minicpmv import remote_code as rc
 
 # The official templates: 2.6's puts its default system prompt first where the messages have none.
@@ -23,6 +24,11 @@ MINICPMV2_6_TEMPLATE = (
 MINICPMV4_0_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + "
     "'\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+MINICPMV2_5_TEMPLATE = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + "
+    "message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}")
 MINICPMV4_5_TEMPLATE = chat_template(
     prefix="", message_start="<|im_start|>{{ message['role'] }}\n", message_end="<|im_end|>\n",
     image=rc.IMAGE_PLACEHOLDER, video=rc.VIDEO_PLACEHOLDER, generation_prompt="<|im_start|>assistant\n")
@@ -76,7 +82,8 @@ def _write(out: Path, shape: dict[str, Any], tokenizer, seed: int, *, version: f
     text = dict(vocab_size=shape["model_vocab_size"], rms_norm_eps=1e-6, hidden_act="silu", tie_word_embeddings=False,
                 bos_token_id=ids[shape["bos"]], eos_token_id=eos[0] if len(eos) == 1 else eos, **sizes)
     config = dict(version=version, architectures=["MiniCPMV"], model_type="minicpmv", **text, **shape["text_fields"],
-                  vision_config=dict(model_type="siglip", **shape["vision"]), query_num=shape["query_num"],
+                  vision_config=dict(model_type=shape["vision_model_type"], **shape["vision"]),
+                  query_num=shape["query_num"],
                   image_size=shape["scale_resolution"], patch_size=patch, slice_mode=True, batch_vision_input=True,
                   drop_vision_last_layer=False, **shape["fields"])
     if shape["longrope"]:
@@ -94,11 +101,13 @@ def _write(out: Path, shape: dict[str, Any], tokenizer, seed: int, *, version: f
     weights = {f"llm.{name}": value for name, value in llm.state_dict().items()} | tower.state_dict()
     save_file({name: value.contiguous() for name, value in weights.items()}, out / "model.safetensors")
     (out / "config.json").write_text(json.dumps(config, indent=2))
+    numbered = dict(use_image_id=True, slice_mode=True) if rc.IMAGE_ID_START in shape["tokens"] else {}
     processor = dict(image_processor_type="MiniCPMVImageProcessor", processor_class="MiniCPMVProcessor",
                      max_slice_nums=shape["max_slice_nums"], scale_resolution=shape["scale_resolution"],
-                     patch_size=patch, use_image_id=True, image_feature_size=shape["query_num"], slice_mode=True,
+                     patch_size=patch, **numbered, image_feature_size=shape["query_num"],
                      norm_mean=[0.5] * 3, norm_std=[0.5] * 3, version=shape["processor_version"],
-                     **{key: token for key, token in rc.NAMED_TOKENS.items() if key != "unk_token"}, unk=rc.UNK)
+                     **{key: token for key, token in rc.NAMED_TOKENS.items()
+                        if key != "unk_token" and token in shape["tokens"]}, unk=rc.UNK)
     (out / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
     if shape["bos_first"]:  # a Llama tokenizer: `<s>` before every text
         from tokenizers import processors
@@ -113,12 +122,14 @@ def _write(out: Path, shape: dict[str, Any], tokenizer, seed: int, *, version: f
 
 def _version(tokens: tuple[str, ...], version: float, *, llm: str, head_dims: tuple[int, int], tiny: dict[str, int],
              bos: str, eos: tuple[str, ...], chat: str, processor_version: float, longrope: bool = False,
-             bos_first: bool = False, **fields: Any) -> Demo:
-    """The demo of one version: its tokenizer's special tokens, `llm` its decoder's transformers
-    class prefix, its config's bos and eos tokens, the processor config's `version` (the official
-    files' own: 4.0's says 3.0, 4.5's 2.6), `fields` its own official config fields."""
+             bos_first: bool = False, vision_model_type: str = "siglip", **fields: Any) -> Demo:
+    """The demo of one version: its tokenizer's special tokens (with `<image_id>`, a processor
+    config numbering images), `llm` its decoder's transformers class prefix, its config's bos and
+    eos tokens, the processor config's `version` (the official files' own: 4.0's says 3.0, 4.5's
+    2.6), its vision config's `model_type`, `fields` its own official config fields."""
     official = dict(tokens=tokens, config_eos=eos, bos=bos, llm=llm, chat_template=chat,
                     processor_version=processor_version, longrope=longrope, bos_first=bos_first,
+                    vision_model_type=vision_model_type,
                     text_fields={k: fields.pop(k) for k in list(fields) if k in TEXT_FIELDS}, fields=fields)
     return Demo(_sizes(head_dims, tiny, **official), partial(_write, version=version))
 
@@ -129,6 +140,13 @@ TEXT_FIELDS = ("max_position_embeddings", "rope_theta", "attention_bias", "mlp_b
 
 ENDOFTEXT = MINICPMV2_6.prompt.special_tokens[0]
 DEMOS = {
+    "minicpmv2_5": _version(
+        MINICPMV2_5.prompt.special_tokens, 2.5, llm="Llama", head_dims=(0, 0),
+        tiny=dict(heads=4, kv_heads=2, query_num=16), bos="<|begin_of_text|>", eos=("<|end_of_text|>",),
+        chat=MINICPMV2_5_TEMPLATE, processor_version=2.5, bos_first=True, vision_model_type="idefics2",
+        max_position_embeddings=8192, rope_theta=500000.0, attention_bias=False, attention_dropout=0.0,
+        pretraining_tp=1, mm_use_im_start_end=True, slice_config=dict(max_slice_nums=9, patch_size=14,
+                                                                       model_type="minicpmv")),
     "minicpmv2_6": _version(
         MINICPMV2_6.prompt.special_tokens, 2.6, llm="Qwen2", head_dims=(0, 0),
         tiny=dict(heads=4, kv_heads=2, query_num=16), bos=ENDOFTEXT,

@@ -1,14 +1,16 @@
 """The MiniCPM-V versions served from the official remote code's layout (its `MiniCPMV` class,
-which transformers lacks; `model_type` `minicpmv`, told apart by the config's `version`: 2.6, 4.0,
-4.5): what they share in their prompts and processor, and the `Family` of one version (`version`).
+which transformers lacks; `model_type` `minicpmv`, told apart by the config's `version`: 2.0,
+2.5, 2.6, 4.0, 4.5): what they share in their prompts and processor, and the `Family` of one
+version (`version`).
 
-The official processor (`MiniCPMVProcessor`, `MiniCPMVImageProcessor`; 2.0's model code) finds `(<image>./</image>)`
-in the prompt's text and writes for each image `slice_runs` of `image_feature_size` `<unk>` each,
-the slices cut by `slice_rule` (sides in whole patches: `downsample_mode` "resampler"), pixels
-resized by Pillow (`backend` "pil"); the whole text is then encoded with the tokenizer's own special
-tokens (4.0's Llama tokenizer puts `<s>` first). The resampler tower gives `query_num` rows per
-slice, which replace the `<unk>` runs (`image_bound`); positions are 0..S-1. The official `chat()`
-joins a message's parts by newlines before its chat template (`Prompt.chat_content_as_text`).
+The official processor (`MiniCPMVProcessor`, `MiniCPMVImageProcessor`; 2.0's model code) finds
+`(<image>./</image>)` in the prompt's text and writes for each image `slice_runs` of
+`image_feature_size` `<unk>` each, the slices cut by `slice_rule` (sides in whole patches:
+`downsample_mode` "resampler"), pixels resized by Pillow (`backend` "pil"); the whole text is then
+encoded with the tokenizer's own special tokens (4.0's Llama tokenizer puts `<s>` first, 2.5's
+Llama 3 one `<|begin_of_text|>`). The resampler tower gives `query_num` rows per slice, which
+replace the `<unk>` runs (`image_bound`); positions are 0..S-1. The official `chat()` joins a
+message's parts by newlines before its chat template (`Prompt.chat_content_as_text`).
 """
 from __future__ import annotations
 
@@ -24,6 +26,11 @@ from triton_vlm.media.mrope import MediaSpan
 
 IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER = "(<image>./</image>)", "(<video>./</video>)"
 UNK, IM_START, IM_END = "<unk>", "<|im_start|>", "<|im_end|>"
+EOT = "<|eot_id|>"
+# 2.5's Llama 3 tokenizer's special tokens (official ids' order, the eos first) and its markers.
+LLAMA3_TOKENS = ("<|end_of_text|>", "<|begin_of_text|>", UNK, "<|start_header_id|>", "<|end_header_id|>", EOT,
+                 IMAGE_START, IMAGE_END, SLICE_START, SLICE_END)
+LLAMA3_EOS = ("<|end_of_text|>", EOT)  # the official `generate`'s terminators
 MARKERS = (IMAGE_START, IMAGE_END, SLICE_START, SLICE_END, IMAGE_ID_START, IMAGE_ID_END)
 NAMED_TOKENS = {"unk_token": UNK, "im_start": IMAGE_START, "im_end": IMAGE_END, "slice_start": SLICE_START,
                 "slice_end": SLICE_END, "im_id_start": IMAGE_ID_START, "im_id_end": IMAGE_ID_END}
@@ -66,15 +73,16 @@ def version(name: str, served: str, *, special_tokens: tuple[str, ...], eos_toke
             chat_template: str | None = None, demo: str = "triton_vlm.families.minicpmv.demo_remote_code:DEMOS",
             **processor: Any) -> Family:
     """The `Family` of one version: its tokenizer's tokens (the first the pad token, as the demo
-    trains them), stop tokens (the official `chat`'s terminators), tower (a class of
-    `tower_resampler`, or "module:class") and decoder, the
+    trains them; the markers among them are its named ones), stop tokens (the official `chat`'s
+    terminators), tower (a class of `tower_resampler`, or "module:class") and decoder, the
     variables its chat template is rendered with, and `ProcessorRules` over the shared ones."""
     rules = dict(slice_rule=slice_rule, expand_media=expand_images, vision_defaults=VISION_DEFAULTS,
                  takes_videos=False)
     return Family(
         name=name, model_types=("minicpmv",), versions=(served,), config_version=config_version,
         prompt=Prompt(image_placeholder=IMAGE_PLACEHOLDER, video_placeholder=VIDEO_PLACEHOLDER,
-                      special_tokens=special_tokens, named_special_tokens=NAMED_TOKENS, eos_tokens=eos_tokens,
+                      special_tokens=special_tokens, eos_tokens=eos_tokens,
+                      named_special_tokens={k: t for k, t in NAMED_TOKENS.items() if t in special_tokens},
                       placeholders_in_text=True, chat_content_as_text=True,
                       chat_template_kwargs=chat_template_kwargs or {}, chat_template=chat_template),
         processor=ProcessorRules(**{**rules, **processor}), encoder_dims=encoder_dims,

@@ -1,7 +1,7 @@
 """What every MiniCPM-V version shares in its processor: slicing an image into an overview and a
 grid of slices (`slice_rule`, ports of `MiniCPMV4_6ImageProcessor`'s size rules, the same from 2.6
 on), and the prompt runs a picture becomes (`slice_runs`: `<image_id>`, `<image>` and `<slice>`
-runs, slice rows joined by newlines).
+runs, slice rows joined by newlines, a grid's slices in one `<slice>` or each in its own).
 """
 from __future__ import annotations
 
@@ -106,11 +106,16 @@ def slice_rule(height: int, width: int, settings: VisionSettings, name: str) -> 
 def slice_runs(media: MediaLayout, fill: int, token_id: Callable[[str], int],
                encode: Callable[[list[str]], list[list[int]]]) -> tuple[np.ndarray, list[MediaSpan]]:
     """`<image_id>N</image_id>` (N the item's index among its kind; with `use_image_id`), then per
-    frame `<image>` + the overview's run of `fill` tokens + `</image>` and the slices' `<slice>` +
-    run + `</slice>`, slice rows joined by a newline (MiniCPM-V's processors, 2.6 to 4.6). No
-    spans: media tokens take text positions (the model's positions are plain 0..S-1)."""
+    frame `<image>` + the overview's run of `fill` tokens + `</image>` and its slices' runs, slice
+    rows joined by a newline: each slice as `<slice>` + run + `</slice>` (MiniCPM-V's processors,
+    2.6 to 4.6), or with `grid_in_one_slice` (2.0, 2.5) as `<image>` + run + `</image>`, the grid
+    between one `<slice>` and `</slice>`. No spans: media tokens take text positions (the model's
+    positions are plain 0..S-1)."""
     start, end = token_id(IMAGE_START), token_id(IMAGE_END)
     slice_start, slice_end = token_id(SLICE_START), token_id(SLICE_END)
+    one_slice = media.settings.grid_in_one_slice
+    cell_start, cell_end = (start, end) if one_slice else (slice_start, slice_end)
+    grid_start, grid_end = ([slice_start], [slice_end]) if one_slice else ([], [])
     index_ids, newline = encode([str(media.index), "\n"])
     runs = iter([_run_tokens(media.settings, h, w) for _, h, w in media.grids])
     ids: list[int] = [token_id(IMAGE_ID_START), *index_ids, token_id(IMAGE_ID_END)] if media.settings.use_image_id else []
@@ -118,11 +123,11 @@ def slice_runs(media: MediaLayout, fill: int, token_id: Callable[[str], int],
     for _ in range(media.num_frames):
         ids += [start, *[fill] * next(runs), end]
         for view in sliced:
+            ids += grid_start
             for r in range(view.rows):
                 if r:
                     ids += newline
                 for _ in range(view.cols):
-                    ids += [slice_start, *[fill] * next(runs), slice_end]
+                    ids += [cell_start, *[fill] * next(runs), cell_end]
+            ids += grid_end
     return np.asarray(ids, dtype=np.int32), []
-
-
