@@ -35,9 +35,9 @@ _OFFICIAL = dict(
     tie_word_embeddings=False, use_cache=True, vision_encoder="vit_so400m_patch14_siglip_384.webli")
 
 
-def train_sentencepiece(out: Path, vocab_size: int, seed: int) -> dict[str, int]:
-    """`tokenizer.model` (ids 0-2 `<unk>`, `<s>`, `</s>`, then the user-defined symbols), and the
-    ids of the family's special tokens."""
+def train_sentencepiece(out: Path, vocab_size: int, seed: int) -> tuple[dict[str, int], int]:
+    """`tokenizer.model` (ids 0-2 `<unk>`, `<s>`, `</s>`, then the user-defined symbols; at most
+    `vocab_size` pieces), the ids of the family's special tokens and the number of pieces."""
     import sentencepiece
 
     symbols = ["\n", *MINICPMV2_0.prompt.special_tokens[3:]]
@@ -49,7 +49,7 @@ def train_sentencepiece(out: Path, vocab_size: int, seed: int) -> dict[str, int]
         pad_id=-1, minloglevel=2)
     (out / "tokenizer.model").write_bytes(model.getvalue())
     processor = sentencepiece.SentencePieceProcessor(model_proto=model.getvalue())
-    return {token: processor.piece_to_id(token) for token in MINICPMV2_0.prompt.special_tokens}
+    return {token: processor.piece_to_id(token) for token in MINICPMV2_0.prompt.special_tokens}, len(processor)
 
 
 def _tokenizer_files(out: Path, ids: dict[str, int]) -> None:
@@ -81,9 +81,10 @@ def write(out: Path, shape: dict[str, Any], tokenizer: Any, seed: int) -> None:
     from triton_vlm.families.minicpmv.tower_v2_0 import HEAD_DIM, MiniCPMV2_0VisionTower, vision_settings
     from triton_vlm.vision.tower import config as tower_config
 
-    ids = train_sentencepiece(out, shape["vocab_size"], seed)
+    ids, pieces = train_sentencepiece(out, shape["vocab_size"], seed)
     _tokenizer_files(out, ids)
-    config = dict(_OFFICIAL, **shape["text"], vocab_size=shape["model_vocab_size"], query_num=shape["query_num"],
+    vocab_size = max(pieces, shape["model_vocab_size"])  # (that of `tokenizer`, unless the shape sets more)
+    config = dict(_OFFICIAL, **shape["text"], vocab_size=vocab_size, query_num=shape["query_num"],
                   scale_resolution=shape["scale_resolution"], max_slice_nums=shape["max_slice_nums"])
     llm_config = transformers.LlamaConfig(**{k: config[k] for k in (
         "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

@@ -153,6 +153,7 @@ class Block(nn.Module):
 class MiniCPMV2_0VisionTower(nn.Module):
     """Inputs: `pixel_values` [N, patch_dim] plus `METADATA_INPUTS`; output float32
     [slices * query_num, out_hidden]."""
+    HIDDEN_INPUTS = METADATA_INPUTS[:5]  # the metadata `hidden` takes, in order
 
     def __init__(self, cfg: dict[str, Any]):
         super().__init__()
