@@ -301,6 +301,10 @@ GOLDEN_DEFAULTED = {
     # 2.5: transformers 4.40's `LlamaConfig` (no `mlp_bias` yet) and 2.5's `MiniCPMVConfig`.
     "minicpmv2_5": ("attention_bias", "attention_dropout", "hidden_act", "initializer_range", "pretraining_tp",
                     "rope_scaling", "tie_word_embeddings", "slice_mode", "batch_vision_input"),
+    # 2.0: its `MiniCPMConfig` (a Llama-like config of transformers 4.36) and `MiniCPMVConfig`, which
+    # also holds the image processing's settings (no processor config).
+    "minicpmv2_0": ("attention_bias", "attention_dropout", "hidden_act", "pretraining_tp", "rope_scaling", "rope_theta",
+                    "use_cache", "slice_mode", "max_slice_nums", "scale_resolution", "patch_size"),
 }
 GOLDEN_PROCESSOR_DEFAULTED = {
     "minicpmv4_5": ("version", "use_image_id", "norm_mean", "norm_std", "slice_mode"),
@@ -321,7 +325,9 @@ def write_golden_variant(golden: Path, out: Path, **processor: Any) -> Path:
     for key in GOLDEN_DEFAULTED[golden.name]:
         config.pop(key)
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    image = json.loads((golden / "preprocessor_config.json").read_text())
-    image = {k: v for k, v in image.items() if k not in GOLDEN_PROCESSOR_DEFAULTED[golden.name]} | processor
-    (out / "preprocessor_config.json").write_text(json.dumps(image, indent=2))
+    path = golden / "preprocessor_config.json"
+    if path.is_file() or processor:  # (2.0 has none: its model code processes its images)
+        image = json.loads(path.read_text()) if path.is_file() else {}
+        image = {k: v for k, v in image.items() if k not in GOLDEN_PROCESSOR_DEFAULTED.get(golden.name, ())} | processor
+        (out / "preprocessor_config.json").write_text(json.dumps(image, indent=2))
     return out

@@ -111,7 +111,7 @@ def test_infer_reports_invalid_input(server, tmp_path):
 
 
 # Families transformers has no class for: their oracle is the official code's golden set.
-OFFICIAL_ONLY = {"minicpmv2_5", "minicpmv2_6", "minicpmv4_0", "minicpmv4_5"}
+OFFICIAL_ONLY = {"minicpmv2_0", "minicpmv2_5", "minicpmv2_6", "minicpmv4_0", "minicpmv4_5"}
 
 
 @pytest.mark.parametrize("family", sorted(set(FAMILIES) - OFFICIAL_ONLY))
@@ -161,6 +161,11 @@ def test_demo_checkpoint_of_a_remote_code_version_has_the_official_layout(family
     vocab = {"llm.model.embed_tokens.weight", "llm.lm_head.weight"}
     assert {n: s for n, s in ours.items() if n not in vocab} == {n: s for n, s in official.items() if n not in vocab}
     assert all(ours[n][1:] == official[n][1:] for n in vocab)
+    if not (golden / "preprocessor_config.json").is_file():  # 2.0: the processing's settings in config.json
+        assert not (out / "preprocessor_config.json").exists()
+        config, official_config = (json.loads((c / "config.json").read_text()) for c in (out, golden))
+        assert set(config) == set(official_config) - {"transformers_version"}
+        return
     processor, official_processor = (json.loads((c / "preprocessor_config.json").read_text()) for c in (out, golden))
     sized = ("scale_resolution", "max_slice_nums")
     assert {k: v for k, v in processor.items() if k not in sized} == {

@@ -63,17 +63,19 @@ def respelled(family: str, tmp_path, config: dict | None = None, drop: tuple[str
     return out
 
 
-@pytest.mark.parametrize("family", REMOTE_CODE + ("minicpmv2_5",))
+@pytest.mark.parametrize("family", REMOTE_CODE + ("minicpmv2_5", "minicpmv2_0"))
 def test_keys_left_out_read_as_the_official_classes_default(family, tmp_path):
     """Without the keys whose official defaults are the golden values: the same decoder, tower and
-    `preprocess` outputs."""
+    `preprocess` outputs (of the set's last image case: two images, or 2.0's wide one)."""
     golden = SETS[family]
     variant = respelled(family, tmp_path)
     assert DecoderConfig.from_checkpoint(variant) == DecoderConfig.from_checkpoint(golden.root)
     tower = detect_family(variant).tower_class()
     assert tower.read_vision_config(variant) == tower.read_vision_config(golden.root)
-    out = Preprocessor(variant)(*golden.request("c_two_images"))
-    np.testing.assert_array_equal(out.input_ids, golden.values["c_two_images/input_ids"])
+    case = golden.media_cases[-1]
+    out = Preprocessor(variant)(*golden.request(case))
+    np.testing.assert_array_equal(out.input_ids, golden.values[f"{case}/input_ids"])
+    np.testing.assert_array_equal(out.grid_thw[:, 1:], golden.values[f"{case}/tgt_sizes"])
 
 
 @pytest.mark.parametrize("family", REMOTE_CODE)

@@ -15,11 +15,11 @@ from typing import Any
 from triton_vlm.families.demo import Demo, corpus, random_model
 from triton_vlm.families.minicpmv import MINICPMV2_0
 
-# Only the tower's and the processor's settings differ between the sizes.
+# The tiny one is the golden checkpoint's shape (`tests/golden/minicpmv2_0`).
 _SIZES: dict[str, dict[str, Any]] = {
-    "tiny": dict(vocab_size=600, text=dict(hidden_size=256, intermediate_size=160, num_hidden_layers=2,
+    "tiny": dict(vocab_size=600, text=dict(hidden_size=256, intermediate_size=160, num_hidden_layers=3,
                                            num_attention_heads=4, num_key_value_heads=4),
-                 vision=dict(hidden_size=144, intermediate_size=288, depth=2), query_num=16, scale_resolution=112,
+                 vision=dict(hidden_size=144, intermediate_size=538, depth=2), query_num=16, scale_resolution=112,
                  max_slice_nums=4),
     "small": dict(vocab_size=4096, text=dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
                                              num_attention_heads=8, num_key_value_heads=8),
@@ -29,6 +29,8 @@ _SIZES: dict[str, dict[str, Any]] = {
 # The official config's fields beyond the sizes.
 _OFFICIAL = dict(
     architectures=["MiniCPMV"], model_type="minicpmv", attention_bias=False, attention_dropout=0.0,
+    auto_map={"AutoConfig": "configuration_minicpm.MiniCPMVConfig", "AutoModel": "modeling_minicpmv.MiniCPMV",
+              "AutoModelForCausalLM": "modeling_minicpmv.MiniCPMV"},
     bos_token_id=1, eos_token_id=2, dim_model_base=256, scale_emb=12, scale_depth=1.4, drop_vision_last_layer=True,
     hidden_act="silu", image_size=448, initializer_range=0.1, max_position_embeddings=4096, mm_use_im_start_end=True,
     patch_size=14, pretraining_tp=1, rms_norm_eps=1e-5, rope_scaling=None, rope_theta=10000.0, slice_mode=True,
@@ -84,7 +86,7 @@ def write(out: Path, shape: dict[str, Any], tokenizer: Any, seed: int) -> None:
     ids, pieces = train_sentencepiece(out, shape["vocab_size"], seed)
     _tokenizer_files(out, ids)
     vocab_size = max(pieces, shape["model_vocab_size"])  # (that of `tokenizer`, unless the shape sets more)
-    config = dict(_OFFICIAL, **shape["text"], vocab_size=vocab_size, query_num=shape["query_num"],
+    config = dict(_OFFICIAL, **shape["text"], vocab_size=vocab_size, query_num=shape["query_num"], torch_dtype=shape["dtype"],
                   scale_resolution=shape["scale_resolution"], max_slice_nums=shape["max_slice_nums"])
     llm_config = transformers.LlamaConfig(**{k: config[k] for k in (
         "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
