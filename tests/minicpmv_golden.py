@@ -64,6 +64,22 @@ def official_image_bound(ids: np.ndarray, golden: GoldenSet) -> np.ndarray:
     return np.stack([starts, ends], axis=1).reshape(-1, 2)
 
 
+def engine_tokens(checkpoint: Path, input_ids: np.ndarray, rows: np.ndarray, max_tokens: int) -> list[int]:
+    """The llm's greedy tokens in process for a prompt of 1-D positions (the official `MiniCPMV`'s),
+    its image rows at the `<unk>` runs."""
+    from tests.test_llm import Collector
+    from triton_vlm.llm import Engine, SamplingParams
+
+    engine, collector, n = Engine(checkpoint), Collector(), len(input_ids)
+    try:
+        engine.submit("in-process", input_ids, rows, np.broadcast_to(np.arange(n), (3, n)).copy(),
+                      np.zeros(1, np.int64), SamplingParams(max_tokens=max_tokens), collector)
+        collector.wait()
+    finally:
+        engine.shutdown()
+    return collector.ids
+
+
 def close(rows, expected) -> None:
     rows, expected = np.asarray(rows), np.asarray(expected).reshape(np.shape(rows))
     assert np.abs(rows - expected).max(initial=0) <= ATOL, np.abs(rows - expected).max()

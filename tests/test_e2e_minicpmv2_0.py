@@ -16,7 +16,7 @@ import pytest
 import torch
 from tritonclient.utils import InferenceServerException
 
-from tests.minicpmv_golden import SETS, GoldenChecks, close, pytest_generate_tests  # noqa: F401 (pytest's hook)
+from tests.minicpmv_golden import SETS, GoldenChecks, close, engine_tokens, pytest_generate_tests  # noqa: F401 (pytest's hook)
 from tests.test_e2e import grpc_tokens, infer_direct, media_values
 
 GOLDEN = SETS["minicpmv2_0"]
@@ -71,9 +71,7 @@ def test_the_demo_checkpoint_builds_and_serves(tmp_path_factory):
     import sys
 
     from tests.servers import LEAN, served
-    from tests.test_llm import Collector
     from triton_vlm.families import detect_family
-    from triton_vlm.llm import Engine, SamplingParams
     from triton_vlm.media import samples
     from triton_vlm.preprocessing.preprocessor import Preprocessor
     from triton_vlm.vision.runtime.torch_encoder import TorchEncoder
@@ -92,11 +90,4 @@ def test_the_demo_checkpoint_builds_and_serves(tmp_path_factory):
     out = Preprocessor(checkpoint)(prompt, images, [])
     assert len(out.grid_thw) > 1  # sliced
     rows = TorchEncoder(checkpoint).encode(out.pixel_values, out.grid_thw)
-    engine, collector, n = Engine(checkpoint), Collector(), len(out.input_ids)
-    try:
-        engine.submit("demo", out.input_ids, rows, np.broadcast_to(np.arange(n), (3, n)).copy(), np.zeros(1, np.int64),
-                      SamplingParams(max_tokens=6), collector)
-        collector.wait()
-    finally:
-        engine.shutdown()
-    assert tokens == collector.ids and len(tokens) >= 1
+    assert tokens == engine_tokens(checkpoint, out.input_ids, rows, 6) and len(tokens) >= 1

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
 
-from tests.minicpmv_golden import SETS, GoldenChecks, pytest_generate_tests  # noqa: F401 (pytest's hook)
+from tests.minicpmv_golden import SETS, GoldenChecks, engine_tokens, pytest_generate_tests  # noqa: F401 (pytest's hook)
 from tests.test_e2e import infer_direct, media_values
 
 GOLDEN = SETS["minicpmv2_5"]
@@ -82,9 +82,7 @@ def test_the_demo_checkpoint_builds_and_serves(tmp_path_factory):
     pieces in process do (preprocess, the torch tower, the llm)."""
     from tests.servers import LEAN, served
     from tests.test_e2e import grpc_tokens
-    from tests.test_llm import Collector
     from triton_vlm.families import detect_family
-    from triton_vlm.llm import Engine, SamplingParams
     from triton_vlm.media import samples
     from triton_vlm.preprocessing.preprocessor import Preprocessor
     from triton_vlm.vision.runtime.torch_encoder import TorchEncoder
@@ -102,11 +100,4 @@ def test_the_demo_checkpoint_builds_and_serves(tmp_path_factory):
     assert len(out.grid_thw) > 2 and set(out.extras["padded_patches"]) == {out.grid_thw.prod(axis=1).max()}
     padded = {"padded_patches": out.extras["padded_patches"]}
     rows = TorchEncoder(checkpoint).encode(out.pixel_values, out.grid_thw, padded)
-    engine, collector, n = Engine(checkpoint), Collector(), len(out.input_ids)
-    try:
-        engine.submit("demo", out.input_ids, rows, np.broadcast_to(np.arange(n), (3, n)).copy(), np.zeros(1, np.int64),
-                      SamplingParams(max_tokens=6), collector)
-        collector.wait()
-    finally:
-        engine.shutdown()
-    assert tokens == collector.ids and len(tokens) >= 1
+    assert tokens == engine_tokens(checkpoint, out.input_ids, rows, 6) and len(tokens) >= 1
