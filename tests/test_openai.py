@@ -193,8 +193,15 @@ def test_errors_are_openais(api, stream):
     placeholder = FAMILIES["qwen2_5_vl"].image_placeholder
     status, error = _error(chat(f"{placeholder} spelled out"))
     assert status == 400 and error["param"] == "messages"
-    status, error = _error(chat("hi", frequency_penalty=0.5))
-    assert status == 400 and error["param"] == "frequency_penalty"
+    status, error = _error(chat("hi", frequency_penalty=2.5))  # the ensemble checks the range
+    assert (status, error["message"]) == (400, "frequency_penalty: must be in [-2, 2], got 2.5")
+    status, error = _error(chat("hi", logprobs=True, top_logprobs=2))  # refused by name, not ignored
+    assert status == 400 and error["param"] == "top_logprobs"
+    status, error = _error(chat("hi", response_format={"type": "json_schema", "json_schema": {
+        "name": "answer", "schema": {"type": "object"}}}))
+    assert status == 400 and error["param"] == "response_format" and "constrained decoding" in error["message"]
+    status, error = _error(chat("hi", extra_body={"temprature": 0.5}))
+    assert status == 400 and error["param"] == "temprature"
     status, error = _error(lambda: api.chat.completions.create(model="gpt-4o", messages=[{"role": "user",
                                                                                           "content": "hi"}]))
     assert status == 404 and error["code"] == "model_not_found"
@@ -242,9 +249,9 @@ def test_a_body_beyond_the_media_limits_is_413_before_it_is_read(api):
         raw.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
                     f"Content-Length: {limit + 1}\r\n\r\n".encode())
         assert raw.recv(64).startswith(b"HTTP/1.1 413 ")
-    # a body just under the limit is read and answered (an unknown field is ignored)
+    # a body just under the limit is read and answered (`user`: accepted, unused)
     answer = api.chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}],
-                                         extra_body={"padding": "x" * (limit - (64 << 10))})
+                                         user="x" * (limit - (64 << 10)))
     assert answer.choices[0].finish_reason == "length"
 
 
@@ -324,7 +331,7 @@ def test_ensemble_errors_map_to_openai_statuses():
     import grpc
 
     from triton_vlm.clients.client import RequestError
-    from triton_vlm.clients.openai_server import ensemble_error
+    from triton_vlm.clients.openai_responses import ensemble_error
     from triton_vlm.errors import busy
     from triton_vlm.serving.pipeline import restarted
 
