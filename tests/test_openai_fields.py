@@ -198,14 +198,16 @@ def test_an_unknown_field_is_refused_not_ignored(api, call):
     assert "refused, not ignored" in response.json()["error"]["message"]
 
 
-def test_json_modes_are_refused_naming_response_format_and_text_is_accepted(api):
+def test_json_modes_and_stream_options_without_a_stream_are_refused_by_name(api):
     for form in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "n", "schema": {}}}):
         response, _ = _chat(api, response_format=form)
         _expect_refused(response, "response_format")
         assert "constrained decoding" in response.json()["error"]["message"]
     assert _chat(api, response_format={"type": "text"})[0].status_code == 200
-    _expect_refused(_chat(api, stream_options={"include_usage": True, "continuous_usage_stats": True})[0],
+    _expect_refused(_chat(api, stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})[0],
                     "stream_options.continuous_usage_stats")
+    _expect_refused(_chat(api, stream_options={"include_usage": True})[0], "stream_options")
+    _expect_refused(_text(api, stream=False, stream_options={"include_usage": True})[0], "stream_options")
 
 
 def test_chat_logprobs_are_the_ensembles_with_each_tokens_text(api, tiny_checkpoint):

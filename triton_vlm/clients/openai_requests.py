@@ -147,7 +147,9 @@ class SamplingRequest(BaseModel):
 
     def refuse_unserved(self) -> None:
         """InvalidRequestField for the first field sent that is neither honoured, a no-op, nor an
-        accepted value of `only`."""
+        accepted value of `only`; `stream_options` without `stream` (as vLLM and OpenAI refuse it)."""
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestField("stream_options", "only with stream true")
         for name, value in (self.model_extra or {}).items():
             if name in NO_OPS:
                 continue
