@@ -164,10 +164,10 @@ class SamplingRequest(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def ensemble_values(self, prompt: str, images: list[bytes], videos: list[bytes], max_tokens: int | None,
+    def ensemble_values(self, prompt: str, images: list[bytes], videos: list[bytes], max_tokens: int,
                         logprobs: bool) -> dict[str, tuple]:
-        """The ensemble's inputs (`client.request_values`) for this request: `max_tokens` is the
-        endpoint's (None: the server's default, set by the caller as `default_max_tokens`)."""
+        """The ensemble's inputs (`client.request_values`) for this request, with the endpoint's
+        `max_tokens` and `logprobs` (whether to return the chosen tokens' log-probabilities)."""
         values = request_values(prompt, images, videos, max_tokens=max_tokens, temperature=self.temperature,
                                 top_p=self.top_p, top_k=self.top_k, seed=self.seed,
                                 repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
@@ -187,7 +187,8 @@ class ChatRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
 
-    def values(self, prompt: str, images: list[bytes], videos: list[bytes], default_max_tokens: int) -> dict[str, tuple]:
+    def values(self, prompt: str, images: list[bytes], videos: list[bytes],
+               default_max_tokens: int) -> dict[str, tuple]:
         """The ensemble's inputs for the rendered `prompt` and the messages' media."""
         max_tokens = next((m for m in (self.max_completion_tokens, self.max_tokens) if m is not None),
                           default_max_tokens)
