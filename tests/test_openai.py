@@ -1,9 +1,11 @@
 """Issue #16: `triton-vlm openai` (FastAPI on uvicorn, a real process on a free loopback port) in
 front of the session's tritonserver, driven by the official `openai` client.
 
-Each answer is compared with the `ensemble` called directly (gRPC streaming) on the prompt that
-transformers' processor renders from the same messages; errors come back in OpenAI's format; a
-client that goes away mid-stream leaves no KV block used.
+Each answer is compared with the `ensemble` called directly (gRPC streaming or HTTP generate) on
+the prompt that transformers' processor renders from the same messages (text completions: the
+prompt as it is), log-probabilities and penalties included; errors come back in OpenAI's format,
+a refused field named in `param`; a client that goes away mid-stream leaves no KV block used.
+tests/test_openai_fields.py checks, in process, what every request field does.
 """
 from __future__ import annotations
 
