@@ -1,9 +1,11 @@
 """Issue #16: `triton-vlm openai` (FastAPI on uvicorn, a real process on a free loopback port) in
 front of the session's tritonserver, driven by the official `openai` client.
 
-Each answer is compared with the `ensemble` called directly (gRPC streaming) on the prompt that
-transformers' processor renders from the same messages; errors come back in OpenAI's format; a
-client that goes away mid-stream leaves no KV block used.
+Each answer is compared with the `ensemble` called directly (gRPC streaming or HTTP generate) on
+the prompt that transformers' processor renders from the same messages (text completions: the
+prompt as it is), log-probabilities and penalties included; errors come back in OpenAI's format,
+a refused field named in `param`; a client that goes away mid-stream leaves no KV block used.
+tests/test_openai_fields.py checks, in process, what every request field does.
 """
 from __future__ import annotations
 
@@ -143,6 +145,95 @@ def test_stop_seed_and_sampling_reach_the_ensemble(api, server, processor):
     assert greedy.choices[0].message.content == direct.text[:direct.text.index(stop)]
 
 
+def _chat_prompt(processor, text: str) -> str:
+    return processor.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": text}]}],
+                                         add_generation_prompt=True, tokenize=False)
+
+
+def test_logprobs_are_the_ensembles_output_log_probs(api, server, processor, tiny_checkpoint):
+    """`logprobs=True`: each chosen token's log-probability as the ensemble computes it (its
+    `output_log_probs`, checked against transformers by the golden tests), its text the token
+    decoded alone; no alternatives. Streamed, the same values arrive across the chunks."""
+    from triton_vlm.clients.client import generate_payload, http_generate
+    from triton_vlm.tokenizer import load_tokenizer
+
+    (direct,) = http_generate(server.http_url, generate_payload(_chat_prompt(processor, "Count"), max_tokens=8,
+                                                                return_log_probs=True))
+    messages = [{"role": "user", "content": "Count"}]
+    answer = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0, logprobs=True)
+    content = answer.choices[0].logprobs.content
+    tokenizer = load_tokenizer(tiny_checkpoint)
+    assert [c.token for c in content] == [tokenizer.decode([i], skip_special_tokens=False)
+                                          for i in direct["output_ids"]]
+    assert [c.logprob for c in content] == pytest.approx(direct["output_log_probs"], abs=1e-6)
+    assert all(c.top_logprobs == [] and c.bytes == list(c.token.encode()) for c in content)
+    chunks = list(api.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                              logprobs=True, stream=True))
+    streamed = [c.logprob for chunk in chunks for choice in chunk.choices if choice.logprobs
+                for c in choice.logprobs.content]
+    assert streamed == pytest.approx(direct["output_log_probs"], abs=1e-6)
+    assert api.chat.completions.create(model=MODEL, messages=messages, max_tokens=2).choices[0].logprobs is None
+
+
+@pytest.mark.parametrize("penalty", [{"presence_penalty": 2.0}, {"frequency_penalty": 2.0},
+                                     {"presence_penalty": -1.0, "frequency_penalty": 1.5}])
+def test_presence_and_frequency_penalties_are_the_ensembles(api, server, processor, penalty):
+    """The penalties reach the ensemble, which applies them (OpenAI's / vLLM's definition, over the
+    generated ids): the greedy answer is the ensemble's with the same penalties, not the plain one."""
+    from triton_vlm.clients.client import generate_payload, http_generate
+
+    prompt = _chat_prompt(processor, "Repeat after me: la la la la")
+    (plain,) = http_generate(server.http_url, generate_payload(prompt, max_tokens=24))
+    (direct,) = http_generate(server.http_url, generate_payload(prompt, max_tokens=24, **penalty))
+    assert direct["output_ids"] != plain["output_ids"]
+    answer = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Repeat after me: la la "
+                                                                                           "la la"}],
+                                         max_tokens=24, temperature=0, **penalty)
+    assert answer.choices[0].message.content == direct["text_output"]
+
+
+def test_stream_options_include_usage(api):
+    messages = [{"role": "user", "content": "hi"}]
+    plain = list(api.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, stream=True))
+    assert all(c.usage is None and c.choices for c in plain)
+    counted = list(api.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, stream=True,
+                                               stream_options={"include_usage": True}))
+    assert all(c.usage is None for c in counted[:-1])
+    assert counted[-1].choices == [] and counted[-1].usage.completion_tokens == 4
+    assert counted[-1].usage.total_tokens == counted[-1].usage.prompt_tokens + 4
+
+
+def test_text_completions_send_the_raw_prompt_streamed_and_not(api, server):
+    """`/v1/completions`: the prompt goes to the ensemble as it is (no chat template); the answer,
+    streamed or not, is the ensemble's, with the same log-probabilities (`logprobs=0`)."""
+    from triton_vlm.clients.client import generate_payload, http_generate
+
+    prompt = "Once upon a time"
+    (direct,) = http_generate(server.http_url, generate_payload(prompt, max_tokens=10, return_log_probs=True))
+    answer = api.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0, logprobs=0)
+    assert answer.object == "text_completion" and answer.model == MODEL
+    (choice,) = answer.choices
+    assert choice.text == direct["text_output"] and choice.finish_reason == direct["finish_reason"]
+    assert choice.logprobs.token_logprobs == pytest.approx(direct["output_log_probs"], abs=1e-6)
+    assert answer.usage.completion_tokens == len(direct["output_ids"])
+    assert answer.usage.prompt_tokens == direct["num_input_tokens"]
+
+    chunks = list(api.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0, stream=True,
+                                         stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == direct["text_output"]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == direct["finish_reason"]
+    assert chunks[-1].usage.completion_tokens == len(direct["output_ids"])
+
+    seeded = [api.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0.9, seed=3,
+                                     presence_penalty=0.5, stop=["zzz"]).choices[0].text for _ in range(2)]
+    assert seeded[0] == seeded[1]
+    for kwargs, param in (({"prompt": ["a", "b"]}, "prompt"), ({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"),
+                          ({"best_of": 2}, "best_of"), ({"logprobs": 3}, "logprobs")):
+        status, error = _error(lambda: api.completions.create(model=MODEL, **{"prompt": prompt, **kwargs},
+                                                              max_tokens=2))
+        assert status == 400 and error["param"] == param, (kwargs, error)
+
+
 def _idle(values: dict) -> bool:
     return (values.get("triton_vlm_llm_requests:running") == 0 and values.get("triton_vlm_llm_requests:waiting") == 0
             and values.get("triton_vlm_llm_kv_blocks:used") == 0)
@@ -193,8 +284,15 @@ def test_errors_are_openais(api, stream):
     placeholder = FAMILIES["qwen2_5_vl"].image_placeholder
     status, error = _error(chat(f"{placeholder} spelled out"))
     assert status == 400 and error["param"] == "messages"
-    status, error = _error(chat("hi", frequency_penalty=0.5))
-    assert status == 400 and error["param"] == "frequency_penalty"
+    status, error = _error(chat("hi", frequency_penalty=2.5))  # the ensemble checks the range
+    assert (status, error["message"]) == (400, "frequency_penalty: must be in [-2, 2], got 2.5")
+    status, error = _error(chat("hi", logprobs=True, top_logprobs=2))  # refused by name, not ignored
+    assert status == 400 and error["param"] == "top_logprobs"
+    status, error = _error(chat("hi", response_format={"type": "json_schema", "json_schema": {
+        "name": "answer", "schema": {"type": "object"}}}))
+    assert status == 400 and error["param"] == "response_format" and "constrained decoding" in error["message"]
+    status, error = _error(chat("hi", extra_body={"temprature": 0.5}))
+    assert status == 400 and error["param"] == "temprature"
     status, error = _error(lambda: api.chat.completions.create(model="gpt-4o", messages=[{"role": "user",
                                                                                           "content": "hi"}]))
     assert status == 404 and error["code"] == "model_not_found"
@@ -242,9 +340,9 @@ def test_a_body_beyond_the_media_limits_is_413_before_it_is_read(api):
         raw.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
                     f"Content-Length: {limit + 1}\r\n\r\n".encode())
         assert raw.recv(64).startswith(b"HTTP/1.1 413 ")
-    # a body just under the limit is read and answered (an unknown field is ignored)
+    # a body just under the limit is read and answered (`user`: accepted, unused)
     answer = api.chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}],
-                                         extra_body={"padding": "x" * (limit - (64 << 10))})
+                                         user="x" * (limit - (64 << 10)))
     assert answer.choices[0].finish_reason == "length"
 
 
@@ -324,7 +422,7 @@ def test_ensemble_errors_map_to_openai_statuses():
     import grpc
 
     from triton_vlm.clients.client import RequestError
-    from triton_vlm.clients.openai_server import ensemble_error
+    from triton_vlm.clients.openai_responses import ensemble_error
     from triton_vlm.errors import busy
     from triton_vlm.serving.pipeline import restarted
 

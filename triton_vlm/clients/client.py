@@ -44,8 +44,9 @@ class GenerationResult:
     total_time: float = 0.0
 
 
-def _sampling_values(max_tokens, temperature, top_p, top_k, seed, stop_words, stream,
-                     repetition_penalty=None, min_tokens=None) -> dict[str, tuple]:
+def _sampling_values(max_tokens, temperature, top_p, top_k, seed, stop_words, stream, repetition_penalty=None,
+                     min_tokens=None, presence_penalty=None, frequency_penalty=None, bad_words=None,
+                     return_log_probs=None) -> dict[str, tuple]:
     """name -> (numpy value, Triton datatype) for the sampling inputs that are set."""
     values = {"max_tokens": (np.array([max_tokens], np.int32), "INT32"),
               "stream": (np.array([stream], bool), "BOOL")}
@@ -54,17 +55,22 @@ def _sampling_values(max_tokens, temperature, top_p, top_k, seed, stop_words, st
                                        ("top_k", top_k, np.int32, "INT32"),
                                        ("min_tokens", min_tokens, np.int32, "INT32"),
                                        ("seed", seed, np.uint64, "UINT64"),
-                                       ("repetition_penalty", repetition_penalty, np.float32, "FP32")):
+                                       ("repetition_penalty", repetition_penalty, np.float32, "FP32"),
+                                       ("presence_penalty", presence_penalty, np.float32, "FP32"),
+                                       ("frequency_penalty", frequency_penalty, np.float32, "FP32"),
+                                       ("return_log_probs", return_log_probs, bool, "BOOL")):
         if value is not None:
             values[name] = (np.array([value], dtype), triton)
-    if stop_words:
-        values["stop_words"] = (np.array([w.encode() for w in stop_words], np.object_), "BYTES")
+    for name, words in (("stop_words", stop_words), ("bad_words", bad_words)):
+        if words:
+            values[name] = (np.array([w.encode() for w in words], np.object_), "BYTES")
     return values
 
 
 def request_values(prompt: str, images=(), videos=(), mm_options: dict | None = None, max_tokens: int = 64,
                    temperature=None, top_p=None, top_k=None, seed=None, stop_words=None, repetition_penalty=None,
-                   stream: bool = True, min_tokens=None) -> dict[str, tuple]:
+                   stream: bool = True, min_tokens=None, presence_penalty=None, frequency_penalty=None,
+                   bad_words=None, return_log_probs=None) -> dict[str, tuple]:
     values = {"text_input": (np.array([prompt.encode()], np.object_), "BYTES")}
     for name, items in (("images", images), ("videos", videos)):
         if items:
@@ -72,7 +78,7 @@ def request_values(prompt: str, images=(), videos=(), mm_options: dict | None = 
     if mm_options:
         values["mm_options"] = (np.array([json.dumps(mm_options).encode()], np.object_), "BYTES")
     values.update(_sampling_values(max_tokens, temperature, top_p, top_k, seed, stop_words, stream, repetition_penalty,
-                                   min_tokens))
+                                   min_tokens, presence_penalty, frequency_penalty, bad_words, return_log_probs))
     return values
 
 
@@ -183,6 +189,7 @@ class Increment:
     output_ids: list[int]
     finish_reason: str
     prompt_tokens: int | None  # the expanded prompt's length, where the ensemble reports it
+    logprobs: list[float] | None = None  # each id's log-probability, where asked (`return_log_probs`)
 
 
 def aio_channel(url: str) -> grpc.aio.Channel:
@@ -229,11 +236,12 @@ async def stream_generate(channel: grpc.aio.Channel, values: dict[str, tuple],
                 raise RequestError(response.error_message)
             result = InferResult(response.infer_response)
             if response.infer_response.outputs:
-                prompt_tokens = result.as_numpy(PROMPT_TOKENS_OUTPUT)
+                prompt_tokens, logprobs = result.as_numpy(PROMPT_TOKENS_OUTPUT), result.as_numpy("output_log_probs")
                 yield Increment(b"".join(result.as_numpy("text_output")).decode("utf-8"),
                                 [int(i) for i in result.as_numpy("output_ids")],
                                 b"".join(result.as_numpy("finish_reason")).decode(),
-                                None if prompt_tokens is None else int(prompt_tokens.reshape(-1)[0]))
+                                None if prompt_tokens is None else int(prompt_tokens.reshape(-1)[0]),
+                                None if logprobs is None else [float(p) for p in logprobs.reshape(-1)])
             if response.infer_response.parameters["triton_final_response"].bool_param:
                 await _ended(call)
                 return

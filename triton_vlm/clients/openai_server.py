@@ -1,5 +1,8 @@
-"""`triton-vlm openai`: OpenAI's `/v1/chat/completions` and `/v1/models` (FastAPI on uvicorn) in
-front of a running `ensemble`, reached over gRPC streaming.
+"""`triton-vlm openai`: OpenAI's `/v1/chat/completions`, `/v1/completions` (the legacy text one) and
+`/v1/models` (FastAPI on uvicorn) in front of a running `ensemble`, reached over gRPC streaming.
+
+Every request field is honoured, accepted as a no-op, or refused with 400 naming it
+(`triton_vlm.clients.openai_requests`); the answers are written by `openai_responses`.
 
 Messages (string content, or `text`, `image_url` and `video_url` parts) go through the checkpoint's
 chat template (`triton_vlm.clients.chat.render_chat`); media travel to the ensemble as the `data:` URLs
@@ -8,119 +11,36 @@ they came in, and any other URL is refused: this server fetches nothing. A clien
 The served ensemble's own media limits (its `preprocess` config, read at start-up) bound what is
 read: a body larger than they allow is refused with 413 before it is parsed (`BodyLimit`), and a
 request with more media parts than `max_media_items` with 400.
-gRPC streaming carries an error's message but not its code, so errors are told apart by message:
-overload refusals (UNAVAILABLE) -> 503, the pipeline's internal failures -> 500, the rest (what the
-ensemble refuses as INVALID_ARG) -> 400, each in OpenAI's error format.
+A text completion's prompt is sent as it is, without the chat template.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
 from pathlib import Path
-from typing import Annotated, Any, AsyncIterator, Awaitable, Iterator, Literal, TypeVar
+from typing import AsyncIterator, Awaitable, Iterator, TypeVar
 
-import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
 
 from triton_vlm.clients.body_limit import BodyLimit, body_limit_bytes
 from triton_vlm.clients.chat import load_chat_template, render_chat
-from triton_vlm.clients.client import Increment, RequestError, aio_channel, request_values, stream_generate
+from triton_vlm.clients.client import aio_channel, stream_generate
+from triton_vlm.clients.guided import InvalidRequestField
+from triton_vlm.clients.openai_requests import (ChatRequest, CompletionRequest, ImagePart, Message, SamplingRequest,
+                                                TextPart)
+from triton_vlm.clients.openai_responses import APIError, Shape, TextShape, answer, collect, events, first
 from triton_vlm.contract.limits import DEFAULT_LIMITS, Limits
-from triton_vlm.errors import REFUSALS, RESTARTED, InvalidInput
+from triton_vlm.errors import InvalidInput
 from triton_vlm.families import detect_family
+from triton_vlm.tokenizer import load_tokenizer
 
 log = logging.getLogger("triton_vlm")
-
-# Failures of the server rather than of the request: the ensemble's own, a dead model instance.
-_INTERNAL = ("internal error", "is not healthy")
-# Request fields this server cannot honour: refused unless they ask for nothing (0, false, empty).
-_UNSUPPORTED = ("frequency_penalty", "presence_penalty", "logprobs", "logit_bias", "tools")
 T = TypeVar("T")
-
-
-class APIError(Exception):
-    """A request answered with an error in OpenAI's format."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    def body(self) -> dict:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
-
-
-def ensemble_error(error: RequestError | grpc.aio.AioRpcError) -> APIError:
-    """The HTTP answer to an ensemble's refusal (by its message) or a gRPC transport failure (by code)."""
-    if isinstance(error, grpc.aio.AioRpcError):
-        status = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAVAILABLE: 503}.get(error.code(), 500)
-        return APIError(status, f"ensemble: {error.details()}")
-    message = str(error)
-    if RESTARTED in message:  # a step died under the request, or is being reloaded
-        return APIError(503, message, code="step_restarted")
-    if any(m in message for m in REFUSALS):  # overload: the pipeline's and Triton's queues'
-        return APIError(503, message, code="server_busy")
-    return APIError(500 if any(m in message for m in _INTERNAL) else 400, message)
-
-
-class _URL(BaseModel):
-    url: str
-
-
-class _Text(BaseModel):
-    type: Literal["text"]
-    text: str
-
-
-class _Image(BaseModel):
-    type: Literal["image_url"]
-    image_url: _URL
-
-
-class _Video(BaseModel):
-    type: Literal["video_url"]
-    video_url: _URL
-
-
-class Message(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[Annotated[_Text | _Image | _Video, Field(discriminator="type")]]
-
-
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-class ChatRequest(BaseModel):
-    """The fields of OpenAI's chat completion request this server reads; others are ignored
-    (`_UNSUPPORTED` ones are refused unless they ask for nothing). `top_k` and
-    `repetition_penalty` are vLLM's extensions. Absent sampling fields are the ensemble's
-    defaults: no temperature is greedy."""
-    model_config = ConfigDict(extra="allow")
-
-    model: str
-    messages: list[Message] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = Field(None, ge=0, lt=2**64)  # the ensemble's UINT64
-    stop: str | list[str] | None = None
-    n: int | None = None
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
 
 
 def template_messages(messages: list[Message],
@@ -135,10 +55,10 @@ def template_messages(messages: list[Message],
             continue
         content = []
         for j, part in enumerate(message.content):
-            if isinstance(part, _Text):
+            if isinstance(part, TextPart):
                 content.append({"type": "text", "text": part.text})
                 continue
-            kind = "image" if isinstance(part, _Image) else "video"
+            kind = "image" if isinstance(part, ImagePart) else "video"
             if len(media["image"]) + len(media["video"]) == max_media_items:
                 raise APIError(400, f"messages[{i}].content[{j}]: more than {max_media_items} media parts in one "
                                     f"request (the served ensemble's max_media_items={max_media_items})",
@@ -199,6 +119,7 @@ def create_app(url: str, checkpoint: str | Path, model_name: str | None = None,
     if template is None:
         raise ValueError(f"{checkpoint}: no chat template (chat_template.jinja, chat_template.json or "
                          "tokenizer_config.json)")
+    tokenizer = load_tokenizer(checkpoint)  # (a token's text, in log-probabilities)
     model_name = model_name or checkpoint.resolve().name
     created = int(time.time())
 
@@ -219,110 +140,66 @@ def create_app(url: str, checkpoint: str | Path, model_name: str | None = None,
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_request: Request, error: RequestValidationError) -> JSONResponse:
-        first = error.errors()[0]
-        where = ".".join(str(p) for p in first["loc"] if p != "body")
-        return APIError(400, f"{where}: {first['msg']}", param=where or None).response()
+        problem = error.errors()[0]
+        where = ".".join(str(p) for p in problem["loc"] if p != "body")
+        return APIError(400, f"{where}: {problem['msg']}", param=where or None).response()
 
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "triton-vlm"}]}
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatRequest, request: Request) -> Response:
+    def token_text(token_id: int) -> str:
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def served(body: SamplingRequest) -> None:
         if body.model != model_name:
             raise APIError(404, f"model {body.model!r} does not exist; this server serves {model_name!r}",
                            param="model", code="model_not_found")
-        if body.n not in (None, 1):
-            raise APIError(400, f"n: only 1 choice per request is supported, got {body.n}", param="n")
-        for name in _UNSUPPORTED:
-            if body.model_extra.get(name):
-                raise APIError(400, f"{name}: not supported, got {body.model_extra[name]!r}", param=name)
-        messages, images, videos = template_messages(body.messages, request.app.state.limits.max_media_items)
-        try:
-            prompt = render_chat(template, family, messages)
-        except InvalidInput as error:
-            raise APIError(400, str(error), param="messages") from None
-        max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
-                          default_max_tokens)
-        values = request_values(prompt, images, videos, max_tokens=max_tokens, temperature=body.temperature,
-                                top_p=body.top_p, top_k=body.top_k, seed=body.seed,
-                                repetition_penalty=body.repetition_penalty, stream=bool(body.stream),
-                                stop_words=[body.stop] if isinstance(body.stop, str) else body.stop)
-        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+        body.refuse_unserved()
+
+    async def complete(request: Request, values: dict[str, tuple], body: SamplingRequest, prefix: str,
+                       shape: Shape) -> Response:
+        completion_id = f"{prefix}-{uuid.uuid4().hex}"
         stream = stream_generate(request.app.state.channel, values, completion_id)
         head = {"id": completion_id, "created": int(time.time()), "model": model_name}
         if body.stream:
-            # The first response is awaited here, so that a refusal is an HTTP error, not an event.
-            first = await _unless_disconnected(request, _first(stream))
-            usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(_events(stream, first, head, usage), media_type="text/event-stream")
-        increments = await _unless_disconnected(request, _collect(stream))
-        return JSONResponse({**head, "object": "chat.completion", "choices": [{
-            "index": 0, "message": {"role": "assistant", "content": "".join(i.text for i in increments)},
-            "finish_reason": increments[-1].finish_reason, "logprobs": None}], "usage": _usage(increments)})
+            head_increment = await _unless_disconnected(request, first(stream))
+            return StreamingResponse(events(stream, head_increment, head, shape, body.include_usage),
+                                     media_type="text/event-stream")
+        increments = await _unless_disconnected(request, collect(stream))
+        return JSONResponse(answer(increments, head, shape))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request) -> Response:
+        with _field_errors():
+            served(body)
+            messages, images, videos = template_messages(body.messages, request.app.state.limits.max_media_items)
+            try:
+                prompt = render_chat(template, family, messages)
+            except InvalidInput as error:
+                raise APIError(400, str(error), param="messages") from None
+            values = body.values(prompt, images, videos, default_max_tokens)
+        return await complete(request, values, body, "chatcmpl", Shape(token_text if body.logprobs else None))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        with _field_errors():
+            served(body)
+            values = body.values(default_max_tokens)
+        return await complete(request, values, body, "cmpl",
+                              TextShape(token_text if body.logprobs is not None else None))
 
     return app
 
 
 @contextlib.contextmanager
-def _refusals_as_api_errors() -> Iterator[None]:
+def _field_errors() -> Iterator[None]:
+    """A field refused by the request models as a 400 naming it."""
     try:
         yield
-    except (RequestError, grpc.aio.AioRpcError) as error:
-        raise ensemble_error(error) from None
-
-
-async def _first(stream: AsyncIterator[Increment]) -> Increment:
-    with _refusals_as_api_errors():
-        increment = await anext(stream, None)
-    if increment is None:
-        raise APIError(500, "the ensemble ended the request without a response")
-    return increment
-
-
-async def _collect(stream: AsyncIterator[Increment]) -> list[Increment]:
-    first = await _first(stream)
-    with _refusals_as_api_errors():
-        return [first] + [increment async for increment in stream]
-
-
-def _usage(increments: list[Increment]) -> dict[str, int | None]:
-    """Token counts: the prompt's as the ensemble expanded it (None where it does not report it)."""
-    prompt = next((i.prompt_tokens for i in reversed(increments) if i.prompt_tokens is not None), None)
-    completion = sum(len(i.output_ids) for i in increments)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": (prompt or 0) + completion}
-
-
-async def _events(stream: AsyncIterator[Increment], first: Increment, head: dict[str, Any],
-                  include_usage: bool) -> AsyncIterator[str]:
-    """The SSE events of a streamed completion: the role, the text, the finish reason, the usage
-    (`stream_options.include_usage`), `[DONE]`; an error past the first response is an `error`
-    event. Starlette cancels this generator when the client goes away, which closes `stream` and
-    so cancels the gRPC call."""
-    def chunk(delta: dict | None, finish_reason: str | None = None, **usage: Any) -> str:
-        choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish_reason,
-                                              "logprobs": None}]
-        extra = usage or ({"usage": None} if include_usage else {})
-        return f"data: {json.dumps({**head, 'object': 'chat.completion.chunk', 'choices': choices, **extra})}\n\n"
-
-    seen: list[Increment] = []
-    async with contextlib.aclosing(stream):
-        yield chunk({"role": "assistant", "content": ""})
-        increment = first
-        try:
-            while increment is not None:
-                seen.append(increment)
-                if increment.text:
-                    yield chunk({"content": increment.text})
-                increment = await anext(stream, None)
-        except (RequestError, grpc.aio.AioRpcError) as error:
-            yield f"data: {json.dumps(ensemble_error(error).body())}\n\n"
-            return
-    yield chunk({}, seen[-1].finish_reason)
-    if include_usage:
-        yield chunk(None, usage=_usage(seen))
-    yield "data: [DONE]\n\n"
+    except InvalidRequestField as error:
+        raise APIError(400, str(error), param=error.param) from None
 
 
 def serve(url: str, checkpoint: str | Path, host: str = "127.0.0.1", port: int = 8080, model_name: str | None = None,

@@ -316,7 +316,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true", help="print one JSON object with token counts and timings")
     c.set_defaults(run=_infer)
 
-    c = sub.add_parser("openai", help="OpenAI-compatible chat completions server in front of a running ensemble")
+    c = sub.add_parser("openai", help="OpenAI-compatible chat and text completions server in front of a running "
+                                      "ensemble")
     c.add_argument("--url", default="127.0.0.1:8001", help="gRPC address of the running server")
     c.add_argument("--checkpoint", required=True, help="the served checkpoint (its chat template and family)")
     c.add_argument("--host", default="127.0.0.1")

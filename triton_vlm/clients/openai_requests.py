@@ -1,0 +1,212 @@
+"""The request bodies of the OpenAI-compatible server (`/v1/chat/completions`, `/v1/completions`)
+and what each field does: every field is honoured, accepted as a no-op, or refused naming it.
+
+- Honoured (typed fields of `ChatRequest` / `CompletionRequest`): mapped to the ensemble's inputs
+  by `ensemble_values` (the ensemble checks their ranges), or read by the server (`model`,
+  `messages`, `prompt`, `stream`, `stream_options`, `logprobs`).
+- `NO_OPS`: accepted and unused, as vLLM does (it ignores them too): identifiers and hints for
+  OpenAI's own platform.
+- `ONLY`: accepted with the values listed (what asks for nothing, or what the server does anyway),
+  refused otherwise; OpenAI's fields this server cannot honour and vLLM's extensions the ensemble
+  has no control for.
+- `response_format` and vLLM's `guided_*`: read by `guided.guided_decoding`; a constraint is refused
+  until the ensemble takes one (`ensemble_values` says where it is wired).
+- Any other field (neither OpenAI's nor vLLM's) is refused: nothing is silently ignored.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from triton_vlm.clients.client import request_values
+from triton_vlm.clients.guided import GUIDED_FIELDS, InvalidRequestField, guided_decoding
+
+# Fields accepted and unused, on both endpoints.
+NO_OPS = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key", "parallel_tool_calls"})
+_NO_CONSTRAINT = "no constrained decoding"
+# name -> (the values accepted, why no other): OpenAI's fields, then vLLM's extensions.
+_COMMON: dict[str, tuple[tuple[Any, ...], str]] = {
+    "n": ((None, 1), "one choice per request"),
+    "logit_bias": ((None, {}), "no logit bias"),
+    "best_of": ((None, 1), "one sequence per request"),
+    "store": ((None, False), "nothing is stored"),
+    "service_tier": ((None, "auto", "default"), "one service tier"),
+    "use_beam_search": ((None, False), "no beam search"),
+    "length_penalty": ((None, 1), "it applies to beam search, which is not supported"),
+    "min_p": ((None, 0), "no min-p sampling"),
+    "stop_token_ids": ((None, []), "stop words only"),
+    "include_stop_str_in_output": ((None, False), "a stop word is never in the output"),
+    "ignore_eos": ((None, False), "the eos ids always stop"),
+    "skip_special_tokens": ((None, True), "special tokens are always left out of the text"),
+    "spaces_between_special_tokens": ((None, True), "the text is decoded one way"),
+    "truncate_prompt_tokens": ((None,), "prompts are never truncated"),
+    "prompt_logprobs": ((None,), "no prompt log-probabilities"),
+    "allowed_token_ids": ((None,), "no allow-list of tokens"),
+    "logits_processors": ((None,), "no custom logits processors"),
+    "return_tokens_as_token_ids": ((None, False), "tokens are returned as text"),
+    "priority": ((None, 0), "no priority scheduling"),
+    "request_id": ((None,), "the server names its requests"),
+    "cache_salt": ((None,), "no salted prefix cache"),
+    "kv_transfer_params": ((None,), "no disaggregated serving"),
+    "vllm_xargs": ((None,), "no custom extensions"),
+    "structural_tag": ((None,), _NO_CONSTRAINT),
+    "guided_decoding_backend": ((None,), _NO_CONSTRAINT),
+    "guided_whitespace_pattern": ((None,), _NO_CONSTRAINT),
+}
+CHAT_ONLY = {**_COMMON,
+             "top_logprobs": ((None, 0), "only the chosen token's log-probability is returned"),
+             "modalities": ((None, ["text"]), "text output only"),
+             "audio": ((None,), "no audio output"),
+             "prediction": ((None,), "no predicted outputs"),
+             "web_search_options": ((None,), "no web search"),
+             "reasoning_effort": ((None,), "no reasoning control"),
+             "verbosity": ((None,), "no verbosity control"),
+             "moderation": ((None,), "no moderation"),
+             "prompt_cache_options": ((None,), "no prompt-cache breakpoints"),
+             "prompt_cache_retention": ((None,), "no prompt-cache retention policy"),
+             "tools": ((None, []), "no tool calling"),
+             "tool_choice": ((None, "none"), "no tool calling"),
+             "functions": ((None, []), "no function calling"),
+             "function_call": ((None, "none"), "no function calling"),
+             "echo": ((None, False), "the answer never repeats the last message"),
+             "add_generation_prompt": ((None, True), "the chat template always adds the generation prompt"),
+             "continue_final_message": ((None, False), "the last message is never continued"),
+             "add_special_tokens": ((None, False), "the chat template writes the special tokens"),
+             "documents": ((None,), "no documents for the chat template"),
+             "chat_template": ((None,), "the checkpoint's chat template only"),
+             "chat_template_kwargs": ((None,), "the checkpoint's chat template only, as it is"),
+             "mm_processor_kwargs": ((None,), "the served preprocess's settings only")}
+COMPLETION_ONLY = {**_COMMON,
+                   "echo": ((None, False), "the answer never repeats the prompt"),
+                   "suffix": ((None,), "no insertion after a suffix")}
+
+
+def _same(value: Any, accepted: Any) -> bool:
+    """Equal, and a bool only where a bool is accepted (JSON's true is not 1)."""
+    return isinstance(value, bool) == isinstance(accepted, bool) and value == accepted
+
+
+class _URL(BaseModel):
+    url: str
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ImagePart(BaseModel):
+    type: Literal["image_url"]
+    image_url: _URL
+
+
+class VideoPart(BaseModel):
+    type: Literal["video_url"]
+    video_url: _URL
+
+
+class Message(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool | None = False
+    include_obfuscation: Literal[False] | None = None  # (no obfuscation is added to the events)
+
+
+class SamplingRequest(BaseModel):
+    """The fields both endpoints honour. Absent sampling fields are the ensemble's defaults: no
+    temperature is greedy. `top_k`, `repetition_penalty`, `min_tokens` and `bad_words` are vLLM's."""
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    min_tokens: int | None = None
+    seed: int | None = Field(None, ge=0, lt=2**64)  # the ensemble's UINT64
+    stop: str | list[str] | None = None
+    bad_words: list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    # constrained decoding, read by `guided.guided_decoding`
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    only: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = {}
+
+    def refuse_unserved(self) -> None:
+        """InvalidRequestField for the first field sent that is neither honoured, a no-op, nor an
+        accepted value of `only`; `stream_options` without `stream` (as vLLM and OpenAI refuse it)."""
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestField("stream_options", "only with stream true")
+        for name, value in (self.model_extra or {}).items():
+            if name in NO_OPS:
+                continue
+            if name not in self.only:
+                raise InvalidRequestField(name, "not a field of OpenAI's request nor of vLLM's; refused, not ignored")
+            accepted, why = self.only[name]
+            if not any(_same(value, a) for a in accepted):
+                shown = " or ".join("null" if a is None else repr(a) for a in accepted)
+                raise InvalidRequestField(name, f"{value!r} is not supported ({why}); send {shown} or leave it out")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def ensemble_values(self, prompt: str, images: list[bytes], videos: list[bytes], max_tokens: int,
+                        logprobs: bool) -> dict[str, tuple]:
+        """The ensemble's inputs (`client.request_values`) for this request, with the endpoint's
+        `max_tokens` and `logprobs` (whether to return the chosen tokens' log-probabilities)."""
+        values = request_values(prompt, images, videos, max_tokens=max_tokens, temperature=self.temperature,
+                                top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+                                repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+                                frequency_penalty=self.frequency_penalty, min_tokens=self.min_tokens,
+                                stop_words=[self.stop] if isinstance(self.stop, str) else self.stop,
+                                bad_words=self.bad_words, stream=bool(self.stream),
+                                return_log_probs=True if logprobs else None)
+        guide = guided_decoding({name: getattr(self, name) for name in ("response_format", *GUIDED_FIELDS)})
+        if guide is not None:  # once the ensemble takes a guide, this line is `values.update(guide.inputs())`
+            raise InvalidRequestField(guide.param, f"constrained decoding ({guide.guide_type}) is not served yet")
+        return values
+
+
+class ChatRequest(SamplingRequest):
+    only: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = CHAT_ONLY
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+
+    def values(self, prompt: str, images: list[bytes], videos: list[bytes],
+               default_max_tokens: int) -> dict[str, tuple]:
+        """The ensemble's inputs for the rendered `prompt` and the messages' media."""
+        max_tokens = next((m for m in (self.max_completion_tokens, self.max_tokens) if m is not None),
+                          default_max_tokens)
+        return self.ensemble_values(prompt, images, videos, max_tokens, bool(self.logprobs))
+
+
+class CompletionRequest(SamplingRequest):
+    only: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = COMPLETION_ONLY
+    prompt: str | list[str]
+    logprobs: int | None = Field(None, ge=0)
+
+    def values(self, default_max_tokens: int) -> dict[str, tuple]:
+        """The ensemble's inputs: the one prompt as it is (no chat template)."""
+        if self.logprobs:
+            raise InvalidRequestField("logprobs", f"{self.logprobs} is not supported (only the chosen token's "
+                                                  "log-probability is returned); send 0 or leave it out")
+        if isinstance(self.prompt, list) and len(self.prompt) != 1:
+            raise InvalidRequestField("prompt", f"one prompt per request, got a list of {len(self.prompt)}")
+        prompt = self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+        max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
+        return self.ensemble_values(prompt, [], [], max_tokens, self.logprobs is not None)

@@ -1,0 +1,184 @@
+"""The OpenAI-compatible server's answers: errors in OpenAI's format, and a completion (chat's or
+the legacy text one's) from the ensemble's responses, whole or as server-sent events.
+
+Both endpoints share the collection and the streaming; a `Shape` writes what differs, the choice.
+Log-probabilities are the ensemble's `output_log_probs` (each chosen token's); a token's text is
+its id decoded alone (a token holding part of a UTF-8 character decodes to U+FFFD), and no
+alternatives are returned (chat's `top_logprobs` empty; text completion's holds the chosen token).
+gRPC streaming carries an error's message but not its code, so errors are told apart by message:
+overload refusals (UNAVAILABLE) -> 503, the pipeline's internal failures -> 500, the rest (what the
+ensemble refuses as INVALID_ARG) -> 400.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import Any, AsyncIterator, Callable, Iterator
+
+import grpc
+from fastapi.responses import JSONResponse
+
+from triton_vlm.clients.client import Increment, RequestError
+from triton_vlm.errors import REFUSALS, RESTARTED
+
+# Failures of the server rather than of the request: the ensemble's own, a dead model instance.
+_INTERNAL = ("internal error", "is not healthy")
+
+
+class APIError(Exception):
+    """A request answered with an error in OpenAI's format."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def ensemble_error(error: RequestError | grpc.aio.AioRpcError) -> APIError:
+    """The HTTP answer to an ensemble's refusal (by its message) or a gRPC transport failure (by code)."""
+    if isinstance(error, grpc.aio.AioRpcError):
+        status = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAVAILABLE: 503}.get(error.code(), 500)
+        return APIError(status, f"ensemble: {error.details()}")
+    message = str(error)
+    if RESTARTED in message:  # a step died under the request, or is being reloaded
+        return APIError(503, message, code="step_restarted")
+    if any(m in message for m in REFUSALS):  # overload: the pipeline's and Triton's queues'
+        return APIError(503, message, code="server_busy")
+    return APIError(500 if any(m in message for m in _INTERNAL) else 400, message)
+
+
+class Shape:
+    """How chat completions write a choice; `token_text` decodes one token id, None where the
+    request asks for no log-probabilities."""
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def __init__(self, token_text: Callable[[int], str] | None) -> None:
+        self.token_text = token_text
+
+    def logprobs(self, ids: list[int], logprobs: list[float] | None) -> dict | None:
+        if self.token_text is None:
+            return None
+        tokens = [self.token_text(i) for i in ids]
+        return {"content": [{"token": t, "logprob": p, "bytes": list(t.encode()), "top_logprobs": []}
+                            for t, p in zip(tokens, logprobs or [])]}
+
+    def choice(self, text: str, ids: list[int], logprobs: list[float] | None, finish_reason: str | None) -> dict:
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
+                "logprobs": self.logprobs(ids, logprobs)}
+
+    def delta(self, text: str, ids: list[int], logprobs: list[float] | None, finish_reason: str | None) -> dict:
+        """A streamed choice: new text, or the last one (an empty delta) with the finish reason."""
+        return {"index": 0, "delta": {"content": text} if ids or finish_reason is None else {},
+                "finish_reason": finish_reason, "logprobs": self.logprobs(ids, logprobs) if ids else None}
+
+    def opening(self) -> dict | None:
+        return {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}
+
+
+class TextShape(Shape):
+    """How text completions (`/v1/completions`) write a choice; `text_offset` counts from the
+    completion's start, across a stream's chunks."""
+    object = chunk_object = "text_completion"
+
+    def __init__(self, token_text: Callable[[int], str] | None) -> None:
+        super().__init__(token_text)
+        self.offset = 0
+
+    def logprobs(self, ids: list[int], logprobs: list[float] | None) -> dict | None:
+        if self.token_text is None:
+            return None
+        tokens, offsets = [self.token_text(i) for i in ids], []
+        for token in tokens:
+            offsets.append(self.offset)
+            self.offset += len(token)
+        return {"tokens": tokens, "token_logprobs": list(logprobs or []),
+                "top_logprobs": [{t: p} for t, p in zip(tokens, logprobs or [])], "text_offset": offsets}
+
+    def choice(self, text: str, ids: list[int], logprobs: list[float] | None, finish_reason: str | None) -> dict:
+        return {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": self.logprobs(ids, logprobs)}
+
+    def delta(self, text: str, ids: list[int], logprobs: list[float] | None, finish_reason: str | None) -> dict:
+        return {"index": 0, "text": text, "finish_reason": finish_reason,
+                "logprobs": self.logprobs(ids, logprobs) if ids else None}
+
+    def opening(self) -> dict | None:
+        return None
+
+
+@contextlib.contextmanager
+def _refusals_as_api_errors() -> Iterator[None]:
+    try:
+        yield
+    except (RequestError, grpc.aio.AioRpcError) as error:
+        raise ensemble_error(error) from None
+
+
+async def first(stream: AsyncIterator[Increment]) -> Increment:
+    """The stream's first response, awaited so that a refusal is an HTTP error, not an event."""
+    with _refusals_as_api_errors():
+        increment = await anext(stream, None)
+    if increment is None:
+        raise APIError(500, "the ensemble ended the request without a response")
+    return increment
+
+
+async def collect(stream: AsyncIterator[Increment]) -> list[Increment]:
+    head = await first(stream)
+    with _refusals_as_api_errors():
+        return [head] + [increment async for increment in stream]
+
+
+def usage(increments: list[Increment]) -> dict[str, int | None]:
+    """Token counts: the prompt's as the ensemble expanded it (None where it does not report it)."""
+    prompt = next((i.prompt_tokens for i in reversed(increments) if i.prompt_tokens is not None), None)
+    completion = sum(len(i.output_ids) for i in increments)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": (prompt or 0) + completion}
+
+
+def _logprobs(increments: list[Increment]) -> list[float] | None:
+    return None if all(i.logprobs is None for i in increments) else [p for i in increments for p in i.logprobs or []]
+
+
+def answer(increments: list[Increment], head: dict[str, Any], shape: Shape) -> dict:
+    """The whole completion, as one JSON body."""
+    text, ids = "".join(i.text for i in increments), [t for i in increments for t in i.output_ids]
+    return {**head, "object": shape.object, "usage": usage(increments),
+            "choices": [shape.choice(text, ids, _logprobs(increments), increments[-1].finish_reason)]}
+
+
+async def events(stream: AsyncIterator[Increment], head_increment: Increment, head: dict[str, Any], shape: Shape,
+                 include_usage: bool) -> AsyncIterator[str]:
+    """The SSE events of a streamed completion: the opening (chat's role), the text, the finish
+    reason, the usage (`stream_options.include_usage`), `[DONE]`; an error past the first response
+    is an `error` event. Starlette cancels this generator when the client goes away, which closes
+    `stream` and so cancels the gRPC call."""
+    def chunk(choice: dict | None, **totals: Any) -> str:
+        extra = totals or ({"usage": None} if include_usage else {})
+        body = {**head, "object": shape.chunk_object, "choices": [] if choice is None else [choice], **extra}
+        return f"data: {json.dumps(body)}\n\n"
+
+    seen: list[Increment] = []
+    async with contextlib.aclosing(stream):
+        if (opening := shape.opening()) is not None:
+            yield chunk(opening)
+        increment: Increment | None = head_increment
+        try:
+            while increment is not None:
+                seen.append(increment)
+                if increment.text or (shape.token_text is not None and increment.output_ids):
+                    yield chunk(shape.delta(increment.text, increment.output_ids, increment.logprobs, None))
+                increment = await anext(stream, None)
+        except (RequestError, grpc.aio.AioRpcError) as error:
+            yield f"data: {json.dumps(ensemble_error(error).body())}\n\n"
+            return
+    yield chunk(shape.delta("", [], None, seen[-1].finish_reason))
+    if include_usage:
+        yield chunk(None, usage=usage(seen))
+    yield "data: [DONE]\n\n"
