@@ -30,6 +30,7 @@ from triton_vlm.devices import dtype_name
 from triton_vlm.errors import InvalidInput, busy
 from triton_vlm.llm.distributed.sharding import Shard
 from triton_vlm.llm.engine.block_manager import BlockManager
+from triton_vlm.llm.engine.grammar import Grammars
 from triton_vlm.llm.engine.inputs import InputProcessor
 from triton_vlm.llm.engine.output import OutputProcessor
 from triton_vlm.llm.engine.runner import ModelRunner
@@ -143,9 +144,11 @@ class Engine:
                  block_size, self.kv_bytes_per_token, dtype_name(self.model.dtype), self.model.device,
                  self.runner.kv.nbytes / (1 << 20))
         self.pool_tokens = num_blocks * block_size
+        self.grammars = Grammars(self.tokenizer, c.vocab_size, self.eos_token_ids)
         self.inputs = InputProcessor(self.model, self.eos_token_ids,
                                      lambda word: self.tokenizer.encode(word, add_special_tokens=False).ids,
-                                     self.context_length, self.pool_tokens, block_size, self.prefix_caching)
+                                     self.context_length, self.pool_tokens, block_size, self.prefix_caching,
+                                     self.grammars)
 
     # ---- counters ------------------------------------------------------------------------------
     @property
@@ -188,7 +191,9 @@ class Engine:
                        delta=prompt.delta, params=prompt.params, emit=emit, is_cancelled=is_cancelled,
                        generator=make_generator(prompt.params.seed, self.runner.device),
                        detok=IncrementalDetokenizer(self.tokenizer, tail), keys=prompt.keys,
-                       queued_since=self.clock())
+                       queued_since=self.clock(),
+                       grammar=None if prompt.grammar is None else
+                       self.grammars.matcher(prompt.grammar, prompt.params.eos_token_ids))
         with self._lock:
             if self._stop:
                 raise RuntimeError("engine is shut down")
@@ -327,6 +332,11 @@ class Engine:
                 log.error("request %s: its logits are not finite, no token to sample", seq.request_id)
                 self.output.finish(seq, "error", error="internal error: non-finite logits")
                 continue
+            if seq.grammar is not None and not seq.grammar.accept_token(token):
+                # only where the other masks (min_tokens, bad_words) left no token the grammar allows
+                self.output.finish(seq, "error", error="guided decoding: no token allowed by both the grammar "
+                                                       "and min_tokens / bad_words")
+                continue
             try:
                 self.output.on_token(seq, token, None if host_logits is None else host_logits[i], logprob)
             except Exception as e:
@@ -359,7 +369,7 @@ class Engine:
     def _release(self, seq: Sequence) -> None:
         """Before a request's final emit: its blocks and state slot go back, its id is free again."""
         self.scheduler.finish(seq)
-        seq.embeddings = seq.emb_index = None
+        seq.embeddings = seq.emb_index = seq.grammar = None
         self.num_running = len(self.scheduler.running)
         self.num_finished += 1
         with self._lock:

@@ -2,7 +2,8 @@
 
 `sample_batch` draws one token per row of a [rows, vocab] logits batch on the logits' device, in
 transformers' order: repetition penalty, then vLLM's frequency and presence penalties, the masks
-(eos before `min_tokens`, bad words), then (sampled rows) temperature, top-k, top-p, softmax and
+(eos before `min_tokens`, bad words), the grammar's mask of guided rows last (as vLLM applies it,
+`triton_vlm.llm.engine.grammar`), then (sampled rows) temperature, top-k, top-p, softmax and
 one `torch.multinomial` draw. Each request owns a `torch.Generator` seeded from its `seed`, and a row
 draws its noise from its own generator only, so the same seed gives the same tokens whatever else
 is in the batch.
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from triton_vlm.contract.sampling import SamplingParams
+from triton_vlm.llm.engine.grammar import apply_bitmask
 
 __all__ = ["NO_TOKEN", "SamplingParams", "make_generator", "sample_batch", "token_logprobs"]
 
@@ -136,12 +138,14 @@ def _warped(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Ten
 def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams],
                  generators: Sequence[torch.Generator | None],
                  context_ids: Sequence[torch.Tensor | None],
-                 num_generated: Sequence[int] | None = None) -> torch.Tensor:
+                 num_generated: Sequence[int] | None = None,
+                 grammar_mask: tuple[torch.Tensor, list[int]] | None = None) -> torch.Tensor:
     """One token id per row of `logits` [rows, vocab] (any float dtype, any device), as long [rows] on
     that device. Row i samples with `params[i]` and `generators[i]` (None: the device's default);
     `context_ids[i]` (prompt and generated ids, or None) feeds its penalties and bad words, and its
     last `num_generated[i]` ids (None: 0 each) are the generated ones, which the frequency and
-    presence penalties and `min_tokens` count.
+    presence penalties and `min_tokens` count. `grammar_mask` (`grammar.bitmask`: a host bitmask
+    and its rows), where given, leaves those rows only the tokens their grammars allow.
 
     Greedy rows (temperature 0) take the argmax of the penalized scores. The others draw as
     `torch.multinomial(probs, 1)` does for one sample (ATen's fast path: argmax of probs / q with
@@ -157,6 +161,9 @@ def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams],
                          f"{len(context_ids)} contexts, {len(num_generated)} generated counts")
     scores = _penalized(logits.float(), params, context_ids)
     scores = _masked(_output_penalized(scores, params, context_ids, num_generated), params, context_ids, num_generated)
+    if grammar_mask is not None:  # in place, on a copy: the raw logits feed `token_logprobs` and outputs
+        scores = scores.clone(memory_format=torch.contiguous_format)
+        apply_bitmask(scores, grammar_mask)
     tokens = scores.argmax(dim=-1)
     invalid = scores.isnan().any(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
