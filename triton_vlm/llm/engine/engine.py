@@ -34,7 +34,7 @@ from triton_vlm.llm.engine.grammar import Grammars
 from triton_vlm.llm.engine.inputs import InputProcessor
 from triton_vlm.llm.engine.output import OutputProcessor
 from triton_vlm.llm.engine.runner import ModelRunner
-from triton_vlm.llm.engine.sampling import NO_TOKEN, SamplingParams, make_generator
+from triton_vlm.llm.engine.sampling import NO_ALLOWED_TOKEN, NO_TOKEN, SamplingParams, make_generator
 from triton_vlm.llm.engine.scheduler import Scheduler, SchedulerOutput
 from triton_vlm.llm.engine.sequence import Sequence
 from triton_vlm.llm.engine.streaming import GenerationOutput, IncrementalDetokenizer
@@ -332,10 +332,13 @@ class Engine:
                 log.error("request %s: its logits are not finite, no token to sample", seq.request_id)
                 self.output.finish(seq, "error", error="internal error: non-finite logits")
                 continue
+            if token == NO_ALLOWED_TOKEN:
+                self.output.finish(seq, "error", error="guided decoding: its grammar and min_tokens / bad_words "
+                                                       "leave no token to sample")
+                continue
             if seq.grammar is not None and not seq.grammar.accept_token(token):
-                # only where the other masks (min_tokens, bad_words) left no token the grammar allows
-                self.output.finish(seq, "error", error="guided decoding: no token allowed by both the grammar "
-                                                       "and min_tokens / bad_words")
+                log.error("request %s: its grammar refused the sampled token %d", seq.request_id, token)
+                self.output.finish(seq, "error", error="internal error: the grammar refused a sampled token")
                 continue
             try:
                 self.output.on_token(seq, token, None if host_logits is None else host_logits[i], logprob)
