@@ -101,11 +101,33 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(BaseModel):
+    name: str | None = None
+    schema_: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: "text" (no guide), "json_object" (any JSON object: the guide
+    type `json`), "json_schema" (its `json_schema.schema`: the guide type `json_schema`)."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    def guide(self) -> tuple[str | None, str | None]:
+        """(guided_decoding_guide_type, guided_decoding_guide)."""
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise APIError(400, "response_format: json_schema is required with type json_schema",
+                               param="response_format")
+            return "json_schema", json.dumps(self.json_schema.schema_)
+        return ("json", None) if self.type == "json_object" else (None, None)
+
+
 class ChatRequest(BaseModel):
     """The fields of OpenAI's chat completion request this server reads; others are ignored
     (`_UNSUPPORTED` ones are refused unless they ask for nothing). `top_k` and
     `repetition_penalty` are vLLM's extensions. Absent sampling fields are the ensemble's
-    defaults: no temperature is greedy."""
+    defaults: no temperature is greedy. `response_format` guides decoding (`ResponseFormat`)."""
     model_config = ConfigDict(extra="allow")
 
     model: str
@@ -121,6 +143,7 @@ class ChatRequest(BaseModel):
     n: int | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
 
 
 def template_messages(messages: list[Message],
@@ -245,10 +268,12 @@ def create_app(url: str, checkpoint: str | Path, model_name: str | None = None,
             raise APIError(400, str(error), param="messages") from None
         max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
                           default_max_tokens)
+        guide_type, guide = body.response_format.guide() if body.response_format else (None, None)
         values = request_values(prompt, images, videos, max_tokens=max_tokens, temperature=body.temperature,
                                 top_p=body.top_p, top_k=body.top_k, seed=body.seed,
                                 repetition_penalty=body.repetition_penalty, stream=bool(body.stream),
-                                stop_words=[body.stop] if isinstance(body.stop, str) else body.stop)
+                                stop_words=[body.stop] if isinstance(body.stop, str) else body.stop,
+                                guide_type=guide_type, guide=guide)
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = stream_generate(request.app.state.channel, values, completion_id)
         head = {"id": completion_id, "created": int(time.time()), "model": model_name}
