@@ -7,6 +7,8 @@ The engine is the loop that joins four parts, each one idea (as nano-vllm's and 
 - `ModelRunner` (`runner.py`): the KV cache and state tensors on the model's device, the step's
   batch and attention metadata built once, the forward pass, sampling;
 - `OutputProcessor` (`output.py`): detokenisation, stop words, finish reasons, emits.
+Guided decoding (`Grammars`, `grammar.py`) compiles a request's guide when it is checked, gives
+it a matcher, whose mask the runner applies before sampling and which each sampled token advances.
 `submit` checks a request (`InputProcessor`, `inputs.py`: INVALID_ARG before anything is queued or
 taken) and queues it; the scheduler thread then runs steps while anything is waiting or running.
 Its settings are `LLMOptions`' (`triton_vlm.contract.params`), the `llm` model's parameters. Cancellation (`cancel`,
