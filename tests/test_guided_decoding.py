@@ -212,3 +212,24 @@ def test_compiled_grammars_are_cached_with_a_bound(ckpt):
     grammars.compile("regex", "b+")
     grammars.compile("regex", "c+")
     assert grammars.compile("regex", "a+") is not first and len(grammars._cache) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_guided_decoding_on_cuda_with_graphs(ckpt, requests):
+    """The bitmask applied on the device after a CUDA graph's logits: guided answers validate, and
+    guided and plain requests together give what each gives alone."""
+    import jsonschema
+
+    eng = Engine(ckpt, device="cuda", dtype="float32", cuda_graphs=True, max_running=8)
+    try:
+        jobs = [(n, schema_params() if i % 2 == 0 else SamplingParams(max_tokens=24)) for i, n in
+                enumerate(list(PROMPTS) * 2)]
+        alone = [submit(eng, requests[n], p, f"cuda-alone-{i}").wait() for i, (n, p) in enumerate(jobs)]
+        cols = [submit(eng, requests[n], p, f"cuda-{i}") for i, (n, p) in enumerate(jobs)]
+        assert [c.wait().ids for c in cols] == [c.ids for c in alone]
+        for (_, p), col in zip(jobs, alone):
+            if p.guide_type:
+                jsonschema.validate(json.loads(col.text), SCHEMA)
+    finally:
+        eng.shutdown()

@@ -8,6 +8,7 @@ client that goes away mid-stream leaves no KV block used.
 from __future__ import annotations
 
 import base64
+import json
 import subprocess
 import sys
 import time
@@ -141,6 +142,23 @@ def test_stop_seed_and_sampling_reach_the_ensemble(api, server, processor):
                                          temperature=0, stop=stop)
     assert greedy.choices[0].finish_reason == "stop"
     assert greedy.choices[0].message.content == direct.text[:direct.text.index(stop)]
+
+
+def test_response_format_guides_the_answer(api):
+    import jsonschema
+
+    schema = {"type": "object", "required": ["city", "size"],
+              "properties": {"city": {"type": "string", "pattern": "^[a-z]{1,8}$"}, "size": {"enum": ["big", "small"]}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": schema, "strict": True}}
+    answer = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "A city"}], max_tokens=40,
+                                         temperature=0, response_format=fmt)
+    assert answer.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(answer.choices[0].message.content), schema)
+    status, error = _error(lambda: api.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "A city"}], max_tokens=4,
+        response_format={"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "object",
+                                                                                            "properties": 5}}}))
+    assert status == 400 and error["message"].startswith("guided_decoding_guide: invalid JSON schema")
 
 
 def _idle(values: dict) -> bool:
