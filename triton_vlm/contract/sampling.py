@@ -176,9 +176,10 @@ class SamplingParams:
     def from_inputs(cls, inputs: Mapping[str, Any]) -> SamplingParams:
         """From Triton-style inputs (see `INPUTS`, `ONE_VALUE_INPUTS`, `ALIASES`, `GUIDE_TYPE` and
         `GUIDE`), each a scalar, a list or a numpy array of shape [1] (the word lists [-1] BYTES),
-        or absent / None for the default. Other inputs are ignored. As in tensorrtllm_backend, 0 for `temperature`, `top_p` or
-        `top_k` also means "not set" (greedy, no nucleus cut, no top-k cut); words are UTF-8, an
-        undecodable byte becoming U+FFFD."""
+        or absent / None for the default. Other inputs are ignored. As in tensorrtllm_backend, 0
+        for `temperature`, `top_p` or `top_k` also means "not set" (greedy, no nucleus cut, no
+        top-k cut); words are UTF-8, an undecodable byte becoming U+FFFD; a guide type or guide
+        that is not UTF-8 is refused."""
 
         def scalar(name: str, kind: type) -> Any:
             value = inputs.get(name)

@@ -6,9 +6,10 @@ recent guides, keyed by (type, text). A request that asks for a guide gets a `Gr
 own (`Grammars.matcher`). JSON is compact (xgrammar's `any_whitespace` off, vLLM's
 `disable_any_whitespace`): free whitespace lets a weak model run on in blanks. Each step,
 `bitmask` fills the next-token masks of the sampling rows that have one, which `sample_batch`
-applies last, after penalties and the other masks, before temperature, top-k and top-p. After sampling, the engine advances each matcher with its row's token.
-A matcher terminates only on one of the request's eos ids (its stop tokens), which ends the request
-with "stop" as any eos does. Requests without a guide pay nothing: no matcher, no bitmask, and
+applies last, after penalties and the other masks, before temperature, top-k and top-p (on the
+logits' device; a CUDA graph's logits are masked after its replay). After sampling, the engine
+advances each matcher with its row's token. A matcher terminates only on one of the request's eos
+ids (its stop tokens), which ends the request with "stop" as any eos does. Requests without a guide pay nothing: no matcher, no bitmask, and
 xgrammar is not even imported until a first guided request.
 
 A preempted sequence keeps its matcher: recompute rebuilds the KV of the tokens it already has,
