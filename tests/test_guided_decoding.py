@@ -233,3 +233,29 @@ def test_guided_decoding_on_cuda_with_graphs(ckpt, requests):
                 jsonschema.validate(json.loads(col.text), SCHEMA)
     finally:
         eng.shutdown()
+
+
+def test_the_grammar_mask_comes_before_top_k_and_leaves_logits_alone():
+    """Top-k 1 keeps the best token the grammar allows (masked first), not the best one; a row
+    without a grammar beside it is untouched, and so are the logits (they feed log-probabilities)."""
+    import xgrammar as xgr
+
+    from triton_vlm.llm import NO_TOKEN, make_generator, sample_batch
+
+    logits = torch.tensor([[5.0, 4.0, 3.0, 2.0]] * 3)
+    before = logits.clone()
+    bits = xgr.allocate_token_bitmask(3, 4)
+    bits[0] = 0b1100  # tokens 2 and 3
+    bits[2] = 0       # nothing: its grammar and other masks leave no token
+    params = [SamplingParams(max_tokens=4, temperature=1.0, top_k=1)] * 3
+    tokens = sample_batch(logits, params, [make_generator(i) for i in range(3)], [None] * 3, None, (bits, [0, 2]))
+    assert tokens.tolist() == [2, 0, -2] and NO_TOKEN == -1
+    assert torch.equal(logits, before)
+
+
+def test_end_id_is_the_grammars_stop_token(engine, requests):
+    """The grammar complete, only the request's own eos id is allowed (here a plain token, whose
+    text ends the answer as an `end_id`'s does)."""
+    stop = engine.tokenizer.token_to_id("!")
+    col = submit(engine, requests["text"], guided("regex", "[a-z]{1,5}", end_id=stop), "end-id").wait()
+    assert col.finish_reason == "stop" and col.ids[-1] == stop and re.fullmatch("[a-z]{1,5}!", col.text)
