@@ -10,6 +10,7 @@ tests/test_openai_fields.py checks, in process, what every request field does.
 from __future__ import annotations
 
 import base64
+import json
 import subprocess
 import sys
 import time
@@ -234,6 +235,23 @@ def test_text_completions_send_the_raw_prompt_streamed_and_not(api, server):
         assert status == 400 and error["param"] == param, (kwargs, error)
 
 
+def test_response_format_guides_the_answer(api):
+    import jsonschema
+
+    schema = {"type": "object", "required": ["city", "size"],
+              "properties": {"city": {"type": "string", "pattern": "^[a-z]{1,8}$"}, "size": {"enum": ["big", "small"]}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": schema, "strict": True}}
+    answer = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "A city"}], max_tokens=40,
+                                         temperature=0, response_format=fmt)
+    assert answer.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(answer.choices[0].message.content), schema)
+    status, error = _error(lambda: api.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "A city"}], max_tokens=4,
+        response_format={"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "object",
+                                                                                            "properties": 5}}}))
+    assert status == 400 and error["message"].startswith("guided_decoding_guide: invalid JSON schema")
+
+
 def _idle(values: dict) -> bool:
     return (values.get("triton_vlm_llm_requests:running") == 0 and values.get("triton_vlm_llm_requests:waiting") == 0
             and values.get("triton_vlm_llm_kv_blocks:used") == 0)
@@ -288,9 +306,8 @@ def test_errors_are_openais(api, stream):
     assert (status, error["message"]) == (400, "frequency_penalty: must be in [-2, 2], got 2.5")
     status, error = _error(chat("hi", logprobs=True, top_logprobs=2))  # refused by name, not ignored
     assert status == 400 and error["param"] == "top_logprobs"
-    status, error = _error(chat("hi", response_format={"type": "json_schema", "json_schema": {
-        "name": "answer", "schema": {"type": "object"}}}))
-    assert status == 400 and error["param"] == "response_format" and "constrained decoding" in error["message"]
+    status, error = _error(chat("hi", response_format={"type": "json_schema"}))
+    assert status == 400 and error["param"] == "response_format"
     status, error = _error(chat("hi", extra_body={"temprature": 0.5}))
     assert status == 400 and error["param"] == "temprature"
     status, error = _error(lambda: api.chat.completions.create(model="gpt-4o", messages=[{"role": "user",

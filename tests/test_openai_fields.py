@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 from typing import Any, Callable
 
-import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from openai.types import completion_create_params as text_params
@@ -97,7 +96,8 @@ HONOURED: dict[str, tuple[Any, Check]] = {
                                                                    "total_tokens": 10}),
     "logprobs": (True, lambda sent, r: sent["return_log_probs"] is True
                  and [c["logprob"] for c in r.json()["choices"][0]["logprobs"]["content"]] == LOGPROBS),
-    "response_format": ({"type": "text"}, lambda sent, r: "guided_decoding_guide_type" not in sent),
+    "response_format": ({"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}},
+                        lambda sent, r: _guide(sent) == ("json_schema", '{"type": "object"}')),
 }
 # vLLM's extensions the ensemble has a control for
 VLLM_HONOURED: dict[str, tuple[Any, Check]] = {
@@ -105,7 +105,17 @@ VLLM_HONOURED: dict[str, tuple[Any, Check]] = {
     "repetition_penalty": (1.5, lambda sent, r: sent["repetition_penalty"] == 1.5),
     "min_tokens": (2, lambda sent, r: sent["min_tokens"] == 2),
     "bad_words": (["no"], lambda sent, r: sent["bad_words"] == [b"no"]),
+    "guided_json": ({"type": "object"}, lambda sent, r: _guide(sent) == ("json_schema", '{"type": "object"}')),
+    "guided_regex": ("a+", lambda sent, r: _guide(sent) == ("regex", "a+")),
+    "guided_choice": (["a", "b"], lambda sent, r: _guide(sent) == ("ebnf_grammar", 'root ::= "a" | "b"')),
+    "guided_grammar": ('root ::= "a"', lambda sent, r: _guide(sent) == ("ebnf_grammar", 'root ::= "a"')),
 }
+
+
+def _guide(sent: dict) -> tuple[str | None, str | None]:
+    """The constrained decoding inputs the ensemble received: (guide type, guide)."""
+    return tuple(sent[k].decode() if k in sent else None
+                 for k in ("guided_decoding_guide_type", "guided_decoding_guide"))
 # accepted and unused, as vLLM does; the request is the plain one
 NO_OPS = {"user": "u-1", "metadata": {"k": "v"}, "safety_identifier": "h", "prompt_cache_key": "k",
           "parallel_tool_calls": True, "store": False, "service_tier": "auto"}
@@ -123,17 +133,17 @@ VLLM_REFUSED = {
     "spaces_between_special_tokens": False, "truncate_prompt_tokens": 4, "prompt_logprobs": 1,
     "allowed_token_ids": [1], "logits_processors": ["m.P"], "return_tokens_as_token_ids": True, "priority": 1,
     "request_id": "r", "cache_salt": "s", "kv_transfer_params": {}, "vllm_xargs": {"a": 1},
-    "structural_tag": "{}", "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ",
+    "structural_tag": "{}", "guided_decoding_backend": "outlines", "guided_whitespace_pattern": " ",
     "echo": True, "add_generation_prompt": False, "continue_final_message": True, "add_special_tokens": True,
     "documents": [{"title": "t", "text": "x"}], "chat_template": "{{ x }}", "chat_template_kwargs": {"a": 1},
-    "mm_processor_kwargs": {"fps": 1}, "guided_json": {"type": "object"}, "guided_regex": "a+",
-    "guided_choice": ["a", "b"], "guided_grammar": 'root ::= "a"',
+    "mm_processor_kwargs": {"fps": 1},
 }
 # The refused ones with a value that asks for nothing (or what the server does anyway): accepted.
 ACCEPTED_DEFAULTS = {"n": 1, "logit_bias": {}, "top_logprobs": 0, "tools": [], "tool_choice": "none",
                      "modalities": ["text"], "service_tier": "default", "min_p": 0, "best_of": 1, "length_penalty": 1,
                      "stop_token_ids": [], "skip_special_tokens": True, "ignore_eos": False, "echo": False,
-                     "add_generation_prompt": True, "priority": 0, "audio": None, "function_call": "none"}
+                     "add_generation_prompt": True, "priority": 0, "audio": None, "function_call": "none",
+                     "guided_decoding_backend": "xgrammar"}
 
 
 def _value(name: str, honoured: dict[str, tuple[Any, Check]], no_ops: dict[str, Any], refused: dict[str, Any]) -> Any:
@@ -153,9 +163,6 @@ def test_each_chat_field_is_honoured_or_refused_by_name(api, name):
                     if name == "response_format" else _value(name, HONOURED, NO_OPS, REFUSED))}
     if name in ("stream_options", "stream"):
         extra.update(stream=True)
-    if name == "response_format":  # a constraint: refused until the ensemble takes one
-        _expect_refused(_chat(api, **extra)[0], name)
-        extra = {name: HONOURED[name][0]}
     response, sent = _chat(api, **extra)
     if name in REFUSED:
         _expect_refused(response, name)
@@ -198,12 +205,13 @@ def test_an_unknown_field_is_refused_not_ignored(api, call):
     assert "refused, not ignored" in response.json()["error"]["message"]
 
 
-def test_json_modes_and_stream_options_without_a_stream_are_refused_by_name(api):
-    for form in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "n", "schema": {}}}):
-        response, _ = _chat(api, response_format=form)
-        _expect_refused(response, "response_format")
-        assert "constrained decoding" in response.json()["error"]["message"]
-    assert _chat(api, response_format={"type": "text"})[0].status_code == 200
+def test_json_modes_reach_the_ensemble_and_stream_options_without_a_stream_are_refused_by_name(api):
+    for form, guide in (({"type": "json_object"}, ("json", None)),
+                        ({"type": "json_schema", "json_schema": {"name": "n", "schema": {}}}, ("json_schema", "{}"))):
+        response, sent = _chat(api, response_format=form)
+        assert response.status_code == 200 and _guide(sent) == guide, response.text
+    response, sent = _chat(api, response_format={"type": "text"})
+    assert response.status_code == 200 and _guide(sent) == (None, None)
     _expect_refused(_chat(api, stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})[0],
                     "stream_options.continuous_usage_stats")
     _expect_refused(_chat(api, stream_options={"include_usage": True})[0], "stream_options")
@@ -302,12 +310,10 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
      Guide("guided_grammar", "ebnf_grammar", 'root ::= "a" "b"*'), "abb", "ba"),
 ])
 def test_guided_decoding_maps_to_the_ensembles_two_inputs(fields, guide, accepts, refuses):
-    assert guided_decoding(fields) == guide
-    inputs = {name: array.tolist() for name, (array, dtype) in guide.inputs().items() if dtype == "BYTES"}
-    assert inputs == {"guided_decoding_guide_type": [guide.guide_type.encode()],
-                      **({"guided_decoding_guide": [guide.guide.encode()]} if guide.guide is not None else {})}
-    xgrammar = pytest.importorskip("xgrammar")
+    import xgrammar
     from xgrammar.testing import _is_grammar_accept_string
+
+    assert guided_decoding(fields) == guide
 
     grammar = {"json": lambda g: xgrammar.Grammar.builtin_json_grammar(),
                "json_schema": xgrammar.Grammar.from_json_schema, "regex": xgrammar.Grammar.from_regex,
@@ -334,7 +340,3 @@ def test_guided_decoding_refuses_by_field(fields, param, message):
         guided_decoding(fields)
     assert raised.value.param == param
 
-
-def test_the_guided_inputs_are_numpy_bytes():
-    (array, dtype), = Guide("p", "json", None).inputs().values()
-    assert dtype == "BYTES" and array.dtype == np.object_ and array.shape == (1,)

@@ -2,6 +2,7 @@
 Qwen2.5-VL checkpoint), checked against transformers' `generate` with its own logits processors."""
 from __future__ import annotations
 
+import json
 import queue
 
 import numpy as np
@@ -39,6 +40,7 @@ TRTLLM_INPUTS = {
     "return_context_logits": tensor(False, "BOOL"), "return_generation_logits": tensor(False, "BOOL"),
     "return_perf_metrics": tensor(False, "BOOL"), "return_num_input_tokens": tensor(True, "BOOL"),
     "return_num_output_tokens": tensor(True, "BOOL"), "stream": tensor(True, "BOOL"),
+    "guided_decoding_guide_type": tensor("regex", "BYTES"), "guided_decoding_guide": tensor("[a-z ]{1,80}", "BYTES"),
 }
 
 
@@ -230,6 +232,10 @@ REFUSED = {
     "end_id": (tensor(-1, "INT32"), "end_id: must be a token id >= 0, got -1"),
     "pad_id": (tensor(-1, "INT32"), "pad_id: must be a token id >= 0, got -1"),
     "bad_words": (tensor([""], "BYTES"), "bad_words[0]: must be a non-empty string"),
+    "guided_decoding_guide_type": (tensor("xml", "BYTES"), "guided_decoding_guide_type: must be one of json, "
+                                                           "json_schema, regex, ebnf_grammar, got 'xml'"),
+    "guided_decoding_guide": (tensor("[a-z]+", "BYTES"), "guided_decoding_guide: given without "
+                                                         "guided_decoding_guide_type"),
 }
 
 
@@ -241,7 +247,9 @@ def test_refusals_name_the_input(server, hf, name):
     with pytest.raises(RequestError) as error:
         stream(server, values(**{name: value}))
     assert message in str(error.value)
-    body = {name: [w.decode() for w in value[0].tolist()] if name == "bad_words" else value[0].tolist()[0]}
+    first = value[0].tolist()[0]
+    body = {name: [w.decode() for w in value[0].tolist()] if name == "bad_words" else
+            first.decode() if isinstance(first, bytes) else first}
     with pytest.raises(RequestError) as error:
         http_generate(server.http_url, generate_payload(PROMPT, max_tokens=N, **body))
     assert "HTTP 400" in str(error.value) and message in str(error.value)
@@ -253,6 +261,32 @@ def test_refusals_name_the_input(server, hf, name):
     with pytest.raises(RequestError) as error:
         stream(server, direct, model="llm")
     assert message in str(error.value)
+
+
+def test_guided_decoding_and_a_guide_that_does_not_compile(server):
+    """A JSON schema honoured over gRPC and HTTP; one xgrammar cannot compile refused by the llm
+    naming the input, and the server serves on."""
+    import jsonschema
+
+    schema = {"type": "object", "required": ["name", "color"],
+              "properties": {"name": {"type": "string", "pattern": "^[a-z]{1,8}$"}, "color": {"enum": ["red", "blue"]}}}
+    guide = dict(guided_decoding_guide_type=tensor("json_schema", "BYTES"),
+                 guided_decoding_guide=tensor(json.dumps(schema), "BYTES"))
+    results = stream(server, values(40, **guide))
+    text = "".join(r.as_numpy("text_output")[0].decode() for r in results)
+    jsonschema.validate(json.loads(text), schema)
+    assert results[-1].as_numpy("finish_reason")[0] == b"stop"
+    (answer,) = http_generate(server.http_url, generate_payload(PROMPT, max_tokens=40, guided_decoding_guide_type=
+                                                                "json_schema", guided_decoding_guide=json.dumps(schema)))
+    assert answer["output_ids"] == output_ids(results)
+    message = "guided_decoding_guide: invalid JSON schema: properties must be an object"
+    bad = dict(guide, guided_decoding_guide=tensor('{"type": "object", "properties": 5}', "BYTES"))
+    with pytest.raises(RequestError, match=message):
+        stream(server, values(**bad))
+    with pytest.raises(RequestError, match=message):
+        http_generate(server.http_url, generate_payload(PROMPT, max_tokens=N, guided_decoding_guide_type="json_schema",
+                                                        guided_decoding_guide='{"type": "object", "properties": 5}'))
+    assert output_ids(stream(server, values(40, **guide))) == output_ids(results)
 
 
 def test_an_end_id_outside_the_vocabulary_is_refused_by_the_llm(server, hf):

@@ -2,7 +2,7 @@
 that ships only a SentencePiece model (`tokenizer.model`, e.g. MiniCPM-V 2.0's slow
 `LlamaTokenizer`), `SentencePieceTokenizer`, which encodes as that slow tokenizer does in its
 `legacy` mode. Both answer the calls the server makes (`encode`, `encode_batch`, `decode`,
-`token_to_id`).
+`token_to_id`; `get_vocab` for guided decoding, `triton_vlm.llm.engine.grammar`).
 
 Why not convert the SentencePiece model to `tokenizer.json`: the slow tokenizer splits the text on
 its added tokens and encodes each piece with SentencePiece, which prepends its dummy prefix `▁` to
@@ -58,6 +58,18 @@ class SentencePieceTokenizer:
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[Encoding]:
         return [self.encode(text, add_special_tokens) for text in texts]
+
+    @property
+    def sp_model(self) -> Any:
+        """The SentencePiece model, under the name transformers' tokenizers give it (which
+        xgrammar's `TokenizerInfo.from_huggingface` reads)."""
+        return self.sp
+
+    def get_vocab(self) -> dict[str, int]:
+        """Every piece of the model and every added token, with its id (transformers' `get_vocab`)."""
+        vocab = {self.sp.id_to_piece(i): i for i in range(self.sp.get_piece_size())}
+        vocab.update(self.added)
+        return vocab
 
     def token_to_id(self, token: str) -> int | None:
         if token in self.added:

@@ -70,7 +70,10 @@ def _sampling_values(max_tokens, temperature, top_p, top_k, seed, stop_words, st
 def request_values(prompt: str, images=(), videos=(), mm_options: dict | None = None, max_tokens: int = 64,
                    temperature=None, top_p=None, top_k=None, seed=None, stop_words=None, repetition_penalty=None,
                    stream: bool = True, min_tokens=None, presence_penalty=None, frequency_penalty=None,
-                   bad_words=None, return_log_probs=None) -> dict[str, tuple]:
+                   bad_words=None, return_log_probs=None, guide_type: str | None = None,
+                   guide: str | None = None) -> dict[str, tuple]:
+    """The ensemble's inputs; `guide_type` and `guide` are `guided_decoding_guide_type` and
+    `guided_decoding_guide` (`triton_vlm.contract.sampling.GUIDE_TYPES`)."""
     values = {"text_input": (np.array([prompt.encode()], np.object_), "BYTES")}
     for name, items in (("images", images), ("videos", videos)):
         if items:
@@ -79,6 +82,9 @@ def request_values(prompt: str, images=(), videos=(), mm_options: dict | None = 
         values["mm_options"] = (np.array([json.dumps(mm_options).encode()], np.object_), "BYTES")
     values.update(_sampling_values(max_tokens, temperature, top_p, top_k, seed, stop_words, stream, repetition_penalty,
                                    min_tokens, presence_penalty, frequency_penalty, bad_words, return_log_probs))
+    for name, text in (("guided_decoding_guide_type", guide_type), ("guided_decoding_guide", guide)):
+        if text is not None:
+            values[name] = (np.array([text.encode()], np.object_), "BYTES")
     return values
 
 

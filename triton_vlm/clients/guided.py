@@ -13,8 +13,6 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-import numpy as np
-
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
@@ -32,13 +30,6 @@ class Guide:
     param: str
     guide_type: str
     guide: str | None
-
-    def inputs(self) -> dict[str, tuple[np.ndarray, str]]:
-        """The ensemble inputs, as `client.request_values` writes them: name -> (array, datatype)."""
-        values = {"guided_decoding_guide_type": (np.array([self.guide_type.encode()], np.object_), "BYTES")}
-        if self.guide is not None:
-            values["guided_decoding_guide"] = (np.array([self.guide.encode()], np.object_), "BYTES")
-        return values
 
 
 def _schema_text(param: str, schema: Any) -> str:

@@ -9,8 +9,8 @@ and what each field does: every field is honoured, accepted as a no-op, or refus
 - `ONLY`: accepted with the values listed (what asks for nothing, or what the server does anyway),
   refused otherwise; OpenAI's fields this server cannot honour and vLLM's extensions the ensemble
   has no control for.
-- `response_format` and vLLM's `guided_*`: read by `guided.guided_decoding`; a constraint is refused
-  until the ensemble takes one (`ensemble_values` says where it is wired).
+- `response_format` and vLLM's `guided_*`: read by `guided.guided_decoding`, sent as the ensemble's
+  constrained decoding inputs (`guided_decoding_guide_type`, `guided_decoding_guide`).
 - Any other field (neither OpenAI's nor vLLM's) is refused: nothing is silently ignored.
 """
 from __future__ import annotations
@@ -24,7 +24,6 @@ from triton_vlm.clients.guided import GUIDED_FIELDS, InvalidRequestField, guided
 
 # Fields accepted and unused, on both endpoints.
 NO_OPS = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key", "parallel_tool_calls"})
-_NO_CONSTRAINT = "no constrained decoding"
 # name -> (the values accepted, why no other): OpenAI's fields, then vLLM's extensions.
 _COMMON: dict[str, tuple[tuple[Any, ...], str]] = {
     "n": ((None, 1), "one choice per request"),
@@ -50,9 +49,10 @@ _COMMON: dict[str, tuple[tuple[Any, ...], str]] = {
     "cache_salt": ((None,), "no salted prefix cache"),
     "kv_transfer_params": ((None,), "no disaggregated serving"),
     "vllm_xargs": ((None,), "no custom extensions"),
-    "structural_tag": ((None,), _NO_CONSTRAINT),
-    "guided_decoding_backend": ((None,), _NO_CONSTRAINT),
-    "guided_whitespace_pattern": ((None,), _NO_CONSTRAINT),
+    "structural_tag": ((None,), "no structural tags (constraints: response_format, guided_json, guided_regex, "
+                               "guided_choice, guided_grammar)"),
+    "guided_decoding_backend": ((None, "xgrammar"), "the llm constrains decoding with xgrammar"),
+    "guided_whitespace_pattern": ((None,), "JSON is constrained compact, with no free whitespace"),
 }
 CHAT_ONLY = {**_COMMON,
              "top_logprobs": ((None, 0), "only the chosen token's log-probability is returned"),
@@ -168,17 +168,15 @@ class SamplingRequest(BaseModel):
                         logprobs: bool) -> dict[str, tuple]:
         """The ensemble's inputs (`client.request_values`) for this request, with the endpoint's
         `max_tokens` and `logprobs` (whether to return the chosen tokens' log-probabilities)."""
-        values = request_values(prompt, images, videos, max_tokens=max_tokens, temperature=self.temperature,
-                                top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-                                repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
-                                frequency_penalty=self.frequency_penalty, min_tokens=self.min_tokens,
-                                stop_words=[self.stop] if isinstance(self.stop, str) else self.stop,
-                                bad_words=self.bad_words, stream=bool(self.stream),
-                                return_log_probs=True if logprobs else None)
         guide = guided_decoding({name: getattr(self, name) for name in ("response_format", *GUIDED_FIELDS)})
-        if guide is not None:  # once the ensemble takes a guide, this line is `values.update(guide.inputs())`
-            raise InvalidRequestField(guide.param, f"constrained decoding ({guide.guide_type}) is not served yet")
-        return values
+        return request_values(prompt, images, videos, max_tokens=max_tokens, temperature=self.temperature,
+                              top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+                              repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty, min_tokens=self.min_tokens,
+                              stop_words=[self.stop] if isinstance(self.stop, str) else self.stop,
+                              bad_words=self.bad_words, stream=bool(self.stream),
+                              return_log_probs=True if logprobs else None,
+                              guide_type=guide and guide.guide_type, guide=guide and guide.guide)
 
 
 class ChatRequest(SamplingRequest):

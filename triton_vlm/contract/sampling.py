@@ -35,6 +35,27 @@ def _words(name: str, words: Any) -> list[str]:
     return words
 
 
+def _text(inputs: Mapping[str, Any], name: str) -> str | None:
+    """A BYTES [1] input as text (UTF-8, refused if it is not), or None where absent."""
+    value = inputs.get(name)
+    if value is None:
+        return None
+    if hasattr(value, "reshape"):
+        value = value.reshape(-1).tolist()
+    if isinstance(value, (list, tuple)):
+        if len(value) != 1:
+            raise InvalidInput(f"{name}: expected one value, got {len(value)}")
+        value = value[0]
+    if isinstance(value, (bytes, bytearray)):
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise InvalidInput(f"{name}: not UTF-8 ({error.reason} at byte {error.start})") from None
+    if not isinstance(value, str):
+        raise InvalidInput(f"{name}: must be text, got {value!r}")
+    return value
+
+
 def _show(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else f"{value:g}" if isinstance(value, float) else str(value)
 
@@ -63,6 +84,12 @@ class SamplingParams:
     return_log_probs: bool = False       # the `cum_log_probs` / `output_log_probs` outputs
     return_num_input_tokens: bool = True   # the `num_input_tokens` output (on by default, unlike tensorrtllm_backend)
     return_num_output_tokens: bool = True  # the `num_output_tokens` output (likewise)
+    # Guided (structured) decoding, tensorrtllm_backend's `guided_decoding_guide_type` and
+    # `guided_decoding_guide`: None (off), or a `GUIDE_TYPES` key; the guide is the JSON schema, the
+    # regular expression or the EBNF grammar (GBNF, as xgrammar reads it), None for "json" (any JSON
+    # object). Compiled by the engine, which refuses one it cannot compile.
+    guide_type: str | None = None
+    guide: str | None = None
     # Set by `for_model` when the engine takes the request.
     eos_token_ids: frozenset[int] = frozenset()
     bad_word_ids: tuple[tuple[int, ...], ...] = ()
@@ -102,6 +129,23 @@ class SamplingParams:
         for name in ("return_log_probs", "return_num_input_tokens", "return_num_output_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidInput(f"{name}: must be true or false, got {getattr(self, name)!r}")
+        self._check_guide()
+
+    def _check_guide(self) -> None:
+        """A known guide type, with a guide where it needs one and none where it takes none."""
+        kind, guide = self.guide_type, self.guide
+        if kind is None:
+            if guide is not None:
+                raise InvalidInput(f"{GUIDE}: given without {GUIDE_TYPE}")
+            return
+        if kind not in GUIDE_TYPES:
+            raise InvalidInput(f"{GUIDE_TYPE}: must be one of {', '.join(GUIDE_TYPES)}, got {kind!r}")
+        if not GUIDE_TYPES[kind]:
+            if guide is not None:
+                raise InvalidInput(f"{GUIDE}: not taken with {GUIDE_TYPE} {kind} (any JSON object)")
+        elif not isinstance(guide, str) or not guide.strip():
+            raise InvalidInput(f"{GUIDE}: required with {GUIDE_TYPE} {kind}"
+                               + ("" if guide is None else ", got an empty one"))
 
     @property
     def greedy(self) -> bool:
@@ -130,11 +174,12 @@ class SamplingParams:
 
     @classmethod
     def from_inputs(cls, inputs: Mapping[str, Any]) -> SamplingParams:
-        """From Triton-style inputs (see `INPUTS`, `ONE_VALUE_INPUTS`, `ALIASES`), each a scalar, a
-        list or a numpy array of shape [1] (the word lists [-1] BYTES), or absent / None for the
-        default. Other inputs are ignored. As in tensorrtllm_backend, 0 for `temperature`, `top_p` or
-        `top_k` also means "not set" (greedy, no nucleus cut, no top-k cut); words are UTF-8, an
-        undecodable byte becoming U+FFFD."""
+        """From Triton-style inputs (see `INPUTS`, `ONE_VALUE_INPUTS`, `ALIASES`, `GUIDE_TYPE` and
+        `GUIDE`), each a scalar, a list or a numpy array of shape [1] (the word lists [-1] BYTES),
+        or absent / None for the default. Other inputs are ignored. As in tensorrtllm_backend, 0
+        for `temperature`, `top_p` or `top_k` also means "not set" (greedy, no nucleus cut, no
+        top-k cut); words are UTF-8, an undecodable byte becoming U+FFFD; a guide type or guide
+        that is not UTF-8 is refused."""
 
         def scalar(name: str, kind: type) -> Any:
             value = inputs.get(name)
@@ -181,6 +226,10 @@ class SamplingParams:
             if value is not None and value != only:
                 raise InvalidInput(f"{name}: {_show(value)} is not supported ({why}); "
                                    f"send {_show(only)} or leave it out")
+        for name, field_name in ((GUIDE_TYPE, "guide_type"), (GUIDE, "guide")):
+            value = _text(inputs, name)
+            if value is not None:
+                kwargs[field_name] = value
         for name in ("stop_words", "bad_words"):
             words = inputs.get(name)
             if words is not None:
@@ -205,6 +254,11 @@ INPUTS: dict[str, tuple[type, tuple]] = {
     "pad_id": (int, (None,)), "return_log_probs": (bool, (None,)), "return_num_input_tokens": (bool, (None,)),
     "return_num_output_tokens": (bool, (None,)),
 }
+# tensorrtllm_backend's guided decoding inputs (BYTES [1] each), and its guide types, each with
+# whether it takes a guide: "json" any JSON object, "json_schema" a JSON schema (as text),
+# "regex" a regular expression, "ebnf_grammar" an EBNF grammar (GBNF, its start rule `root`).
+GUIDE_TYPE, GUIDE = "guided_decoding_guide_type", "guided_decoding_guide"
+GUIDE_TYPES = {"json": False, "json_schema": True, "regex": True, "ebnf_grammar": True}
 # Older tensorrtllm_backend names of two inputs (genai-perf 0.0.16 sends `min_length`).
 ALIASES = {"random_seed": "seed", "min_length": "min_tokens"}
 # tensorrtllm_backend inputs served with one value only (absent: that value): (type, value, why).

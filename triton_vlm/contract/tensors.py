@@ -66,7 +66,8 @@ SAMPLING_INPUTS = (
         ("random_seed", "UINT64", (1,)), ("beam_width", "INT32", (1,)), ("num_return_sequences", "INT32", (1,)),
         ("return_log_probs", "BOOL", (1,)), ("return_context_logits", "BOOL", (1,)),
         ("return_generation_logits", "BOOL", (1,)), ("return_perf_metrics", "BOOL", (1,)),
-        ("return_num_input_tokens", "BOOL", (1,)), ("return_num_output_tokens", "BOOL", (1,)))),
+        ("return_num_input_tokens", "BOOL", (1,)), ("return_num_output_tokens", "BOOL", (1,)),
+        ("guided_decoding_guide_type", "BYTES", (1,)), ("guided_decoding_guide", "BYTES", (1,)))),
 )
 # tensorrtllm_backend's `stop`: a request with this set ends the in-flight request of the same id.
 STOP_INPUT = TensorSpec("stop", "BOOL", (1,), optional=True)

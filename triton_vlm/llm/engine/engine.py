@@ -7,6 +7,8 @@ The engine is the loop that joins four parts, each one idea (as nano-vllm's and 
 - `ModelRunner` (`runner.py`): the KV cache and state tensors on the model's device, the step's
   batch and attention metadata built once, the forward pass, sampling;
 - `OutputProcessor` (`output.py`): detokenisation, stop words, finish reasons, emits.
+Guided decoding (`Grammars`, `grammar.py`) compiles a request's guide when it is checked, gives
+it a matcher, whose mask the runner applies before sampling and which each sampled token advances.
 `submit` checks a request (`InputProcessor`, `inputs.py`: INVALID_ARG before anything is queued or
 taken) and queues it; the scheduler thread then runs steps while anything is waiting or running.
 Its settings are `LLMOptions`' (`triton_vlm.contract.params`), the `llm` model's parameters. Cancellation (`cancel`,
@@ -30,10 +32,11 @@ from triton_vlm.devices import dtype_name
 from triton_vlm.errors import InvalidInput, busy
 from triton_vlm.llm.distributed.sharding import Shard
 from triton_vlm.llm.engine.block_manager import BlockManager
+from triton_vlm.llm.engine.grammar import Grammars
 from triton_vlm.llm.engine.inputs import InputProcessor
 from triton_vlm.llm.engine.output import OutputProcessor
 from triton_vlm.llm.engine.runner import ModelRunner
-from triton_vlm.llm.engine.sampling import NO_TOKEN, SamplingParams, make_generator
+from triton_vlm.llm.engine.sampling import NO_ALLOWED_TOKEN, NO_TOKEN, SamplingParams, make_generator
 from triton_vlm.llm.engine.scheduler import Scheduler, SchedulerOutput
 from triton_vlm.llm.engine.sequence import Sequence
 from triton_vlm.llm.engine.streaming import GenerationOutput, IncrementalDetokenizer
@@ -143,9 +146,11 @@ class Engine:
                  block_size, self.kv_bytes_per_token, dtype_name(self.model.dtype), self.model.device,
                  self.runner.kv.nbytes / (1 << 20))
         self.pool_tokens = num_blocks * block_size
+        self.grammars = Grammars(self.tokenizer, c.vocab_size, self.eos_token_ids)
         self.inputs = InputProcessor(self.model, self.eos_token_ids,
                                      lambda word: self.tokenizer.encode(word, add_special_tokens=False).ids,
-                                     self.context_length, self.pool_tokens, block_size, self.prefix_caching)
+                                     self.context_length, self.pool_tokens, block_size, self.prefix_caching,
+                                     self.grammars)
 
     # ---- counters ------------------------------------------------------------------------------
     @property
@@ -188,7 +193,9 @@ class Engine:
                        delta=prompt.delta, params=prompt.params, emit=emit, is_cancelled=is_cancelled,
                        generator=make_generator(prompt.params.seed, self.runner.device),
                        detok=IncrementalDetokenizer(self.tokenizer, tail), keys=prompt.keys,
-                       queued_since=self.clock())
+                       queued_since=self.clock(),
+                       grammar=None if prompt.grammar is None else
+                       self.grammars.matcher(prompt.grammar, prompt.params.eos_token_ids))
         with self._lock:
             if self._stop:
                 raise RuntimeError("engine is shut down")
@@ -327,6 +334,14 @@ class Engine:
                 log.error("request %s: its logits are not finite, no token to sample", seq.request_id)
                 self.output.finish(seq, "error", error="internal error: non-finite logits")
                 continue
+            if token == NO_ALLOWED_TOKEN:
+                self.output.finish(seq, "error", error="guided decoding: its grammar and min_tokens / bad_words "
+                                                       "leave no token to sample")
+                continue
+            if seq.grammar is not None and not seq.grammar.accept_token(token):
+                log.error("request %s: its grammar refused the sampled token %d", seq.request_id, token)
+                self.output.finish(seq, "error", error="internal error: the grammar refused a sampled token")
+                continue
             try:
                 self.output.on_token(seq, token, None if host_logits is None else host_logits[i], logprob)
             except Exception as e:
@@ -359,7 +374,7 @@ class Engine:
     def _release(self, seq: Sequence) -> None:
         """Before a request's final emit: its blocks and state slot go back, its id is free again."""
         self.scheduler.finish(seq)
-        seq.embeddings = seq.emb_index = None
+        seq.embeddings = seq.emb_index = seq.grammar = None
         self.num_running = len(self.scheduler.running)
         self.num_finished += 1
         with self._lock:

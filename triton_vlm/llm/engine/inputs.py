@@ -3,22 +3,26 @@
 
 The prompt's token ids (in the vocabulary, inside the context and the KV cache pool with
 `max_tokens`), the vision rows of its placeholder tokens, its M-RoPE positions ([3, n]; plain
-`arange` on all axes for a text-only prompt) and decode delta, completed for EVS-pruned media, and
-the prefix-cache keys of its full blocks.
+`arange` on all axes for a text-only prompt) and decode delta, completed for EVS-pruned media, the
+prefix-cache keys of its full blocks, and the compiled grammar of its guide, if it has one.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
 
 from triton_vlm.errors import InvalidInput
 from triton_vlm.llm.engine.block_manager import block_keys
+from triton_vlm.llm.engine.grammar import Grammars
 from triton_vlm.llm.engine.sampling import SamplingParams
 from triton_vlm.llm.model import DecoderModel
 from triton_vlm.media.mrope import complete_positions
+
+if TYPE_CHECKING:
+    import xgrammar
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,7 @@ class Prompt:
     emb_index: torch.Tensor | None       # [n] long: each token's row of `embeddings`, or -1
     keys: list[bytes]                    # prefix-cache keys of full prompt blocks ([] without the cache)
     params: SamplingParams               # as this model applies them (`SamplingParams.for_model`)
+    grammar: "xgrammar.CompiledGrammar | None" = None  # the guide's, where the request has one
 
 
 def as_tensor(value: Any, name: str, dtype: torch.dtype) -> torch.Tensor:
@@ -62,11 +67,12 @@ def completed_positions(pos: torch.Tensor, mask: torch.Tensor, media_position_id
 
 class InputProcessor:
     """Checks requests for one model, its context (`context_length`) and KV cache pool
-    (`pool_tokens`); `encode(word)` gives a stop or bad word's token ids."""
+    (`pool_tokens`); `encode(word)` gives a stop or bad word's token ids, `grammars` compiles guides."""
 
     def __init__(self, model: DecoderModel, eos_token_ids: frozenset[int], encode: Callable[[str], list[int]],
-                 context_length: int, pool_tokens: int, block_size: int, prefix_caching: bool) -> None:
-        self.model, self.eos_token_ids, self.encode = model, eos_token_ids, encode
+                 context_length: int, pool_tokens: int, block_size: int, prefix_caching: bool,
+                 grammars: Grammars) -> None:
+        self.model, self.eos_token_ids, self.encode, self.grammars = model, eos_token_ids, encode, grammars
         self.context_length, self.pool_tokens = context_length, pool_tokens
         self.block_size, self.prefix_caching = block_size, prefix_caching
 
@@ -104,7 +110,8 @@ class InputProcessor:
         keys = block_keys(ids, pos, emb, mask, self.block_size) if self.prefix_caching else []
         if emb is not None:  # keyed by the float32 rows above; cast once for the model
             emb = emb.to(self.model.device, self.model.dtype)
-        return Prompt(ids, pos, delta, emb, emb_index, keys, params)
+        grammar = None if params.guide_type is None else self.grammars.compile(params.guide_type, params.guide)
+        return Prompt(ids, pos, delta, emb, emb_index, keys, params, grammar)
 
     def _check_room(self, n: int, max_tokens: int) -> None:
         """The prompt and its answer fit the context and the KV cache pool."""

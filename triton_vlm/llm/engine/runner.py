@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from triton_vlm.errors import InvalidInput
 from triton_vlm.llm.attention.base import AttentionBackend, SeqRows, TorchAttention
 from triton_vlm.llm.attention.cache import KVCache, StateCache
+from triton_vlm.llm.engine.grammar import bitmask
 from triton_vlm.llm.engine.sampling import sample_batch, token_logprobs
 from triton_vlm.llm.engine.scheduler import ScheduledChunk
 from triton_vlm.llm.layers.linear_attention import RecurrentRows
@@ -132,12 +133,13 @@ class ModelRunner:
 
     def sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> tuple[list[int], list[float | None]]:
         """The next token of every chunk that samples, in order (`NO_TOKEN` for a row whose logits are
-        not finite): one batched draw on the device, one host copy; and its log-probability
-        (`token_logprobs`) where the request asks for it, else None."""
+        not finite): one batched draw on the device, one host copy (and, with guided rows, one copy
+        of their bitmask to the device); and its log-probability (`token_logprobs`) where the
+        request asks for it, else None."""
         seqs = [c.seq for c in chunks if c.samples]
         context = [torch.tensor(s.tokens) if s.params.reads_context else None for s in seqs]
         tokens = sample_batch(logits, [s.params for s in seqs], [s.generator for s in seqs], context,
-                              [s.num_generated for s in seqs])
+                              [s.num_generated for s in seqs], bitmask([s.grammar for s in seqs], logits.shape[1]))
         logprobs: list[float | None] = [None] * len(seqs)
         rows = [i for i, s in enumerate(seqs) if s.params.return_log_probs]
         if rows:

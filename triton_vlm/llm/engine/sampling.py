@@ -2,7 +2,8 @@
 
 `sample_batch` draws one token per row of a [rows, vocab] logits batch on the logits' device, in
 transformers' order: repetition penalty, then vLLM's frequency and presence penalties, the masks
-(eos before `min_tokens`, bad words), then (sampled rows) temperature, top-k, top-p, softmax and
+(eos before `min_tokens`, bad words), the grammar's mask of guided rows last (as vLLM applies it,
+`triton_vlm.llm.engine.grammar`), then (sampled rows) temperature, top-k, top-p, softmax and
 one `torch.multinomial` draw. Each request owns a `torch.Generator` seeded from its `seed`, and a row
 draws its noise from its own generator only, so the same seed gives the same tokens whatever else
 is in the batch.
@@ -16,10 +17,12 @@ import torch
 import torch.nn.functional as F
 
 from triton_vlm.contract.sampling import SamplingParams
+from triton_vlm.llm.engine.grammar import apply_bitmask
 
-__all__ = ["NO_TOKEN", "SamplingParams", "make_generator", "sample_batch", "token_logprobs"]
+__all__ = ["NO_ALLOWED_TOKEN", "NO_TOKEN", "SamplingParams", "make_generator", "sample_batch", "token_logprobs"]
 
 NO_TOKEN = -1  # `sample_batch`'s id for a row without a distribution (NaN scores or probabilities)
+NO_ALLOWED_TOKEN = -2  # its id for a guided row whose grammar and other masks (min_tokens, bad words) leave none
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
@@ -136,12 +139,15 @@ def _warped(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Ten
 def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams],
                  generators: Sequence[torch.Generator | None],
                  context_ids: Sequence[torch.Tensor | None],
-                 num_generated: Sequence[int] | None = None) -> torch.Tensor:
+                 num_generated: Sequence[int] | None = None,
+                 grammar_mask: tuple[torch.Tensor, list[int]] | None = None) -> torch.Tensor:
     """One token id per row of `logits` [rows, vocab] (any float dtype, any device), as long [rows] on
     that device. Row i samples with `params[i]` and `generators[i]` (None: the device's default);
     `context_ids[i]` (prompt and generated ids, or None) feeds its penalties and bad words, and its
     last `num_generated[i]` ids (None: 0 each) are the generated ones, which the frequency and
-    presence penalties and `min_tokens` count.
+    presence penalties and `min_tokens` count. `grammar_mask` (`grammar.bitmask`: a host bitmask
+    and its rows), where given, leaves those rows only the tokens their grammars allow; a row left
+    with none gets `NO_ALLOWED_TOKEN`.
 
     Greedy rows (temperature 0) take the argmax of the penalized scores. The others draw as
     `torch.multinomial(probs, 1)` does for one sample (ATen's fast path: argmax of probs / q with
@@ -157,6 +163,13 @@ def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams],
                          f"{len(context_ids)} contexts, {len(num_generated)} generated counts")
     scores = _penalized(logits.float(), params, context_ids)
     scores = _masked(_output_penalized(scores, params, context_ids, num_generated), params, context_ids, num_generated)
+    empty = None
+    if grammar_mask is not None:  # in place, on a copy: the raw logits feed `token_logprobs` and outputs
+        scores = scores.clone(memory_format=torch.contiguous_format)
+        apply_bitmask(scores, grammar_mask)
+        guided = _on(grammar_mask[1], torch.long, scores.device)
+        empty = torch.zeros(scores.shape[0], dtype=torch.bool, device=scores.device)
+        empty[guided] = scores[guided].isneginf().all(dim=-1)
     tokens = scores.argmax(dim=-1)
     invalid = scores.isnan().any(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -168,7 +181,8 @@ def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams],
             q[j].exponential_(generator=generators[i])
         tokens[index] = (probs / q).argmax(dim=-1)
         invalid[index] = probs.isnan().any(dim=-1)
-    return tokens.masked_fill(invalid, NO_TOKEN)
+    tokens = tokens.masked_fill(invalid, NO_TOKEN)
+    return tokens if empty is None else tokens.masked_fill(empty, NO_ALLOWED_TOKEN)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:

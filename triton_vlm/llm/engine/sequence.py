@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 if TYPE_CHECKING:
+    import xgrammar
+
     from triton_vlm.llm.engine.sampling import SamplingParams
     from triton_vlm.llm.engine.streaming import GenerationOutput, IncrementalDetokenizer
 
@@ -34,6 +36,8 @@ class Sequence:
     state: int | None = None          # recurrent-state slot while running
     num_computed: int = 0             # tokens whose K/V are in the blocks
     queued_since: float | None = None  # submit time; None from its first place in the batch on (preempted too)
+    # a guided request's matcher (`grammar.py`), advanced by each generated token; kept when preempted
+    grammar: "xgrammar.GrammarMatcher | None" = None
     text: str = ""   # stable detokenized text so far
     sent: int = 0    # characters of `text` emitted
     done: bool = False
