@@ -1,7 +1,13 @@
-"""A real tritonserver over a repository built for one test module."""
+"""A real tritonserver over a repository built for one test module, and `triton-vlm openai` in front
+of one."""
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
 from typing import Iterator
 
 from triton_vlm.repository.options import BuildOptions
@@ -34,3 +40,35 @@ def served(checkpoint, tmp_path_factory, name: str, options, **server_kwargs) ->
     repo = build_repository(checkpoint, tmp_path_factory.mktemp(name) / "repository", options)
     with running(TritonServer(repo, **server_kwargs)) as server:
         yield server
+
+
+@contextlib.contextmanager
+def openai_api(grpc_url: str, checkpoint: Path, log: Path, model: str) -> Iterator:
+    """`triton-vlm openai` against the ensemble at `grpc_url` (its chat template and tokenizer from
+    `checkpoint`), on a free port, as the official `openai` client reaches it; always stopped."""
+    import openai
+
+    from triton_vlm.server import reaper
+    from triton_vlm.server.tritonserver import free_port
+
+    port = free_port()
+    command = [sys.executable, "-m", "triton_vlm.tools.cli", "openai", "--url", grpc_url, "--checkpoint",
+               str(checkpoint), "--port", str(port), "--model-name", model]
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        watcher = reaper.start(process, 5.0)  # (ended with this process too, if a killed test run never ends it)
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                assert process.poll() is None, "triton-vlm openai exited"
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2).close()
+                    break
+                except OSError:
+                    assert time.monotonic() < deadline, "triton-vlm openai not up"
+                    time.sleep(0.2)
+            yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        finally:
+            process.terminate()
+            process.wait(timeout=30)
+            watcher.wait(timeout=30)

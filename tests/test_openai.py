@@ -11,10 +11,6 @@ from __future__ import annotations
 
 import base64
 import json
-import subprocess
-import sys
-import time
-import urllib.request
 
 import openai
 import pytest
@@ -30,8 +26,6 @@ from triton_vlm.families.llava.demo import LLAVA_TEMPLATE
 from triton_vlm.families.minicpmv.demo import MINICPMV_TEMPLATE
 from triton_vlm.families.qwen2_5_vl.demo import QWEN_TEMPLATE
 from triton_vlm.media import samples
-from triton_vlm.server import reaper
-from triton_vlm.server.tritonserver import free_port
 
 MODEL = "tiny-qwen"
 IMAGE = samples.image_bytes(96, 64)
@@ -45,28 +39,10 @@ def _data_url(data: bytes, mime: str) -> str:
 @pytest.fixture(scope="module")
 def api(server, tiny_checkpoint, tmp_path_factory):
     """`triton-vlm openai` against the session server, on a free port; always stopped."""
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("openai") / "openai.log", "w")
-    command = [sys.executable, "-m", "triton_vlm.tools.cli", "openai", "--url", server.grpc_url, "--checkpoint",
-               str(tiny_checkpoint), "--port", str(port), "--model-name", MODEL]
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    watcher = reaper.start(process, 5.0)  # (ended with this process too, if a killed test run never ends it)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, "triton-vlm openai exited"
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "triton-vlm openai not up"
-                time.sleep(0.2)
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
-        watcher.wait(timeout=30)
-        log.close()
+    from tests.servers import openai_api
+
+    with openai_api(server.grpc_url, tiny_checkpoint, tmp_path_factory.mktemp("openai") / "openai.log", MODEL) as api:
+        yield api
 
 
 @pytest.fixture(scope="module")

@@ -159,19 +159,24 @@ def test_every_field_of_the_openai_chat_request_is_classified():
 
 @pytest.mark.parametrize("name", sorted(CHAT_FIELDS))
 def test_each_chat_field_is_honoured_or_refused_by_name(api, name):
-    extra = {name: ({"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}}
-                    if name == "response_format" else _value(name, HONOURED, NO_OPS, REFUSED))}
+    _check_field(_chat, api, name, HONOURED, REFUSED)
+
+
+def _check_field(call: Callable, api, name: str, honoured: dict[str, tuple[Any, Check]], refused: dict[str, Any]) -> None:
+    """`name` sent with a value of its table: refused naming it, a no-op (the plain request sent),
+    or honoured as its table's check says."""
+    extra = {name: _value(name, honoured, NO_OPS, refused)}
     if name in ("stream_options", "stream"):
         extra.update(stream=True)
-    response, sent = _chat(api, **extra)
-    if name in REFUSED:
+    response, sent = call(api, **extra)
+    if name in refused:
         _expect_refused(response, name)
         return
     assert response.status_code == 200, response.text
     if name in NO_OPS:
-        assert sent == _chat(api)[1]
+        assert sent == call(api)[1]
     else:
-        assert HONOURED[name][1](sent, response), (sent, response.text)
+        assert honoured[name][1](sent, response), (sent, response.text)
 
 
 @pytest.mark.parametrize("name", sorted(VLLM_HONOURED) + sorted(VLLM_REFUSED))
@@ -253,18 +258,7 @@ def test_every_field_of_the_openai_completions_request_is_classified():
 
 @pytest.mark.parametrize("name", sorted(TEXT_FIELDS))
 def test_each_completions_field_is_honoured_or_refused_by_name(api, name):
-    extra = {name: _value(name, TEXT_HONOURED, NO_OPS, TEXT_REFUSED)}
-    if name in ("stream_options", "stream"):
-        extra.update(stream=True)
-    response, sent = _text(api, **extra)
-    if name in TEXT_REFUSED:
-        _expect_refused(response, name)
-        return
-    assert response.status_code == 200, response.text
-    if name in NO_OPS:
-        assert sent == _text(api)[1]
-    else:
-        assert TEXT_HONOURED[name][1](sent, response), (sent, response.text)
+    _check_field(_text, api, name, TEXT_HONOURED, TEXT_REFUSED)
 
 
 def test_completions_send_the_prompt_as_it_is_and_answer_in_openais_shape(api, tiny_checkpoint):

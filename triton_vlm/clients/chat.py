@@ -66,16 +66,21 @@ def _special_tokens(checkpoint: Path) -> dict[str, str]:
     return tokens
 
 
-def render_chat(template: str, family: Family, messages: list[dict]) -> str:
+def render_chat(template: str, family: Family, messages: list[dict], tools: list[dict] | None = None) -> str:
     """The prompt of `messages` (content a string or text / image / video parts) with the
-    generation prompt; InvalidInput unless it holds one placeholder per media part, in order."""
+    generation prompt, and OpenAI's `tools` where given (the template must render them, and the
+    family must have a format to read its calls back in: else InvalidInput naming `tools`);
+    InvalidInput unless it holds one placeholder per media part, in order."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
+    if tools and (family.prompt.tool_call_format is None or "tools" not in template):
+        raise InvalidInput(f"tools: the served checkpoint ({family.name}) has no tool calling: its chat template "
+                           "does not render tools, or its family has no tool call format")
     conversation = [_as_text(m, family) for m in messages] if family.prompt.chat_content_as_text else messages
-    prompts, _ = render_jinja_template(conversations=[conversation], chat_template=template, add_generation_prompt=True,
-                                       **family.prompt.chat_template_kwargs)
+    prompts, _ = render_jinja_template(conversations=[conversation], tools=tools or None, chat_template=template,
+                                       add_generation_prompt=True, **family.prompt.chat_template_kwargs)
     prompt = prompts[0]
-    asked = [part["type"] for m in messages if not isinstance(m["content"], str)
+    asked = [part["type"] for m in messages if isinstance(m.get("content"), list)
              for part in m["content"] if part["type"] in MEDIA_TYPES]
     placeholders = {family.image_placeholder: "image", family.video_placeholder: "video"}
     found = [placeholders[p] for p in re.findall("|".join(map(re.escape, placeholders)), prompt)]
@@ -88,7 +93,7 @@ def render_chat(template: str, family: Family, messages: list[dict]) -> str:
 
 def _as_text(message: dict, family: Family) -> dict:
     """A message with its parts joined into one string (`Family.chat_content_as_text`)."""
-    if isinstance(message["content"], str):
+    if not isinstance(message.get("content"), list):
         return message
     placeholders = {"image": family.image_placeholder, "video": family.video_placeholder}
     parts = [placeholders[part["type"]] if part["type"] in MEDIA_TYPES else part["text"] for part in message["content"]]

@@ -20,7 +20,8 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from triton_vlm.clients.client import request_values
-from triton_vlm.clients.guided import GUIDED_FIELDS, InvalidRequestField, guided_decoding
+from triton_vlm.clients.guided import GUIDED_FIELDS, Guide, InvalidRequestField, guided_decoding
+from triton_vlm.clients.tool_calls import tool_choice, tool_names
 
 # Fields accepted and unused, on both endpoints.
 NO_OPS = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key", "parallel_tool_calls"})
@@ -65,10 +66,8 @@ CHAT_ONLY = {**_COMMON,
              "moderation": ((None,), "no moderation"),
              "prompt_cache_options": ((None,), "no prompt-cache breakpoints"),
              "prompt_cache_retention": ((None,), "no prompt-cache retention policy"),
-             "tools": ((None, []), "no tool calling"),
-             "tool_choice": ((None, "none"), "no tool calling"),
-             "functions": ((None, []), "no function calling"),
-             "function_call": ((None, "none"), "no function calling"),
+             "functions": ((None, []), "deprecated: send tools"),
+             "function_call": ((None, "none"), "deprecated: send tool_choice"),
              "echo": ((None, False), "the answer never repeats the last message"),
              "add_generation_prompt": ((None, True), "the chat template always adds the generation prompt"),
              "continue_final_message": ((None, False), "the last message is never continued"),
@@ -107,8 +106,12 @@ class VideoPart(BaseModel):
 
 
 class Message(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]]
+    """A chat message; an assistant's may carry the tool calls it made (`tool_calls`, content then
+    optional), a tool's answers one of them (`tool_call_id`)."""
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class StreamOptions(BaseModel):
@@ -165,10 +168,14 @@ class SamplingRequest(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def ensemble_values(self, prompt: str, images: list[bytes], videos: list[bytes], max_tokens: int,
-                        logprobs: bool) -> dict[str, tuple]:
+                        logprobs: bool, forced: Guide | None = None) -> dict[str, tuple]:
         """The ensemble's inputs (`client.request_values`) for this request, with the endpoint's
-        `max_tokens` and `logprobs` (whether to return the chosen tokens' log-probabilities)."""
+        `max_tokens` and `logprobs` (whether to return the chosen tokens' log-probabilities), and a
+        constraint the server `forced` (a required tool call), which no other may join."""
         guide = guided_decoding({name: getattr(self, name) for name in ("response_format", *GUIDED_FIELDS)})
+        if forced is not None and guide is not None:
+            raise InvalidRequestField(forced.param, f"one constraint per request, and {guide.param} sets one")
+        guide = forced or guide
         return request_values(prompt, images, videos, max_tokens=max_tokens, temperature=self.temperature,
                               top_p=self.top_p, top_k=self.top_k, seed=self.seed,
                               repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
@@ -184,13 +191,26 @@ class ChatRequest(SamplingRequest):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
-    def values(self, prompt: str, images: list[bytes], videos: list[bytes],
-               default_max_tokens: int) -> dict[str, tuple]:
+    def tool_choice_of(self) -> str:
+        """`tool_calls.tool_choice` of the request's tools, or InvalidRequestField naming the field."""
+        try:
+            tool_names(self.tools or [])
+        except ValueError as error:
+            raise InvalidRequestField("tools", str(error)) from None
+        try:
+            return tool_choice(self.tool_choice, self.tools or [])
+        except ValueError as error:
+            raise InvalidRequestField("tool_choice", str(error)) from None
+
+    def values(self, prompt: str, images: list[bytes], videos: list[bytes], default_max_tokens: int,
+               forced: Guide | None = None) -> dict[str, tuple]:
         """The ensemble's inputs for the rendered `prompt` and the messages' media."""
         max_tokens = next((m for m in (self.max_completion_tokens, self.max_tokens) if m is not None),
                           default_max_tokens)
-        return self.ensemble_values(prompt, images, videos, max_tokens, bool(self.logprobs))
+        return self.ensemble_values(prompt, images, videos, max_tokens, bool(self.logprobs), forced)
 
 
 class CompletionRequest(SamplingRequest):

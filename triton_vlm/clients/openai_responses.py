@@ -1,7 +1,8 @@
 """The OpenAI-compatible server's answers: errors in OpenAI's format, and a completion (chat's or
 the legacy text one's) from the ensemble's responses, whole or as server-sent events.
 
-Both endpoints share the collection and the streaming; a `Shape` writes what differs, the choice.
+Both endpoints share the collection and the streaming; a `Shape` writes what differs, the choice
+(chat with tools: `ToolShape`, its tool calls parsed out of the answer).
 Log-probabilities are the ensemble's `output_log_probs` (each chosen token's); a token's text is
 its id decoded alone (a token holding part of a UTF-8 character decodes to U+FFFD), and no
 alternatives are returned (chat's `top_logprobs` empty; text completion's holds the chosen token).
@@ -19,6 +20,7 @@ import grpc
 from fastapi.responses import JSONResponse
 
 from triton_vlm.clients.client import Increment, RequestError
+from triton_vlm.clients.tool_calls import ToolCallError, ToolCallStream, parse_tool_calls
 from triton_vlm.errors import REFUSALS, RESTARTED
 
 # Failures of the server rather than of the request: the ensemble's own, a dead model instance.
@@ -80,6 +82,40 @@ class Shape:
 
     def opening(self) -> dict | None:
         return {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}
+
+
+class ToolShape(Shape):
+    """Chat completions of a request with tools: the answer's tool calls (`tool_calls`, in the
+    family's `tool_format`) as the message's `tool_calls` and finish reason "tool_calls", the text
+    before them its content; streamed, the content as it comes and the calls with the last chunk.
+    An answer whose calls do not parse is all content."""
+
+    def __init__(self, token_text: Callable[[int], str] | None, tool_format: str) -> None:
+        super().__init__(token_text)
+        self.stream = ToolCallStream(tool_format)
+
+    def choice(self, text: str, ids: list[int], logprobs: list[float] | None, finish_reason: str | None) -> dict:
+        try:
+            content, calls = parse_tool_calls(text, self.stream.format)
+        except ToolCallError:
+            content, calls = text, []
+        message = {"role": "assistant", "content": content or (None if calls else "")}
+        if calls:
+            message["tool_calls"], finish_reason = [c.as_openai() for c in calls], "tool_calls"
+        return {"index": 0, "message": message, "finish_reason": finish_reason,
+                "logprobs": self.logprobs(ids, logprobs)}
+
+    def delta(self, text: str, ids: list[int], logprobs: list[float] | None, finish_reason: str | None) -> dict:
+        if finish_reason is None:
+            return super().delta(self.stream.feed(text), ids, logprobs, None)
+        try:
+            rest, calls = self.stream.finish()
+        except ToolCallError:
+            rest, calls = self.stream.text[self.stream.sent:], []
+        delta: dict[str, Any] = {"content": rest} if rest else {}
+        if calls:
+            delta["tool_calls"], finish_reason = [c.as_openai(i) for i, c in enumerate(calls)], "tool_calls"
+        return {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
 
 
 class TextShape(Shape):

@@ -11,11 +11,14 @@ they came in, and any other URL is refused: this server fetches nothing. A clien
 The served ensemble's own media limits (its `preprocess` config, read at start-up) bound what is
 read: a body larger than they allow is refused with 413 before it is parsed (`BodyLimit`), and a
 request with more media parts than `max_media_items` with 400.
-A text completion's prompt is sent as it is, without the chat template.
+A text completion's prompt is sent as it is, without the chat template. A chat request's `tools`
+go through the chat template too, and the answer's tool calls come back as `tool_calls`
+(`triton_vlm.clients.tool_calls`; `openai_responses.ToolShape`).
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import contextlib
 import logging
 import time
@@ -30,10 +33,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from triton_vlm.clients.body_limit import BodyLimit, body_limit_bytes
 from triton_vlm.clients.chat import load_chat_template, render_chat
 from triton_vlm.clients.client import aio_channel, stream_generate
-from triton_vlm.clients.guided import InvalidRequestField
+from triton_vlm.clients.guided import Guide, InvalidRequestField
 from triton_vlm.clients.openai_requests import (ChatRequest, CompletionRequest, ImagePart, Message, SamplingRequest,
                                                 TextPart)
-from triton_vlm.clients.openai_responses import APIError, Shape, TextShape, answer, collect, events, first
+from triton_vlm.clients.openai_responses import APIError, Shape, TextShape, ToolShape, answer, collect, events, first
+from triton_vlm.clients.tool_calls import forced_call_grammar
 from triton_vlm.contract.limits import DEFAULT_LIMITS, Limits
 from triton_vlm.errors import InvalidInput
 from triton_vlm.families import detect_family
@@ -50,8 +54,8 @@ def template_messages(messages: list[Message],
     `max_media_items` of them (the ensemble's limit)."""
     out, media = [], {"image": [], "video": []}
     for i, message in enumerate(messages):
-        if isinstance(message.content, str):
-            out.append({"role": message.role, "content": message.content})
+        if not isinstance(message.content, list):
+            out.append({"role": message.role, "content": message.content, **_tool_fields(message, i)})
             continue
         content = []
         for j, part in enumerate(message.content):
@@ -71,8 +75,29 @@ def template_messages(messages: list[Message],
                                param=f"messages[{i}].content[{j}].{kind}_url", code="unsupported_url")
             media[kind].append(url.encode())
             content.append({"type": kind})
-        out.append({"role": message.role, "content": content})
+        out.append({"role": message.role, "content": content, **_tool_fields(message, i)})
     return out, media["image"], media["video"]
+
+
+def _tool_fields(message: Message, i: int) -> dict:
+    """An assistant's `tool_calls` (each call's `arguments` JSON text as the object templates
+    write out, as vLLM gives them) and a tool's `tool_call_id`, where the message has them."""
+    fields: dict = {}
+    if message.tool_call_id is not None:
+        fields["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        calls = []
+        for j, call in enumerate(message.tool_calls):
+            function = dict(call.get("function") or {})
+            if isinstance(function.get("arguments"), str):
+                try:
+                    function["arguments"] = json.loads(function["arguments"])
+                except json.JSONDecodeError:
+                    raise APIError(400, f"messages[{i}].tool_calls[{j}].function.arguments: not JSON",
+                                   param=f"messages[{i}].tool_calls") from None
+            calls.append({**call, "function": function})
+        fields["tool_calls"] = calls
+    return fields
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
@@ -175,12 +200,23 @@ def create_app(url: str, checkpoint: str | Path, model_name: str | None = None,
         with _field_errors():
             served(body)
             messages, images, videos = template_messages(body.messages, request.app.state.limits.max_media_items)
+            choice, tools = body.tool_choice_of(), body.tools or None
             try:
-                prompt = render_chat(template, family, messages)
+                prompt = render_chat(template, family, messages, tools)
             except InvalidInput as error:
-                raise APIError(400, str(error), param="messages") from None
-            values = body.values(prompt, images, videos, default_max_tokens)
-        return await complete(request, values, body, "chatcmpl", Shape(token_text if body.logprobs else None))
+                raise APIError(400, str(error), param="tools" if str(error).startswith("tools:") else "messages") \
+                    from None
+            forced = None
+            if choice not in ("auto", "none"):
+                try:
+                    forced = Guide("tool_choice", "ebnf_grammar",
+                                   forced_call_grammar(tools, choice, family.prompt.tool_call_format))
+                except ValueError as error:
+                    raise InvalidRequestField("tool_choice", str(error)) from None
+            values = body.values(prompt, images, videos, default_max_tokens, forced)
+        text = token_text if body.logprobs else None
+        shape = Shape(text) if choice == "none" else ToolShape(text, family.prompt.tool_call_format)
+        return await complete(request, values, body, "chatcmpl", shape)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

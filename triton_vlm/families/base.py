@@ -69,6 +69,9 @@ class Prompt:
     chat_content_as_text: bool = False
     # Variables the chat template is rendered with, as the official chat passes them.
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # How the answer writes tool calls where the chat template renders tools: "hermes" (Qwen's
+    # `<tool_call>` JSON) or "glm45" (`triton_vlm.clients.tool_calls`); None: no tool calling.
+    tool_call_format: str | None = None
     # The chat format of checkpoints that ship no chat template (their official `chat()`'s), as a
     # Jinja template; None: a checkpoint without one has none.
     chat_template: str | None = None

@@ -7,6 +7,7 @@ mixture-of-experts decoder (`tower`, `decoder`). Each variant is a `Family`; whi
 checkpoint is read from its config's `model_type` and its video processor's class
 (`detect_family`), never from a name a user types.
 """
+import dataclasses
 from functools import partial
 
 from triton_vlm.families.base import Family, ProcessorRules, Prompt, patch_encoder_dims
@@ -55,7 +56,9 @@ GLM_OCR = _family("glm_ocr", ("glm_ocr",), "Glm46VVideoProcessor", sample_frames
                   tower="GlmOcrTower", decoder="GLM_OCR")
 # GLM-4.5V: GLM-4.1V's processor (transformers maps `glm4v_moe` to `Glm4vProcessor`) and tower,
 # a mixture-of-experts decoder.
-GLM4V_MOE = _family("glm4v_moe", ("glm4v_moe",), "Glm4vVideoProcessor", sample_frames_glm4v, timestamp_glm4v,
-                    ("max_duration",), decoder="GLM4V_MOE")
+GLM4V_MOE = dataclasses.replace(
+    _family("glm4v_moe", ("glm4v_moe",), "Glm4vVideoProcessor", sample_frames_glm4v, timestamp_glm4v, ("max_duration",),
+            decoder="GLM4V_MOE"),
+    prompt=dataclasses.replace(PROMPT, tool_call_format="glm45"))  # GLM-4.5's tool calls
 
 FAMILIES = (GLM4V, GLM46V, GLMGA, GLM_OCR, GLM4V_MOE)

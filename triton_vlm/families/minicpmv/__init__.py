@@ -21,7 +21,7 @@ MINICPMV4_6 = Family(
     model_types=("minicpmv4_6",),
     prompt=Prompt(image_placeholder=v4_6.IMAGE_TOKEN, video_placeholder=v4_6.VIDEO_TOKEN,
                   special_tokens=v4_6.SPECIAL_TOKENS, named_special_tokens=v4_6.NAMED_TOKENS,
-                  eos_tokens=(v4_6.IM_END, v4_6.ENDOFTEXT)),
+                  eos_tokens=(v4_6.IM_END, v4_6.ENDOFTEXT), tool_call_format="hermes"),
     processor=ProcessorRules(
         slice_rule=slice_rule, sample_frames=v4_6.sample_frames, video_sampler_keys=("max_num_frames", "stack_frames"),
         expand_media=v4_6.expand_media,
@@ -50,6 +50,7 @@ MINICPM_OCR = dataclasses.replace(
 # says so (`use_image_id`; 4.5's keeps the setting it has always had here).
 MINICPMV2_6 = remote_code.version(
     "minicpmv2_6", "2.6", special_tokens=v4_5.SPECIAL_TOKENS, eos_tokens=(remote_code.IM_END, v4_5.ENDOFTEXT),
+    tool_call_format="hermes",
     tower="MiniCPMVTower", decoder="QWEN2", vision_defaults={**remote_code.VISION_DEFAULTS, "use_image_id": False})
 MINICPMV4_0 = remote_code.version(
     "minicpmv4_0", "4.0", special_tokens=(remote_code.UNK, "<s>", "</s>", remote_code.IM_END, remote_code.IM_START,
@@ -58,6 +59,7 @@ MINICPMV4_0 = remote_code.version(
     vision_defaults=MINICPMV2_6.processor.vision_defaults)
 MINICPMV4_5 = remote_code.version(
     "minicpmv4_5", "4.5", special_tokens=v4_5.SPECIAL_TOKENS, eos_tokens=(remote_code.IM_END, v4_5.ENDOFTEXT),
+    tool_call_format="hermes",
     tower="MiniCPMV4_5Tower", decoder="QWEN3", chat_template_kwargs=dict(enable_thinking=False),
     expand_media=v4_5.expand_media, sample_frames=v4_5.sample_frames, takes_videos=True,
     default_video_fps=3.0,  # the official chat's choose_fps

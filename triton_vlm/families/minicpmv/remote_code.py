@@ -71,7 +71,7 @@ def config_version(config: dict) -> str:
 def version(name: str, served: str, *, special_tokens: tuple[str, ...], eos_tokens: tuple[str, ...],
             tower: str, decoder: str, chat_template_kwargs: dict[str, Any] | None = None,
             chat_template: str | None = None, demo: str = "triton_vlm.families.minicpmv.demo_remote_code:DEMOS",
-            **processor: Any) -> Family:
+            tool_call_format: str | None = None, **processor: Any) -> Family:
     """The `Family` of one version: its tokenizer's tokens (the first the pad token, as the demo
     trains them; the markers among them are its named ones), stop tokens (the official `chat`'s
     terminators), tower (a class of `tower_resampler`, or "module:class") and decoder, the
@@ -84,7 +84,8 @@ def version(name: str, served: str, *, special_tokens: tuple[str, ...], eos_toke
                       special_tokens=special_tokens, eos_tokens=eos_tokens,
                       named_special_tokens={k: t for k, t in NAMED_TOKENS.items() if t in special_tokens},
                       placeholders_in_text=True, chat_content_as_text=True,
-                      chat_template_kwargs=chat_template_kwargs or {}, chat_template=chat_template),
+                      chat_template_kwargs=chat_template_kwargs or {}, chat_template=chat_template,
+                      tool_call_format=tool_call_format),
         processor=ProcessorRules(**{**rules, **processor}), encoder_dims=encoder_dims,
         tower=tower if ":" in tower else f"triton_vlm.families.minicpmv.tower_resampler:{tower}",
         decoder=f"triton_vlm.families.minicpmv.decoder:{decoder}", demo=demo)

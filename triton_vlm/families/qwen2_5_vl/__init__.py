@@ -14,7 +14,7 @@ QWEN2_5_VL = Family(
                         VIDEO_PAD),
         named_special_tokens={"image_token": IMAGE_PAD, "video_token": VIDEO_PAD,
                               "vision_start_token": VISION_START, "vision_end_token": VISION_END},
-        eos_tokens=("<|im_end|>", "<|endoftext|>")),
+        eos_tokens=("<|im_end|>", "<|endoftext|>"), tool_call_format="hermes"),
     processor=ProcessorRules(sample_frames=sample_frames, default_video_fps=2.0, video_t_factor=video_t_factor,
                              video_pruning=True),
     encoder_dims=patch_encoder_dims,
