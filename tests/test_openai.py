@@ -429,3 +429,17 @@ def test_ensemble_errors_map_to_openai_statuses():
     assert answer(RequestError("images[0]: not a decodable image")) == (400, "")
     assert answer(grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, empty, empty, "Socket closed"))[0] == 503
     assert answer(grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, empty, empty, "boom"))[0] == 500
+
+
+def test_logit_bias_reaches_the_llm(api, tiny_checkpoint):
+    """`logit_bias` (OpenAI's, a token id's bias) travels as the ensemble's `embedding_bias`: a
+    +100 makes every greedy token that id."""
+    from triton_vlm.tokenizer import load_tokenizer
+
+    answer = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                         temperature=0, logit_bias={"42": 100}, logprobs=True)
+    token = load_tokenizer(tiny_checkpoint).decode([42], skip_special_tokens=False)
+    assert [t.token for t in answer.choices[0].logprobs.content] == [token] * 5
+    status, error = _error(lambda: api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                               max_tokens=4, logit_bias={"42": 101}))
+    assert status == 400 and error["param"] == "logit_bias"

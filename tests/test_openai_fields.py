@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any, Callable
 
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from openai.types import completion_create_params as text_params
@@ -47,8 +48,8 @@ def api(app, monkeypatch):
     sent: list[dict[str, Any]] = []
 
     async def stream_generate(_channel, values: dict[str, tuple], _request_id: str = ""):
-        sent.append({k: (v.tolist() if k in ("stop_words", "bad_words", "images", "videos") else v.item())
-                     for k, (v, _) in values.items()})
+        sent.append({k: (v.tolist() if k in ("stop_words", "bad_words", "images", "videos")
+                         else v if k == "embedding_bias" else v.item()) for k, (v, _) in values.items()})
         asked = "return_log_probs" in values
         yield Increment("Hel", [11, 12], "", None, LOGPROBS[:2] if asked else None)
         yield Increment("lo", [13], "length", 7, LOGPROBS[2:] if asked else None)
@@ -96,6 +97,7 @@ HONOURED: dict[str, tuple[Any, Check]] = {
                                                                    "total_tokens": 10}),
     "logprobs": (True, lambda sent, r: sent["return_log_probs"] is True
                  and [c["logprob"] for c in r.json()["choices"][0]["logprobs"]["content"]] == LOGPROBS),
+    "logit_bias": ({"42": 5, "7": -100}, lambda sent, r: _bias(sent) == {42: 5.0, 7: -100.0}),
     "response_format": ({"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}},
                         lambda sent, r: _guide(sent) == ("json_schema", '{"type": "object"}')),
 }
@@ -112,6 +114,12 @@ VLLM_HONOURED: dict[str, tuple[Any, Check]] = {
 }
 
 
+def _bias(sent: dict) -> dict[int, float]:
+    """The nonzero entries of the `embedding_bias` the ensemble received."""
+    bias = sent["embedding_bias"]
+    return {int(i): float(bias[i]) for i in np.flatnonzero(bias)}
+
+
 def _guide(sent: dict) -> tuple[str | None, str | None]:
     """The constrained decoding inputs the ensemble received: (guide type, guide)."""
     return tuple(sent[k].decode() if k in sent else None
@@ -121,7 +129,7 @@ NO_OPS = {"user": "u-1", "metadata": {"k": "v"}, "safety_identifier": "h", "prom
           "parallel_tool_calls": True, "store": False, "service_tier": "auto"}
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 REFUSED = {
-    "n": 2, "logit_bias": {"42": 5}, "top_logprobs": 2, "tools": [TOOL], "tool_choice": "auto",
+    "n": 2, "top_logprobs": 2, "tools": [TOOL], "tool_choice": "auto",
     "functions": [TOOL["function"]], "function_call": "auto", "modalities": ["text", "audio"],
     "audio": {"voice": "alloy", "format": "wav"}, "prediction": {"type": "content", "content": "x"},
     "web_search_options": {}, "reasoning_effort": "low", "verbosity": "low", "moderation": {"model": "m"},
@@ -139,7 +147,7 @@ VLLM_REFUSED = {
     "mm_processor_kwargs": {"fps": 1},
 }
 # The refused ones with a value that asks for nothing (or what the server does anyway): accepted.
-ACCEPTED_DEFAULTS = {"n": 1, "logit_bias": {}, "top_logprobs": 0, "tools": [], "tool_choice": "none",
+ACCEPTED_DEFAULTS = {"n": 1, "top_logprobs": 0, "tools": [], "tool_choice": "none",
                      "modalities": ["text"], "service_tier": "default", "min_p": 0, "best_of": 1, "length_penalty": 1,
                      "stop_token_ids": [], "skip_special_tokens": True, "ignore_eos": False, "echo": False,
                      "add_generation_prompt": True, "priority": 0, "audio": None, "function_call": "none",
@@ -243,11 +251,11 @@ TEXT_HONOURED: dict[str, tuple[Any, Check]] = {
     "model": (MODEL, lambda sent, r: r.json()["model"] == MODEL),
     "prompt": ("Twice", lambda sent, r: sent["text_input"] == b"Twice"),
     **{name: HONOURED[name] for name in ("max_tokens", "temperature", "top_p", "seed", "stop", "presence_penalty",
-                                         "frequency_penalty", "stream", "stream_options")},
+                                         "frequency_penalty", "stream", "stream_options", "logit_bias")},
     "logprobs": (0, lambda sent, r: sent["return_log_probs"] is True
                  and r.json()["choices"][0]["logprobs"]["token_logprobs"] == LOGPROBS),
 }
-TEXT_REFUSED = {"n": 2, "logit_bias": {"42": 5}, "best_of": 2, "echo": True, "suffix": "end"}
+TEXT_REFUSED = {"n": 2, "best_of": 2, "echo": True, "suffix": "end"}
 
 
 def test_every_field_of_the_openai_completions_request_is_classified():
@@ -334,3 +342,8 @@ def test_guided_decoding_refuses_by_field(fields, param, message):
         guided_decoding(fields)
     assert raised.value.param == param
 
+
+
+@pytest.mark.parametrize("bias", [{"x": 1}, {"999999": 1}, {"3": 101}])
+def test_a_logit_bias_off_the_vocabulary_or_range_is_refused(api, bias):
+    _expect_refused(_chat(api, logit_bias=bias)[0], "logit_bias")

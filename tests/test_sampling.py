@@ -375,6 +375,7 @@ REFUSED = {
     "return_log_probs": (1, "return_log_probs: must be true or false, got 1"),
     "return_num_input_tokens": (0, "return_num_input_tokens: must be true or false, got 0"),
     "random_seed": (-1, "random_seed: must be an integer in"),
+    "embedding_bias": ([0.0, float("inf")], "embedding_bias: must be finite numbers"),
 }
 
 
@@ -399,3 +400,30 @@ def test_for_model_resolves_token_ids():
     for name in ("end_id", "pad_id"):
         with pytest.raises(InvalidInput, match=rf"{name}: must be a token id in \[0, 10\), got 10"):
             SamplingParams(max_tokens=4, **{name: 10}).for_model(10, [1], words.__getitem__)
+
+
+def test_embedding_bias_is_transformers_sequence_bias_first_and_keeps_the_raw_logits():
+    """A row's `embedding_bias` (OpenAI's `logit_bias`) adds to its scores as transformers'
+    `SequenceBiasLogitsProcessor` does for single tokens, before the penalties; other rows and the
+    logits themselves are untouched; its length must be the model's vocabulary (`for_model`)."""
+    import numpy as np
+    from transformers.generation.logits_process import SequenceBiasLogitsProcessor
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 50)
+    raw = logits.clone()
+    bias = np.zeros(50, np.float32)
+    bias[[3, 7]] = [100.0, -5.0]
+    params = [SamplingParams(max_tokens=4, embedding_bias=bias), SamplingParams(max_tokens=4)]
+    tokens = sample_batch(logits, params, [None, None], [None, None])
+    hf = SequenceBiasLogitsProcessor({(3,): 100.0, (7,): -5.0})(torch.zeros(1, 1, dtype=torch.long), raw[:1].clone())
+    assert tokens.tolist() == [int(hf.argmax()), int(raw[1].argmax())] and tokens[0] == 3
+    assert torch.equal(logits, raw)
+    ids = torch.tensor([3, 3, 3])
+    penalized = SamplingParams(max_tokens=4, embedding_bias=bias, repetition_penalty=2.0)
+    hf = RepetitionPenaltyLogitsProcessor(2.0)(ids[None], SequenceBiasLogitsProcessor({(3,): 100.0, (7,): -5.0})(
+        ids[None], raw[:1].clone()))
+    assert sample_batch(raw[:1].clone(), [penalized], [None], [ids]).tolist() == [int(hf.argmax())]
+    with pytest.raises(InvalidInput, match=r"embedding_bias: 50 values; one per token of the model's vocabulary, 60"):
+        SamplingParams.from_inputs({"max_tokens": 4, "embedding_bias": bias}).for_model(60, [1], lambda w: [])
+    assert SamplingParams.from_inputs({"max_tokens": 4, "embedding_bias": np.zeros(0, np.float32)}).embedding_bias is None

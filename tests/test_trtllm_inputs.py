@@ -236,6 +236,7 @@ REFUSED = {
                                                            "json_schema, regex, ebnf_grammar, got 'xml'"),
     "guided_decoding_guide": (tensor("[a-z]+", "BYTES"), "guided_decoding_guide: given without "
                                                          "guided_decoding_guide_type"),
+    "embedding_bias": (tensor([0.5, 0.5], "FP32"), "embedding_bias: 2 values; one per token of the model's vocabulary"),
 }
 
 
@@ -248,8 +249,8 @@ def test_refusals_name_the_input(server, hf, name):
         stream(server, values(**{name: value}))
     assert message in str(error.value)
     first = value[0].tolist()[0]
-    body = {name: [w.decode() for w in value[0].tolist()] if name == "bad_words" else
-            first.decode() if isinstance(first, bytes) else first}
+    body = {name: [w.decode() for w in value[0].tolist()] if name == "bad_words" else value[0].tolist()
+            if name == "embedding_bias" else first.decode() if isinstance(first, bytes) else first}
     with pytest.raises(RequestError) as error:
         http_generate(server.http_url, generate_payload(PROMPT, max_tokens=N, **body))
     assert "HTTP 400" in str(error.value) and message in str(error.value)

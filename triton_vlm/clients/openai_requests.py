@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from triton_vlm.clients.client import request_values
@@ -28,7 +29,6 @@ NO_OPS = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key",
 # name -> (the values accepted, why no other): OpenAI's fields, then vLLM's extensions.
 _COMMON: dict[str, tuple[tuple[Any, ...], str]] = {
     "n": ((None, 1), "one choice per request"),
-    "logit_bias": ((None, {}), "no logit bias"),
     "best_of": ((None, 1), "one sequence per request"),
     "store": ((None, False), "nothing is stored"),
     "service_tier": ((None, "auto", "default"), "one service tier"),
@@ -139,6 +139,7 @@ class SamplingRequest(BaseModel):
     bad_words: list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None  # sent as the ensemble's `embedding_bias` (`bias_values`)
     # constrained decoding, read by `guided.guided_decoding`
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -162,6 +163,19 @@ class SamplingRequest(BaseModel):
             if not any(_same(value, a) for a in accepted):
                 shown = " or ".join("null" if a is None else repr(a) for a in accepted)
                 raise InvalidRequestField(name, f"{value!r} is not supported ({why}); send {shown} or leave it out")
+
+    def bias_values(self, vocab_size: int) -> dict[str, tuple]:
+        """`logit_bias` (token id -> bias in [-100, 100], as OpenAI bounds it) as the ensemble's
+        `embedding_bias`: one value per token of the model's vocabulary, 0 where none is given."""
+        if not self.logit_bias:
+            return {}
+        bias = np.zeros(vocab_size, np.float32)
+        for key, value in self.logit_bias.items():
+            if not key.isdigit() or int(key) >= vocab_size or not -100 <= value <= 100:
+                raise InvalidRequestField("logit_bias", f"{key!r}: {value!r}: keys are token ids in [0, {vocab_size}), "
+                                          "values biases in [-100, 100]")
+            bias[int(key)] = value
+        return {"embedding_bias": (bias, "FP32")}
 
     @property
     def include_usage(self) -> bool:

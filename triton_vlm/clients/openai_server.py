@@ -41,6 +41,7 @@ from triton_vlm.clients.tool_calls import forced_call_grammar
 from triton_vlm.contract.limits import DEFAULT_LIMITS, Limits
 from triton_vlm.errors import InvalidInput
 from triton_vlm.families import detect_family
+from triton_vlm.llm.config import DecoderConfig
 from triton_vlm.tokenizer import load_tokenizer
 
 log = logging.getLogger("triton_vlm")
@@ -145,6 +146,7 @@ def create_app(url: str, checkpoint: str | Path, model_name: str | None = None,
         raise ValueError(f"{checkpoint}: no chat template (chat_template.jinja, chat_template.json or "
                          "tokenizer_config.json)")
     tokenizer = load_tokenizer(checkpoint)  # (a token's text, in log-probabilities)
+    vocab_size = DecoderConfig.from_checkpoint(checkpoint).vocab_size  # (the logits' width: `logit_bias`)
     model_name = model_name or checkpoint.resolve().name
     created = int(time.time())
 
@@ -213,7 +215,7 @@ def create_app(url: str, checkpoint: str | Path, model_name: str | None = None,
                                    forced_call_grammar(tools, choice, family.prompt.tool_call_format))
                 except ValueError as error:
                     raise InvalidRequestField("tool_choice", str(error)) from None
-            values = body.values(prompt, images, videos, default_max_tokens, forced)
+            values = body.values(prompt, images, videos, default_max_tokens, forced) | body.bias_values(vocab_size)
         text = token_text if body.logprobs else None
         shape = Shape(text) if choice == "none" else ToolShape(text, family.prompt.tool_call_format)
         return await complete(request, values, body, "chatcmpl", shape)
@@ -222,7 +224,7 @@ def create_app(url: str, checkpoint: str | Path, model_name: str | None = None,
     async def completions(body: CompletionRequest, request: Request) -> Response:
         with _field_errors():
             served(body)
-            values = body.values(default_max_tokens)
+            values = body.values(default_max_tokens) | body.bias_values(vocab_size)
         return await complete(request, values, body, "cmpl",
                               TextShape(token_text if body.logprobs is not None else None))
 

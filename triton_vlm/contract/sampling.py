@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
+import numpy as np
+
 from triton_vlm.errors import InvalidInput
 
 UINT64_MAX = 2 ** 64 - 1
@@ -90,6 +92,9 @@ class SamplingParams:
     # object). Compiled by the engine, which refuses one it cannot compile.
     guide_type: str | None = None
     guide: str | None = None
+    # tensorrtllm_backend's `embedding_bias`: float32 [vocab], added to the logits before any other
+    # control (OpenAI's `logit_bias` as a dense row); None: none.
+    embedding_bias: Any = None
     # Set by `for_model` when the engine takes the request.
     eos_token_ids: frozenset[int] = frozenset()
     bad_word_ids: tuple[tuple[int, ...], ...] = ()
@@ -130,6 +135,11 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise InvalidInput(f"{name}: must be true or false, got {getattr(self, name)!r}")
         self._check_guide()
+        if self.embedding_bias is not None:
+            bias = np.asarray(self.embedding_bias, dtype=np.float32).reshape(-1)
+            if not np.isfinite(bias).all():
+                raise InvalidInput("embedding_bias: must be finite numbers")
+            self.embedding_bias = bias if bias.size else None
 
     def _check_guide(self) -> None:
         """A known guide type, with a guide where it needs one and none where it takes none."""
@@ -167,6 +177,9 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and value >= vocab_size:
                 raise InvalidInput(f"{name}: must be a token id in [0, {vocab_size}), got {value}")
+        if self.embedding_bias is not None and self.embedding_bias.size != vocab_size:
+            raise InvalidInput(f"embedding_bias: {self.embedding_bias.size} values; one per token of the model's "
+                               f"vocabulary, {vocab_size}")
         words = (tuple(tokenize(w)) for w in self.bad_words)
         return dataclasses.replace(
             self, eos_token_ids=frozenset([self.end_id] if self.end_id is not None else eos_token_ids),
@@ -230,6 +243,8 @@ class SamplingParams:
             value = _text(inputs, name)
             if value is not None:
                 kwargs[field_name] = value
+        if inputs.get("embedding_bias") is not None:
+            kwargs["embedding_bias"] = inputs["embedding_bias"]
         for name in ("stop_words", "bad_words"):
             words = inputs.get(name)
             if words is not None:

@@ -67,7 +67,8 @@ SAMPLING_INPUTS = (
         ("return_log_probs", "BOOL", (1,)), ("return_context_logits", "BOOL", (1,)),
         ("return_generation_logits", "BOOL", (1,)), ("return_perf_metrics", "BOOL", (1,)),
         ("return_num_input_tokens", "BOOL", (1,)), ("return_num_output_tokens", "BOOL", (1,)),
-        ("guided_decoding_guide_type", "BYTES", (1,)), ("guided_decoding_guide", "BYTES", (1,)))),
+        ("guided_decoding_guide_type", "BYTES", (1,)), ("guided_decoding_guide", "BYTES", (1,)),
+        ("embedding_bias", "FP32", (-1,)))),
 )
 # tensorrtllm_backend's `stop`: a request with this set ends the in-flight request of the same id.
 STOP_INPUT = TensorSpec("stop", "BOOL", (1,), optional=True)

@@ -1,7 +1,7 @@
 """The batched token sampler (as Hugging Face `generate` samples); the controls are `SamplingParams`.
 
-`sample_batch` draws one token per row of a [rows, vocab] logits batch on the logits' device, in
-transformers' order: repetition penalty, then vLLM's frequency and presence penalties, the masks
+`sample_batch` draws one token per row of a [rows, vocab] logits batch on the logits' device: a
+row's `embedding_bias` first (as tensorrtllm_backend adds it), then in transformers' order: repetition penalty, then vLLM's frequency and presence penalties, the masks
 (eos before `min_tokens`, bad words), the grammar's mask of guided rows last (as vLLM applies it,
 `triton_vlm.llm.engine.grammar`), then (sampled rows) temperature, top-k, top-p, softmax and
 one `torch.multinomial` draw. Each request owns a `torch.Generator` seeded from its `seed`, and a row
@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -63,6 +64,15 @@ def _penalized(scores: torch.Tensor, params: Sequence[SamplingParams],
     score = padded.gather(1, ids)
     score = torch.where(score < 0, score * penalty, score / penalty)
     return scores.index_copy(0, index, padded.scatter(1, ids, score)[:, :vocab])
+
+
+def _biased(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The rows that carry an `embedding_bias` plus it (a new tensor: the raw logits stay as they are)."""
+    rows = [i for i, p in enumerate(params) if p.embedding_bias is not None]
+    if not rows:
+        return scores
+    bias = torch.from_numpy(np.stack([params[i].embedding_bias for i in rows])).to(scores.device)
+    return scores.index_add(0, _on(rows, torch.long, scores.device), bias)
 
 
 def _output_penalized(scores: torch.Tensor, params: Sequence[SamplingParams],
@@ -161,7 +171,7 @@ def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams],
                                 == logits.shape[0]):
         raise ValueError(f"logits {list(logits.shape)} with {len(params)} params, {len(generators)} generators, "
                          f"{len(context_ids)} contexts, {len(num_generated)} generated counts")
-    scores = _penalized(logits.float(), params, context_ids)
+    scores = _penalized(_biased(logits.float(), params), params, context_ids)
     scores = _masked(_output_penalized(scores, params, context_ids, num_generated), params, context_ids, num_generated)
     empty = None
     if grammar_mask is not None:  # in place, on a copy: the raw logits feed `token_logprobs` and outputs
