@@ -379,6 +379,16 @@ REFUSED = {
 }
 
 
+def test_a_guide_past_its_limit_is_refused_naming_it():
+    from triton_vlm.contract.sampling import MAX_GUIDE_CHARS
+
+    guide = "a" * (MAX_GUIDE_CHARS + 1)
+    with pytest.raises(InvalidInput, match=rf"^guided_decoding_guide: {len(guide)} characters exceed "
+                                           rf"max_guide_chars={MAX_GUIDE_CHARS}$"):
+        SamplingParams(max_tokens=4, guide_type="regex", guide=guide)
+    assert SamplingParams(max_tokens=4, guide_type="regex", guide=guide[1:]).guide == guide[1:]
+
+
 @pytest.mark.parametrize("name", REFUSED)
 def test_refusals_name_the_input_and_the_value(name):
     value, message = REFUSED[name]

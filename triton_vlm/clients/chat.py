@@ -66,6 +66,14 @@ def _special_tokens(checkpoint: Path) -> dict[str, str]:
     return tokens
 
 
+def check_tools(template: str, family: Family) -> None:
+    """InvalidInput naming `tools` unless the template renders tools and the family has a format to
+    read the answer's calls in (`Prompt.tool_call_format`)."""
+    if family.prompt.tool_call_format is None or "tools" not in template:
+        raise InvalidInput(f"tools: the served checkpoint ({family.name}) has no tool calling: its chat template "
+                           "does not render tools, or its family has no tool call format")
+
+
 def render_chat(template: str, family: Family, messages: list[dict], tools: list[dict] | None = None) -> str:
     """The prompt of `messages` (content a string or text / image / video parts) with the
     generation prompt, and OpenAI's `tools` where given (the template must render them, and the
@@ -73,9 +81,8 @@ def render_chat(template: str, family: Family, messages: list[dict], tools: list
     InvalidInput unless it holds one placeholder per media part, in order."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    if tools and (family.prompt.tool_call_format is None or "tools" not in template):
-        raise InvalidInput(f"tools: the served checkpoint ({family.name}) has no tool calling: its chat template "
-                           "does not render tools, or its family has no tool call format")
+    if tools:
+        check_tools(template, family)
     conversation = [_as_text(m, family) for m in messages] if family.prompt.chat_content_as_text else messages
     prompts, _ = render_jinja_template(conversations=[conversation], tools=tools or None, chat_template=template,
                                        add_generation_prompt=True, **family.prompt.chat_template_kwargs)

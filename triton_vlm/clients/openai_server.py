@@ -18,8 +18,8 @@ go through the chat template too, and the answer's tool calls come back as `tool
 from __future__ import annotations
 
 import asyncio
-import json
 import contextlib
+import json
 import logging
 import time
 import uuid
@@ -31,7 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from triton_vlm.clients.body_limit import BodyLimit, body_limit_bytes
-from triton_vlm.clients.chat import load_chat_template, render_chat
+from triton_vlm.clients.chat import check_tools, load_chat_template, render_chat
 from triton_vlm.clients.client import aio_channel, stream_generate
 from triton_vlm.clients.guided import Guide, InvalidRequestField
 from triton_vlm.clients.openai_requests import (ChatRequest, CompletionRequest, ImagePart, Message, SamplingRequest,
@@ -204,10 +204,14 @@ def create_app(url: str, checkpoint: str | Path, model_name: str | None = None,
             messages, images, videos = template_messages(body.messages, request.app.state.limits.max_media_items)
             choice, tools = body.tool_choice_of(), body.tools or None
             try:
+                if tools:
+                    check_tools(template, family)
+            except InvalidInput as error:
+                raise APIError(400, str(error), param="tools") from None
+            try:
                 prompt = render_chat(template, family, messages, tools)
             except InvalidInput as error:
-                raise APIError(400, str(error), param="tools" if str(error).startswith("tools:") else "messages") \
-                    from None
+                raise APIError(400, str(error), param="messages") from None
             forced = None
             if choice not in ("auto", "none"):
                 try:

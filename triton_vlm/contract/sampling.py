@@ -17,6 +17,9 @@ import numpy as np
 from triton_vlm.errors import InvalidInput
 
 UINT64_MAX = 2 ** 64 - 1
+# A guide's length at most: compiling one holds the llm's submit thread, so a client's guide is
+# bounded (a forced tool call's grammar of a few tools is a few KiB).
+MAX_GUIDE_CHARS = 1 << 18
 
 
 def _is_int(value: Any) -> bool:
@@ -156,6 +159,8 @@ class SamplingParams:
         elif not isinstance(guide, str) or not guide.strip():
             raise InvalidInput(f"{GUIDE}: required with {GUIDE_TYPE} {kind}"
                                + ("" if guide is None else ", got an empty one"))
+        elif len(guide) > MAX_GUIDE_CHARS:  # the llm compiles it on its submit thread
+            raise InvalidInput(f"{GUIDE}: {len(guide)} characters exceed max_guide_chars={MAX_GUIDE_CHARS}")
 
     @property
     def greedy(self) -> bool:
