@@ -85,11 +85,13 @@ def test_images_match_processor(sizes, processor, preprocessor):
 
 
 @pytest.mark.parametrize("with_image", [False, True], ids=["video", "image+video"])
-def test_video_matches_processor(with_image, processor, preprocessor):
+@pytest.mark.parametrize("before", ["\n", " then", "look:"], ids=["after-newline", "after-word", "after-colon"])
+def test_video_matches_processor(with_image, before, processor, preprocessor):
+    """Also where text runs into the first "Frame1: " label (the processor encodes them together)."""
     video = samples.video_bytes(seconds=1.0, fps=5, width=96, height=64)
     frames, _ = decode_frames(video)
     pil, raw = image(300, 200, 3)
-    text = "<|im_start|>user\n" + (IMG + "\n" if with_image else "") + VID + "\nwhat moves?<|im_end|>\n"
+    text = "<|im_start|>user" + before + (IMG + "\n" if with_image else "") + VID + "\nwhat moves?<|im_end|>\n"
     ref = processor(text=[text], images=[pil] if with_image else None, videos=[frames], return_tensors="pt")
     out = preprocessor(text, [raw] if with_image else [], [video])
     np.testing.assert_array_equal(out.input_ids, ref["input_ids"][0].numpy())

@@ -16,7 +16,7 @@ INTERNVL = Family(
                   # (`image_token`: what preprocess looks the placeholder up by; the processor reads the others)
                   named_special_tokens={"image_token": ivl.IMAGE_TOKEN, "start_image_token": ivl.IMAGE_START, "end_image_token": ivl.IMAGE_END,
                                         "context_image_token": ivl.IMAGE_TOKEN, "video_token": ivl.VIDEO_TOKEN},
-                  eos_tokens=(ivl.EOS,)),
+                  eos_tokens=(ivl.EOS,), video_prefix=ivl.FIRST_FRAME),
     processor=ProcessorRules(
         slice_rule=ivl.slice_rule, expand_media=ivl.expand_media,
         # One frame per tile, patches in raster order (the tower's pixel shuffle joins 2 x 2 of them).

@@ -17,9 +17,9 @@ rows per tile (pixel shuffle 0.5). The prompt holds `<IMG_CONTEXT>` once per ima
 once per video: an image becomes `<img>` + `<IMG_CONTEXT>` x (its tiles' rows) + `</img>`, a video
 `Frame1: <img>...</img>` lines joined by newlines. Positions are plain 0..S-1 (1-D RoPE).
 
-The "FrameN: " text is encoded on its own; the processor encodes it with the prompt's text
-around it. They agree where the video placeholder follows a special token, a newline or the
-prompt's start (as chat templates write it).
+The processor encodes the expanded prompt whole: "Frame1: " with the text before the video, each
+later "\nFrameN: " between special tokens. So "Frame1: " goes into the text before `<video>`
+(`Prompt.video_prefix`), and the expansion writes the later labels.
 """
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ from triton_vlm.media.sizing import VisionSettings
 IMAGE_TOKEN, VIDEO_TOKEN = "<IMG_CONTEXT>", "<video>"
 IMAGE_START, IMAGE_END = "<img>", "</img>"
 PAD, EOS, IM_START = "<|endoftext|>", "<|im_end|>", "<|im_start|>"
+FIRST_FRAME = "Frame1: "  # what the prompt's text holds before each video placeholder
 
 
 def encoder_dims(config: dict) -> tuple[int, int]:
@@ -92,7 +93,7 @@ def expand_media(media: MediaLayout, token_id: Callable[[str], int],
     tokens = _tile_tokens(media)
     if not media.video:
         return np.array([start] + [context] * sum(tokens) + [end], dtype=np.int32), []
-    labels = encode([("\n" if i else "") + f"Frame{i + 1}: " for i in range(len(tokens))])
+    labels = [[]] + encode([f"\nFrame{i + 1}: " for i in range(1, len(tokens))])  # (Frame1's is the prompt's)
     ids: list[int] = []
     for label, n in zip(labels, tokens):
         ids += [*label, start, *[context] * n, end]
