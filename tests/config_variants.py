@@ -282,9 +282,8 @@ def _internvl(config: dict[str, Any], processor: dict[str, Any]) -> None:
     """InternVL with `rope_theta` beside `rope_scaling`, `torch_dtype`, the text config's true
     `tie_word_embeddings` under a false top level (`InternVLConfig` reads the top level's only),
     another projector activation and tower `layer_norm_eps`, no `use_mean_pooling` (its class's
-    True); the image processor's `min_patches` 2 (every image tiled, with a thumbnail) and
-    `max_patches` 4, other means and deviations, a saved `crop_to_patches` false (the processor's
-    own true wins), in `preprocessor_config.json` files."""
+    True); the image processor's `max_patches` 4, other means and deviations, a saved
+    `crop_to_patches` false (the processor's own true wins), in `preprocessor_config.json` files."""
     text = config["text_config"]
     _old_rope(text, 2e5)
     text["tie_word_embeddings"] = True
@@ -292,7 +291,7 @@ def _internvl(config: dict[str, Any], processor: dict[str, Any]) -> None:
     config["projector_hidden_act"] = "gelu_pytorch_tanh"
     config["vision_config"]["layer_norm_eps"] = 1e-5
     config["vision_config"].pop("use_mean_pooling")
-    processor["image_processor"].update(min_patches=2, max_patches=4, crop_to_patches=False)
+    processor["image_processor"].update(max_patches=4, crop_to_patches=False)
     for section in (processor["image_processor"], processor["video_processor"]):
         section.update(image_mean=[0.5, 0.4, 0.3], image_std=[0.2, 0.25, 0.3])
     processor["layout"] = "files"
