@@ -102,3 +102,17 @@ def test_greedy_matches_hf_generate(hf, engine, requests, name, budget):
     expected, logits = hf_greedy_with_logits(hf.model, req, MAX_TOKENS)
     col, _ = greedy_in_steps(engine, hf.checkpoint, req, f"greedy-{name}-{budget}", MAX_TOKENS, budget)
     assert_matches_generate(col, engine.eos_token_ids, expected, logits)
+
+
+def test_an_unknown_text_model_is_refused_by_name(tmp_path):
+    import json
+
+    from triton_vlm.families.demo import write_demo_checkpoint
+
+    checkpoint = write_demo_checkpoint("internvl", tmp_path, "tiny")
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["text_config"]["model_type"] = "llama"
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="internvl: text_config.model_type 'llama' is not supported; supported: "
+                                         "qwen2, qwen3"):
+        DecoderConfig.from_checkpoint(checkpoint)

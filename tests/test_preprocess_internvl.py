@@ -112,3 +112,18 @@ def test_sampling_and_size_options_are_refused(option, preprocessor):
     video = samples.video_bytes(seconds=1.0, fps=5, width=96, height=64)
     with pytest.raises(InvalidInput, match=rf"mm_options: {next(iter(option))} does not apply: internvl"):
         preprocessor(VID, [], [video], option)
+
+
+def test_a_video_processor_that_samples_frames_is_refused(checkpoint, tmp_path):
+    """`do_sample_frames` on in the saved video processor: not implemented, refused by name."""
+    import json
+    import shutil
+
+    from triton_vlm.preprocessing.preprocessor import Preprocessor
+
+    copy = shutil.copytree(checkpoint, tmp_path / "sampling")
+    config = json.loads((copy / "processor_config.json").read_text())
+    config["video_processor"].update(do_sample_frames=True, num_frames=4)
+    (copy / "processor_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="InternVL: the video processor's do_sample_frames is not supported"):
+        Preprocessor(copy).warmup()

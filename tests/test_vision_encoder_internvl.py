@@ -112,6 +112,7 @@ def test_features_it_does_not_implement_are_refused_by_name(key, value):
         vision_settings({"vision_config": {}, "text_config": {"hidden_size": 8}, key: value})
 
 
-def test_unknown_norm_type_is_refused():
-    with pytest.raises(ValueError, match="vision_config.norm_type 'batch_norm' is not supported"):
-        vision_settings({"vision_config": {"norm_type": "batch_norm"}, "text_config": {"hidden_size": 8}})
+@pytest.mark.parametrize("key, value", [("norm_type", "batch_norm"), ("model_type", "siglip_vision_model")])
+def test_an_unknown_tower_is_refused_by_name(key, value):
+    with pytest.raises(ValueError, match=f"InternVL: vision_config.{key} '{value}' is not supported"):
+        vision_settings({"vision_config": {key: value}, "text_config": {"hidden_size": 8}})

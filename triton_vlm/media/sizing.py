@@ -78,6 +78,9 @@ class VisionSettings:
     # `min_patches` and `max_patches` of them.
     min_patches: int = 1
     max_patches: int = 12
+    # A video processor's own frame sampling (families whose processors take every frame by
+    # default refuse it where a config turns it on).
+    do_sample_frames: bool = False
 
     @property
     def center_crop(self) -> tuple[int, int] | None:

@@ -67,6 +67,8 @@ def tile_grid(height: int, width: int, tile: tuple[int, int], min_patches: int, 
 
 def slice_rule(height: int, width: int, settings: VisionSettings, name: str) -> tuple[View, ...]:
     """The tiles' canvas (cut into tiles), then the thumbnail where there is more than one tile."""
+    if settings.do_sample_frames:  # (the preprocess model's warm-up meets this first: the model does not load)
+        raise ValueError("InternVL: the video processor's do_sample_frames is not supported (every frame is taken)")
     if height <= 0 or width <= 0:
         raise InvalidInput(f"{name}: image has no pixels")
     tile = settings.resize_to

@@ -55,6 +55,9 @@ def vision_settings(config: Any) -> dict[str, Any]:
     cfg = tower_config.as_dict(config)
     vision = tower_config.as_dict(cfg.get("vision_config") or {})
     text = tower_config.as_dict(cfg.get("text_config") or {})
+    if vision.get("model_type", "internvl_vision") != "internvl_vision":
+        raise ValueError(f"InternVL: vision_config.model_type {vision['model_type']!r} is not supported "
+                         "(internvl_vision)")
     out = {key: vision.get(key, default) for key, default in VISION_DEFAULTS.items()}
     top = {key: cfg.get(key, default) for key, default in INTERNVL_DEFAULTS.items()}
     expected = dict(vision_feature_layer=-1, vision_feature_select_strategy="default", downsample_ratio=0.5)
