@@ -116,3 +116,28 @@ def test_features_it_does_not_implement_are_refused_by_name(key, value):
 def test_an_unknown_tower_is_refused_by_name(key, value):
     with pytest.raises(ValueError, match=f"InternVL: vision_config.{key} '{value}' is not supported"):
         vision_settings({"vision_config": {key: value}, "text_config": {"hidden_size": 8}})
+
+
+def test_float16_export_within_1e_2(case, tmp_path):
+    from triton_vlm.vision.runtime.encoder import VisionEncoder
+    from triton_vlm.vision.runtime.export import export_onnx
+
+    checkpoint, pixels, grid, ref = case
+    encoder = VisionEncoder(export_onnx(checkpoint, tmp_path / "float16.onnx", dtype="float16"))
+    assert encoder.dtype == "float16"
+    out = encoder.encode(pixels, grid)
+    assert out.dtype == np.float32 and rel_err(out, ref) < 1e-2
+
+
+def test_unfused_graph_runs_standard_ops_and_matches(case, onnx_path, tmp_path):
+    from tests.encoder_checks import check_unfused_matches
+
+    checkpoint, pixels, grid, ref = case
+    settings = InternVLTower.read_vision_config(checkpoint)
+    check_unfused_matches(onnx_path, InternVLTower, settings, {"tiles": (pixels, grid, ref)}, tmp_path)
+
+
+def test_tensorrt_engines_are_built_from_the_export_of_their_precision(case, onnx_path, tmp_path):
+    from tests.encoder_checks import check_engine_graphs
+
+    check_engine_graphs(case[0], onnx_path, tmp_path)
