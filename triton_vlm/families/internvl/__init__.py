@@ -14,14 +14,15 @@ INTERNVL = Family(
                   special_tokens=(ivl.PAD, ivl.IM_START, ivl.EOS, ivl.IMAGE_START, ivl.IMAGE_END, ivl.IMAGE_TOKEN,
                                   ivl.VIDEO_TOKEN),
                   # (`image_token`: what preprocess looks the placeholder up by; the processor reads the others)
-                  named_special_tokens={"image_token": ivl.IMAGE_TOKEN, "start_image_token": ivl.IMAGE_START, "end_image_token": ivl.IMAGE_END,
-                                        "context_image_token": ivl.IMAGE_TOKEN, "video_token": ivl.VIDEO_TOKEN},
+                  named_special_tokens={"image_token": ivl.IMAGE_TOKEN, "start_image_token": ivl.IMAGE_START,
+                                        "end_image_token": ivl.IMAGE_END, "context_image_token": ivl.IMAGE_TOKEN,
+                                        "video_token": ivl.VIDEO_TOKEN},
                   eos_tokens=(ivl.EOS,), video_prefix=ivl.FIRST_FRAME),
     processor=ProcessorRules(
         slice_rule=ivl.slice_rule, expand_media=ivl.expand_media,
-        # One frame per tile, patches in raster order (the tower's pixel shuffle joins 2 x 2 of them).
-        vision_defaults=dict(temporal_patch_size=1, merge_size=1, image_mean=(0.48145466, 0.4578275, 0.40821073),
-                             image_std=(0.26862954, 0.26130258, 0.27577711)),
+        # One frame per tile, patches in raster order (the tower's pixel shuffle joins 2 x 2 of them);
+        # the classes' mean and std are CLIP's, the `VisionSettings` default.
+        vision_defaults=dict(temporal_patch_size=1, merge_size=1),
         # The processor classes' own sizes, where a config leaves them out.
         processor_defaults={"GotOcr2ImageProcessor": dict(resize_to=(384, 384)),
                             "InternVLVideoProcessor": dict(resize_to=(384, 384))},
