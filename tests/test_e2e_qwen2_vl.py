@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.test_e2e import (concurrently, family_server, grpc_tokens, hf_rows_in_prompt_order, http_tokens,
+from tests.test_e2e import (assert_preprocess_equals_hf, concurrently, family_server, grpc_tokens, http_tokens,
                             infer_direct, media_values)
 from triton_vlm.families.qwen2_5_vl import QWEN2_VL
 from triton_vlm.media import samples
@@ -82,22 +82,7 @@ def expected(qwen2_vl) -> dict:
 @pytest.mark.parametrize("kind", PROMPTS)
 def test_preprocess_matches_hf_processor_and_rope_index(qwen2_vl, expected, kind):
     server, oracle = qwen2_vl
-    prompt, images, videos, mm_options = PROMPTS[kind]
-    out = infer_direct(server, "preprocess", media_values(prompt, images, videos, mm_options),
-                       ["input_ids", "pixel_values", "grid_thw", "mrope_position_ids", "mrope_position_delta"])
-    want = expected[kind]
-    ids = want["inputs"]["input_ids"][0].numpy()
-    np.testing.assert_array_equal(out["input_ids"], ids)
-    pixel_values, grid_thw = hf_rows_in_prompt_order(want["inputs"], ids, oracle.processor.image_token_id,
-                                                     oracle.processor.video_token_id)
-    np.testing.assert_array_equal(out["grid_thw"].reshape(-1, 3), grid_thw)
-    if pixel_values is None:
-        assert out["pixel_values"].shape[0] == 0
-    else:
-        assert out["pixel_values"].shape == pixel_values.shape
-        assert np.abs(out["pixel_values"] - pixel_values).max() <= 1e-4
-    np.testing.assert_array_equal(out["mrope_position_ids"], want["positions"])
-    assert int(out["mrope_position_delta"][0]) == want["delta"]
+    assert_preprocess_equals_hf(server, oracle, media_values(*PROMPTS[kind]), expected[kind])
 
 
 def test_videos_take_every_frame_and_a_rate_samples(expected):
