@@ -148,30 +148,17 @@ def test_concurrent_requests_each_equal_alone(qwen2_vl, expected):
     assert answers == {key: expected[key[0]]["tokens"] for key in keys}
 
 
-def test_openai_chat_equals_hf_generate(qwen2_vl, tmp_path):
-    """`triton-vlm openai` in front of the server: an image and a video chat, rendered by the
-    checkpoint's chat template, answers with the text of the ensemble's tokens, which are
-    `generate`'s."""
-    import base64
+def test_max_frames_without_a_rate_is_refused_naming_it(qwen2_vl):
+    """Every frame is taken where no rate is given, so a `max_frames` alone could not be honoured:
+    INVALID_ARG naming it, and the server keeps serving."""
+    from tritonclient.utils import InferenceServerException
 
-    from tests.servers import openai_api
-    from triton_vlm.clients.client import generate
-
-    server, oracle = qwen2_vl
-    content = [{"type": "image"}, {"type": "text", "text": "then"}, {"type": "video"}, {"type": "text", "text": "why?"}]
-    prompt = oracle.processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                                  tokenize=False)
-    want = oracle.generate(hf_inputs(oracle, prompt, [IMAGE_SMALL], [VIDEO], None), NEW_TOKENS)
-    direct = generate(server.grpc_url, prompt, [IMAGE_SMALL], [VIDEO], max_tokens=NEW_TOKENS, stream=False)
-    assert direct.output_ids == want
-
-    def url(data: bytes, mime: str) -> str:
-        return f"data:{mime};base64,{base64.b64encode(data).decode()}"
-
-    parts = [{"type": "image_url", "image_url": {"url": url(IMAGE_SMALL, "image/png")}}, content[1],
-             {"type": "video_url", "video_url": {"url": url(VIDEO, "video/mp4")}}, content[3]]
-    with openai_api(server.grpc_url, oracle.checkpoint, tmp_path / "openai.log", "tiny-qwen2-vl") as api:
-        answer = api.chat.completions.create(model="tiny-qwen2-vl", messages=[{"role": "user", "content": parts}],
-                                             max_tokens=NEW_TOKENS, temperature=0)
-    assert answer.choices[0].message.content == direct.text
-    assert answer.usage.completion_tokens == len(want)
+    server, _ = qwen2_vl
+    prompt, images, videos, _ = PROMPTS["video"]
+    with pytest.raises(InferenceServerException) as refused:
+        infer_direct(server, "preprocess", media_values(prompt, images, videos, {"max_frames": 2}), ["input_ids"])
+    assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert "mm_options: max_frames does not apply" in refused.value.message()
+    out = infer_direct(server, "preprocess", media_values(prompt, images, videos, {"num_frames": 2, "max_frames": 2}),
+                       ["grid_thw"])
+    assert out["grid_thw"].reshape(-1, 3)[:, 0].tolist() == [1]
