@@ -72,7 +72,7 @@ def test_the_family_names_its_tower_decoder_and_demo():
 
 def test_unsupported_model_type_names_the_supported_ones(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "paligemma"}))
-    with pytest.raises(ValueError, match="model_type 'paligemma' is not supported; supported: qwen2_5_vl, glm4v"):
+    with pytest.raises(ValueError, match="model_type 'paligemma' is not supported; supported: qwen2_5_vl, qwen2_vl, glm4v"):
         detect_family(tmp_path)
 
 

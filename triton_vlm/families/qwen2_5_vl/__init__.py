@@ -45,4 +45,4 @@ QWEN2_VL = Family(
     demo="triton_vlm.families.qwen2_5_vl.demo:DEMOS",
 )
 
-FAMILIES = (QWEN2_5_VL,)
+FAMILIES = (QWEN2_5_VL, QWEN2_VL)
