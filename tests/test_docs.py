@@ -1,5 +1,5 @@
 """The documentation: the site builds strictly, the README's quick start is the CLI's, every kept
-benchmark result has its figure."""
+benchmark result has its figure, and no page cites the tracker's numbers."""
 from __future__ import annotations
 
 import re
@@ -76,3 +76,18 @@ def test_every_kept_result_has_its_figure(tmp_path):
     assert sorted(p.stem for p in tmp_path.glob("*.svg")) == kept
     assert sorted(p.stem for p in FIGURES.glob("*.svg")) == kept
     assert (tmp_path / "figures.txt").read_text() == (FIGURES / "figures.txt").read_text()
+
+
+# Upstream projects' trackers may be cited, as links to them; ours may not be cited at all.
+_UPSTREAM_LINK = re.compile(r"\[[^\]]*\]\(https://github\.com/(triton-inference-server|grpc)/[^)]*\)")
+_TRACKER = re.compile(r"(?<![\w/&])#\d+\b|\b(issues?|PRs?)\s+#?\d+", flags=re.I)
+
+
+def test_no_page_cites_a_tracker_number():
+    pages = [README, ROOT / "bench" / "RESULTS.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    found = []
+    for page in pages:
+        for n, line in enumerate(page.read_text().splitlines(), 1):
+            if match := _TRACKER.search(_UPSTREAM_LINK.sub("", line)):
+                found.append(f"{page.relative_to(ROOT)}:{n}: {match.group(0)}")
+    assert not found, "\n".join(found)
