@@ -2,6 +2,7 @@
 `demo-checkpoint` command for every family."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from typing import Iterator
 
 import pytest
 
@@ -36,18 +38,26 @@ def _wait_ready(process: subprocess.Popen, http_port: str, timeout: float = 300)
     raise AssertionError("not ready")
 
 
-def test_serve_stops_cleanly_on_sigterm(tiny_repo, tmp_path):
-    ports = _ports()
-    log = open(tmp_path / "serve.log", "w")
-    process = subprocess.Popen(SERVE + ["--repo", str(tiny_repo), *ports], stdout=log, stderr=log)
+@contextlib.contextmanager
+def _serving(args: list[str], http_port: str, log) -> Iterator[subprocess.Popen]:
+    """`triton-vlm serve ARGS` ready; when the `with` ends, SIGTERM stops it with exit code 0 (it is
+    killed if it does not)."""
+    process = subprocess.Popen(SERVE + args, stdout=log, stderr=log)
     try:
-        _wait_ready(process, ports[1])
+        _wait_ready(process, http_port)
+        yield process
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_serve_stops_cleanly_on_sigterm(tiny_repo, tmp_path):
+    ports = _ports()
+    with _serving(["--repo", str(tiny_repo), *ports], ports[1], open(tmp_path / "serve.log", "w")):
+        pass
 
 
 def test_serve_exits_nonzero_with_the_servers_error_when_a_model_fails(tiny_repo, tmp_path):
@@ -118,11 +128,9 @@ def test_serve_binds_its_host_and_starts_again_at_once_on_the_same_ports(lean_re
              "0.0.0.0": "ready: gRPC 0.0.0.0:{1}, HTTP 0.0.0.0:{0}, metrics 0.0.0.0:{2};"}
     for run, host in enumerate(("127.0.0.1", None)):
         log = open(tmp_path / f"serve{run}.log", "w")
-        process = subprocess.Popen(SERVE + ["--repo", str(lean_repo), *ports, *(["--host", host] if host else [])],
-                                   stdout=log, stderr=log)
+        args = ["--repo", str(lean_repo), *ports, *(["--host", host] if host else [])]
         host = host or "0.0.0.0"
-        try:
-            _wait_ready(process, ports[1])
+        with _serving(args, ports[1], log) as process:
             assert _ready_line(log, process).startswith(lines[host].format(*numbers))
             # each endpoint listens at that address alone (for 0.0.0.0, gRPC takes IPv6's wildcard too)
             for port in numbers:
@@ -131,12 +139,6 @@ def test_serve_binds_its_host_and_starts_again_at_once_on_the_same_ports(lean_re
             for _ in range(3):  # connections the server closes first: they wait in TIME_WAIT on its port
                 with urllib.request.urlopen(f"http://127.0.0.1:{ports[1]}/v2/health/ready", timeout=5):
                     pass
-            process.send_signal(signal.SIGTERM)
-            assert process.wait(timeout=60) == 0
-        finally:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
         if run == 0:
             assert any(state == "06" for _, state in _sockets(numbers[0])), "no TIME_WAIT left: nothing tested"
 
