@@ -24,7 +24,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
 # Figures that do not change when nothing they draw changes: no date, a fixed hash salt.
-matplotlib.rcParams.update({"svg.hashsalt": "triton-vlm", "figure.dpi": 100, "font.size": 9})
+# Text stays text (searchable, small).
+matplotlib.rcParams.update({"svg.hashsalt": "triton-vlm", "svg.fonttype": "none", "figure.dpi": 100, "font.size": 9})
 SVG_METADATA = {"Date": None, "Creator": None}
 
 
@@ -38,10 +39,12 @@ def served(figures: dict, title: str):
     concurrencies = sorted(image, key=int)
     xs = [int(c) for c in concurrencies]
     fig, (tput, ttft) = plt.subplots(1, 2, figsize=(9, 3.8))
-    for runs, label, style in ((image, "served (ensemble, gRPC streaming)", "o-"), (alone, "llm engine alone", "s--")):
-        tput.plot(xs, [runs[c]["output_tokens_per_s"] for c in concurrencies], style, label=label)
-        ttft.plot(xs, [runs[c]["ttft_p50_ms"] for c in concurrencies], style, label=f"{label}, p50")
-        ttft.plot(xs, [runs[c]["ttft_p99_ms"] for c in concurrencies], style, alpha=0.4, label=f"{label}, p99")
+    for runs, label, style, color in ((image, "served (ensemble, gRPC streaming)", "o-", "C0"),
+                                      (alone, "llm engine alone", "s--", "C1")):
+        tput.plot(xs, [runs[c]["output_tokens_per_s"] for c in concurrencies], style, color=color, label=label)
+        ttft.plot(xs, [runs[c]["ttft_p50_ms"] for c in concurrencies], style, color=color, label=f"{label}, p50")
+        ttft.plot(xs, [runs[c]["ttft_p99_ms"] for c in concurrencies], style, color=color, alpha=0.4,
+                  label=f"{label}, p99")
     for ax, what in ((tput, "output tokens/s"), (ttft, "time to first token (ms)")):
         ax.set_xscale("log", base=2)
         ax.set_xticks(xs, [str(x) for x in xs])
