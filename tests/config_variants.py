@@ -40,10 +40,10 @@ GENERATION_IDS = frozenset({"bos_token_id", "eos_token_id", "pad_token_id"})
 # Processor keys that must agree with the model's sizes (patch and tile sizes, tokens per view).
 PROCESSOR_SIZE_KEYS = frozenset({
     "patch_size", "temporal_patch_size", "merge_size", "downsample_mode", "crop_size", "image_grid_pinpoints",
-    "num_additional_image_tokens", "num_image_tokens", "vision_feature_select_strategy"})
+    "num_additional_image_tokens", "num_image_tokens", "vision_feature_select_strategy", "image_seq_length"})
 # Processor size dicts that are tile sizes (LLaVA's), not pixel budgets (Qwen's, GLM's).
 TILE_SIZED = ("CLIPImageProcessor", "SiglipImageProcessor", "LlavaOnevisionImageProcessor",
-              "LlavaOnevisionVideoProcessor")
+              "LlavaOnevisionVideoProcessor", "GotOcr2ImageProcessor", "InternVLVideoProcessor")
 
 # Writer shapes of the bare variants: heads wide enough for the text config class's default
 # `mrope_section` (Qwen2.5-VL: [16, 24, 24] of a 128-wide head; GLM: [8, 12, 12] of its rotary
@@ -54,6 +54,8 @@ BARE_SHAPES: dict[str, dict[str, Any]] = {
                             "mrope_section": [16, 24, 24]}},
     **{name: _GLM_BARE for name in ("glm4v", "glm46v", "glmga", "glm_ocr")},
     "glm4v_moe": {"text": {"hidden_size": 256, "num_attention_heads": 2, "mrope_section": [8, 12, 12]}},
+    # InternViT's class default: no qkv bias
+    "internvl": {"vision": {"attention_bias": False}},
 }
 
 
@@ -276,10 +278,29 @@ def _llava_onevision(config: dict[str, Any], processor: dict[str, Any]) -> None:
     processor["layout"] = "files"
 
 
+def _internvl(config: dict[str, Any], processor: dict[str, Any]) -> None:
+    """InternVL with `rope_theta` beside `rope_scaling`, `torch_dtype`, the text config's true
+    `tie_word_embeddings` under a false top level (`InternVLConfig` reads the top level's only),
+    another projector activation and tower `layer_norm_eps`, no `use_mean_pooling` (its class's
+    True); the image processor's `max_patches` 4, other means and deviations, a saved
+    `crop_to_patches` false (the processor's own true wins), in `preprocessor_config.json` files."""
+    text = config["text_config"]
+    _old_rope(text, 2e5)
+    text["tie_word_embeddings"] = True
+    _torch_dtype(config)
+    config["projector_hidden_act"] = "gelu_pytorch_tanh"
+    config["vision_config"]["layer_norm_eps"] = 1e-5
+    config["vision_config"].pop("use_mean_pooling")
+    processor["image_processor"].update(max_patches=4, crop_to_patches=False)
+    for section in (processor["image_processor"], processor["video_processor"]):
+        section.update(image_mean=[0.5, 0.4, 0.3], image_std=[0.2, 0.25, 0.3])
+    processor["layout"] = "files"
+
+
 VARIED: dict[str, Callable[[dict, dict], None]] = {
     "qwen2_5_vl": _qwen2_5_vl, "glm4v": _glm(files=True), "glm46v": _glm("glm4v"), "glmga": _glm("glm4v", files=True),
     "glm_ocr": _glm(), "glm4v_moe": _glm(files=True), "minicpmv4_6": _minicpmv, "minicpmv4_7": _minicpmv,
-    "minicpm_ocr": _minicpmv, "llava": _llava, "llava_onevision": _llava_onevision,
+    "minicpm_ocr": _minicpmv, "llava": _llava, "llava_onevision": _llava_onevision, "internvl": _internvl,
 }
 
 

@@ -356,6 +356,7 @@ def test_every_vision_default_is_its_config_classs():
     import transformers
 
     from triton_vlm.families.glm4v import tower as glm4v
+    from triton_vlm.families.internvl import tower as internvl
     from triton_vlm.families.llava import onevision_tower as llava_onevision
     from triton_vlm.families.llava import tower as llava
     from triton_vlm.families.minicpmv import tower_v4_6 as minicpmv
@@ -380,6 +381,10 @@ def test_every_vision_default_is_its_config_classs():
         same({k: v for k, v in defaults.items() if k != "vision_model_type"}, hf)
         assert defaults["vision_model_type"] == hf.vision_config.model_type
     assert _plain(llava_onevision.DEFAULT_PINPOINTS) == transformers.LlavaOnevisionConfig().image_grid_pinpoints
+    internvl_config = transformers.InternVLConfig()
+    same({k: (v, v) if k in ("image_size", "patch_size") else v for k, v in internvl.VISION_DEFAULTS.items()},
+         internvl_config.vision_config)
+    same(internvl.INTERNVL_DEFAULTS, internvl_config)
 
 
 # Each family's transformers image and video processor classes.
@@ -392,10 +397,11 @@ PROCESSOR_CLASSES = {
     "minicpm_ocr": ("MiniCPMOcrImageProcessor", "MiniCPMOcrVideoProcessor"),
     "llava": ("CLIPImageProcessor", "SiglipImageProcessor"),
     "llava_onevision": ("LlavaOnevisionImageProcessor", "LlavaOnevisionVideoProcessor"),
+    "internvl": ("GotOcr2ImageProcessor", "InternVLVideoProcessor"),
 }
 SETTINGS_READ = ("patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std", "resample",
                  "scale_resolution", "max_slice_nums", "slice_mode", "downsample_mode", "use_image_id",
-                 "small_image_upsize", "do_center_crop", "image_grid_pinpoints")
+                 "small_image_upsize", "do_center_crop", "image_grid_pinpoints", "min_patches", "max_patches")
 
 
 @pytest.mark.parametrize("family", list(PROCESSOR_CLASSES))

@@ -97,3 +97,19 @@ def test_preprocess_gives_the_engine_its_positions(hf, requests):
         np.testing.assert_array_equal(ours.input_ids, llm["input_ids"])
         np.testing.assert_array_equal(ours.mrope_position_ids, llm["mrope_position_ids"])
         assert ours.mrope_position_delta == int(llm["mrope_position_delta"][0])
+
+
+def test_sequences_of_a_hybrid_decoder_each_equal_transformers(hf, engine, requests):
+    """`num_return_sequences` on a decoder with a recurrent state: the other sequences recompute the
+    prompt (no shared state) and each greedy sequence is transformers' answer."""
+    from tests.test_llm_sequences import Sequences
+    from triton_vlm.llm import SamplingParams
+
+    req = requests["image"]
+    expected, _ = hf_greedy_with_logits(hf.model, req, MAX_TOKENS)
+    group = Sequences()
+    engine.submit("hybrid-n2", **req["llm"], params=SamplingParams(max_tokens=MAX_TOKENS, num_return_sequences=2),
+                  emit=group)
+    group.wait()
+    assert [group.ids(0), group.ids(1)] == [expected, expected] and group.finals == 1
+    assert engine.kv_blocks_used == 0 and engine.blocks.num_states_used == 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import json
 
+import numpy as np
 import openai
 import pytest
 import tritonclient.grpc as grpcclient
@@ -152,6 +153,40 @@ def test_logprobs_are_the_ensembles_output_log_probs(api, server, processor, tin
     assert api.chat.completions.create(model=MODEL, messages=messages, max_tokens=2).choices[0].logprobs is None
 
 
+def test_top_logprobs_and_n_choices_are_the_ensembles(api, server, processor, tiny_checkpoint):
+    """`top_logprobs`: each token's alternatives are the ensemble's `top_log_probs` (checked against
+    transformers there), the first the greedy token. `n`: choice i of a request seeded s is what
+    the ensemble draws with seed s + i, streamed or not."""
+    from triton_vlm.clients.client import generate_payload, http_generate
+    from triton_vlm.tokenizer import load_tokenizer
+
+    text = load_tokenizer(tiny_checkpoint).decode
+    prompt, messages = _chat_prompt(processor, "Count"), [{"role": "user", "content": "Count"}]
+    (direct,) = http_generate(server.http_url, generate_payload(prompt, max_tokens=6, num_top_log_probs=3))
+    answer = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, logprobs=True, top_logprobs=3)
+    content = answer.choices[0].logprobs.content
+    ids = np.array(direct["top_log_prob_ids"]).reshape(6, 3)
+    assert [[a.token for a in c.top_logprobs] for c in content] == \
+        [[text([i], skip_special_tokens=False) for i in row] for row in ids.tolist()]
+    assert np.allclose([[a.logprob for a in c.top_logprobs] for c in content],
+                       np.array(direct["top_log_probs"]).reshape(6, 3), atol=1e-6)
+    assert [c.token for c in content] == [c.top_logprobs[0].token for c in content]
+
+    sampled = dict(max_tokens=8, temperature=1.0, top_k=40)
+    draws = [http_generate(server.http_url, generate_payload(prompt, seed=50 + i, **sampled))[0] for i in range(3)]
+    seeded = [d["text_output"] for d in draws]
+    assert len(set(seeded)) > 1
+    answer = api.chat.completions.create(model=MODEL, messages=messages, n=3, seed=50, extra_body={"top_k": 40},
+                                         max_tokens=8, temperature=1.0)
+    assert [(c.index, c.message.content) for c in answer.choices] == list(enumerate(seeded))
+    chunks = list(api.chat.completions.create(model=MODEL, messages=messages, n=3, seed=50, extra_body={"top_k": 40},
+                                              max_tokens=8, temperature=1.0, stream=True))
+    streamed = ["".join(c.delta.content or "" for chunk in chunks for c in chunk.choices if c.index == i)
+                for i in range(3)]
+    assert streamed == seeded
+    assert answer.usage.completion_tokens == sum(len(d["output_ids"]) for d in draws)
+
+
 @pytest.mark.parametrize("penalty", [{"presence_penalty": 2.0}, {"frequency_penalty": 2.0},
                                      {"presence_penalty": -1.0, "frequency_penalty": 1.5}])
 def test_presence_and_frequency_penalties_are_the_ensembles(api, server, processor, penalty):
@@ -205,7 +240,7 @@ def test_text_completions_send_the_raw_prompt_streamed_and_not(api, server):
                                      presence_penalty=0.5, stop=["zzz"]).choices[0].text for _ in range(2)]
     assert seeded[0] == seeded[1]
     for kwargs, param in (({"prompt": ["a", "b"]}, "prompt"), ({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"),
-                          ({"best_of": 2}, "best_of"), ({"logprobs": 3}, "logprobs")):
+                          ({"best_of": 2}, "best_of"), ({"logprobs": 21}, "logprobs")):
         status, error = _error(lambda: api.completions.create(model=MODEL, **{"prompt": prompt, **kwargs},
                                                               max_tokens=2))
         assert status == 400 and error["param"] == param, (kwargs, error)
@@ -269,7 +304,7 @@ def test_errors_are_openais(api, stream):
     assert status == 400 and url in error["message"] and error["type"] == "invalid_request_error"
     status, error = _error(chat([{"type": "video_url", "video_url": {"url": "/etc/passwd"}}]))
     assert status == 400 and "'/etc/passwd' is not a data: URL" in error["message"]
-    status, error = _error(chat("hi", n=2))
+    status, error = _error(chat("hi", n=17))  # the most sequences one request may ask for: 16
     assert status == 400 and error["param"] == "n"
     status, error = _error(chat("hi", temperature=-1))  # the ensemble's own refusal
     assert (status, error["message"]) == (400, "temperature: must be >= 0, got -1")
@@ -280,7 +315,7 @@ def test_errors_are_openais(api, stream):
     assert status == 400 and error["param"] == "messages"
     status, error = _error(chat("hi", frequency_penalty=2.5))  # the ensemble checks the range
     assert (status, error["message"]) == (400, "frequency_penalty: must be in [-2, 2], got 2.5")
-    status, error = _error(chat("hi", logprobs=True, top_logprobs=2))  # refused by name, not ignored
+    status, error = _error(chat("hi", top_logprobs=2))  # alternatives without logprobs: refused by name
     assert status == 400 and error["param"] == "top_logprobs"
     status, error = _error(chat("hi", response_format={"type": "json_schema"}))
     assert status == 400 and error["param"] == "response_format"

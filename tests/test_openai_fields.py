@@ -51,14 +51,22 @@ def api(app, monkeypatch):
         sent.append({k: (v.tolist() if k in ("stop_words", "bad_words", "images", "videos")
                          else v if k == "embedding_bias" else v.item()) for k, (v, _) in values.items()})
         asked = "return_log_probs" in values
-        yield Increment("Hel", [11, 12], "", None, LOGPROBS[:2] if asked else None)
-        yield Increment("lo", [13], "length", 7, LOGPROBS[2:] if asked else None)
+        top = int(values["num_top_log_probs"][0][0]) if "num_top_log_probs" in values else 0
+        n = int(values["num_return_sequences"][0][0]) if "num_return_sequences" in values else 1
+        for index in range(n):
+            yield Increment("Hel", [11, 12], "", None, LOGPROBS[:2] if asked else None, _top(top, 2), index)
+            yield Increment("lo", [13], "length", 7, LOGPROBS[2:] if asked else None, _top(top, 1), index)
 
     monkeypatch.setattr(openai_server, "stream_generate", stream_generate)
     app.state.channel = None  # (the lifespan, which opens the channel, does not run)
     client = TestClient(app)
     client.sent = sent
     return client
+
+
+def _top(k: int, tokens: int) -> list[list[tuple[int, float]]] | None:
+    """The stub's alternatives: ids 20, 21, ... with log-probabilities -0.25, -0.5, ..."""
+    return [[(20 + j, -0.25 * (j + 1)) for j in range(k)] for _ in range(tokens)] if k else None
 
 
 def _chat(api, **extra) -> tuple[Any, dict | None]:
@@ -98,6 +106,8 @@ HONOURED: dict[str, tuple[Any, Check]] = {
     "logprobs": (True, lambda sent, r: sent["return_log_probs"] is True
                  and [c["logprob"] for c in r.json()["choices"][0]["logprobs"]["content"]] == LOGPROBS),
     "logit_bias": ({"42": 5, "7": -100}, lambda sent, r: _bias(sent) == {42: 5.0, 7: -100.0}),
+    "n": (2, lambda sent, r: sent["num_return_sequences"] == 2
+          and [(c["index"], c["message"]["content"]) for c in r.json()["choices"]] == [(0, "Hello"), (1, "Hello")]),
     "response_format": ({"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}},
                         lambda sent, r: _guide(sent) == ("json_schema", '{"type": "object"}')),
 }
@@ -129,7 +139,8 @@ NO_OPS = {"user": "u-1", "metadata": {"k": "v"}, "safety_identifier": "h", "prom
           "parallel_tool_calls": True, "store": False, "service_tier": "auto"}
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 REFUSED = {
-    "n": 2, "top_logprobs": 2, "tools": [TOOL], "tool_choice": "auto",
+    "top_logprobs": 2,  # (without logprobs: honoured with it, test_chat_top_logprobs_...)
+    "tools": [TOOL], "tool_choice": "auto",
     "functions": [TOOL["function"]], "function_call": "auto", "modalities": ["text", "audio"],
     "audio": {"voice": "alloy", "format": "wav"}, "prediction": {"type": "content", "content": "x"},
     "web_search_options": {}, "reasoning_effort": "low", "verbosity": "low", "moderation": {"model": "m"},
@@ -147,7 +158,7 @@ VLLM_REFUSED = {
     "mm_processor_kwargs": {"fps": 1},
 }
 # The refused ones with a value that asks for nothing (or what the server does anyway): accepted.
-ACCEPTED_DEFAULTS = {"n": 1, "top_logprobs": 0, "tools": [], "tool_choice": "none",
+ACCEPTED_DEFAULTS = {"top_logprobs": 0, "tools": [], "tool_choice": "none",
                      "modalities": ["text"], "service_tier": "default", "min_p": 0, "best_of": 1, "length_penalty": 1,
                      "stop_token_ids": [], "skip_special_tokens": True, "ignore_eos": False, "echo": False,
                      "add_generation_prompt": True, "priority": 0, "audio": None, "function_call": "none",
@@ -246,6 +257,32 @@ def test_chat_logprobs_are_the_ensembles_with_each_tokens_text(api, tiny_checkpo
         == LOGPROBS
 
 
+def test_chat_top_logprobs_are_each_tokens_alternatives(api, tiny_checkpoint):
+    from triton_vlm.tokenizer import load_tokenizer
+
+    text = load_tokenizer(tiny_checkpoint).decode
+    response, sent = _chat(api, logprobs=True, top_logprobs=2)
+    assert sent["num_top_log_probs"] == 2 and sent["return_log_probs"] is True
+    alternatives = [{"token": text([20 + j], skip_special_tokens=False), "logprob": -0.25 * (j + 1),
+                     "bytes": list(text([20 + j], skip_special_tokens=False).encode())} for j in range(2)]
+    assert [c["top_logprobs"] for c in response.json()["choices"][0]["logprobs"]["content"]] == [alternatives] * 3
+    streamed = _events(_chat(api, logprobs=True, top_logprobs=2, stream=True)[0])
+    assert [c["top_logprobs"] for e in streamed for ch in e["choices"]
+            for c in (ch["logprobs"] or {}).get("content", [])] == [alternatives] * 3
+    _expect_refused(_chat(api, logprobs=True, top_logprobs=21)[0], "top_logprobs")
+
+
+def test_n_choices_stream_each_with_its_index(api):
+    events = _events(_chat(api, n=3, stream=True)[0])
+    openings = [c["index"] for e in events for c in e["choices"] if c["delta"].get("role")]
+    text = {i: "".join(c["delta"].get("content") or "" for e in events for c in e["choices"] if c["index"] == i)
+            for i in range(3)}
+    ends = [(c["index"], c["finish_reason"]) for e in events for c in e["choices"] if c["finish_reason"]]
+    assert openings == [0, 1, 2] and text == {0: "Hello", 1: "Hello", 2: "Hello"}
+    assert ends == [(0, "length"), (1, "length"), (2, "length")]
+    _expect_refused(_chat(api, n=17)[0], "n")
+
+
 # ---- /v1/completions -----------------------------------------------------------------------------
 TEXT_HONOURED: dict[str, tuple[Any, Check]] = {
     "model": (MODEL, lambda sent, r: r.json()["model"] == MODEL),
@@ -254,8 +291,10 @@ TEXT_HONOURED: dict[str, tuple[Any, Check]] = {
                                          "frequency_penalty", "stream", "stream_options", "logit_bias")},
     "logprobs": (0, lambda sent, r: sent["return_log_probs"] is True
                  and r.json()["choices"][0]["logprobs"]["token_logprobs"] == LOGPROBS),
+    "n": (3, lambda sent, r: sent["num_return_sequences"] == 3
+          and [c["index"] for c in r.json()["choices"]] == [0, 1, 2]),
 }
-TEXT_REFUSED = {"n": 2, "best_of": 2, "echo": True, "suffix": "end"}
+TEXT_REFUSED = {"best_of": 2, "echo": True, "suffix": "end"}
 
 
 def test_every_field_of_the_openai_completions_request_is_classified():
@@ -291,7 +330,10 @@ def test_completions_send_the_prompt_as_it_is_and_answer_in_openais_shape(api, t
         == choice["logprobs"]["text_offset"]
     assert events[-1]["choices"][0]["finish_reason"] == "length"
     _expect_refused(_text(api, prompt=["a", "b"])[0], "prompt")
-    _expect_refused(_text(api, logprobs=2)[0], "logprobs")
+    alternatives = {tokenizer.decode([20 + j], skip_special_tokens=False): -0.25 * (j + 1) for j in range(2)}
+    top = _text(api, logprobs=2)[0].json()["choices"][0]["logprobs"]["top_logprobs"]
+    assert top == [{**alternatives, t: p} for t, p in zip(tokens, LOGPROBS)]  # the chosen token too (vLLM's)
+    _expect_refused(_text(api, logprobs=21)[0], "logprobs")
     assert _text(api, best_of=1, echo=False)[0].status_code == 200
 
 

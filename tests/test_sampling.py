@@ -320,9 +320,13 @@ def test_new_controls_keep_seeded_rows_batch_invariant():
 def test_token_logprobs_are_the_raw_log_softmax():
     logits = torch.randn(4, 50) * 3
     tokens = torch.tensor([3, 10, 0, 49])
-    got = token_logprobs(logits, tokens, [0, 2, 3])
-    want = torch.log_softmax(logits, dim=-1)[[0, 2, 3], [3, 0, 49]]
-    torch.testing.assert_close(got, want)
+    got, top, top_ids = token_logprobs(logits, tokens, [0, 2, 3], top=4)
+    logprobs = torch.log_softmax(logits, dim=-1)
+    torch.testing.assert_close(got, logprobs[[0, 2, 3], [3, 0, 49]])
+    best = logprobs[[0, 2, 3]].sort(dim=-1, descending=True)
+    torch.testing.assert_close(top, best.values[:, :4])
+    assert top_ids.tolist() == best.indices[:, :4].tolist()
+    assert token_logprobs(logits, tokens, [1])[1].shape == (1, 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -361,7 +365,8 @@ REFUSED = {
                                        "the prompt); send true or leave it out"),
     "beam_width": (4, "beam_width: 4 is not supported (no beam search); send 1 or leave it out"),
     "length_penalty": (0.5, "length_penalty: 0.5 is not supported (it applies to beam search"),
-    "num_return_sequences": (2, "num_return_sequences: 2 is not supported"),
+    "num_return_sequences": (17, "num_return_sequences: must be in [1, 16] (max_return_sequences=16), got 17"),
+    "num_top_log_probs": (21, "num_top_log_probs: must be in [0, 20] (max_top_log_probs=20), got 21"),
     "return_context_logits": (True, "return_context_logits: true is not supported"),
     "return_generation_logits": (True, "return_generation_logits: true is not supported"),
     "return_perf_metrics": (True, "return_perf_metrics: true is not supported"),

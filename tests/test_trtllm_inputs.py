@@ -193,6 +193,40 @@ def test_log_probs_are_the_model_log_softmax(server, hf, hf_text, greedy, stream
     assert plain[-1].as_numpy("cum_log_probs") is None and plain[-1].as_numpy("output_log_probs") is None
 
 
+@pytest.mark.parametrize("streamed", [True, False])
+def test_top_log_probs_are_the_model_log_softmax(server, hf, hf_text, greedy, streamed):
+    """`num_top_log_probs` k: each step's k most likely tokens and their log-probabilities,
+    [1, tokens, k] per response, are the top k of log_softmax of transformers' logits there."""
+    out = hf_generate(hf, hf_text, output_logits=True, return_dict_in_generate=True)
+    best = torch.log_softmax(torch.stack(out.logits)[:, 0].float(), dim=-1).topk(3)
+    results = stream(server, values(num_top_log_probs=tensor(3, "INT32"), stream=tensor(streamed, "BOOL")))
+    assert output_ids(results) == greedy
+    assert results[0].as_numpy("top_log_probs").shape == (1, 1 if streamed else N, 3)
+    got = np.concatenate([r.as_numpy("top_log_probs")[0] for r in results])
+    ids = np.concatenate([r.as_numpy("top_log_prob_ids")[0] for r in results])
+    assert ids.tolist() == best.indices.tolist()
+    np.testing.assert_allclose(got, best.values.numpy(), atol=1e-4)
+    assert results[-1].as_numpy("output_log_probs") is None  # (not asked)
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+def test_num_return_sequences_draw_as_their_seeds_in_one_request(server, streamed):
+    """n sequences from one request, each response tagged with its `sequence_index`; the request
+    ends once, after the last sequence. Sequence i of a request seeded s draws what a request
+    seeded s + i draws."""
+    sampled = dict(temperature=tensor(1.0, "FP32"), top_k=tensor(40, "INT32"), stream=tensor(streamed, "BOOL"))
+    alone = [output_ids(stream(server, values(seed=tensor(30 + i, "UINT64"), **sampled))) for i in range(3)]
+    assert len({tuple(a) for a in alone}) > 1
+    results = stream(server, values(seed=tensor(30, "UINT64"), num_return_sequences=tensor(3, "INT32"), **sampled))
+    by_index: dict[int, list] = {}
+    for r in results:
+        by_index.setdefault(int(r.as_numpy("sequence_index")[0]), []).append(r)
+    assert [output_ids(by_index[i]) for i in range(3)] == alone
+    assert all(by_index[i][-1].as_numpy("finish_reason")[0] in (b"stop", b"length") for i in range(3))
+    if not streamed:
+        assert [len(by_index[i]) for i in range(3)] == [1, 1, 1]
+
+
 def test_num_input_tokens_is_the_expanded_prompt(server, hf):
     """The prompt's length with the image placeholder expanded (the HF processor's input_ids), on the
     final response only; with return_num_input_tokens false, not sent."""
@@ -221,7 +255,9 @@ REFUSED = {
     "exclude_input_in_output": (tensor(False, "BOOL"), "exclude_input_in_output: false is not supported"),
     "beam_width": (tensor(2, "INT32"), "beam_width: 2 is not supported (no beam search)"),
     "length_penalty": (tensor(0.8, "FP32"), "length_penalty: 0.8 is not supported"),
-    "num_return_sequences": (tensor(3, "INT32"), "num_return_sequences: 3 is not supported"),
+    "num_return_sequences": (tensor(0, "INT32"), "num_return_sequences: must be in [1, 16] "
+                                                 "(max_return_sequences=16), got 0"),
+    "num_top_log_probs": (tensor(-1, "INT32"), "num_top_log_probs: must be in [0, 20] (max_top_log_probs=20), got -1"),
     "return_context_logits": (tensor(True, "BOOL"), "return_context_logits: true is not supported"),
     "return_generation_logits": (tensor(True, "BOOL"), "return_generation_logits: true is not supported"),
     "return_perf_metrics": (tensor(True, "BOOL"), "return_perf_metrics: true is not supported"),
@@ -306,14 +342,15 @@ def test_a_response_holds_only_the_requested_outputs():
     frees numpy arrays under other threads): the llm builds only what was asked for."""
     from triton_vlm.contract.sampling import SamplingParams
     from triton_vlm.llm.engine.responses import ResponseBuilder
-    from triton_vlm.llm.engine.streaming import GenerationOutput
+    from triton_vlm.llm.engine.streaming import GenerationOutput, TokenLogprobs
 
     params = SamplingParams.from_inputs({"max_tokens": np.array([4], np.int32),
                                          "return_log_probs": np.array([True]),
                                          "return_num_input_tokens": np.array([True])})
     every = ResponseBuilder(params, stream=True, num_input_tokens=7)
     only = ResponseBuilder(params, stream=True, num_input_tokens=7, requested=frozenset({"text_output", "finish_reason"}))
-    for out in (GenerationOutput([5], "a", logprobs=[-0.5]), GenerationOutput([6], "b", "length", logprobs=[-1.0])):
+    for out in (GenerationOutput([5], "a", logprobs=[TokenLogprobs(-0.5, [], [])]),
+                GenerationOutput([6], "b", "length", logprobs=[TokenLogprobs(-1.0, [], [])])):
         full, part = every.add(out), only.add(out)
         assert {"output_ids", "text_output", "cum_log_probs"} <= set(full)
         assert set(part) == {"text_output", "finish_reason"}

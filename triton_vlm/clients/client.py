@@ -46,7 +46,7 @@ class GenerationResult:
 
 def _sampling_values(max_tokens, temperature, top_p, top_k, seed, stop_words, stream, repetition_penalty=None,
                      min_tokens=None, presence_penalty=None, frequency_penalty=None, bad_words=None,
-                     return_log_probs=None) -> dict[str, tuple]:
+                     return_log_probs=None, num_top_log_probs=None, num_return_sequences=None) -> dict[str, tuple]:
     """name -> (numpy value, Triton datatype) for the sampling inputs that are set."""
     values = {"max_tokens": (np.array([max_tokens], np.int32), "INT32"),
               "stream": (np.array([stream], bool), "BOOL")}
@@ -58,7 +58,9 @@ def _sampling_values(max_tokens, temperature, top_p, top_k, seed, stop_words, st
                                        ("repetition_penalty", repetition_penalty, np.float32, "FP32"),
                                        ("presence_penalty", presence_penalty, np.float32, "FP32"),
                                        ("frequency_penalty", frequency_penalty, np.float32, "FP32"),
-                                       ("return_log_probs", return_log_probs, bool, "BOOL")):
+                                       ("return_log_probs", return_log_probs, bool, "BOOL"),
+                                       ("num_top_log_probs", num_top_log_probs, np.int32, "INT32"),
+                                       ("num_return_sequences", num_return_sequences, np.int32, "INT32")):
         if value is not None:
             values[name] = (np.array([value], dtype), triton)
     for name, words in (("stop_words", stop_words), ("bad_words", bad_words)):
@@ -71,7 +73,7 @@ def request_values(prompt: str, images=(), videos=(), mm_options: dict | None = 
                    temperature=None, top_p=None, top_k=None, seed=None, stop_words=None, repetition_penalty=None,
                    stream: bool = True, min_tokens=None, presence_penalty=None, frequency_penalty=None,
                    bad_words=None, return_log_probs=None, guide_type: str | None = None,
-                   guide: str | None = None) -> dict[str, tuple]:
+                   guide: str | None = None, num_top_log_probs=None, num_return_sequences=None) -> dict[str, tuple]:
     """The ensemble's inputs; `guide_type` and `guide` are `guided_decoding_guide_type` and
     `guided_decoding_guide` (`triton_vlm.contract.sampling.GUIDE_TYPES`)."""
     values = {"text_input": (np.array([prompt.encode()], np.object_), "BYTES")}
@@ -81,7 +83,8 @@ def request_values(prompt: str, images=(), videos=(), mm_options: dict | None = 
     if mm_options:
         values["mm_options"] = (np.array([json.dumps(mm_options).encode()], np.object_), "BYTES")
     values.update(_sampling_values(max_tokens, temperature, top_p, top_k, seed, stop_words, stream, repetition_penalty,
-                                   min_tokens, presence_penalty, frequency_penalty, bad_words, return_log_probs))
+                                   min_tokens, presence_penalty, frequency_penalty, bad_words, return_log_probs,
+                                   num_top_log_probs, num_return_sequences))
     for name, text in (("guided_decoding_guide_type", guide_type), ("guided_decoding_guide", guide)):
         if text is not None:
             values[name] = (np.array([text.encode()], np.object_), "BYTES")
@@ -196,6 +199,9 @@ class Increment:
     finish_reason: str
     prompt_tokens: int | None  # the expanded prompt's length, where the ensemble reports it
     logprobs: list[float] | None = None  # each id's log-probability, where asked (`return_log_probs`)
+    # each id's most likely alternatives, (id, log-probability) most likely first (`num_top_log_probs`)
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    sequence_index: int = 0  # which of the request's sequences (`num_return_sequences`)
 
 
 def aio_channel(url: str) -> grpc.aio.Channel:
@@ -242,17 +248,27 @@ async def stream_generate(channel: grpc.aio.Channel, values: dict[str, tuple],
                 raise RequestError(response.error_message)
             result = InferResult(response.infer_response)
             if response.infer_response.outputs:
-                prompt_tokens, logprobs = result.as_numpy(PROMPT_TOKENS_OUTPUT), result.as_numpy("output_log_probs")
-                yield Increment(b"".join(result.as_numpy("text_output")).decode("utf-8"),
-                                [int(i) for i in result.as_numpy("output_ids")],
-                                b"".join(result.as_numpy("finish_reason")).decode(),
-                                None if prompt_tokens is None else int(prompt_tokens.reshape(-1)[0]),
-                                None if logprobs is None else [float(p) for p in logprobs.reshape(-1)])
+                yield _increment(result)
             if response.infer_response.parameters["triton_final_response"].bool_param:
                 await _ended(call)
                 return
     finally:
         call.cancel()  # a no-op once the call has ended
+
+
+def _increment(result) -> Increment:
+    """An ensemble response (tritonclient `InferResult`) as an `Increment`."""
+    prompt_tokens, logprobs = result.as_numpy(PROMPT_TOKENS_OUTPUT), result.as_numpy("output_log_probs")
+    top, top_ids, index = (result.as_numpy(n) for n in ("top_log_probs", "top_log_prob_ids", "sequence_index"))
+    return Increment(b"".join(result.as_numpy("text_output")).decode("utf-8"),
+                     [int(i) for i in result.as_numpy("output_ids")],
+                     b"".join(result.as_numpy("finish_reason")).decode(),
+                     None if prompt_tokens is None else int(prompt_tokens.reshape(-1)[0]),
+                     None if logprobs is None else [float(p) for p in logprobs.reshape(-1)],
+                     None if top is None else [list(zip(map(int, i), map(float, p)))
+                                               for i, p in zip(top_ids.reshape(-1, top.shape[-1]),
+                                                               top.reshape(-1, top.shape[-1]))],
+                     0 if index is None else int(index.reshape(-1)[0]))
 
 
 async def _ended(call) -> None:

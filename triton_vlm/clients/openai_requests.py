@@ -23,12 +23,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from triton_vlm.clients.client import request_values
 from triton_vlm.clients.guided import GUIDED_FIELDS, Guide, InvalidRequestField, guided_decoding
 from triton_vlm.clients.tool_calls import tool_choice, tool_names
+from triton_vlm.contract.sampling import MAX_RETURN_SEQUENCES, MAX_TOP_LOG_PROBS
 
 # Fields accepted and unused, on both endpoints.
 NO_OPS = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key", "parallel_tool_calls"})
 # name -> (the values accepted, why no other): OpenAI's fields, then vLLM's extensions.
 _COMMON: dict[str, tuple[tuple[Any, ...], str]] = {
-    "n": ((None, 1), "one choice per request"),
     "best_of": ((None, 1), "one sequence per request"),
     "store": ((None, False), "nothing is stored"),
     "service_tier": ((None, "auto", "default"), "one service tier"),
@@ -56,7 +56,6 @@ _COMMON: dict[str, tuple[tuple[Any, ...], str]] = {
     "guided_whitespace_pattern": ((None,), "JSON is constrained compact, with no free whitespace"),
 }
 CHAT_ONLY = {**_COMMON,
-             "top_logprobs": ((None, 0), "only the chosen token's log-probability is returned"),
              "modalities": ((None, ["text"]), "text output only"),
              "audio": ((None,), "no audio output"),
              "prediction": ((None,), "no predicted outputs"),
@@ -135,6 +134,7 @@ class SamplingRequest(BaseModel):
     frequency_penalty: float | None = None
     min_tokens: int | None = None
     seed: int | None = Field(None, ge=0, lt=2**64)  # the ensemble's UINT64
+    n: int | None = Field(None, ge=1, le=MAX_RETURN_SEQUENCES)  # the ensemble's `num_return_sequences`
     stop: str | list[str] | None = None
     bad_words: list[str] | None = None
     stream: bool | None = False
@@ -182,10 +182,11 @@ class SamplingRequest(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def ensemble_values(self, prompt: str, images: list[bytes], videos: list[bytes], max_tokens: int,
-                        logprobs: bool, forced: Guide | None = None) -> dict[str, tuple]:
+                        logprobs: bool, top_logprobs: int | None, forced: Guide | None = None) -> dict[str, tuple]:
         """The ensemble's inputs (`client.request_values`) for this request, with the endpoint's
-        `max_tokens` and `logprobs` (whether to return the chosen tokens' log-probabilities), and a
-        constraint the server `forced` (a required tool call), which no other may join."""
+        `max_tokens`, `logprobs` (whether to return the chosen tokens' log-probabilities) and
+        `top_logprobs` (how many alternatives), and a constraint the server `forced` (a required
+        tool call), which no other may join."""
         guide = guided_decoding({name: getattr(self, name) for name in ("response_format", *GUIDED_FIELDS)})
         if forced is not None and guide is not None:
             raise InvalidRequestField(forced.param, f"one constraint per request, and {guide.param} sets one")
@@ -196,8 +197,9 @@ class SamplingRequest(BaseModel):
                               frequency_penalty=self.frequency_penalty, min_tokens=self.min_tokens,
                               stop_words=[self.stop] if isinstance(self.stop, str) else self.stop,
                               bad_words=self.bad_words, stream=bool(self.stream),
-                              return_log_probs=True if logprobs else None,
-                              guide_type=guide and guide.guide_type, guide=guide and guide.guide)
+                              return_log_probs=True if logprobs else None, num_top_log_probs=top_logprobs or None,
+                              num_return_sequences=self.n if self.n != 1 else None, guide_type=guide and guide.guide_type,
+                              guide=guide and guide.guide)
 
 
 class ChatRequest(SamplingRequest):
@@ -205,6 +207,7 @@ class ChatRequest(SamplingRequest):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOG_PROBS)
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
 
@@ -224,21 +227,21 @@ class ChatRequest(SamplingRequest):
         """The ensemble's inputs for the rendered `prompt` and the messages' media."""
         max_tokens = next((m for m in (self.max_completion_tokens, self.max_tokens) if m is not None),
                           default_max_tokens)
-        return self.ensemble_values(prompt, images, videos, max_tokens, bool(self.logprobs), forced)
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequestField("top_logprobs", "only with logprobs true")
+        return self.ensemble_values(prompt, images, videos, max_tokens, bool(self.logprobs), self.top_logprobs,
+                                    forced)
 
 
 class CompletionRequest(SamplingRequest):
     only: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = COMPLETION_ONLY
     prompt: str | list[str]
-    logprobs: int | None = Field(None, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOG_PROBS)  # the alternatives per token
 
     def values(self, default_max_tokens: int) -> dict[str, tuple]:
         """The ensemble's inputs: the one prompt as it is (no chat template)."""
-        if self.logprobs:
-            raise InvalidRequestField("logprobs", f"{self.logprobs} is not supported (only the chosen token's "
-                                                  "log-probability is returned); send 0 or leave it out")
         if isinstance(self.prompt, list) and len(self.prompt) != 1:
             raise InvalidRequestField("prompt", f"one prompt per request, got a list of {len(self.prompt)}")
         prompt = self.prompt if isinstance(self.prompt, str) else self.prompt[0]
         max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
-        return self.ensemble_values(prompt, [], [], max_tokens, self.logprobs is not None)
+        return self.ensemble_values(prompt, [], [], max_tokens, self.logprobs is not None, self.logprobs)

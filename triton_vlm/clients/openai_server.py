@@ -23,8 +23,9 @@ import json
 import logging
 import time
 import uuid
+from functools import partial
 from pathlib import Path
-from typing import AsyncIterator, Awaitable, Iterator, TypeVar
+from typing import AsyncIterator, Awaitable, Callable, Iterator, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -42,6 +43,7 @@ from triton_vlm.contract.limits import DEFAULT_LIMITS, Limits
 from triton_vlm.errors import InvalidInput
 from triton_vlm.families import detect_family
 from triton_vlm.llm.config import DecoderConfig
+from triton_vlm.llm.engine.grammar import xgrammar_message
 from triton_vlm.tokenizer import load_tokenizer
 
 log = logging.getLogger("triton_vlm")
@@ -186,13 +188,13 @@ def create_app(url: str, checkpoint: str | Path, model_name: str | None = None,
         body.refuse_unserved()
 
     async def complete(request: Request, values: dict[str, tuple], body: SamplingRequest, prefix: str,
-                       shape: Shape) -> Response:
+                       shape: Callable[[int], Shape]) -> Response:
         completion_id = f"{prefix}-{uuid.uuid4().hex}"
         stream = stream_generate(request.app.state.channel, values, completion_id)
         head = {"id": completion_id, "created": int(time.time()), "model": model_name}
         if body.stream:
             head_increment = await _unless_disconnected(request, first(stream))
-            return StreamingResponse(events(stream, head_increment, head, shape, body.include_usage),
+            return StreamingResponse(events(stream, head_increment, head, shape, body.n or 1, body.include_usage),
                                      media_type="text/event-stream")
         increments = await _unless_disconnected(request, collect(stream))
         return JSONResponse(answer(increments, head, shape))
@@ -217,11 +219,11 @@ def create_app(url: str, checkpoint: str | Path, model_name: str | None = None,
                 try:
                     forced = Guide("tool_choice", "ebnf_grammar",
                                    forced_call_grammar(tools, choice, family.prompt.tool_call_format))
-                except ValueError as error:
-                    raise InvalidRequestField("tool_choice", str(error)) from None
+                except RuntimeError as error:  # xgrammar's, on a `parameters` schema it cannot read
+                    raise InvalidRequestField("tools", f"a function's parameters: {xgrammar_message(error)}") from None
             values = body.values(prompt, images, videos, default_max_tokens, forced) | body.bias_values(vocab_size)
         text = token_text if body.logprobs else None
-        shape = Shape(text) if choice == "none" else ToolShape(text, family.prompt.tool_call_format)
+        shape = partial(Shape, text) if choice == "none" else partial(ToolShape, text, family.prompt.tool_call_format)
         return await complete(request, values, body, "chatcmpl", shape)
 
     @app.post("/v1/completions")
@@ -230,7 +232,7 @@ def create_app(url: str, checkpoint: str | Path, model_name: str | None = None,
             served(body)
             values = body.values(default_max_tokens) | body.bias_values(vocab_size)
         return await complete(request, values, body, "cmpl",
-                              TextShape(token_text if body.logprobs is not None else None))
+                              partial(TextShape, token_text if body.logprobs is not None else None))
 
     return app
 

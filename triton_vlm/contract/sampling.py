@@ -20,6 +20,10 @@ UINT64_MAX = 2 ** 64 - 1
 # A guide's length at most: compiling one holds the llm's submit thread, so a client's guide is
 # bounded (a forced tool call's grammar of a few tools is a few KiB).
 MAX_GUIDE_CHARS = 1 << 18
+# The most alternatives per token `num_top_log_probs` asks for (OpenAI's `top_logprobs` limit), and
+# the most sequences one request generates (`num_return_sequences`; each holds a place in the batch).
+MAX_TOP_LOG_PROBS = 20
+MAX_RETURN_SEQUENCES = 16
 
 
 def _is_int(value: Any) -> bool:
@@ -87,6 +91,12 @@ class SamplingParams:
     end_id: int | None = None  # the one eos id to stop on (replaces the checkpoint's)
     pad_id: int | None = None  # accepted, unused: outputs are never padded
     return_log_probs: bool = False       # the `cum_log_probs` / `output_log_probs` outputs
+    # The `top_log_probs` / `top_log_prob_ids` outputs: this many most likely tokens at each step,
+    # under the same distribution as `output_log_probs`; 0: none.
+    num_top_log_probs: int = 0
+    # tensorrtllm_backend's `num_return_sequences`: this many sequences from one prefill of the
+    # prompt, each response tagged with its `sequence_index` (seeded: sequence i draws with seed + i).
+    num_return_sequences: int = 1
     return_num_input_tokens: bool = True   # the `num_input_tokens` output (on by default, unlike tensorrtllm_backend)
     return_num_output_tokens: bool = True  # the `num_output_tokens` output (likewise)
     # Guided (structured) decoding, tensorrtllm_backend's `guided_decoding_guide_type` and
@@ -134,6 +144,12 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 0):
                 raise InvalidInput(f"{name}: must be a token id >= 0, got {value}")
+        for name, low, high in (("num_top_log_probs", 0, MAX_TOP_LOG_PROBS),
+                                ("num_return_sequences", 1, MAX_RETURN_SEQUENCES)):
+            value = getattr(self, name)
+            if not _is_int(value) or not low <= value <= high:
+                raise InvalidInput(f"{name}: must be in [{low}, {high}] (max_{name.removeprefix('num_')}={high}), "
+                                   f"got {value}")
         for name in ("return_log_probs", "return_num_input_tokens", "return_num_output_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidInput(f"{name}: must be true or false, got {getattr(self, name)!r}")
@@ -272,7 +288,8 @@ INPUTS: dict[str, tuple[type, tuple]] = {
     "seed": (int, (None,)), "repetition_penalty": (float, (None,)), "min_tokens": (int, (None,)),
     "presence_penalty": (float, (None,)), "frequency_penalty": (float, (None,)), "end_id": (int, (None,)),
     "pad_id": (int, (None,)), "return_log_probs": (bool, (None,)), "return_num_input_tokens": (bool, (None,)),
-    "return_num_output_tokens": (bool, (None,)),
+    "return_num_output_tokens": (bool, (None,)), "num_top_log_probs": (int, (None,)),
+    "num_return_sequences": (int, (None,)),
 }
 # tensorrtllm_backend's guided decoding inputs (BYTES [1] each), and its guide types, each with
 # whether it takes a guide: "json" any JSON object, "json_schema" a JSON schema (as text),
@@ -286,7 +303,6 @@ ONE_VALUE_INPUTS: dict[str, tuple[type, Any, str]] = {
     "exclude_input_in_output": (bool, True, "outputs never include the prompt"),
     "beam_width": (int, 1, "no beam search"),
     "length_penalty": (float, 1.0, "it applies to beam search, which is not supported"),
-    "num_return_sequences": (int, 1, "one sequence per request"),
     "return_context_logits": (bool, False, "logits are not returned"),
     "return_generation_logits": (bool, False, "logits are not returned"),
     "return_perf_metrics": (bool, False, "no per-request perf metrics"),

@@ -64,6 +64,7 @@ SAMPLING_INPUTS = (
         ("pad_id", "INT32", (1,)), ("length_penalty", "FP32", (1,)), ("min_tokens", "INT32", (1,)),
         ("min_length", "INT32", (1,)), ("presence_penalty", "FP32", (1,)), ("frequency_penalty", "FP32", (1,)),
         ("random_seed", "UINT64", (1,)), ("beam_width", "INT32", (1,)), ("num_return_sequences", "INT32", (1,)),
+        ("num_top_log_probs", "INT32", (1,)),
         ("return_log_probs", "BOOL", (1,)), ("return_context_logits", "BOOL", (1,)),
         ("return_generation_logits", "BOOL", (1,)), ("return_perf_metrics", "BOOL", (1,)),
         ("return_num_input_tokens", "BOOL", (1,)), ("return_num_output_tokens", "BOOL", (1,)),
@@ -72,7 +73,8 @@ SAMPLING_INPUTS = (
 )
 # tensorrtllm_backend's `stop`: a request with this set ends the in-flight request of the same id.
 STOP_INPUT = TensorSpec("stop", "BOOL", (1,), optional=True)
-# The last four are tensorrtllm_backend's, sent as `ResponseBuilder` (triton_vlm.llm.engine.responses) says.
+# tensorrtllm_backend's but for `top_log_probs` / `top_log_prob_ids` (ours: [1, tokens, k] each), sent as
+# `ResponseBuilder` (triton_vlm.llm.engine.responses) says.
 GENERATION_OUTPUTS = (
     TensorSpec("text_output", "BYTES", (1,)),
     TensorSpec("output_ids", "INT32", (-1,)),
@@ -81,6 +83,9 @@ GENERATION_OUTPUTS = (
     TensorSpec("output_log_probs", "FP32", (-1, -1)),
     TensorSpec("num_input_tokens", "INT32", (1,)),
     TensorSpec("num_output_tokens", "INT32", (1,)),
+    TensorSpec("sequence_index", "INT32", (1,)),
+    TensorSpec("top_log_probs", "FP32", (-1, -1, -1)),
+    TensorSpec("top_log_prob_ids", "INT32", (-1, -1, -1)),
 )
 # The output whose presence (non-empty) marks a stream's last response.
 FINAL_OUTPUT = "finish_reason"

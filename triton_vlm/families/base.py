@@ -61,6 +61,10 @@ class Prompt:
     named_special_tokens: dict[str, str]
     # Generation stops on these; the first is the tokenizer's eos.
     eos_tokens: tuple[str, ...] = ()
+    # Text the expanded prompt holds before every video's media (InternVL's "Frame1: "): put before
+    # each video placeholder in the text, so that it is encoded with the text before it, as the
+    # processor encodes its expanded prompt.
+    video_prefix: str = ""
     # The image and video placeholders are strings of several tokens, found in the prompt's text
     # rather than among its token ids.
     placeholders_in_text: bool = False

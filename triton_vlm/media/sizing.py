@@ -74,6 +74,13 @@ class VisionSettings:
     pad_to_square: bool = False
     vision_aspect_ratio: str = "anyres_max_9"
     num_image_tokens: int = 0   # an anyres processor's tokens per view
+    # Tiling processors (`GotOcr2ImageProcessor`): an image cut into tiles of `resize_to`, between
+    # `min_patches` and `max_patches` of them.
+    min_patches: int = 1
+    max_patches: int = 12
+    # A video processor's own frame sampling (families whose processors take every frame by
+    # default refuse it where a config turns it on).
+    do_sample_frames: bool = False
 
     @property
     def center_crop(self) -> tuple[int, int] | None:

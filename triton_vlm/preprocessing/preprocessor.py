@@ -100,6 +100,9 @@ class Preprocessor:
         return self._assemble(ids, items, expansions, pixel_values, options.video_pruning_rate)
 
     def _encode(self, text: str) -> np.ndarray:
+        prefix, video = self.family.prompt.video_prefix, self.family.video_placeholder
+        if prefix:
+            text = text.replace(video, prefix + video)
         if not self.family.prompt.placeholders_in_text:
             return np.asarray(self.tokenizer.encode(text).ids, dtype=np.int32)
         marks = {self.family.image_placeholder: IMAGE_MARK, self.family.video_placeholder: VIDEO_MARK}

@@ -75,6 +75,13 @@ class BlockManager:
             out.append(b)
         return out
 
+    def share(self, blocks: list[int]) -> None:
+        """One more reference to each of `blocks` (held: a sequence forked off another's prompt)."""
+        for b in blocks:
+            if self._ref[b] < 1:
+                raise RuntimeError(f"KV block {b} shared while free")
+            self._ref[b] += 1
+
     def release(self, blocks: list[int]) -> None:
         for b in blocks:
             self._ref[b] -= 1

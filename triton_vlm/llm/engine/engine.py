@@ -32,13 +32,14 @@ from triton_vlm.devices import dtype_name
 from triton_vlm.errors import InvalidInput, busy
 from triton_vlm.llm.distributed.sharding import Shard
 from triton_vlm.llm.engine.block_manager import BlockManager
+from triton_vlm.llm.engine.fork import with_forks
 from triton_vlm.llm.engine.grammar import Grammars
 from triton_vlm.llm.engine.inputs import InputProcessor
 from triton_vlm.llm.engine.output import OutputProcessor
 from triton_vlm.llm.engine.runner import ModelRunner
 from triton_vlm.llm.engine.sampling import NO_ALLOWED_TOKEN, NO_TOKEN, SamplingParams, make_generator
 from triton_vlm.llm.engine.scheduler import Scheduler, SchedulerOutput
-from triton_vlm.llm.engine.sequence import Sequence
+from triton_vlm.llm.engine.sequence import Sequence, SequenceGroup
 from triton_vlm.llm.engine.streaming import GenerationOutput, IncrementalDetokenizer
 from triton_vlm.llm.engine.tensor_parallel import WorkerGone, Workers
 from triton_vlm.llm.model import DecoderModel
@@ -195,7 +196,9 @@ class Engine:
                        detok=IncrementalDetokenizer(self.tokenizer, tail), keys=prompt.keys,
                        queued_since=self.clock(),
                        grammar=None if prompt.grammar is None else
-                       self.grammars.matcher(prompt.grammar, prompt.params.eos_token_ids))
+                       self.grammars.matcher(prompt.grammar, prompt.params.eos_token_ids),
+                       group=None if prompt.params.num_return_sequences == 1 else
+                       SequenceGroup(to_fork=prompt.params.num_return_sequences - 1))
         with self._lock:
             if self._stop:
                 raise RuntimeError("engine is shut down")
@@ -320,9 +323,10 @@ class Engine:
             return
         self.num_steps += 1
         self.scheduler.advance(out)
-        sampling = [c.seq for c in out.chunks if c.samples]
+        sampling, logits = with_forks([c.seq for c in out.chunks if c.samples], logits, self.blocks,
+                                      self.config.recurrent, self.tokenizer, self.scheduler.waiting)
         try:
-            tokens, logprobs = self.runner.sample(out.chunks, logits)
+            tokens, logprobs = self.runner.sample(sampling, logits)
         except Exception as e:
             log.exception("sampling failed for %d requests", len(sampling))
             for seq in sampling:
@@ -377,6 +381,8 @@ class Engine:
         seq.embeddings = seq.emb_index = seq.grammar = None
         self.num_running = len(self.scheduler.running)
         self.num_finished += 1
+        if seq.group is not None and not seq.group.leave():  # the request goes on in another sequence
+            return
         with self._lock:
             self._ids_in_flight.discard(seq.request_id)
             self._cancel_ids.discard(seq.request_id)

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from triton_vlm.llm.engine.sequence import Sequence
-from triton_vlm.llm.engine.streaming import GenerationOutput
+from triton_vlm.llm.engine.streaming import GenerationOutput, TokenLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ class OutputProcessor:
         self.num_generated_tokens = 0
 
     def on_token(self, seq: Sequence, token: int, logits: torch.Tensor | None = None,
-                 logprob: float | None = None) -> None:
+                 logprob: TokenLogprobs | None = None) -> None:
         """Append a sampled token: emit its text, or finish the request (eos, stop word, length)."""
         seq.tokens.append(token)
         self.num_generated_tokens += 1
@@ -62,7 +62,7 @@ class OutputProcessor:
 
     def finish(self, seq: Sequence, reason: str, token_ids: list[int] | None = None, text_end: int | None = None,
                error: str | None = None, logits: torch.Tensor | None = None,
-               logprobs: list[float] | None = None) -> None:
+               logprobs: list[TokenLogprobs] | None = None) -> None:
         """The request's final emit, after its resources are released. Idempotent."""
         if seq.done:
             return
@@ -72,13 +72,20 @@ class OutputProcessor:
         seq.done = True
         self.release(seq)
         try:
-            seq.emit(GenerationOutput(list(token_ids or []), text, reason, error, logits, logprobs))
+            seq.emit(_tagged(seq, GenerationOutput(list(token_ids or []), text, reason, error, logits, logprobs)))
         except Exception:
             log.exception("final emit of request %s raised", seq.request_id)
 
     def _emit(self, seq: Sequence, out: GenerationOutput) -> None:
         try:
-            seq.emit(out)
+            seq.emit(_tagged(seq, out))
         except Exception:
             log.exception("emit of request %s raised; ending it", seq.request_id)
             self.finish(seq, "error", error="emit failed")
+
+
+def _tagged(seq: Sequence, out: GenerationOutput) -> GenerationOutput:
+    """`out` with its sequence's index, and whether another sequence of its request still runs."""
+    out.sequence_index = seq.index
+    out.siblings_running = seq.group is not None and seq.group.running > 0
+    return out

@@ -15,6 +15,8 @@ from triton_vlm.llm.attention.cache import KVCache, StateCache
 from triton_vlm.llm.engine.grammar import bitmask
 from triton_vlm.llm.engine.sampling import sample_batch, token_logprobs
 from triton_vlm.llm.engine.scheduler import ScheduledChunk
+from triton_vlm.llm.engine.sequence import Sequence
+from triton_vlm.llm.engine.streaming import IncrementalDetokenizer, TokenLogprobs
 from triton_vlm.llm.layers.linear_attention import RecurrentRows
 from triton_vlm.llm.model import DecoderModel, StepBatch
 
@@ -131,20 +133,23 @@ class ModelRunner:
         return self.model.forward(StepBatch(h, positions, self.attention.build(seq_rows), recurrent, logits_rows),
                                   self.attention, self.states)
 
-    def sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> tuple[list[int], list[float | None]]:
-        """The next token of every chunk that samples, in order (`NO_TOKEN` for a row whose logits are
-        not finite): one batched draw on the device, one host copy (and, with guided rows, one copy
-        of their bitmask to the device); and its log-probability (`token_logprobs`) where the
-        request asks for it, else None."""
-        seqs = [c.seq for c in chunks if c.samples]
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """The next token of each sequence from its row of `logits` (`NO_TOKEN` for a row whose
+        logits are not finite): one batched draw on the device, one host copy (and, with guided
+        rows, one copy of their bitmask to the device); and its log-probabilities
+        (`token_logprobs`: the token's, and the top alternatives the request asks for) where it
+        asks, else None."""
         context = [torch.tensor(s.tokens) if s.params.reads_context else None for s in seqs]
         tokens = sample_batch(logits, [s.params for s in seqs], [s.generator for s in seqs], context,
                               [s.num_generated for s in seqs], bitmask([s.grammar for s in seqs], logits.shape[1]))
-        logprobs: list[float | None] = [None] * len(seqs)
-        rows = [i for i, s in enumerate(seqs) if s.params.return_log_probs]
+        logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
+        rows = [i for i, s in enumerate(seqs) if s.params.return_log_probs or s.params.num_top_log_probs]
         if rows:
-            for i, value in zip(rows, token_logprobs(logits, tokens, rows).tolist()):
-                logprobs[i] = value
+            top = max(seqs[i].params.num_top_log_probs for i in rows)
+            chosen, values, ids = (t.tolist() for t in token_logprobs(logits, tokens, rows, top))
+            for j, i in enumerate(rows):
+                k = seqs[i].params.num_top_log_probs
+                logprobs[i] = TokenLogprobs(chosen[j], ids[j][:k], values[j][:k])
         return tokens.tolist(), logprobs
 
 
@@ -153,8 +158,6 @@ def prompt_logits(model: DecoderModel, input_ids: torch.Tensor, embeddings: torc
     """The last prompt position's float32 logits [vocab] through a scratch runner (tests, tools)."""
     from triton_vlm.llm.engine.block_manager import BlockManager
     from triton_vlm.llm.engine.sampling import SamplingParams
-    from triton_vlm.llm.engine.sequence import Sequence
-    from triton_vlm.llm.engine.streaming import IncrementalDetokenizer
 
     ids = input_ids.reshape(-1).long()
     n = ids.numel()

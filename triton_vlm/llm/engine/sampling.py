@@ -195,10 +195,18 @@ def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams],
     return tokens if empty is None else tokens.masked_fill(empty, NO_ALLOWED_TOKEN)
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
-    """The log-probability of `tokens[i]` for each row i of `rows`, under the model's own distribution:
-    log_softmax of the raw logits, before any penalty, mask, temperature or cut (vLLM's default
-    `raw_logprobs`). float32 [len(rows)] on the logits' device; a `NO_TOKEN` row gets token 0's."""
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: Sequence[int],
+                   top: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For each row i of `rows`: the log-probability of `tokens[i]` and the `top` most likely tokens
+    with theirs, under the model's own distribution: log_softmax of the raw logits, before any
+    penalty, mask, temperature or cut (vLLM's default `raw_logprobs`). float32 [len(rows)], then
+    float32 and long [len(rows), top] (most likely first), on the logits'
+    device; a `NO_TOKEN` row gets token 0's."""
     index = _on(rows, torch.long, logits.device)
     picked = tokens[index].clamp(min=0)[:, None]
-    return torch.log_softmax(logits[index].float(), dim=-1).gather(1, picked)[:, 0]
+    logprobs = torch.log_softmax(logits[index].float(), dim=-1)
+    best = torch.topk(logprobs, top, dim=-1, sorted=True) if top else None
+    if best is None:
+        empty = logprobs.new_zeros(len(rows), 0)
+        return logprobs.gather(1, picked)[:, 0], empty, empty.long()
+    return logprobs.gather(1, picked)[:, 0], best.values, best.indices

@@ -14,6 +14,22 @@ if TYPE_CHECKING:
 
 
 @dataclass(eq=False)
+class SequenceGroup:
+    """The sequences of one request that asks for `num_return_sequences` > 1. Its first sequence
+    prefills the prompt; its first sampled token's logits row is also the others' (`Engine._fork`),
+    which share its full prompt blocks and recompute only the partial last one."""
+    to_fork: int      # sequences still to fork off the first: n - 1 until its first token, then 0
+    running: int = 1  # sequences not finished yet
+
+    def leave(self) -> bool:
+        """A sequence finished; whether it was the last. One that ends before its first token
+        (cancelled, refused) forks none."""
+        self.running -= 1
+        self.to_fork = 0
+        return self.running == 0
+
+
+@dataclass(eq=False)
 class Sequence:
     """The scheduler owns `blocks`, `state`, `num_computed` and `queued_since`; the runner reads the
     inputs (`tokens`, `embeddings`, `positions`, ...) and the block table; the output processor owns
@@ -38,6 +54,8 @@ class Sequence:
     queued_since: float | None = None  # submit time; None from its first place in the batch on (preempted too)
     # a guided request's matcher (`grammar.py`), advanced by each generated token; kept when preempted
     grammar: "xgrammar.GrammarMatcher | None" = None
+    index: int = 0   # its `sequence_index` among the request's sequences
+    group: SequenceGroup | None = None  # with num_return_sequences > 1
     text: str = ""   # stable detokenized text so far
     sent: int = 0    # characters of `text` emitted
     done: bool = False

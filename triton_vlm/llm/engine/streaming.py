@@ -9,6 +9,15 @@ import torch
 FINISH_REASONS = ("stop", "length", "cancelled", "rejected", "error")
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A sampled token's log-probability and, where asked (`num_top_log_probs`), the most likely
+    tokens at that step with theirs, most likely first."""
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
 @dataclass
 class GenerationOutput:
     token_ids: list[int]
@@ -16,11 +25,19 @@ class GenerationOutput:
     finish_reason: str | None = None  # None or one of FINISH_REASONS
     error: str | None = None          # set with finish_reason "rejected" or "error"
     logits: torch.Tensor | None = None  # the sampled step's logits, with Engine(return_logits=True)
-    logprobs: list[float] | None = None  # one per token id, where the request asks (`return_log_probs`)
+    logprobs: list[TokenLogprobs] | None = None  # one per token id, where the request asks
+    sequence_index: int = 0  # which of the request's `num_return_sequences` this is
+    # Another sequence of the same request is still going: this output's finish is not the request's.
+    siblings_running: bool = False
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def request_finished(self) -> bool:
+        """The request's last output: this sequence ended and no other of its sequences runs."""
+        return self.finished and not self.siblings_running
 
 
 class IncrementalDetokenizer:

@@ -84,15 +84,26 @@ class PipelineModel:
         return pb.bls_call(step.model, tensors, step.outputs, request_id)
 
     def _stream(self, step: Step, tensors: dict, request_id: str) -> Iterator[Reply]:
-        """The last step's responses, as the client's (`self.steps` refuses a step that is down)."""
+        """The last step's responses, as the client's (`self.steps` refuses a step that is down).
+        A response that ends a sequence (its `final_output` set) is held until the next one comes
+        or the step's stream ends: the last of them is the request's final response (a request
+        with several sequences ends each one)."""
         arrays = {name: pb.array(tensor) for name, tensor in tensors.items()}
+        ending = None
         for reply in self.steps.stream(step.model, arrays, step.outputs, request_id):
+            if ending is not None:
+                yield Reply(outputs=pb.tensors(ending))
+                ending = None
             if isinstance(reply, Failure):
                 yield Reply(error=reply)
                 continue
             reason = reply.get(self.final_output)
-            final = reason is not None and any(bytes(r) for r in reason.reshape(-1))
-            yield Reply(outputs=pb.tensors(reply), final=final)
+            if reason is not None and any(bytes(r) for r in reason.reshape(-1)):
+                ending = reply
+            else:
+                yield Reply(outputs=pb.tensors(reply))
+        if ending is not None:
+            yield Reply(outputs=pb.tensors(ending), final=True)
 
     def _stop(self, request_id: str) -> None:
         pb.send_stop(self.pipeline.steps[-1].model, request_id)

@@ -10,7 +10,7 @@ import json
 import logging
 import os
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from triton_vlm.contract.messages import LLMRequest, scalar
 from triton_vlm.contract.params import ERROR_CODES, LLMOptions, instance_device
@@ -105,7 +105,7 @@ class LLMModel:
                 request_id = f"llm-{self._next_id}"
         builder = ResponseBuilder(params, llm.stream, num_input_tokens=int(llm.input_ids.size),
                                   requested=frozenset(request.requested_output_names()))
-        emit = _Emitter(sender, builder, tagged)
+        emit = _Emitter(sender, builder, tagged, lambda: self.engine.cancel(request_id, early=False))
         # from here on only the outbox's thread touches the sender (a refusal's response too)
         self.outbox.watch(emit, sender.is_cancelled, lambda: self.engine.cancel(request_id, early=False))
         try:
@@ -150,20 +150,28 @@ def _send_error(sender: pb.Sender, code: str, message: str, tagged: bool) -> Non
 
 class _Emitter:
     """Sends a request's responses as its engine outputs come (`ResponseBuilder`), on the outbox's
-    thread; the last one carries the FINAL flag. Returns whether it sent the last."""
+    thread; the last one (of its last sequence) carries the FINAL flag. Returns whether it sent the
+    last. A sequence that fails fails the request: its other sequences are cancelled (`cancel`) and
+    their outputs dropped."""
 
-    def __init__(self, sender, builder, tagged: bool) -> None:
-        self.sender, self.builder, self.tagged = sender, builder, tagged
+    def __init__(self, sender, builder, tagged: bool, cancel: Callable[[], None]) -> None:
+        self.sender, self.builder, self.tagged, self.cancel = sender, builder, tagged, cancel
+        self.done = False
 
     def __call__(self, out) -> bool:
+        if self.done:
+            return True
         if out.error:
+            if out.siblings_running:
+                self.cancel()
             # a request the engine refused for now ("rejected": its queue timeout) may be retried
             return self.fail("UNAVAILABLE" if out.finish_reason == "rejected" else "INTERNAL", out.error)
         tensors = self.builder.add(out)
         if tensors is not None:
-            self.sender.send(tensors, final=out.finished)
-        return out.finished
+            self.sender.send(tensors, final=out.request_finished)
+        return out.request_finished
 
     def fail(self, code: str, message: str) -> bool:
+        self.done = True
         _send_error(self.sender, code, message, self.tagged)
         return True
