@@ -50,8 +50,9 @@ def requests(family: str) -> list[tuple[str, list[bytes], list[bytes]]]:
 
 def hf_inputs(oracle: Oracle, family: str, prompt: str, images, videos) -> dict:
     """The processor's inputs, videos sampled as the server samples them: by the family's rule
-    (the checkpoint's, else every frame where the family has none); Qwen2-VL's video processor
-    samples only when given a rate, which the server takes from the checkpoint, else 2 fps."""
+    (the checkpoint's, else every frame where the family has none); Qwen2.5-VL's video processor
+    (Qwen2-VL's) samples only when given a rate, which the server takes from the checkpoint, else
+    2 fps. Qwen2-VL has no rate of its own: its checkpoint's config says whether it samples."""
     import io
 
     from PIL import Image
@@ -60,7 +61,8 @@ def hf_inputs(oracle: Oracle, family: str, prompt: str, images, videos) -> dict:
     if videos:
         decoded = [decode_frames(v) for v in videos]
         kwargs.update(videos=[f for f, _ in decoded], video_metadata=[m for _, m in decoded])
-        if FAMILIES[family].processor.sample_frames is not None:
+        rules = FAMILIES[family].processor
+        if rules.sample_frames is not None and rules.default_video_fps is not None:
             kwargs["do_sample_frames"] = True
         if family == "qwen2_5_vl":
             kwargs["fps"] = oracle.processor.video_processor.fps or FAMILIES[family].processor.default_video_fps

@@ -16,6 +16,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     *glm4v.FAMILIES,
     *minicpmv.FAMILIES,
     *llava.FAMILIES,
+    qwen2_5_vl.QWEN2_VL,
     *internvl.FAMILIES,
 )}
 # The family of `make demo` and of the tools' defaults.

@@ -297,7 +297,8 @@ class Preprocessor:
         elif rate > 0:
             positions, delta, media = pruned_mrope_positions(input_ids.shape[0], spans)
         else:
-            (positions, delta), media = mrope_positions(input_ids.shape[0], spans), np.zeros((3, 0), np.int64)
+            positions, delta = mrope_positions(input_ids.shape[0], spans, self.family.processor.mrope_text_after)
+            media = np.zeros((3, 0), np.int64)
         return PreprocessOutput(input_ids=input_ids, pixel_values=pixel_values, grid_thw=grids,
                                 mrope_position_ids=positions, mrope_position_delta=delta,
                                 media_position_ids=media, video_pruning_rate=rate, extras=extras)
