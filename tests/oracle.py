@@ -44,12 +44,11 @@ class Oracle:
         return AutoModelForImageTextToText.from_pretrained(self.checkpoint).eval()
 
     def inputs(self, prompt: str, images: list[bytes] = (), videos: list[bytes] = (),
-               fps: float | None = 2.0) -> dict:
+               fps: float | None = 2.0, **kwargs) -> dict:
         """The HF processor's output: fps-2 sampling of every video, as our server does by default
-        (`fps=None`: the video processor's own default)."""
+        (`fps=None`: the video processor's own default); `kwargs`: more processor options."""
         from PIL import Image
 
-        kwargs = {}
         if images:
             kwargs["images"] = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
         if videos:

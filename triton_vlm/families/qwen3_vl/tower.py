@@ -38,11 +38,12 @@ from triton_vlm.vision.tower.base import Tower
 LN_EPS = 1e-6  # fixed in the Hugging Face implementation (not a config field)
 
 # The vision-config fields the tower and its metadata read, with Hugging Face's defaults
-# (`Qwen3VLVisionConfig`; its axial rotary's theta is the base config's 10000).
+# (`Qwen3VLVisionConfig`; its axial rotary's theta is the base config's 10000; `config_fields` reads
+# `rope_parameters.rope_theta`).
 _DEFAULTS: dict[str, Any] = dict(
     depth=27, hidden_size=1152, hidden_act="gelu_pytorch_tanh", intermediate_size=4304, num_heads=16,
     in_channels=3, patch_size=16, spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=3584,
-    num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24], rope_parameters=None,
+    num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24], rope_theta=10000.0,
 )
 
 
@@ -55,10 +56,9 @@ def vision_settings(vision_config: Any) -> dict[str, Any]:
     for key in ("depth", "hidden_size", "intermediate_size", "num_heads", "in_channels", "spatial_merge_size",
                 "out_hidden_size", "num_position_embeddings"):
         out[key] = int(out[key])
-    rope = out.pop("rope_parameters") or {}
-    if rope.get("rope_type", "axial") != "axial":
-        raise ValueError(f"vision_config.rope_parameters: rope_type {rope['rope_type']!r} is not supported (axial)")
-    out["rope_theta"] = float(rope.get("rope_theta", 10000.0))
+    rope_type = (tower_config.as_dict(vision_config).get("rope_parameters") or {}).get("rope_type", "axial")
+    if rope_type != "axial":
+        raise ValueError(f"vision_config.rope_parameters: rope_type {rope_type!r} is not supported (axial)")
     out["deepstack_visual_indexes"] = [int(i) for i in out["deepstack_visual_indexes"] or ()]
     if bad := [i for i in out["deepstack_visual_indexes"] if not 0 <= i < out["depth"]]:
         raise ValueError(f"vision_config.deepstack_visual_indexes {bad} are not blocks of a depth-{out['depth']} tower")
