@@ -95,6 +95,10 @@ class EncoderOracle(Oracle):
     def grid(self, grid: torch.Tensor) -> np.ndarray:
         return grid.numpy().astype(np.int64)
 
+    def item_rows(self, features) -> list[torch.Tensor]:
+        """Each item's reference rows from `get_*_features`' output: its pooler output."""
+        return list(features.pooler_output)
+
     @torch.no_grad()
     def __call__(self, case: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if case not in self._cache:
@@ -111,13 +115,13 @@ class EncoderOracle(Oracle):
                 feats = self.model.model.get_image_features(out["pixel_values"], out[self.image_grid_key])
                 pixels.append(self.rows(out["pixel_values"]))
                 grids.append(self.grid(out[self.image_grid_key]))
-                refs.extend(feats.pooler_output)
+                refs.extend(self.item_rows(feats))
             if with_video:
                 frames, metadata = decode_frames(samples.video_bytes(seconds=4.0, fps=2))
                 out = self.processor.video_processor(videos=[frames], video_metadata=[metadata], return_tensors="pt")
                 feats = self.model.model.get_video_features(out["pixel_values_videos"], out[self.video_grid_key])
                 pixels.append(self.rows(out["pixel_values_videos"]))
                 grids.append(self.grid(out[self.video_grid_key]))
-                refs.extend(feats.pooler_output)
+                refs.extend(self.item_rows(feats))
             self._cache[case] = (np.concatenate(pixels), np.concatenate(grids), torch.cat(refs).numpy())
         return self._cache[case]
