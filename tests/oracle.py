@@ -27,6 +27,23 @@ def decode_frames(video: bytes) -> tuple[np.ndarray, "VideoMetadata"]:
     return frames, metadata
 
 
+def rows_in_prompt_order(kinds: list[str], out) -> tuple[np.ndarray, np.ndarray]:
+    """The HF processor's pixel rows and grids (images and videos kept apart in `out`) in the order
+    of `kinds` ("image" or "video" per media item of the prompt), as the contract has them."""
+    sources = {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_videos", "video_grid_thw")}
+    done = {"image": (0, 0), "video": (0, 0)}
+    rows, grids = [], []
+    for kind in kinds:
+        pixels_key, grid_key = sources[kind]
+        item, row = done[kind]
+        grid = out[grid_key][item]
+        n = int(grid.prod())
+        rows.append(out[pixels_key][row:row + n].numpy())
+        grids.append(grid.numpy())
+        done[kind] = (item + 1, row + n)
+    return np.concatenate(rows), np.stack(grids)
+
+
 class Oracle:
     def __init__(self, checkpoint: Path) -> None:
         self.checkpoint = Path(checkpoint)

@@ -5,14 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from triton_vlm.families.demo import Demo, chat_template, random_model
+from triton_vlm.families.demo import Demo, random_model
+from triton_vlm.families.qwen2_5_vl.demo import QWEN_TEMPLATE  # Qwen's chat format, reduced to the demo's needs
 from triton_vlm.families.qwen3_vl import QWEN3_VL
 from triton_vlm.families.qwen3_vl.processor import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START
-
-QWEN_TEMPLATE = chat_template(
-    prefix="", message_start="<|im_start|>{{ message['role'] }}\n", message_end="<|im_end|>\n",
-    image=VISION_START + IMAGE_PAD + VISION_END, video=VISION_START + VIDEO_PAD + VISION_END,
-    generation_prompt="<|im_start|>assistant\n")
 
 # Random-weight demo shapes. `tiny` keeps tests to seconds (a position table of 8 x 8, smaller and
 # larger than the test images' grids; two DeepStack maps); `small` is tens of millions of parameters.

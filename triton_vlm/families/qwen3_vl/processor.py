@@ -15,8 +15,8 @@ from triton_vlm.media.mrope import MediaSpan
 from triton_vlm.media.sizing import qwen2_vl_resize, smart_resize
 from triton_vlm.media.videos import video_facts
 
-IMAGE_PAD, VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
-VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
+from triton_vlm.families.qwen2_5_vl.processor import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START
+
 # `Qwen3VLVideoProcessor`'s class defaults (`size.shortest_edge`, `size.longest_edge`; 16-pixel
 # patches), for processor configs that leave them out.
 VIDEO_SIZE_DEFAULT = (128 * 32 * 32, 32 * 32 * 768)
