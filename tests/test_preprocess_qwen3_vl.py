@@ -153,3 +153,20 @@ def test_videos_transformers_cannot_sample_are_refused(qwen3):
         pre(chat(VID), [], [samples.video_bytes(seconds=1.0, fps=1, width=64, height=64)])
     with pytest.raises(InvalidInput, match="num_frames=40 asks for more frames than the video's 16"):
         pre(chat(VID), [], [video(4, 4)], {"num_frames": 40})
+
+
+def test_capped_frames_match_transformers(qwen3, tmp_path):
+    """A video processor config with `cap_pixels_per_frame`: every frame gets its share of the
+    budget, at least 1.05 `shortest_edge` (here more than the uncapped budget gives a long video)."""
+    import json
+    import shutil
+
+    pre, hf = qwen3("qwen3_vl")
+    checkpoint = shutil.copytree(hf.checkpoint, tmp_path / "capped")
+    config = json.loads((checkpoint / "processor_config.json").read_text())
+    config["video_processor"]["cap_pixels_per_frame"] = True
+    (checkpoint / "processor_config.json").write_text(json.dumps(config))
+    capped = Preprocessor(checkpoint)
+    prompt, videos = chat(VID + "What moves?"), [video(45, 2, 64, 48)]
+    ours, _ = check_against_hf(capped, Oracle(checkpoint), prompt, [], videos)
+    assert ours.grid_thw.prod() > pre(prompt, [], videos).grid_thw.prod()

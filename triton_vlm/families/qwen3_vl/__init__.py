@@ -5,9 +5,9 @@ first layers (`decoder`), and their demo checkpoints (`demo`). The tower and the
 kept apart from the decoder, for the families built on them."""
 from triton_vlm.contract.tensors import embedding_width
 from triton_vlm.families.base import Family, ProcessorRules, Prompt, patch_encoder_dims
-from triton_vlm.families.qwen3_vl.processor import (IMAGE_PAD, VIDEO_DEFAULTS, VIDEO_PAD, VIDEO_SIZE_DEFAULT,
-                                                    VISION_END, VISION_START, expand_media, resize_rule,
-                                                    sample_frames)
+from triton_vlm.families.qwen3_vl.processor import (IMAGE_PAD, MAX_VIDEO_TOKENS, VIDEO_DEFAULTS, VIDEO_PAD,
+                                                    VIDEO_SIZE_DEFAULT, VISION_END, VISION_START, expand_media,
+                                                    resize_rule, sample_frames, video_cap)
 
 # `Qwen3VLVisionConfig`'s default `deepstack_visual_indexes`.
 DEEPSTACK_INDEXES = (8, 16, 24)
@@ -22,7 +22,8 @@ PROMPT = Prompt(
 
 PROCESSOR = ProcessorRules(
     sample_frames=sample_frames, default_video_fps=2.0, resize_rule=resize_rule, expand_media=expand_media,
-    processor_defaults={"Qwen3VLVideoProcessor": VIDEO_DEFAULTS}, video_size_default=VIDEO_SIZE_DEFAULT)
+    processor_defaults={"Qwen3VLVideoProcessor": VIDEO_DEFAULTS}, video_size_default=VIDEO_SIZE_DEFAULT,
+    video_cap=video_cap, max_video_tokens=MAX_VIDEO_TOKENS)
 
 
 def encoder_dims(config: dict) -> tuple[int, int]:

@@ -5,6 +5,7 @@ padded with the last frame by the patchifier) and sizing (one pixel budget over 
 span after its timestamp text (`<1.3 seconds>`)."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import numpy as np
@@ -21,6 +22,7 @@ from triton_vlm.families.qwen2_5_vl.processor import IMAGE_PAD, VIDEO_PAD, VISIO
 # patches), for processor configs that leave them out.
 VIDEO_SIZE_DEFAULT = (128 * 32 * 32, 32 * 32 * 768)
 VIDEO_DEFAULTS = {"patch_size": 16, "image_mean": (0.5, 0.5, 0.5), "image_std": (0.5, 0.5, 0.5)}
+MAX_VIDEO_TOKENS = 768
 
 
 def sample_frames(metadata, *, fps: float | None = 2.0, num_frames: int | None = None, min_frames: int = 4,
@@ -56,6 +58,15 @@ def resize_rule(height: int, width: int, settings, num_frames: int, name: str) -
         height, width = int(height * scale), int(width * scale)
     return smart_resize(height, width, factor, settings.min_pixels, settings.max_pixels, name, num_frames,
                         settings.temporal_patch_size)
+
+
+def video_cap(settings, max_video_tokens: int, num_frames: int):
+    """`Qwen3VLVideoProcessor.resize` with `cap_pixels_per_frame`: each frame's pixels at most
+    `max_video_tokens * factor^2` and `longest_edge // frames`, at least 1.05 `shortest_edge`; the
+    video's budget is that times its frames."""
+    per_frame = max(min(max_video_tokens * settings.factor ** 2, settings.max_pixels // num_frames),
+                    int(settings.min_pixels * 1.05))
+    return dataclasses.replace(settings, max_pixels=per_frame * num_frames)
 
 
 def frame_timestamps(seconds: np.ndarray, pairs: int, temporal_patch_size: int) -> list[float]:
