@@ -65,7 +65,7 @@ def requests(qwen3):
 
     hf, _ = qwen3
     model, rng = hf.model, np.random.default_rng(1)
-    images = [Image.fromarray(rng.integers(0, 256, (96, 64, 3), dtype=np.uint8)),
+    images = [Image.fromarray(rng.integers(0, 256, (160, 192, 3), dtype=np.uint8)),  # 30 merged tokens
               Image.fromarray(rng.integers(0, 256, (64, 160, 3), dtype=np.uint8))]
     video = rng.integers(0, 256, (20, 64, 64, 3), dtype=np.uint8)  # 2 s at 10 fps
     video_kwargs = dict(videos=[video], do_sample_frames=True,
@@ -155,8 +155,8 @@ def test_prompt_in_chunks_matches_hf(qwen3, requests, expected, name):
 
 
 def test_prefix_cache_hit_matches_hf(qwen3, requests, expected):
-    """The second run of a prompt takes its full blocks (8 tokens, ending inside vision runs) from
-    the prefix cache and prefills the rest, adding the maps of the rows it runs: `generate`'s answer."""
+    """The second run of a prompt takes its full blocks (8 tokens) from the prefix cache and
+    prefills the rest, adding the maps of the rows it runs: `generate`'s answer."""
     hf, engine = qwen3
     eng = Engine(hf.checkpoint, model=engine.model, kv_cache_tokens=2048, block_size=8, prefix_caching=True,
                  return_logits=True)
@@ -169,6 +169,31 @@ def test_prefix_cache_hit_matches_hf(qwen3, requests, expected):
             assert eng.blocks.hits > hits
             for col in (miss, hit):
                 assert_matches_generate(col, eng.eos_token_ids, *expected[name])
+    finally:
+        eng.shutdown()
+
+
+def test_prefix_cache_hit_ending_inside_the_image(qwen3, requests, expected):
+    """A prompt whose cached prefix ends inside its image run (a first request held the prompt up
+    to there): the rest of the image's rows are prefilled with their own maps, the cached ones'
+    maps are in the cached K/V; the answer is `generate`'s."""
+    hf, engine = qwen3
+    llm = requests["image"]["llm"]
+    ids, rows = llm["input_ids"], llm["embeddings"]
+    vision = np.flatnonzero(np.isin(ids, engine.config.placeholder_token_ids))
+    cut = (int(vision[0]) // 8 + 2) * 8  # two blocks past the image's first row, still inside it
+    assert vision[0] < cut - 8 and cut + 8 < vision[-1]
+    head = cut + 3  # its full blocks end at `cut`
+    first = dict(llm, input_ids=ids[:head], embeddings=rows[:int(np.isin(ids[:head], ids[vision]).sum())],
+                 mrope_position_ids=llm["mrope_position_ids"][:, :head])
+    eng = Engine(hf.checkpoint, model=engine.model, kv_cache_tokens=2048, block_size=8, prefix_caching=True,
+                 return_logits=True)
+    try:
+        submit(eng, {"llm": first}, SamplingParams(max_tokens=1), "head").wait()
+        hits = eng.blocks.hits
+        col = submit(eng, requests["image"], SamplingParams(max_tokens=MAX_TOKENS), "whole").wait()
+        assert (eng.blocks.hits - hits) * 8 == cut  # reused up to inside the image
+        assert_matches_generate(col, eng.eos_token_ids, *expected["image"])
     finally:
         eng.shutdown()
 
