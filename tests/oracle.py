@@ -27,6 +27,14 @@ def decode_frames(video: bytes) -> tuple[np.ndarray, "VideoMetadata"]:
     return frames, metadata
 
 
+def feature_rows(features) -> list[torch.Tensor]:
+    """Each item's vision rows from `get_image_features` / `get_video_features`: its pooler output,
+    followed by its DeepStack maps where the model gives them (the contract's `embedding_width`)."""
+    maps = getattr(features, "deepstack_features", None) or ()
+    return [torch.cat([item, *item_maps], dim=-1) if item_maps else item
+            for item, *item_maps in zip(features.pooler_output, *maps)]
+
+
 def rows_in_prompt_order(kinds: list[str], out) -> tuple[np.ndarray, np.ndarray]:
     """The HF processor's pixel rows and grids (images and videos kept apart in `out`) in the order
     of `kinds` ("image" or "video" per media item of the prompt), as the contract has them."""
@@ -112,10 +120,6 @@ class EncoderOracle(Oracle):
     def grid(self, grid: torch.Tensor) -> np.ndarray:
         return grid.numpy().astype(np.int64)
 
-    def item_rows(self, features) -> list[torch.Tensor]:
-        """Each item's reference rows from `get_*_features`' output: its pooler output."""
-        return list(features.pooler_output)
-
     @torch.no_grad()
     def __call__(self, case: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if case not in self._cache:
@@ -132,13 +136,13 @@ class EncoderOracle(Oracle):
                 feats = self.model.model.get_image_features(out["pixel_values"], out[self.image_grid_key])
                 pixels.append(self.rows(out["pixel_values"]))
                 grids.append(self.grid(out[self.image_grid_key]))
-                refs.extend(self.item_rows(feats))
+                refs.extend(feature_rows(feats))
             if with_video:
                 frames, metadata = decode_frames(samples.video_bytes(seconds=4.0, fps=2))
                 out = self.processor.video_processor(videos=[frames], video_metadata=[metadata], return_tensors="pt")
                 feats = self.model.model.get_video_features(out["pixel_values_videos"], out[self.video_grid_key])
                 pixels.append(self.rows(out["pixel_values_videos"]))
                 grids.append(self.grid(out[self.video_grid_key]))
-                refs.extend(self.item_rows(feats))
+                refs.extend(feature_rows(feats))
             self._cache[case] = (np.concatenate(pixels), np.concatenate(grids), torch.cat(refs).numpy())
         return self._cache[case]

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.encoder_checks import encode, rel_err
+from tests.oracle import feature_rows
 from tests.test_e2e import assert_served_tokens, family_server, grpc_tokens, infer_direct, media_values
 from tests.test_encoder_serving import metric
 from tests.test_preprocess_qwen3_vl import hf_in_prompt_order
@@ -63,8 +64,7 @@ def hf_rows(oracle, pixel_values, grid_thw, video: bool) -> np.ndarray:
     """The model's vision rows, each followed by its DeepStack maps."""
     features = (oracle.model.model.get_video_features if video else oracle.model.model.get_image_features)(
         pixel_values, grid_thw)
-    return torch.cat([torch.cat([item, *maps], -1) for item, *maps in
-                      zip(features.pooler_output, *features.deepstack_features)]).numpy()
+    return torch.cat(feature_rows(features)).numpy()
 
 
 @pytest.mark.parametrize("kind", [k for k in PROMPTS if k != "text"])

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.oracle import Oracle
+from tests.oracle import Oracle, feature_rows
 from tests.test_llm import (Collector, assert_chunked_concurrent_equal_alone, assert_matches_generate,
                             assert_prefill_logits_match, greedy_in_steps, hf_greedy_with_logits, llm_request, submit)
 from triton_vlm.errors import InvalidInput
@@ -51,9 +51,8 @@ def qwen3(request, tmp_path_factory):
 
 def vision_rows(model, pixel_values, grid_thw, video: bool) -> list[torch.Tensor]:
     """Per item: its rows, the merger's output then each DeepStack map (HF's own features)."""
-    features = (model.model.get_video_features if video else model.model.get_image_features)(pixel_values, grid_thw)
-    return [torch.cat([item, *maps], dim=-1)
-            for item, *maps in zip(features.pooler_output, *features.deepstack_features)]
+    return feature_rows((model.model.get_video_features if video else model.model.get_image_features)(
+        pixel_values, grid_thw))
 
 
 @pytest.fixture(scope="module")

@@ -36,12 +36,6 @@ CASES = {
 }
 
 
-class DeepStackOracle(EncoderOracle):
-    def item_rows(self, features) -> list[torch.Tensor]:
-        return [torch.cat([item, *maps], dim=-1)
-                for item, *maps in zip(features.pooler_output, *features.deepstack_features)]
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     from triton_vlm.families.demo import write_demo_checkpoint
@@ -53,7 +47,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def oracle(checkpoint):
-    return DeepStackOracle(checkpoint, CASES)
+    return EncoderOracle(checkpoint, CASES)
 
 
 @pytest.fixture(scope="module")
