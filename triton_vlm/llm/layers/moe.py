@@ -5,8 +5,9 @@ renormalised to sum 1, routed experts only: `SoftmaxMoe`).
 
 Numerics follow transformers in any dtype: router logits, scores and routing weights in float32
 (the correction bias is a float32 buffer whatever the model's dtype); each expert's output is
-multiplied by its float32 routing weight, cast back to the model's dtype and summed with
-`index_add_` in ascending expert order, as transformers' eager experts do.
+multiplied by its float32 routing weight (Qwen3-VL-MoE's: cast to the model's dtype first, as its
+router returns them), cast back to the model's dtype and summed with `index_add_` in ascending
+expert order, as transformers' eager experts do.
 Experts run batched over a step's rows: the rows are grouped by expert and each expert that some
 row chose runs one matmul over all of its rows.
 """
