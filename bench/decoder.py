@@ -4,6 +4,7 @@ transformers' `generate` run one request at a time, on the same device and dtype
     HF_HUB_OFFLINE=1 .venv/bin/python bench/decoder.py [--family qwen2_5_vl] [--rounds 2] [--max-tokens 64]
     HF_HUB_OFFLINE=1 .venv/bin/python bench/decoder.py --device cuda --decoder-7b --concurrency 1,16,64 --json out.json
     HF_HUB_OFFLINE=1 .venv/bin/python bench/decoder.py --evs 0.5 [--evs-seconds 60]
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/decoder.py --family qwen3_vl   (or qwen3_vl_moe: Qwen3 decoders)
 
 Checkpoint: the family's `small` random-weight demo checkpoint (default), `--checkpoint DIR`, or
 `--decoder-7b`: a Qwen2.5-VL with the 7B's text stack (28 layers, hidden 3584, 28 query / 4 KV
