@@ -1,0 +1,155 @@
+"""The `llm` engine on Qwen3.5's decoder (`qwen3_5_text`: the hybrid stack of Gated DeltaNet and
+gated full-attention layers, (1 + w) norms, partial interleaved M-RoPE, no DeepStack) and
+Qwen3.5-MoE's (every layer's MLP the softmax-routed experts plus a sigmoid-gated shared expert),
+against transformers as the oracle (a tiny random checkpoint of each, CPU).
+
+Inputs come from the checkpoint's HF processor (Qwen3-VL's); vision rows from the HF model's own
+`get_image_features` / `get_video_features` (the merger's output alone); positions from
+`get_rope_index`. The checkpoints' language models are perturbed as in `tests/test_llm_minicpmv.py`
+(their (1 + w) norms start at zero), so a wrong position or a dropped shared expert shows in the
+logits. Prompts are prefilled whole and in chunks of a few tokens (runs of the recurrent state
+cut across steps).
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np
+import pytest
+import torch
+
+from tests.oracle import Oracle, feature_rows
+from tests.test_llm import (assert_chunked_concurrent_equal_alone, assert_matches_generate,
+                            assert_prefill_logits_match, greedy_in_steps, hf_greedy_with_logits, llm_request)
+from tests.test_llm_minicpmv import perturbed_checkpoint
+from triton_vlm.llm import DecoderConfig, Engine
+from triton_vlm.llm.layers.moe import MoeConfig, softmax_route
+
+IMG, VID = "<|vision_start|><|image_pad|><|vision_end|>", "<|vision_start|><|video_pad|><|vision_end|>"
+PROMPTS = {
+    "text": "describe the red car on the road",
+    "image": IMG + "what is in this image",
+    "two images": IMG + "and" + IMG + "which is larger",
+    "video": VID + "what is moving in the video",
+    "image+video": IMG + "then" + VID + "compare them",
+}
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module", params=("qwen3_5", "qwen3_5_moe"))
+def qwen3_5(request, tmp_path_factory):
+    """One variant: its (perturbed) checkpoint, the HF oracle, one engine (per-step logits on)."""
+    ckpt = perturbed_checkpoint(tmp_path_factory.mktemp(f"{request.param}-tiny"), request.param)
+    engine = Engine(ckpt, return_logits=True)
+    yield Oracle(ckpt), engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def requests(qwen3_5):
+    """Per prompt: HF processor inputs and the `llm` inputs made from them (media in prompt order:
+    images before videos in every prompt here)."""
+    from PIL import Image
+    from transformers.video_utils import VideoMetadata
+
+    hf, _ = qwen3_5
+    model, rng = hf.model, np.random.default_rng(1)
+    images = [Image.fromarray(rng.integers(0, 256, (160, 192, 3), dtype=np.uint8)),  # 30 merged tokens
+              Image.fromarray(rng.integers(0, 256, (64, 160, 3), dtype=np.uint8))]
+    video = rng.integers(0, 256, (20, 64, 64, 3), dtype=np.uint8)  # 2 s at 10 fps
+    video_kwargs = dict(videos=[video], do_sample_frames=True,
+                        video_metadata=[VideoMetadata(total_num_frames=20, fps=10, width=64, height=64)])
+    media = {"text": {}, "image": dict(images=images[:1]), "two images": dict(images=images),
+             "video": video_kwargs, "image+video": dict(images=images[:1], **video_kwargs)}
+    out = {}
+    for name, text in PROMPTS.items():
+        inputs = hf.processor(text=[f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"],
+                              return_tensors="pt", **media[name])
+        with torch.no_grad():
+            rows = []
+            if "pixel_values" in inputs:
+                rows += feature_rows(model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]))
+            if "pixel_values_videos" in inputs:
+                rows += feature_rows(model.model.get_video_features(inputs["pixel_values_videos"],
+                                                                    inputs["video_grid_thw"]))
+            pos, delta = model.model.get_rope_index(
+                inputs["input_ids"], mm_token_type_ids=inputs["mm_token_type_ids"],
+                image_grid_thw=inputs.get("image_grid_thw"), video_grid_thw=inputs.get("video_grid_thw"))
+        assert bool(rows) == (name != "text")
+        out[name] = llm_request(model, inputs, rows, pos, delta)
+    return out
+
+
+@pytest.fixture(scope="module")
+def expected(qwen3_5, requests):
+    """HF greedy tokens and per-step logits of every prompt."""
+    hf, _ = qwen3_5
+    return {name: hf_greedy_with_logits(hf.model, req, MAX_TOKENS) for name, req in requests.items()}
+
+
+def test_config_read_from_checkpoint(qwen3_5):
+    hf, engine = qwen3_5
+    c, cfg = engine.config, hf.model.config
+    text = cfg.text_config
+    assert c.family == cfg.model_type and c.mrope_interleaved
+    assert c.layer_types == tuple(text.layer_types) == ("linear_attention", "full_attention") * 2
+    assert c.head_dim == text.head_dim == 32 and c.rotary_dim == 8
+    assert c.mrope_section == tuple(text.rope_parameters["mrope_section"])
+    assert c.placeholder_token_ids == (cfg.image_token_id, cfg.video_token_id)
+    assert c.deepstack_maps == 0 and c.embedding_width == text.hidden_size
+    assert not hasattr(cfg.vision_config, "deepstack_visual_indexes")
+    if cfg.model_type == "qwen3_5_moe":
+        assert c.moe == MoeConfig(num_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1, norm_topk_prob=True,
+                                  routed_scaling_factor=1.0, moe_intermediate_size=32, n_shared_experts=0,
+                                  first_k_dense_replace=0)
+        assert c.moe_layers == (True,) * 4
+        assert all(hasattr(layer, "moe") for layer in engine.model.layers)
+    else:
+        assert c.moe is None
+    assert DecoderConfig.from_checkpoint(hf.checkpoint) == c
+
+
+@pytest.mark.parametrize("name", list(PROMPTS))
+def test_prefill_logits_match_hf(qwen3_5, requests, name):
+    hf, engine = qwen3_5
+    assert_prefill_logits_match(hf.model, engine, requests[name])
+
+
+@pytest.mark.parametrize("budget", [512, 7], ids=["whole-prompt", "chunked-prefill"])
+@pytest.mark.parametrize("name", list(PROMPTS))
+def test_greedy_matches_hf_generate(qwen3_5, requests, expected, name, budget):
+    """Same tokens as HF generate, every step's logits within 1e-4 of HF's, the prompt prefilled
+    whole or 7 tokens a step (vision runs and the recurrent state carried across steps)."""
+    hf, engine = qwen3_5
+    col, steps = greedy_in_steps(engine, hf.checkpoint, requests[name], f"greedy-{name}-{budget}", MAX_TOKENS,
+                                 budget)
+    if budget == 7:
+        assert steps > int(requests[name]["llm"]["input_ids"].size) // 7
+    assert_matches_generate(col, engine.eos_token_ids, *expected[name])
+
+
+def test_concurrent_requests_equal_alone(qwen3_5, requests):
+    _, engine = qwen3_5
+    assert_chunked_concurrent_equal_alone(engine, {k: requests[k] for k in ("text", "image", "image+video")})
+
+
+def test_moe_router_and_shared_expert_match_hf(qwen3_5):
+    """Qwen3.5-MoE's router (expert ids and weights) and its whole MLP (routed experts plus the
+    sigmoid-gated shared expert) equal `Qwen3_5MoeSparseMoeBlock`'s; the dense variant has none."""
+    hf, engine = qwen3_5
+    assert any(hasattr(layer, "moe") for layer in engine.model.layers) == (engine.config.moe is not None)
+    x = torch.randn(257, engine.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    for i, layer in enumerate(engine.model.layers):
+        if hasattr(layer, "moe"):
+            block = hf.model.model.language_model.layers[i].mlp
+            with torch.no_grad():
+                _, ref_w, ref_ids = block.gate(x)
+                ref = block(x[None])[0]
+                shared = torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
+            w, ids = softmax_route(x, layer.moe.router, engine.config.moe.num_experts_per_tok)
+            assert torch.equal(ids, ref_ids) and torch.allclose(w, ref_w, atol=1e-6, rtol=0)
+            out = layer.moe(x)
+            assert torch.allclose(out, ref, atol=1e-5, rtol=0), (out - ref).abs().max()
+            assert shared.abs().max() > 1e-3  # the shared expert counts: dropping it would show
