@@ -1,7 +1,8 @@
 """Qwen3.5 end to end behind a real tritonserver, and Qwen3.5-MoE through the same stages in this
 process, both checked against transformers in the same run.
 
-Qwen3.5 (a tiny demo checkpoint, its configs "varied": `tests/config_variants.py`): `preprocess`
+The prompts are Qwen3-VL's end-to-end tests' (`tests/test_e2e_qwen3_vl.py`). Qwen3.5 (a tiny demo
+checkpoint, its configs "varied": `tests/config_variants.py`): `preprocess`
 equals the checkpoint's own processor (Qwen3-VL's: `input_ids` with each video frame's timestamp and
 span, `grid_thw` and `pixel_values` rows in prompt order) and `get_rope_index`, for images of two
 sizes, two images, a video and an image with a video; `vision_encoder` gives the model's
@@ -13,37 +14,12 @@ transformers' ids, positions, rows, greedy tokens and logits on the same prompts
 """
 from __future__ import annotations
 
-import numpy as np
 import pytest
-import torch
 
 from tests.encoder_checks import encode, rel_err
-from tests.oracle import Oracle, feature_rows
-from tests.test_e2e import assert_served_tokens, family_server, infer_direct, media_values, served_concurrently
-from tests.test_preprocess_qwen3_vl import hf_in_prompt_order
-from triton_vlm.families.qwen3_vl import QWEN3_5
-from triton_vlm.media import samples
-
-IMG, VID = QWEN3_5.image_placeholder, QWEN3_5.video_placeholder
-IMAGE_A = samples.image_bytes(300, 200)
-IMAGE_B = samples.image_bytes(120, 180, fmt="PNG", seed=1.0)
-IMAGE_SMALL = samples.image_bytes(40, 30, seed=2.0)  # below min_pixels: scaled up
-VIDEO = samples.video_bytes(seconds=2.5, fps=4, width=96, height=64)  # an odd number of sampled frames
-NEW_TOKENS = 8
-
-
-def chat(content: str) -> str:
-    return f"<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n"
-
-
-PROMPTS = {
-    "image": (chat(IMG + "What is in the picture?"), [IMAGE_A], []),
-    "small image": (chat(IMG + "What is it?"), [IMAGE_SMALL], []),
-    "two images": (chat(IMG + "and" + IMG + "which is larger?"), [IMAGE_A, IMAGE_B], []),
-    "video": (chat(VID + "What moves?"), [], [VIDEO]),
-    "image+video": (chat(IMG + "then" + VID + "compare them."), [IMAGE_B], [VIDEO]),
-    "text": (chat("Tell me about a red car on the road."), [], []),
-}
+from tests.oracle import Oracle
+from tests.test_e2e import assert_served_tokens, family_server, served_concurrently
+from tests.test_e2e_qwen3_vl import NEW_TOKENS, PROMPTS, assert_preprocess_equals_hf, hf_inputs, hf_rows
 
 
 @pytest.fixture(scope="module")
@@ -53,38 +29,16 @@ def served(tmp_path_factory):
         yield served
 
 
-def hf_inputs(oracle, prompt, images, videos) -> dict:
-    return oracle.inputs(prompt, images, videos, fps=None)  # the checkpoint's own sampling
-
-
-@torch.no_grad()
-def hf_rows(oracle, pixel_values, grid_thw, video: bool) -> np.ndarray:
-    features = (oracle.model.model.get_video_features if video else oracle.model.model.get_image_features)(
-        pixel_values, grid_thw)
-    assert getattr(features, "deepstack_features", None) is None
-    return torch.cat(feature_rows(features)).numpy()
-
-
 @pytest.mark.parametrize("kind", [k for k in PROMPTS if k != "text"])
 def test_preprocess_matches_hf_processor(served, kind):
     server, oracle = served
-    prompt, images, videos = PROMPTS[kind]
-    inputs = hf_inputs(oracle, prompt, images, videos)
-    out = infer_direct(server, "preprocess", media_values(prompt, images, videos),
-                       ["input_ids", "pixel_values", "grid_thw", "mrope_position_ids", "mrope_position_delta"])
-    np.testing.assert_array_equal(out["input_ids"], inputs["input_ids"][0].numpy())
-    pixel_values, grid_thw = hf_in_prompt_order(prompt, inputs)
-    np.testing.assert_array_equal(out["grid_thw"], grid_thw)
-    assert out["pixel_values"].shape == pixel_values.shape
-    assert np.abs(out["pixel_values"] - pixel_values).max() <= 1e-4
-    positions, delta = oracle.rope_index(inputs)
-    np.testing.assert_array_equal(out["mrope_position_ids"], positions)
-    assert int(out["mrope_position_delta"][0]) == delta
+    assert_preprocess_equals_hf(server, oracle, *PROMPTS[kind])
 
 
 @pytest.mark.parametrize("kind", ["two images", "video"])
 def test_vision_encoder_gives_hf_rows(served, kind):
-    """The encoder's rows are the merger's output alone (as wide as the text model), HF's."""
+    """The encoder's rows are the merger's output alone (as wide as the text model: no DeepStack
+    maps), HF's."""
     server, oracle = served
     inputs = hf_inputs(oracle, *PROMPTS[kind])
     key, grid_key = ("pixel_values", "image_grid_thw") if kind != "video" else ("pixel_values_videos", "video_grid_thw")

@@ -3,9 +3,9 @@ gated full-attention layers, (1 + w) norms, partial interleaved M-RoPE, no DeepS
 Qwen3.5-MoE's (every layer's MLP the softmax-routed experts plus a sigmoid-gated shared expert),
 against transformers as the oracle (a tiny random checkpoint of each, CPU).
 
-Inputs come from the checkpoint's HF processor (Qwen3-VL's); vision rows from the HF model's own
-`get_image_features` / `get_video_features` (the merger's output alone); positions from
-`get_rope_index`. The checkpoints' language models are perturbed as in `tests/test_llm_minicpmv.py`
+Inputs are Qwen3-VL's tests' prompts (`tests/test_llm_qwen3_vl.py`) through the checkpoint's HF
+processor (Qwen3-VL's); vision rows from the HF model's own `get_image_features` /
+`get_video_features` (the merger's output alone); positions from `get_rope_index`. The checkpoints' language models are perturbed as in `tests/test_llm_minicpmv.py`
 (their (1 + w) norms start at zero), so a wrong position or a dropped shared expert shows in the
 logits. Prompts are prefilled whole and in chunks of a few tokens (runs of the recurrent state
 cut across steps).
@@ -16,26 +16,16 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import numpy as np
 import pytest
 import torch
 
-from tests.oracle import Oracle, feature_rows
+from tests.oracle import Oracle
 from tests.test_llm import (assert_chunked_concurrent_equal_alone, assert_matches_generate,
-                            assert_prefill_logits_match, greedy_in_steps, hf_greedy_with_logits, llm_request)
+                            assert_prefill_logits_match, greedy_in_steps, hf_greedy_with_logits)
 from tests.test_llm_minicpmv import perturbed_checkpoint
+from tests.test_llm_qwen3_vl import MAX_TOKENS, PROMPTS, prompt_requests
 from triton_vlm.llm import DecoderConfig, Engine
 from triton_vlm.llm.layers.moe import MoeConfig, softmax_route
-
-IMG, VID = "<|vision_start|><|image_pad|><|vision_end|>", "<|vision_start|><|video_pad|><|vision_end|>"
-PROMPTS = {
-    "text": "describe the red car on the road",
-    "image": IMG + "what is in this image",
-    "two images": IMG + "and" + IMG + "which is larger",
-    "video": VID + "what is moving in the video",
-    "image+video": IMG + "then" + VID + "compare them",
-}
-MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module", params=("qwen3_5", "qwen3_5_moe"))
@@ -49,37 +39,8 @@ def qwen3_5(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def requests(qwen3_5):
-    """Per prompt: HF processor inputs and the `llm` inputs made from them (media in prompt order:
-    images before videos in every prompt here)."""
-    from PIL import Image
-    from transformers.video_utils import VideoMetadata
-
     hf, _ = qwen3_5
-    model, rng = hf.model, np.random.default_rng(1)
-    images = [Image.fromarray(rng.integers(0, 256, (160, 192, 3), dtype=np.uint8)),  # 30 merged tokens
-              Image.fromarray(rng.integers(0, 256, (64, 160, 3), dtype=np.uint8))]
-    video = rng.integers(0, 256, (20, 64, 64, 3), dtype=np.uint8)  # 2 s at 10 fps
-    video_kwargs = dict(videos=[video], do_sample_frames=True,
-                        video_metadata=[VideoMetadata(total_num_frames=20, fps=10, width=64, height=64)])
-    media = {"text": {}, "image": dict(images=images[:1]), "two images": dict(images=images),
-             "video": video_kwargs, "image+video": dict(images=images[:1], **video_kwargs)}
-    out = {}
-    for name, text in PROMPTS.items():
-        inputs = hf.processor(text=[f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"],
-                              return_tensors="pt", **media[name])
-        with torch.no_grad():
-            rows = []
-            if "pixel_values" in inputs:
-                rows += feature_rows(model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]))
-            if "pixel_values_videos" in inputs:
-                rows += feature_rows(model.model.get_video_features(inputs["pixel_values_videos"],
-                                                                    inputs["video_grid_thw"]))
-            pos, delta = model.model.get_rope_index(
-                inputs["input_ids"], mm_token_type_ids=inputs["mm_token_type_ids"],
-                image_grid_thw=inputs.get("image_grid_thw"), video_grid_thw=inputs.get("video_grid_thw"))
-        assert bool(rows) == (name != "text")
-        out[name] = llm_request(model, inputs, rows, pos, delta)
-    return out
+    return prompt_requests(hf)
 
 
 @pytest.fixture(scope="module")

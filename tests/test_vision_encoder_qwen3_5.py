@@ -15,18 +15,13 @@ import torch
 
 from tests.encoder_checks import rel_err
 from tests.oracle import EncoderOracle
-from tests.test_vision_encoder_glm import _randomise_weights
-from tests.test_vision_encoder_qwen3_vl import CASES
+from tests.test_vision_encoder_qwen3_vl import CASES, randomised_checkpoint
 from triton_vlm.families.qwen3_vl.tower import Qwen3_5Tower as Q
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from triton_vlm.families.demo import write_demo_checkpoint
-
-    path = write_demo_checkpoint("qwen3_5", tmp_path_factory.mktemp("qwen3_5_vision"), "tiny")
-    _randomise_weights(path)
-    return path
+    return randomised_checkpoint("qwen3_5", tmp_path_factory.mktemp("qwen3_5_vision"))
 
 
 @pytest.fixture(scope="module")
