@@ -69,15 +69,15 @@ class Qwen35MoeLinearLayer(_GatedSharedMoeMlp, Qwen35LinearLayer):
 
 _QWEN3_5_LINEAR = dict(linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
                        linear_num_value_heads=32, linear_conv_kernel_dim=4)
-# `attention_bias` (biases on q/k/v/o_proj) is not implemented; Qwen3.5-MoE's model never reads
-# Qwen3-VL-MoE's `mlp_only_layers` (every layer is sparse): a config setting it is refused.
+# `attention_bias` (biases on q/k/v/o_proj) is not implemented: a config setting it is refused.
 QWEN3_5 = DecoderSpec(
     Qwen35AttentionLayer, HalfPairs, _PLACEHOLDERS, Qwen35LinearLayer, refused_flags=("attention_bias",),
     text=TextRules(class_defaults(248320, 4096, 12288, 32, 16, 4, 32768, 1e-6, head_dim=256, **_QWEN3_5_LINEAR),
                    full_attention_interval=4, partial_rotary_factor=0.25, mrope_section=(11, 11, 10),
                    mrope_interleaved=True))
 # `Qwen3_5MoeTextConfig` has no `intermediate_size` (no layer is dense): the shared expert's width
-# stands for it where a row's MLP width is estimated.
+# stands for it where a row's MLP width is estimated. Its model never reads Qwen3-VL-MoE's
+# `mlp_only_layers` (every layer is sparse): a config setting some is refused.
 QWEN3_5_MOE = DecoderSpec(
     Qwen35AttentionLayer, HalfPairs, _PLACEHOLDERS, Qwen35LinearLayer, moe_layer=Qwen35MoeAttentionLayer,
     moe_linear_layer=Qwen35MoeLinearLayer, refused_flags=("attention_bias", "mlp_only_layers"),
