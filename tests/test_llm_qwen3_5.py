@@ -114,3 +114,20 @@ def test_moe_router_and_shared_expert_match_hf(qwen3_5):
             out = layer.moe(x)
             assert torch.allclose(out, ref, atol=1e-5, rtol=0), (out - ref).abs().max()
             assert shared.abs().max() > 1e-3  # the shared expert counts: dropping it would show
+
+
+def test_config_keys_not_implemented_are_refused_by_name(qwen3_5, tmp_path):
+    """q/k/v/o biases (`attention_bias`) are not implemented, and Qwen3.5-MoE's model never reads
+    `mlp_only_layers`: a config setting either is refused, naming the key."""
+    import json
+    import shutil
+
+    hf, engine = qwen3_5
+    keys = ["attention_bias"] + (["mlp_only_layers"] if engine.config.moe else [])
+    for key in keys:
+        checkpoint = shutil.copytree(hf.checkpoint, tmp_path / key)
+        config = json.loads((checkpoint / "config.json").read_text())
+        config["text_config"][key] = [1] if key == "mlp_only_layers" else True
+        (checkpoint / "config.json").write_text(json.dumps(config))
+        with pytest.raises(NotImplementedError, match=f"{config['model_type']}: text_config {key} is not supported"):
+            DecoderConfig.from_checkpoint(checkpoint)
