@@ -1,6 +1,6 @@
 """Qwen3.5's vision tower (`Qwen3_5VisionModel`, shared by Qwen3.5-MoE): Qwen3-VL's without
 DeepStack. The torch re-implementation, the torch runtime and the ONNX Runtime export (float32,
-one run and split runs) against transformers, on the tiny random checkpoint with every 1-D vision
+one run and split runs; the unfused graph TensorRT takes, and its profile) against transformers, on the tiny random checkpoint with every 1-D vision
 parameter randomised (as `tests/test_vision_encoder_qwen3_vl.py`, whose cases these are).
 Error = max |ours - ref| / max |ref|.
 """
@@ -82,3 +82,20 @@ def test_onnx_runs_batched_and_split(onnx_path, oracle):
     pixels, grid, ref = oracle("images and video")
     assert rel_err(VisionEncoder(onnx_path)._run(pixels, grid, None), ref) < 1e-4
     assert rel_err(VisionEncoder(onnx_path, intra_op_threads=1, max_patches_per_run=64).encode(pixels, grid), ref) < 1e-4
+
+
+# TensorRT's input: the unfused graph and the profile (no GPU here: TensorRT itself is not run)
+
+def test_unfused_graph_runs_standard_ops_and_matches(onnx_path, checkpoint, oracle, tmp_path):
+    from tests.encoder_checks import check_unfused_matches
+
+    check_unfused_matches(onnx_path, Q, Q.read_vision_config(checkpoint),
+                          {c: oracle(c) for c in ("one image", "images and video")}, tmp_path)
+
+
+def test_tensorrt_profile_covers_the_inputs(checkpoint):
+    from tests.encoder_checks import check_profile_covers
+    from triton_vlm.vision.runtime.tensorrt_engine import EngineProfile
+
+    check_profile_covers("qwen3_5", Q, Q.read_vision_config(checkpoint), EngineProfile(4, 1024, 4096),
+                         ([[1, 64, 64]], [[16, 16, 16]], [[1, 2, 2]] * 1024, [[1, 34, 46]], [[1, 2, 2]]))
