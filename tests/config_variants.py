@@ -35,7 +35,7 @@ SIZE_KEYS = frozenset({
     "image_size",
     "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
     "n_routed_experts", "num_experts_per_tok", "n_shared_experts", "moe_intermediate_size", "first_k_dense_replace",
-    "num_local_experts", "decoder_sparse_step", "mlp_only_layers", "num_position_embeddings", "deepstack_visual_indexes",
+    "num_local_experts", "num_experts", "shared_expert_intermediate_size", "decoder_sparse_step", "mlp_only_layers", "num_position_embeddings", "deepstack_visual_indexes",
     "insert_layer_id", "downsample_mode", "image_grid_pinpoints", "vision_feature_layer",
     "vision_feature_select_strategy"})
 GENERATION_IDS = frozenset({"bos_token_id", "eos_token_id", "pad_token_id"})
@@ -57,6 +57,8 @@ BARE_SHAPES: dict[str, dict[str, Any]] = {
     "qwen2_5_vl": _QWEN_BARE, "qwen2_vl": _QWEN_BARE,
     **{name: _GLM_BARE for name in ("glm4v", "glm46v", "glmga", "glm_ocr")},
     "glm4v_moe": {"text": {"hidden_size": 256, "num_attention_heads": 2, "mrope_section": [8, 12, 12]}},
+    # Qwen3.5's class pattern (a full-attention layer every 4th) over the writer's every 2nd
+    **{name: {"text": {"full_attention_interval": 4}} for name in ("qwen3_5", "qwen3_5_moe")},
     # InternViT's class default: no qkv bias
     "internvl": {"vision": {"attention_bias": False}},
 }
@@ -261,6 +263,19 @@ def _qwen3_vl(config: dict[str, Any], processor: dict[str, Any]) -> None:
     processor["layout"] = "files"
 
 
+def _qwen3_5(config: dict[str, Any], processor: dict[str, Any]) -> None:
+    """Qwen3.5 (-MoE): Qwen3-VL's processor variations (`_qwen3_vl`); its text config in the
+    older rope spelling (`rope_scaling`, `rope_theta` and `partial_rotary_factor` beside it) with
+    another theta, partial rotary and `mrope_section`, an ignored false `mrope_interleaved`, and
+    `full_attention_interval` instead of `layer_types` (transformers makes the same layers of it)."""
+    _qwen3_vl(config, processor)
+    text = config["text_config"]
+    _old_rope(text, 2e6, mrope_interleaved=False, mrope_section=[3, 3, 2])
+    text["partial_rotary_factor"] = 0.5
+    types = text.pop("layer_types")
+    text["full_attention_interval"] = types.index("full_attention") + 1
+
+
 def _minicpmv(config: dict[str, Any], processor: dict[str, Any]) -> None:
     """MiniCPM-V 4.6 / 4.7 / OCR with `mrope_interleaved` false (transformers' Qwen3.5 interleaves
     whatever it says), another `rope_theta`, `partial_rotary_factor` and `mrope_section`, in
@@ -341,7 +356,7 @@ VARIED: dict[str, Callable[[dict, dict], None]] = {
     "qwen2_5_vl": _qwen2_5_vl, "qwen2_vl": _qwen2_vl, "glm4v": _glm(files=True), "glm46v": _glm("glm4v"), "glmga": _glm("glm4v", files=True),
     "glm_ocr": _glm(), "glm4v_moe": _glm(files=True), "minicpmv4_6": _minicpmv, "minicpmv4_7": _minicpmv,
     "minicpm_ocr": _minicpmv, "llava": _llava, "llava_onevision": _llava_onevision, "internvl": _internvl,
-    "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl,
+    "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl, "qwen3_5": _qwen3_5, "qwen3_5_moe": _qwen3_5,
 }
 
 

@@ -101,13 +101,14 @@ def assert_prompt_equals_hf(want: dict, input_ids, positions, embeddings, placeh
     reference = want["embeds"][torch.from_numpy(np.isin(input_ids, placeholder_ids))]
     reference = torch.cat([reference, *(want["deepstack"] or ())], dim=-1).numpy()
     assert embeddings.shape == reference.shape
-    assert np.abs(embeddings - reference).max() <= 1e-4 * max(1.0, np.abs(reference).max())
+    assert np.abs(embeddings - reference).max(initial=0) <= 1e-4 * max(1.0, np.abs(reference).max(initial=0))
 
 
 @torch.no_grad()
-def assert_pipeline_equals_hf(family: str, checkpoint, oracle: Oracle) -> None:
+def assert_pipeline_equals_hf(family: str, checkpoint, oracle: Oracle, family_requests: list | None = None) -> None:
     """Preprocess, encoder and engine in this process, as the server runs them, give transformers'
-    ids, positions, embedding rows, greedy tokens and logits on each of the family's requests."""
+    ids, positions, embedding rows, greedy tokens and logits on each of the family's requests
+    (`family_requests`: (prompt, images, videos) each; None: `requests(family)`)."""
     from tests.test_llm import Collector
     from triton_vlm.llm import DecoderConfig, Engine, SamplingParams
     from triton_vlm.preprocessing.preprocessor import Preprocessor
@@ -117,7 +118,7 @@ def assert_pipeline_equals_hf(family: str, checkpoint, oracle: Oracle) -> None:
     placeholder_ids = DecoderConfig.from_checkpoint(checkpoint).placeholder_token_ids
     engine = Engine(checkpoint, return_logits=True, kv_cache_tokens=2048)
     try:
-        for i, (prompt, images, videos) in enumerate(requests(family)):
+        for i, (prompt, images, videos) in enumerate(family_requests or requests(family)):
             want = hf_run(oracle, family, prompt, images, videos)
             out = preprocessor(prompt, images, videos)
             embeddings = encoder.encode(out.pixel_values, out.grid_thw, out.extras)
@@ -335,9 +336,11 @@ def test_a_text_config_of_its_model_type_alone_reads_as_its_class_fills_it(famil
     text = AutoConfig.from_pretrained(checkpoint).get_text_config()
     rotary = rotary_class(config=text)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    # Qwen3.5-MoE's class has no dense MLP width: the shared expert's stands for it (`QWEN3_5_MOE`)
+    intermediate = getattr(text, "intermediate_size", None) or text.shared_expert_intermediate_size
     assert (ours.vocab_size, ours.hidden_size, ours.intermediate_size, ours.num_layers, ours.num_heads,
             ours.num_kv_heads, ours.head_dim, ours.rms_norm_eps, ours.max_position_embeddings) == (
-        text.vocab_size, text.hidden_size, text.intermediate_size, text.num_hidden_layers, text.num_attention_heads,
+        text.vocab_size, text.hidden_size, intermediate, text.num_hidden_layers, text.num_attention_heads,
         text.num_key_value_heads, head_dim, text.rms_norm_eps, text.max_position_embeddings)
     assert (ours.rope_theta, ours.rotary_dim) == (text.rope_parameters["rope_theta"], 2 * rotary.inv_freq.numel())
     if len(ours.mrope_section) == 3:
@@ -376,6 +379,9 @@ def test_every_vision_default_is_its_config_classs():
     same(qwen2_5_vl._DEFAULTS, transformers.Qwen2_5_VLVisionConfig())
     for hf in (transformers.Qwen3VLVisionConfig(), transformers.Qwen3VLMoeVisionConfig()):
         same(qwen3_vl._DEFAULTS, hf)
+    for hf in (transformers.Qwen3_5VisionConfig(), transformers.Qwen3_5MoeVisionConfig()):
+        assert not hasattr(hf, "deepstack_visual_indexes") and not qwen3_vl.QWEN3_5_DEFAULTS["deepstack_visual_indexes"]
+        same({k: v for k, v in qwen3_vl.QWEN3_5_DEFAULTS.items() if k != "deepstack_visual_indexes"}, hf)
     for hf in (transformers.Glm4vVisionConfig(), transformers.Glm4vMoeVisionConfig()):
         same(glm4v._DEFAULTS, hf)
     same(glm4v._OCR_DEFAULTS, transformers.GlmOcrVisionConfig())
@@ -406,7 +412,8 @@ PROCESSOR_CLASSES = {
     "llava": ("CLIPImageProcessor", "SiglipImageProcessor"),
     "llava_onevision": ("LlavaOnevisionImageProcessor", "LlavaOnevisionVideoProcessor"),
     "internvl": ("GotOcr2ImageProcessor", "InternVLVideoProcessor"),
-    **{name: ("Qwen2VLImageProcessor", "Qwen3VLVideoProcessor") for name in ("qwen3_vl", "qwen3_vl_moe")},
+    **{name: ("Qwen2VLImageProcessor", "Qwen3VLVideoProcessor")
+       for name in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")},
 }
 SETTINGS_READ = ("patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std", "resample",
                  "scale_resolution", "max_slice_nums", "slice_mode", "downsample_mode", "use_image_id",

@@ -70,7 +70,12 @@ def hf_rows(oracle, pixel_values, grid_thw, video: bool) -> np.ndarray:
 @pytest.mark.parametrize("kind", [k for k in PROMPTS if k != "text"])
 def test_preprocess_matches_hf_processor(qwen3, kind):
     _, server, oracle = qwen3
-    prompt, images, videos = PROMPTS[kind]
+    assert_preprocess_equals_hf(server, oracle, *PROMPTS[kind])
+
+
+def assert_preprocess_equals_hf(server, oracle, prompt: str, images: list[bytes], videos: list[bytes]) -> None:
+    """`preprocess`'s ids, grids, pixel rows (prompt order), positions and delta are the processor's
+    and `get_rope_index`'s (also Qwen3.5's: the same processor)."""
     inputs = hf_inputs(oracle, prompt, images, videos)
     out = infer_direct(server, "preprocess", media_values(prompt, images, videos),
                        ["input_ids", "pixel_values", "grid_thw", "mrope_position_ids", "mrope_position_delta"])

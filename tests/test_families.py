@@ -136,3 +136,17 @@ def test_a_qwen2_vl_tower_config_not_implemented_is_refused_naming_the_key():
     assert tower.vision_settings({"embed_dim": 64, "num_heads": 4})["head_dim"] == 16
     with pytest.raises(ValueError, match="vision_config.rope_parameters.rope_type 'default' is not supported"):
         tower.vision_settings({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}})
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"])
+def test_qwen3_vl_and_qwen3_5_are_told_apart_by_model_type(tmp_path, model_type):
+    """Four families on one processor and video processor class: `model_type` alone picks one; their
+    text-only model types (a `Qwen3_5ForCausalLM` checkpoint's) are not served, and say so."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    (tmp_path / "processor_config.json").write_text(json.dumps(
+        {"video_processor": {"video_processor_type": "Qwen3VLVideoProcessor"}}))
+    assert detect_family(tmp_path).name == model_type
+    text_only = model_type + "_text"  # the text config's model type, e.g. `Qwen3_5TextConfig`'s
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": text_only}))
+    with pytest.raises(ValueError, match=f"model_type '{text_only}' is not supported; supported: "):
+        detect_family(tmp_path)

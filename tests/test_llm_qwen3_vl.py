@@ -57,12 +57,16 @@ def vision_rows(model, pixel_values, grid_thw, video: bool) -> list[torch.Tensor
 
 @pytest.fixture(scope="module")
 def requests(qwen3):
+    hf, _ = qwen3
+    return prompt_requests(hf)
+
+
+def prompt_requests(hf: Oracle) -> dict:
     """Per prompt: HF processor inputs and the `llm` inputs made from them (media in prompt order:
-    images before videos in every prompt here)."""
+    images before videos in every prompt here; also Qwen3.5's, whose rows carry no maps)."""
     from PIL import Image
     from transformers.video_utils import VideoMetadata
 
-    hf, _ = qwen3
     model, rng = hf.model, np.random.default_rng(1)
     images = [Image.fromarray(rng.integers(0, 256, (160, 192, 3), dtype=np.uint8)),  # 30 merged tokens
               Image.fromarray(rng.integers(0, 256, (64, 160, 3), dtype=np.uint8))]

@@ -2,7 +2,8 @@
 and logits of the unsplit model, float32 within 1e-5: Qwen2.5-VL (KV heads split, and at 4 ranks
 replicated), GLM-4.1V (interleaved partial rotary, fused gate_up, one KV head replicated), GLM-4.5V
 (routed experts split by expert, shared experts by width), Qwen3-VL-MoE (softmax-routed experts, the
-image rows' DeepStack maps broadcast to every rank), MiniCPM-V 4.6 (Gated DeltaNet layers
+image rows' DeepStack maps broadcast to every rank), Qwen3.5-MoE (every layer, linear or full
+attention, with routed experts split by expert and the sigmoid-gated shared expert by width), MiniCPM-V 4.6 (Gated DeltaNet layers
 by head, their states per rank, beside gated full attention) and MiniCPM-V 4.0 (Llama heads wider
 than the model's width split, LongRoPE), text and image prompts, several
 requests at once, prompts in chunks. A killed worker ends the requests with an error naming it,
@@ -37,7 +38,8 @@ def checkpoints(tmp_path_factory):
     # MiniCPM-V 4.0's Llama: 2 x 128 wide heads on a 256 wide model, LongRoPE (its tiny demo's 3 heads do not split).
     overrides = {"minicpmv4_0": {"text": {"num_attention_heads": 4, "num_key_value_heads": 2}}}
     return {family: write_demo_checkpoint(family, root / family, "tiny", overrides=overrides.get(family))
-            for family in ("qwen2_5_vl", "glm4v", "glm4v_moe", "minicpmv4_6", "minicpmv4_0", "qwen3_vl_moe")}
+            for family in ("qwen2_5_vl", "glm4v", "glm4v_moe", "minicpmv4_6", "minicpmv4_0", "qwen3_vl_moe",
+                           "qwen3_5_moe")}
 
 
 def requests(engine: Engine) -> list[dict]:
@@ -61,7 +63,8 @@ def generate(engine: Engine, tag: str) -> list[Collector]:
 
 
 @pytest.mark.parametrize("family, ranks", [("qwen2_5_vl", 2), ("qwen2_5_vl", 4), ("glm4v", 2), ("glm4v_moe", 2),
-                                           ("minicpmv4_6", 2), ("minicpmv4_0", 2), ("qwen3_vl_moe", 2)])
+                                           ("minicpmv4_6", 2), ("minicpmv4_0", 2), ("qwen3_vl_moe", 2),
+                                           ("qwen3_5_moe", 2)])
 def test_split_model_gives_the_whole_models_tokens_and_logits(checkpoints, family, ranks):
     settings = dict(return_logits=True, max_num_tokens=12, max_running=8)  # prompts of several chunks
     whole = Engine(checkpoints[family], **settings)

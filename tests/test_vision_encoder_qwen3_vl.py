@@ -38,9 +38,14 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
+    return randomised_checkpoint("qwen3_vl", tmp_path_factory.mktemp("qwen3_vl_vision"))
+
+
+def randomised_checkpoint(family: str, out):
+    """The family's tiny demo checkpoint, its 1-D vision parameters randomised (also Qwen3.5's)."""
     from triton_vlm.families.demo import write_demo_checkpoint
 
-    path = write_demo_checkpoint("qwen3_vl", tmp_path_factory.mktemp("qwen3_vl_vision"), "tiny")
+    path = write_demo_checkpoint(family, out, "tiny")
     _randomise_weights(path)
     return path
 

@@ -166,6 +166,8 @@ class DecoderConfig:
         moe = MoeConfig.from_text_config(text)
         if moe is not None and spec.moe_layer is None:
             raise NotImplementedError(f"{family.name}: no mixture-of-experts layer registered")
+        if moe is not None and linear is not None and spec.moe_linear_layer is None:
+            raise NotImplementedError(f"{family.name}: no mixture-of-experts linear-attention layer registered")
         return cls(
             vocab_size=int(text["vocab_size"]), hidden_size=hidden,
             intermediate_size=int(text["intermediate_size"]), num_layers=num_layers,

@@ -7,18 +7,12 @@ class of the transformers version the official code ran on: 4.40's `LlamaConfig`
 `chat` stops on its own terminators."""
 from dataclasses import replace
 
-from triton_vlm.llm.layers.decoder import LlamaLayer, Qwen2Layer, Qwen3Layer, Qwen35AttentionLayer, Qwen35LinearLayer
+from triton_vlm.families.qwen3_vl.decoder import QWEN3_5
+from triton_vlm.llm.layers.decoder import LlamaLayer, Qwen2Layer, Qwen3Layer
 from triton_vlm.llm.layers.rotary import HalfPairs
 from triton_vlm.llm.layers.spec import DecoderSpec
 from triton_vlm.llm.text_config import TextRules, class_defaults
 
-QWEN3_5 = DecoderSpec(Qwen35AttentionLayer, HalfPairs, ("image_token_id", "video_token_id"), Qwen35LinearLayer,
-                      text=TextRules(class_defaults(248320, 4096, 12288, 32, 16, 4, 32768, 1e-6, head_dim=256,
-                                                    linear_key_head_dim=128, linear_value_head_dim=128,
-                                                    linear_num_key_heads=16, linear_num_value_heads=32,
-                                                    linear_conv_kernel_dim=4),
-                                     full_attention_interval=4, partial_rotary_factor=0.25, mrope_section=(11, 11, 10),
-                                     mrope_interleaved=True))
 # MiniCPM-OCR's: `MiniCPMOcrConfig` ties the word embeddings unless its config says otherwise.
 QWEN3_5_TIED = replace(QWEN3_5, text=replace(QWEN3_5.text, tie_word_embeddings=True))
 

@@ -1,5 +1,5 @@
-"""Qwen3-VL's and Qwen3-VL-MoE's demo checkpoints: their sizes, reduced chat template and
-random-weight writer."""
+"""Qwen3-VL's, Qwen3-VL-MoE's, Qwen3.5's and Qwen3.5-MoE's demo checkpoints: their sizes, reduced
+chat template and random-weight writer."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -37,24 +37,44 @@ QWEN3_VL_MOE_SIZES: dict[str, dict[str, Any]] = {
     size: {**shape, "text": {**shape["text"], **_MOE, **({} if size == "tiny" else dict(moe_intermediate_size=256))}}
     for size, shape in QWEN3_VL_SIZES.items()}
 
+# Qwen3.5: Qwen3-VL's tower without DeepStack, the hybrid decoder (here a full-attention layer every
+# second layer, `full_attention_interval`; a partial rotary of a quarter of each head).
+_LINEAR = {"tiny": dict(linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                        linear_num_value_heads=4),
+           "small": dict(linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=4,
+                         linear_num_value_heads=8)}
+QWEN3_5_SIZES: dict[str, dict[str, Any]] = {
+    size: {**shape, "vision": {k: v for k, v in shape["vision"].items() if k != "deepstack_visual_indexes"},
+           "text": {**shape["text"], **_LINEAR[size], "full_attention_interval": 2, "partial_rotary_factor": 0.25,
+                    **(dict(num_hidden_layers=4, head_dim=32, mrope_section=[2, 1, 1]) if size == "tiny"
+                       else dict(head_dim=128, mrope_section=[6, 5, 5]))}}
+    for size, shape in QWEN3_VL_SIZES.items()}
+# Qwen3.5-MoE: every layer sparse, top-2 of 8 experts and a shared expert; no dense MLP width.
+QWEN3_5_MOE_SIZES: dict[str, dict[str, Any]] = {
+    size: {**shape, "text": {**{k: v for k, v in shape["text"].items() if k != "intermediate_size"},
+                             "num_experts": 8, "num_experts_per_tok": 2,
+                             "moe_intermediate_size": 32 if size == "tiny" else 256,
+                             "shared_expert_intermediate_size": 48 if size == "tiny" else 384}}
+    for size, shape in QWEN3_5_SIZES.items()}
 
-def _writer(moe: bool):
+
+def _writer(prefix: str):
     def write(out: Path, shape: dict[str, Any], tokenizer, seed: int) -> None:
-        """Write a random-weight Qwen3-VL (MoE) checkpoint that transformers loads offline."""
+        """Write a random-weight checkpoint of `prefix`'s classes that transformers loads offline."""
         import transformers
         from transformers import GenerationConfig, Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
-        config_class, model_class = (("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration") if moe
-                                     else ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration"))
+        config_class, model_class = f"{prefix}Config", f"{prefix}ForConditionalGeneration"
         ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN3_VL.prompt.special_tokens}
         eos_ids = [ids[t] for t in QWEN3_VL.prompt.eos_tokens]
         text = dict(shape["text"])
-        mrope_section = text.pop("mrope_section")
+        rope = dict(mrope_section=text.pop("mrope_section"))
+        if "partial_rotary_factor" in text:
+            rope["partial_rotary_factor"] = text.pop("partial_rotary_factor")
         config = getattr(transformers, config_class)(
             text_config=dict(
                 vocab_size=shape["model_vocab_size"], max_position_embeddings=4096, rms_norm_eps=1e-6,
-                rope_parameters=dict(rope_type="default", rope_theta=5000000.0, mrope_section=mrope_section,
-                                     mrope_interleaved=True),
+                rope_parameters=dict(rope_type="default", rope_theta=5000000.0, mrope_interleaved=True, **rope),
                 bos_token_id=ids["<|endoftext|>"], eos_token_id=eos_ids, pad_token_id=ids["<|endoftext|>"], **text),
             vision_config=dict(patch_size=16, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
                                out_hidden_size=text["hidden_size"], **shape["vision"]),
@@ -78,5 +98,7 @@ def _writer(moe: bool):
     return write
 
 
-DEMOS = {"qwen3_vl": Demo(QWEN3_VL_SIZES, _writer(moe=False)),
-         "qwen3_vl_moe": Demo(QWEN3_VL_MOE_SIZES, _writer(moe=True))}
+DEMOS = {"qwen3_vl": Demo(QWEN3_VL_SIZES, _writer("Qwen3VL")),
+         "qwen3_vl_moe": Demo(QWEN3_VL_MOE_SIZES, _writer("Qwen3VLMoe")),
+         "qwen3_5": Demo(QWEN3_5_SIZES, _writer("Qwen3_5")),
+         "qwen3_5_moe": Demo(QWEN3_5_MOE_SIZES, _writer("Qwen3_5Moe"))}

@@ -1,6 +1,7 @@
 """Qwen3-VL vision tower (`qwen3_vl_vision`, shared by Qwen3-VL, Qwen3-VL-MoE and the families on
 its tower): an export-friendly re-implementation of transformers' `Qwen3VLVisionModel` plus its
-host-side metadata.
+host-side metadata. Qwen3.5's (`Qwen3_5VisionModel`, `Qwen3_5Tower`) is the same tower without
+DeepStack: its vision config has no `deepstack_visual_indexes`.
 
 Op order, as transformers runs it: Conv3d patch embedding (with bias); plus the learned position
 table (`pos_embed`, a side x side grid, side = sqrt(num_position_embeddings)) resampled bilinearly
@@ -47,10 +48,14 @@ _DEFAULTS: dict[str, Any] = dict(
 )
 
 
-def vision_settings(vision_config: Any) -> dict[str, Any]:
+# `Qwen3_5VisionConfig`: Qwen3-VL's fields and defaults, no DeepStack.
+QWEN3_5_DEFAULTS: dict[str, Any] = {**_DEFAULTS, "deepstack_visual_indexes": []}
+
+
+def vision_settings(vision_config: Any, defaults: dict[str, Any] = _DEFAULTS) -> dict[str, Any]:
     """Normalise a vision config (HF config object or dict, e.g. `config.json`'s `vision_config`)
-    into a plain JSON-able dict of the fields this module uses."""
-    out = tower_config.config_fields(vision_config, _DEFAULTS)
+    into a plain JSON-able dict of the fields this module uses (`defaults`: its config class's)."""
+    out = tower_config.config_fields(vision_config, defaults)
     for key in ("patch_size", "temporal_patch_size"):
         out[key] = tower_config.square(out[key], key)
     for key in ("depth", "hidden_size", "intermediate_size", "num_heads", "in_channels", "spatial_merge_size",
@@ -64,6 +69,14 @@ def vision_settings(vision_config: Any) -> dict[str, Any]:
         raise ValueError(f"vision_config.deepstack_visual_indexes {bad} are not blocks of a depth-{out['depth']} tower")
     out["pos_side"] = int(out["num_position_embeddings"] ** 0.5)
     return tower_config.add_derived(out)
+
+
+def qwen3_5_vision_settings(vision_config: Any) -> dict[str, Any]:
+    """`vision_settings` of a Qwen3.5 vision config; DeepStack maps (which its model never reads)
+    are refused by name."""
+    if tower_config.as_dict(vision_config).get("deepstack_visual_indexes"):
+        raise ValueError("vision_config.deepstack_visual_indexes: Qwen3.5's tower has no DeepStack")
+    return vision_settings(vision_config, QWEN3_5_DEFAULTS)
 
 
 # --------------------------------------------------------------------------------------------
@@ -205,3 +218,8 @@ class Qwen3VLTower(Tower):
     @classmethod
     def embedding_width(cls, settings: dict[str, Any]) -> int:
         return embedding_width(settings["out_hidden_size"], len(settings["deepstack_visual_indexes"]))
+
+
+class Qwen3_5Tower(Qwen3VLTower):
+    """Qwen3.5's tower (`Qwen3_5VisionModel`): Qwen3-VL's with no DeepStack maps."""
+    vision_settings = staticmethod(qwen3_5_vision_settings)

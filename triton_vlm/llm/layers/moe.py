@@ -1,7 +1,9 @@
 """Mixture-of-experts MLPs: transformers' `Glm4vMoeTextMoE` (a sigmoid router with a
 score-correction bias and group-limited top-k, routed SwiGLU experts and always-on shared experts)
 and Qwen3-VL-MoE's `Qwen3VLMoeTextSparseMoeBlock` (a softmax router whose top-k weights are
-renormalised to sum 1, routed experts only: `SoftmaxMoe`).
+renormalised to sum 1, routed experts only: `SoftmaxMoe`), and Qwen3.5-MoE's
+`Qwen3_5MoeSparseMoeBlock` (that router and experts plus one shared expert scaled by a sigmoid
+gate: `GatedSharedMoe`).
 
 Numerics follow transformers in any dtype: router logits, scores and routing weights in float32
 (the correction bias is a float32 buffer whatever the model's dtype); each expert's output is
@@ -186,3 +188,20 @@ class SoftmaxMoe:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = softmax_route(x, self.router, self.c.num_experts_per_tok)
         return run_experts(x, ids, weights, self.gate_up, self.down, self.experts)
+
+
+class GatedSharedMoe(SoftmaxMoe):
+    """`Qwen3_5MoeSparseMoeBlock` of one layer: `SoftmaxMoe`'s router and routed experts, plus one
+    shared expert (`mlp.shared_expert.*`, a SwiGLU MLP) whose output is scaled by
+    sigmoid(`mlp.shared_expert_gate`(x)), a scalar per row."""
+
+    def __init__(self, w: Callable[[str], torch.Tensor], config: MoeConfig, experts: range):
+        super().__init__(w, config, experts)
+        self.shared_gate_up = torch.cat([w("mlp.shared_expert.gate_proj.weight"),
+                                         w("mlp.shared_expert.up_proj.weight")])
+        self.shared_down = w("mlp.shared_expert.down_proj.weight")
+        self.shared_expert_gate = w("mlp.shared_expert_gate.weight")  # [1, hidden]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shared = torch.sigmoid(F.linear(x, self.shared_expert_gate)) * swiglu(x, self.shared_gate_up, self.shared_down)
+        return super().__call__(x) + shared

@@ -13,12 +13,14 @@ class DecoderSpec:
     """What one family's decoder is made of: its (attention) layer class, how its rotary dims pair
     up, the config keys of the token ids its prompts hold image/video placeholders under, the
     layer class of its `linear_attention` layers (hybrid stacks; config `layer_types`) and of its
-    mixture-of-experts layers (`DecoderConfig.moe_layers`)."""
+    mixture-of-experts layers (`DecoderConfig.moe_layers`), and of linear-attention layers whose MLP
+    is a mixture of experts (Qwen3.5-MoE)."""
     layer: type
     rotary_pairing: type  # HalfPairs or InterleavedPairs
     placeholder_keys: tuple[str, ...]
     linear_layer: type | None = None
     moe_layer: type | None = None
+    moe_linear_layer: type | None = None
     # Placeholder tokens by their text, for checkpoints whose config names none (e.g.
     # `<unk>`), looked up in the tokenizer's added tokens.
     placeholder_tokens: tuple[str, ...] = ()
@@ -40,5 +42,5 @@ class DecoderSpec:
         """The class of a layer of `layer_type` (config `layer_types`) whose MLP is (`moe`) or is
         not a mixture of experts."""
         if layer_type == "linear_attention":
-            return self.linear_layer
+            return self.moe_linear_layer if moe else self.linear_layer
         return self.moe_layer if moe else self.layer
