@@ -19,6 +19,9 @@ transformers' [B, 3, H, W]); positions plain 0..S-1 on three rows, delta 0.
 from __future__ import annotations
 
 import math
+from typing import Any, Mapping
+
+import numpy as np
 
 from triton_vlm.errors import InvalidInput
 from triton_vlm.families.base import MediaLayout
@@ -72,3 +75,11 @@ def expand_text(media: MediaLayout) -> str:
     if not crops:
         return run
     return f"Here is the original image {run} and here are some crops to help you see better " + " ".join([run] * crops)
+
+
+def embedding_rows(grid_thw: np.ndarray, settings: dict[str, Any],
+                   extras: Mapping[str, np.ndarray] | None = None) -> np.ndarray:
+    """The tower's rows of each grid row (`Tower.ROWS`, numpy only for the encoder front): every
+    view pooled to `mm_tokens_per_image` tokens, whatever its patches."""
+    grid = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
+    return grid[:, 0] * int(settings["mm_tokens_per_image"])
