@@ -56,6 +56,16 @@ class ScheduledChunk:
         return self.num_tokens == 1 and self.start >= self.seq.prompt_len and self.samples
 
 
+def chunk_end(seq: Sequence, end: int) -> int:
+    """`end`, unless it would cut one of the sequence's bidirectional spans (whose tokens all see
+    each other: a chunk holds the whole rest of one): then the span's start, or where the chunk
+    starts inside the span (a prefix-cache hit), the span's end, past the step's budget."""
+    for a, b in seq.spans:
+        if a < end < b:
+            return a if a > seq.num_computed else b
+    return end
+
+
 def decoding(seq: Sequence) -> bool:
     """Whether `seq`'s next row is a decode (`ScheduledChunk.is_decode`), not prompt work."""
     return seq.num_computed >= seq.prompt_len and len(seq.tokens) - seq.num_computed == 1
@@ -126,7 +136,7 @@ class Scheduler:
                 break
             if seq not in self.running or not takes(seq):  # preempted meanwhile, or not this step's kind
                 continue
-            end = min(len(seq.tokens), seq.num_computed + budget)
+            end = chunk_end(seq, min(len(seq.tokens), seq.num_computed + budget))
             if self._grow(seq, end, planned, out):
                 out.chunks.append(ScheduledChunk.of(seq, end))
                 planned.add(seq)
@@ -137,7 +147,7 @@ class Scheduler:
             if fresh and seq.keys:  # reuse cached prompt blocks; at least one token is computed
                 seq.blocks = self.blocks.lookup(seq.keys[:(len(seq.tokens) - 1) // self.blocks.block_size])
                 seq.num_computed = len(seq.blocks) * self.blocks.block_size
-            end = min(len(seq.tokens), seq.num_computed + budget)
+            end = chunk_end(seq, min(len(seq.tokens), seq.num_computed + budget))
             got = self.blocks.allocate(self.blocks.blocks_for(end) - len(seq.blocks))
             if got is None:  # out of blocks: it keeps waiting, first in line
                 if fresh:
