@@ -1,5 +1,5 @@
 """The `llm` decoder in bfloat16 against transformers in bfloat16 (`from_pretrained(dtype=torch.bfloat16)`,
-its default sdpa attention) for Qwen2.5-VL, GLM-4.1V and MiniCPM-V 4.6 (tiny checkpoints, perturbed
+its default sdpa attention) for Qwen2.5-VL, GLM-4.1V, MiniCPM-V 4.6, LLaVA and Gemma 3 (tiny checkpoints, perturbed
 as in tests/test_llm_minicpmv.py), on CPU and, marked `gpu`, on CUDA; the KV pool's bytes per token
 in bfloat16; and a `--llm-dtype bfloat16` build served by tritonserver.
 
@@ -35,6 +35,8 @@ FAMILIES = {
     "minicpmv4_6": ("<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n", "<|image_pad|>", None,
                     MINICPMV_PROMPTS["text"]),
     "llava": ("USER: {} ASSISTANT:", "<image>\n", None, "describe the red car on the road"),
+    "gemma3": ("<start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n", "<start_of_image>", None,
+               "describe the red car on the road, then the blue one"),
 }
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device")])]

@@ -91,13 +91,16 @@ class GatheredDecode:
     lengths: torch.Tensor | None = None  # [B] tokens each row attends to (its own included)
     masks: dict = field(default_factory=dict)  # `mask` by sliding window, built once per step
 
-    def windowed(self, window: int | None) -> torch.Tensor:
-        """`mask` less the tokens `window` or more positions before each row's own."""
+    def windowed(self, window: int | None) -> tuple[torch.Tensor, int]:
+        """`mask` less the tokens `window` or more positions before each row's own, from the first
+        token some row sees on; and that token's index."""
         if window is None:
-            return self.mask
+            return self.mask, 0
         if window not in self.masks:
             t = torch.arange(self.mask.shape[-1], device=self.mask.device)
-            self.masks[window] = self.mask & (t >= self.lengths.to(t.device)[:, None] - window)[:, None, None, :]
+            lengths = self.lengths.to(t.device)
+            first = max(0, int((lengths - window).min()))
+            self.masks[window] = (self.mask & (t >= lengths[:, None] - window)[:, None, None, :])[..., first:], first
         return self.masks[window]
 
 
@@ -198,10 +201,12 @@ class TorchAttention:
         """The decode rows' attention: queries q [B, heads, d] over their blocks -> [B, heads, d]."""
         B, H, KVH, d = q.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         L = meta.mask.shape[-1]
-        kd, vd = (t.view(B, -1, KVH, d)[:, :L].transpose(1, 2)
+        # with a sliding window, from the first token any row sees: one sequence alone attends over
+        # exactly its window (as a sliding cache holds it)
+        mask, first = meta.windowed(self.windows[layer])
+        kd, vd = (t.view(B, -1, KVH, d)[:, first:L].transpose(1, 2)
                   for t in self._gather(self.kv.k[layer], self.kv.v[layer], meta.block_ids))
-        o = F.scaled_dot_product_attention(q.view(B, KVH, H // KVH, d), kd, vd,
-                                           attn_mask=meta.windowed(self.windows[layer]), scale=self.scale)
+        o = F.scaled_dot_product_attention(q.view(B, KVH, H // KVH, d), kd, vd, attn_mask=mask, scale=self.scale)
         return o.reshape(B, H, d)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
