@@ -4,7 +4,8 @@ bench/device_pack.py packed here, carried there; it prints both commands with th
     python3 bench/device_session.py call1 .device/call1                         # about 15 s
     python3 bench/device_session.py call2 .device/call2 --tree SHA --out "$OUT"  # at most 20 s + PARTS' limits, 550 s
 
-Call 1 unpacks the server to /tmp (it stays while the machine is warm; the carried folder does not)
+Call 1 reports what of the checkout arrived (files, MiB, whether the set-aside test data came),
+unpacks the server to /tmp (it stays while the machine is warm; the carried folder does not)
 and installs the wheels of tritonclient, python-rapidjson and numpy 1.26.4 into this Python (its
 stubs ignore PYTHONPATH). Call 2, within 30 s of call 1's reply, installs PyAV and transformers,
 removes scipy and scikit-learn (numpy-2 builds that transformers imports) and runs `PARTS` one after
@@ -34,7 +35,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
-from device_pack import SERVER_ARCHIVE, install_wheels, unpack_server  # noqa: E402
+from device_pack import SERVER_ARCHIVE, SET_ASIDE, install_wheels, unpack_server  # noqa: E402
 
 SERVER_DIR = Path("/tmp/triton-vlm-server")  # survives between the calls while the machine is warm
 NUMPY_2_BUILDS = ("scipy", "scikit-learn")
@@ -59,10 +60,18 @@ def expand(args: list[str], out: Path, tree: str) -> list[str]:
     return [a for arg in args for a in (gpu_tests() if arg == "{gpu_tests}" else [arg.format(out=out, tree=tree)])]
 
 
+def arrived(root: Path = BENCH.parent) -> dict:
+    """What of the checkout reached the machine: its files and MiB, and whether the paths set aside
+    for the calls (`device_pack.SET_ASIDE`) came too."""
+    files = [p for p in root.rglob("*") if p.is_file() and ".device" not in p.relative_to(root).parts]
+    return {"files": len(files), "mib": round(sum(p.stat().st_size for p in files) / 2**20, 1),
+            "set_aside_arrived": {rel: (root / rel).exists() for rel in SET_ASIDE}}
+
+
 def call1(folder: Path) -> dict:
     root, missing = unpack_server(folder / SERVER_ARCHIVE, SERVER_DIR)
     install_wheels(sorted(folder.glob("*.whl")))
-    return {"server": str(root), "stub_cannot_find": missing, "numpy": _version("numpy")}
+    return {"server": str(root), "stub_cannot_find": missing, "numpy": _version("numpy"), "tree": arrived()}
 
 
 def call2(folder: Path, tree: str, out: Path, parts: tuple = PARTS) -> dict:

@@ -31,7 +31,8 @@ KINDS = ("bare", "varied")
 # kept too, but for bos / eos / pad, which generation_config.json carries.
 SIZE_KEYS = frozenset({
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "head_dim", "depth", "num_heads", "out_hidden_size", "patch_size", "image_size",
+    "num_key_value_heads", "head_dim", "depth", "num_heads", "out_hidden_size", "embed_dim", "mlp_ratio", "patch_size",
+    "image_size",
     "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
     "n_routed_experts", "num_experts_per_tok", "n_shared_experts", "moe_intermediate_size", "first_k_dense_replace",
     "insert_layer_id", "downsample_mode", "image_grid_pinpoints", "vision_feature_layer",
@@ -43,17 +44,21 @@ PROCESSOR_SIZE_KEYS = frozenset({
     "num_additional_image_tokens", "num_image_tokens", "vision_feature_select_strategy", "image_seq_length"})
 # Processor size dicts that are tile sizes (LLaVA's), not pixel budgets (Qwen's, GLM's).
 TILE_SIZED = ("CLIPImageProcessor", "SiglipImageProcessor", "LlavaOnevisionImageProcessor",
-              "LlavaOnevisionVideoProcessor", "Gemma3ImageProcessor")
+              "LlavaOnevisionVideoProcessor", "GotOcr2ImageProcessor", "InternVLVideoProcessor",
+              "Gemma3ImageProcessor")
 
 # Writer shapes of the bare variants: heads wide enough for the text config class's default
 # `mrope_section` (Qwen2.5-VL: [16, 24, 24] of a 128-wide head; GLM: [8, 12, 12] of its rotary
 # dims, the whole head by default, half of it in GLM-4.5V).
 _GLM_BARE = {"text": {"hidden_size": 128, "num_attention_heads": 2, "mrope_section": [4, 6, 6]}}
+_QWEN_BARE = {"text": {"hidden_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1,
+                        "mrope_section": [16, 24, 24]}}
 BARE_SHAPES: dict[str, dict[str, Any]] = {
-    "qwen2_5_vl": {"text": {"hidden_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1,
-                            "mrope_section": [16, 24, 24]}},
+    "qwen2_5_vl": _QWEN_BARE, "qwen2_vl": _QWEN_BARE,
     **{name: _GLM_BARE for name in ("glm4v", "glm46v", "glmga", "glm_ocr")},
     "glm4v_moe": {"text": {"hidden_size": 256, "num_attention_heads": 2, "mrope_section": [8, 12, 12]}},
+    # InternViT's class default: no qkv bias
+    "internvl": {"vision": {"attention_bias": False}},
 }
 
 
@@ -169,30 +174,51 @@ def _torch_dtype(config: dict[str, Any]) -> None:
     config["torch_dtype"] = config.pop("dtype")
 
 
-def _qwen2_5_vl(config: dict[str, Any], processor: dict[str, Any]) -> None:
-    """Qwen2.5-VL as Qwen's hub configs have it: no `text_config` (its fields at the top level),
-    `rope_scaling` of type "mrope" with `rope_theta` beside it (another value), keys its rotary
-    ignores, no `rms_norm_eps` (the class's 1e-5), the vision tower's `in_chans`, other windows,
-    full-attention blocks and rope theta, no `tokens_per_second` (the class's 4); one
-    `preprocessor_config.json` with
-    `min_pixels` / `max_pixels`, no video processor file (videos take the image settings)."""
+_QWEN_KEEP = ("image_mean", "image_std", "patch_size", "temporal_patch_size", "merge_size")
+
+
+def _qwen_hub(config: dict[str, Any], processor: dict[str, Any], **text_keys: Any) -> None:
+    """Qwen's hub configs: no `text_config` (its fields at the top level, `text_keys` among them),
+    `rope_scaling` of type "mrope" with `rope_theta` beside it (another value), an ignored
+    `mrope_interleaved`, no `rms_norm_eps` (the class's 1e-5), `torch_dtype`, the vision tower's
+    `in_chans` and another rope theta; `preprocessor_config.json` files, the image processor's
+    budgets as `min_pixels` / `max_pixels`."""
     text = config.pop("text_config")
     _old_rope(text, 500000.0, mrope_interleaved=True)
     text["rope_scaling"]["type"] = "mrope"
-    text["partial_rotary_factor"] = 0.5
     for key in ("rms_norm_eps", "model_type", "layer_types", "dtype"):
         text.pop(key, None)
-    config.update(text)
+    config.update(text, **text_keys)
     _torch_dtype(config)
     vision = config["vision_config"]
     vision["in_chans"] = vision.pop("in_channels")
-    vision.pop("tokens_per_second")
-    vision.update(model_type="qwen2_5_vl", window_size=56, fullatt_block_indexes=[0, 2],
-                  rope_parameters={"rope_type": "axial", "rope_theta": 5000.0})
+    vision["rope_parameters"] = {"rope_type": "axial", "rope_theta": 5000.0}
     image = processor["image_processor"]
-    keep = ("image_mean", "image_std", "patch_size", "temporal_patch_size", "merge_size", "image_processor_type")
+    keep = (*_QWEN_KEEP, "image_processor_type")
     processor["image_processor"] = {k: image[k] for k in keep} | {"min_pixels": 8 * 28 * 28, "max_pixels": 96 * 28 * 28}
-    processor.update(layout="files", video_processor=None)
+    processor["layout"] = "files"
+
+
+def _qwen2_5_vl(config: dict[str, Any], processor: dict[str, Any]) -> None:
+    """Qwen2.5-VL as Qwen's hub configs have it (`_qwen_hub`), with a `partial_rotary_factor` its
+    rotary ignores, other windows and full-attention blocks, no `tokens_per_second` (the class's 4);
+    no video processor file (videos take the image settings)."""
+    _qwen_hub(config, processor, partial_rotary_factor=0.5)
+    vision = config["vision_config"]
+    vision.pop("tokens_per_second")
+    vision.update(model_type="qwen2_5_vl", window_size=56, fullatt_block_indexes=[0, 2])
+    processor["video_processor"] = None
+
+
+def _qwen2_vl(config: dict[str, Any], processor: dict[str, Any]) -> None:
+    """Qwen2-VL as Qwen's hub configs have it (`_qwen_hub`: transformers reads no `in_chans`, its 3
+    channels); a `video_preprocessor_config.json` that samples (`do_sample_frames`, `fps` 1, where
+    the class has no rate and takes every frame) within other budgets."""
+    _qwen_hub(config, processor)
+    video = processor["video_processor"]
+    keep = (*_QWEN_KEEP, "video_processor_type")
+    processor["video_processor"] = {k: video[k] for k in keep} | {
+        "min_pixels": 4 * 28 * 28, "max_pixels": 32 * 28 * 28, "do_sample_frames": True, "fps": 1.0}
 
 
 def _glm(model_type: str | None = None, files: bool = False) -> Callable[[dict, dict], None]:
@@ -276,6 +302,25 @@ def _llava_onevision(config: dict[str, Any], processor: dict[str, Any]) -> None:
     processor["layout"] = "files"
 
 
+def _internvl(config: dict[str, Any], processor: dict[str, Any]) -> None:
+    """InternVL with `rope_theta` beside `rope_scaling`, `torch_dtype`, the text config's true
+    `tie_word_embeddings` under a false top level (`InternVLConfig` reads the top level's only),
+    another projector activation and tower `layer_norm_eps`, no `use_mean_pooling` (its class's
+    True); the image processor's `max_patches` 4, other means and deviations, a saved
+    `crop_to_patches` false (the processor's own true wins), in `preprocessor_config.json` files."""
+    text = config["text_config"]
+    _old_rope(text, 2e5)
+    text["tie_word_embeddings"] = True
+    _torch_dtype(config)
+    config["projector_hidden_act"] = "gelu_pytorch_tanh"
+    config["vision_config"]["layer_norm_eps"] = 1e-5
+    config["vision_config"].pop("use_mean_pooling")
+    processor["image_processor"].update(max_patches=4, crop_to_patches=False)
+    for section in (processor["image_processor"], processor["video_processor"]):
+        section.update(image_mean=[0.5, 0.4, 0.3], image_std=[0.2, 0.25, 0.3])
+    processor["layout"] = "files"
+
+
 def _gemma3(config: dict[str, Any], processor: dict[str, Any]) -> None:
     """Gemma 3 as 4.x configs spell it: `rope_scaling` (linear, another factor) with `rope_theta` and
     `rope_local_base_freq` beside it, `sliding_window_pattern` instead of `layer_types` (another
@@ -294,9 +339,10 @@ def _gemma3(config: dict[str, Any], processor: dict[str, Any]) -> None:
 
 
 VARIED: dict[str, Callable[[dict, dict], None]] = {
-    "qwen2_5_vl": _qwen2_5_vl, "glm4v": _glm(files=True), "glm46v": _glm("glm4v"), "glmga": _glm("glm4v", files=True),
+    "qwen2_5_vl": _qwen2_5_vl, "qwen2_vl": _qwen2_vl, "glm4v": _glm(files=True), "glm46v": _glm("glm4v"), "glmga": _glm("glm4v", files=True),
     "glm_ocr": _glm(), "glm4v_moe": _glm(files=True), "minicpmv4_6": _minicpmv, "minicpmv4_7": _minicpmv,
-    "minicpm_ocr": _minicpmv, "llava": _llava, "llava_onevision": _llava_onevision, "gemma3": _gemma3,
+    "minicpm_ocr": _minicpmv, "llava": _llava, "llava_onevision": _llava_onevision, "internvl": _internvl,
+    "gemma3": _gemma3,
 }
 
 

@@ -44,9 +44,10 @@ class Oracle:
         return AutoModelForImageTextToText.from_pretrained(self.checkpoint).eval()
 
     def inputs(self, prompt: str, images: list[bytes] = (), videos: list[bytes] = (),
-               fps: float | None = 2.0) -> dict:
+               fps: float | None = 2.0, sample: bool = True) -> dict:
         """The HF processor's output: fps-2 sampling of every video, as our server does by default
-        (`fps=None`: the video processor's own default)."""
+        (`fps=None`: the video processor's own rate; `sample=False`: its own choice whether to sample,
+        its config's `do_sample_frames`)."""
         from PIL import Image
 
         kwargs = {}
@@ -54,8 +55,9 @@ class Oracle:
             kwargs["images"] = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
         if videos:
             decoded = [decode_frames(v) for v in videos]
-            kwargs.update(videos=[f for f, _ in decoded], video_metadata=[m for _, m in decoded],
-                          do_sample_frames=True)
+            kwargs.update(videos=[f for f, _ in decoded], video_metadata=[m for _, m in decoded])
+            if sample:
+                kwargs["do_sample_frames"] = True
             if fps is not None:
                 kwargs["fps"] = fps
         return self.processor(text=[prompt], return_tensors="pt", **kwargs)

@@ -66,3 +66,9 @@ def test_served_bench_on_cpu_with_the_packed_server(tmp_path):
     assert figures["tree"] == "abc1234" and "bench/served_gpu.py" in figures["command"]
     log = (tmp_path / "server.log").read_text()
     assert "Started GRPCInferenceService" in log and f'"backend-directory":"{unpacked / "backends"}"' in log
+    # bench/plots.py draws the kept run: throughput and TTFT against concurrency, served and engine alone
+    drawn = subprocess.run([sys.executable, "bench/plots.py", "--results", str(tmp_path / "results"), "--out",
+                            str(tmp_path / "figures")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert drawn.returncode == 0, drawn.stderr
+    svg = (tmp_path / "figures" / f"{kept[0].stem}.svg").read_text()
+    assert all(text in svg for text in ("output tokens/s", "time to first token", "llm engine alone", "served"))

@@ -2,6 +2,7 @@
 `demo-checkpoint` command for every family."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from typing import Iterator
 
 import pytest
 
@@ -36,18 +38,26 @@ def _wait_ready(process: subprocess.Popen, http_port: str, timeout: float = 300)
     raise AssertionError("not ready")
 
 
-def test_serve_stops_cleanly_on_sigterm(tiny_repo, tmp_path):
-    ports = _ports()
-    log = open(tmp_path / "serve.log", "w")
-    process = subprocess.Popen(SERVE + ["--repo", str(tiny_repo), *ports], stdout=log, stderr=log)
+@contextlib.contextmanager
+def _serving(args: list[str], http_port: str, log) -> Iterator[subprocess.Popen]:
+    """`triton-vlm serve ARGS` ready; when the `with` ends, SIGTERM stops it with exit code 0 (it is
+    killed if it does not)."""
+    process = subprocess.Popen(SERVE + args, stdout=log, stderr=log)
     try:
-        _wait_ready(process, ports[1])
+        _wait_ready(process, http_port)
+        yield process
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_serve_stops_cleanly_on_sigterm(tiny_repo, tmp_path):
+    ports = _ports()
+    with _serving(["--repo", str(tiny_repo), *ports], ports[1], open(tmp_path / "serve.log", "w")):
+        pass
 
 
 def test_serve_exits_nonzero_with_the_servers_error_when_a_model_fails(tiny_repo, tmp_path):
@@ -57,6 +67,80 @@ def test_serve_exits_nonzero_with_the_servers_error_when_a_model_fails(tiny_repo
     process = subprocess.run(SERVE + ["--repo", str(broken), *_ports()], capture_output=True, text=True, timeout=300)
     assert process.returncode != 0
     assert "vision_encoder" in process.stderr and "failed to load" in process.stderr
+
+
+def _sockets(port: int) -> list[tuple[str, str]]:
+    """(local address, state) of this machine's TCP sockets on local `port`, from /proc/net/tcp and
+    tcp6 (IPv4-mapped IPv6 addresses as IPv4; states `0A` listening, `06` TIME_WAIT)."""
+    import ipaddress
+
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in (line.split() for line in open(table).read().splitlines()[1:]):
+            address, local_port = row[1].split(":")
+            if int(local_port, 16) != port:
+                continue
+            # the kernel prints each 32-bit word of the address in host (little-endian) order
+            packed = b"".join(bytes.fromhex(address[i:i + 8])[::-1] for i in range(0, len(address), 8))
+            ip = ipaddress.ip_address(packed)
+            found.append((str(getattr(ip, "ipv4_mapped", None) or ip), row[3]))
+    return found
+
+
+def _ready_line(log, process: subprocess.Popen, timeout: float = 60) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lines = [line for line in open(log.name).read().splitlines() if line.startswith("ready: ")]
+        if lines:
+            return lines[-1]
+        assert process.poll() is None, "serve exited"
+        time.sleep(0.2)
+    raise AssertionError("no ready line")
+
+
+def test_port_in_use_sees_a_listener_and_not_a_port_in_time_wait():
+    """The port check binds as tritonserver does (SO_REUSEADDR): the connections a stopped server
+    leaves in TIME_WAIT do not keep the next one off its port; a listener does."""
+    import socket
+
+    from triton_vlm.server.tritonserver import port_in_use
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    assert port_in_use(port) and port_in_use(port, "127.0.0.1")
+    client = socket.create_connection(("127.0.0.1", port))
+    accepted, _ = listener.accept()
+    accepted.close()  # the server's side closes first: its end of the connection waits in TIME_WAIT
+    listener.close()
+    client.recv(1)
+    client.close()
+    assert ("127.0.0.1", "06") in _sockets(port)
+    assert not port_in_use(port) and not port_in_use(port, "127.0.0.1")
+
+
+def test_serve_binds_its_host_and_starts_again_at_once_on_the_same_ports(lean_repo, tmp_path):
+    """`serve --host 127.0.0.1` binds gRPC, HTTP and metrics there and its ready line says so;
+    stopped, with its connections in TIME_WAIT, a new `serve` (the default host, 0.0.0.0) starts at
+    once on the same ports, as tritonserver itself can."""
+    ports = _ports()
+    numbers = [int(p) for p in ports[1::2]]
+    lines = {"127.0.0.1": "ready: gRPC 127.0.0.1:{1}, HTTP 127.0.0.1:{0}, metrics 127.0.0.1:{2};",
+             "0.0.0.0": "ready: gRPC 0.0.0.0:{1}, HTTP 0.0.0.0:{0}, metrics 0.0.0.0:{2};"}
+    for run, host in enumerate(("127.0.0.1", None)):
+        log = open(tmp_path / f"serve{run}.log", "w")
+        args = ["--repo", str(lean_repo), *ports, *(["--host", host] if host else [])]
+        host = host or "0.0.0.0"
+        with _serving(args, ports[1], log) as process:
+            assert _ready_line(log, process).startswith(lines[host].format(*numbers))
+            # each endpoint listens at that address alone (for 0.0.0.0, gRPC takes IPv6's wildcard too)
+            for port in numbers:
+                listening = {address for address, state in _sockets(port) if state == "0A"}
+                assert listening == {host} or host == "0.0.0.0" and listening == {"::"}, (port, listening)
+            for _ in range(3):  # connections the server closes first: they wait in TIME_WAIT on its port
+                with urllib.request.urlopen(f"http://127.0.0.1:{ports[1]}/v2/health/ready", timeout=5):
+                    pass
+        if run == 0:
+            assert any(state == "06" for _, state in _sockets(numbers[0])), "no TIME_WAIT left: nothing tested"
 
 
 def test_infer_streams_the_answer_and_reports_timings(server, tmp_path):

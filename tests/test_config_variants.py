@@ -50,8 +50,9 @@ def requests(family: str) -> list[tuple[str, list[bytes], list[bytes]]]:
 
 def hf_inputs(oracle: Oracle, family: str, prompt: str, images, videos) -> dict:
     """The processor's inputs, videos sampled as the server samples them: by the family's rule
-    (the checkpoint's, else every frame where the family has none); Qwen2-VL's video processor
-    samples only when given a rate, which the server takes from the checkpoint, else 2 fps."""
+    (the checkpoint's, else every frame where the family has none); Qwen2.5-VL's video processor
+    (Qwen2-VL's) samples only when given a rate, which the server takes from the checkpoint, else
+    2 fps. Qwen2-VL has no rate of its own: its checkpoint's config says whether it samples."""
     import io
 
     from PIL import Image
@@ -60,7 +61,8 @@ def hf_inputs(oracle: Oracle, family: str, prompt: str, images, videos) -> dict:
     if videos:
         decoded = [decode_frames(v) for v in videos]
         kwargs.update(videos=[f for f, _ in decoded], video_metadata=[m for _, m in decoded])
-        if FAMILIES[family].processor.sample_frames is not None:
+        rules = FAMILIES[family].processor
+        if rules.sample_frames is not None and rules.default_video_fps is not None:
             kwargs["do_sample_frames"] = True
         if family == "qwen2_5_vl":
             kwargs["fps"] = oracle.processor.video_processor.fps or FAMILIES[family].processor.default_video_fps
@@ -379,6 +381,7 @@ def test_every_vision_default_is_its_config_classs():
     import transformers
 
     from triton_vlm.families.glm4v import tower as glm4v
+    from triton_vlm.families.internvl import tower as internvl
     from triton_vlm.families.llava import onevision_tower as llava_onevision
     from triton_vlm.families.llava import tower as llava
     from triton_vlm.families.minicpmv import tower_v4_6 as minicpmv
@@ -403,6 +406,10 @@ def test_every_vision_default_is_its_config_classs():
         same({k: v for k, v in defaults.items() if k != "vision_model_type"}, hf)
         assert defaults["vision_model_type"] == hf.vision_config.model_type
     assert _plain(llava_onevision.DEFAULT_PINPOINTS) == transformers.LlavaOnevisionConfig().image_grid_pinpoints
+    internvl_config = transformers.InternVLConfig()
+    same({k: (v, v) if k in ("image_size", "patch_size") else v for k, v in internvl.VISION_DEFAULTS.items()},
+         internvl_config.vision_config)
+    same(internvl.INTERNVL_DEFAULTS, internvl_config)
 
 
 # Each family's transformers image and video processor classes.
@@ -415,10 +422,11 @@ PROCESSOR_CLASSES = {
     "minicpm_ocr": ("MiniCPMOcrImageProcessor", "MiniCPMOcrVideoProcessor"),
     "llava": ("CLIPImageProcessor", "SiglipImageProcessor"),
     "llava_onevision": ("LlavaOnevisionImageProcessor", "LlavaOnevisionVideoProcessor"),
+    "internvl": ("GotOcr2ImageProcessor", "InternVLVideoProcessor"),
 }
 SETTINGS_READ = ("patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std", "resample",
                  "scale_resolution", "max_slice_nums", "slice_mode", "downsample_mode", "use_image_id",
-                 "small_image_upsize", "do_center_crop", "image_grid_pinpoints")
+                 "small_image_upsize", "do_center_crop", "image_grid_pinpoints", "min_patches", "max_patches")
 
 
 @pytest.mark.parametrize("family", list(PROCESSOR_CLASSES))

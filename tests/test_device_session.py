@@ -41,3 +41,37 @@ def test_the_two_calls_are_short_commands_carrying_one_folder_each():
     assert "--tree " in calls[1][1] and '--out "$OUT"' in calls[1][1]
     assert set(device_pack.CALLS["call1"]) == {"tritonclient", "python-rapidjson", "numpy"}
     assert device_pack.PINNED["numpy"].startswith("1.")
+
+
+# What bench/device_pack.py packed for each call, MiB, as `device_pack.py .device` printed it here on
+# 2026-11-29: the server archive 25.7, numpy 17.1, python-rapidjson 1.7, tritonclient 0.1; PyAV 34.1,
+# transformers 12.7.
+PACK_MIB = {"call1": 44.6, "call2": 46.8}
+
+
+def test_each_call_fits_its_budget_with_todays_tree():
+    """The tree as a call sends it (the set-aside test data left out) and each call's pack fit the
+    60 MiB budget: room under the tool's 64 MiB for the tree to grow."""
+    tree = device_pack.tree_bytes(ROOT)
+    assert tree < device_pack.tree_bytes(ROOT, without=())  # the set-aside paths hold something
+    for call, mib in PACK_MIB.items():
+        assert tree + mib * 2**20 <= device_pack.CALL_BUDGET, (call, tree / 2**20)
+
+
+def test_set_aside_and_restore_move_the_paths_and_back(tmp_path, monkeypatch):
+    root = tmp_path / "checkout"
+    (root / "tests" / "golden" / "a").mkdir(parents=True)
+    (root / "tests" / "golden" / "a" / "x.npz").write_bytes(b"123")
+    assert device_pack.set_aside(root) == ["tests/golden"] and not (root / "tests" / "golden").exists()
+    assert device_pack.set_aside(root) == []  # again: nothing to move
+    assert device_pack.set_aside(root, restore=True) == ["tests/golden"]
+    assert (root / "tests" / "golden" / "a" / "x.npz").read_bytes() == b"123"
+    assert device_pack.set_aside(root, restore=True) == []
+
+
+def test_call_one_reports_what_arrived(tmp_path):
+    (tmp_path / "tests" / "golden").mkdir(parents=True)
+    (tmp_path / "a.py").write_text("x")
+    (tmp_path / ".device" / "call1").mkdir(parents=True)
+    (tmp_path / ".device" / "call1" / "w.whl").write_bytes(b"0" * 10)
+    assert device_session.arrived(tmp_path) == {"files": 1, "mib": 0.0, "set_aside_arrived": {"tests/golden": True}}

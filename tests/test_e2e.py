@@ -142,13 +142,18 @@ def expected(hf):
 @pytest.mark.parametrize("kind", PROMPTS)
 def test_preprocess_matches_hf_processor(server, hf, expected, kind):
     prompt, images, videos = PROMPTS[kind]
-    out = infer_direct(server, "preprocess", media_values(prompt, images, videos),
+    assert_preprocess_equals_hf(server, hf, media_values(prompt, images, videos), expected[kind])
+
+
+def assert_preprocess_equals_hf(server, oracle: Oracle, values: dict, want: dict) -> None:
+    """`preprocess` on `values` gives the HF processor's ids, rows and grids (`want["inputs"]`, rows
+    in prompt order) and `get_rope_index`'s positions and delta (`want["positions"]`, `want["delta"]`)."""
+    out = infer_direct(server, "preprocess", values,
                        ["input_ids", "pixel_values", "grid_thw", "mrope_position_ids", "mrope_position_delta"])
-    want = expected[kind]
     hf_ids = want["inputs"]["input_ids"][0].numpy()
     np.testing.assert_array_equal(out["input_ids"], hf_ids)
-    pixel_values, grid_thw = hf_rows_in_prompt_order(want["inputs"], hf_ids, hf.processor.image_token_id,
-                                                     hf.processor.video_token_id)
+    pixel_values, grid_thw = hf_rows_in_prompt_order(want["inputs"], hf_ids, oracle.processor.image_token_id,
+                                                     oracle.processor.video_token_id)
     np.testing.assert_array_equal(out["grid_thw"].reshape(-1, 3), grid_thw)
     if pixel_values is None:
         assert out["pixel_values"].shape[0] == 0

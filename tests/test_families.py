@@ -72,7 +72,7 @@ def test_the_family_names_its_tower_decoder_and_demo():
 
 def test_unsupported_model_type_names_the_supported_ones(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "paligemma"}))
-    with pytest.raises(ValueError, match="model_type 'paligemma' is not supported; supported: qwen2_5_vl, glm4v"):
+    with pytest.raises(ValueError, match="model_type 'paligemma' is not supported; supported: qwen2_5_vl, qwen2_vl, glm4v"):
         detect_family(tmp_path)
 
 
@@ -118,3 +118,21 @@ def test_demo_checkpoint_overrides(tmp_path):
     with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
     assert AutoModelForImageTextToText.from_pretrained(ckpt).lm_head.weight.shape == (1536, 64)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen2_5_vl"])
+def test_qwen2_vl_and_qwen2_5_vl_are_told_apart_by_model_type(tmp_path, model_type):
+    """The two share a folder, a processor class and a video processor class: `model_type` alone
+    picks the family."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    (tmp_path / "processor_config.json").write_text(json.dumps(
+        {"video_processor": {"video_processor_type": "Qwen2VLVideoProcessor"}}))
+    assert detect_family(tmp_path).name == model_type
+
+
+def test_a_qwen2_vl_tower_config_not_implemented_is_refused_naming_the_key():
+    """transformers' Qwen2-VL tower takes axial rotary only; so does ours, naming the key."""
+    tower = FAMILIES["qwen2_vl"].tower_class()
+    assert tower.vision_settings({"embed_dim": 64, "num_heads": 4})["head_dim"] == 16
+    with pytest.raises(ValueError, match="vision_config.rope_parameters.rope_type 'default' is not supported"):
+        tower.vision_settings({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}})

@@ -374,7 +374,7 @@ def test_a_body_beyond_the_media_limits_is_413_before_it_is_read(api):
     assert answer.choices[0].finish_reason == "length"
 
 
-@pytest.mark.parametrize("template,families", [(QWEN_TEMPLATE, ["qwen2_5_vl"]), (MINICPMV_TEMPLATE, ["minicpmv4_6"]),
+@pytest.mark.parametrize("template,families", [(QWEN_TEMPLATE, ["qwen2_5_vl", "qwen2_vl"]), (MINICPMV_TEMPLATE, ["minicpmv4_6"]),
                                                (LLAVA_TEMPLATE, ["llava"]),
                                                (GLM_TEMPLATE, ["glm4v", "glm46v", "glmga", "glm_ocr", "glm4v_moe"])])
 def test_render_chat_places_each_familys_placeholders_in_order(template, families):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from triton_vlm.clients.tool_calls import ToolCallError, ToolCallStream, parse_tool_calls
@@ -52,3 +53,75 @@ def test_streamed_pieces_give_the_whole_answers_content_and_calls(text, tool_for
     rest, calls = stream.finish()
     content, expected = parse_tool_calls(text, tool_format)
     assert "".join(sent) + rest == content and calls == expected
+
+
+# ---- forced calls: the grammar of one call in each format ------------------------------------------
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "required": ["city", "days"],
+    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}, "unit": {"type": "string"}}}}}
+ZONE = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "required": ["zone", "exact"],
+    "properties": {"zone": {"enum": ["utc", "cet"]}, "exact": {"type": "boolean"}}}}}
+
+
+def _accepts(grammar: str, text: str) -> bool:
+    import xgrammar
+    from xgrammar.testing import _is_grammar_accept_string
+
+    return _is_grammar_accept_string(xgrammar.Grammar.from_ebnf(grammar), text)
+
+
+def test_the_glm45_forced_call_is_the_templates_call_with_the_required_arguments():
+    from triton_vlm.clients.tool_calls import forced_call_grammar
+
+    weather = forced_call_grammar([WEATHER, ZONE], "get_weather", "glm45")
+    call = ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris, 16e</arg_value>\n"
+            "<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n</tool_call>")
+    assert _accepts(weather, call)
+    assert parse_tool_calls(call, "glm45")[1][0].arguments == json.dumps({"city": "Paris, 16e", "days": 2})
+    for wrong in (call.replace("get_weather", "get_time"), call.replace("<arg_value>2<", "<arg_value>two<"),
+                  call.replace("Paris", "<b>Paris"), call.split("<arg_key>days")[0] + "</tool_call>", "Sure. " + call):
+        assert not _accepts(weather, wrong), wrong
+    either = forced_call_grammar([WEATHER, ZONE], "required", "glm45")
+    time_call = ("<tool_call>get_time\n<arg_key>zone</arg_key>\n<arg_value>cet</arg_value>\n"
+                 "<arg_key>exact</arg_key>\n<arg_value>true</arg_value>\n</tool_call>")
+    assert _accepts(either, call) and _accepts(either, time_call)
+    assert not _accepts(either, time_call.replace("cet", "pst"))
+
+
+@pytest.mark.parametrize("tool_format", ["hermes", "glm45"])
+def test_forced_calls_a_random_model_writes_parse_and_fit_the_schema(tiny_checkpoint, tool_format):
+    """The hard case: a random-weight model's answers under the forced grammar, greedy and sampled,
+    are one call each, to a function asked for, whose arguments validate against its schema."""
+    import jsonschema
+
+    from triton_vlm.clients.tool_calls import forced_call_grammar
+    from triton_vlm.llm import Engine, SamplingParams
+    from triton_vlm.tokenizer import load_tokenizer
+
+    tools = [ZONE, {"type": "function", "function": {"name": "count", "parameters": {
+        "type": "object", "required": ["n"], "properties": {"n": {"enum": [1, 2, 3]}}}}}]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    grammar = forced_call_grammar(tools, "required", tool_format)
+    ids = load_tokenizer(tiny_checkpoint).encode("<|im_start|>user\nWhat time is it?<|im_end|>\n<|im_start|>assistant\n",
+                                                 add_special_tokens=False).ids
+    texts, done = {}, {}
+    with Engine(tiny_checkpoint) as engine:
+        for seed in (None, 1, 2):
+            import threading
+
+            done[seed], texts[seed] = threading.Event(), []
+
+            def emit(out, seed=seed):
+                texts[seed].append(out.text)
+                if out.finished:
+                    done[seed].set()
+            params = SamplingParams(max_tokens=250, guide_type="ebnf_grammar", guide=grammar,
+                                    temperature=0.0 if seed is None else 1.0, seed=seed)
+            engine.submit(f"forced-{seed}", np.array(ids, np.int32), None, None, None, params, emit=emit)
+        for seed in texts:
+            assert done[seed].wait(120)
+    for seed, pieces in texts.items():
+        content, (call,) = parse_tool_calls("".join(pieces), tool_format)
+        assert content == "" and call.name in schemas, "".join(pieces)
+        jsonschema.validate(json.loads(call.arguments), schemas[call.name])

@@ -397,3 +397,15 @@ def test_clients_asking_for_text_output_alone_get_it(server, model):
             done += response.parameters["triton_final_response"].bool_param
         client.stop_stream()
     assert set(texts.values()) == {expected}
+
+
+def test_num_return_sequences_over_http(server):
+    """generate_stream: each sequence's events, tagged with its index. Not streamed, each sequence
+    ends with a response of its own, which Triton's generate (one answer per request) refuses,
+    pointing at generate_stream."""
+    sampled = dict(temperature=1.0, top_k=40, seed=7, num_return_sequences=2)
+    events = http_generate(server.http_url, generate_payload(PROMPT, max_tokens=4, **sampled), stream=True)
+    assert sorted({e["sequence_index"] for e in events}) == [0, 1]
+    assert sum(bool(e["finish_reason"]) for e in events) == 2
+    (answer,) = http_generate(server.http_url, generate_payload(PROMPT, max_tokens=4, **sampled))
+    assert "use generate stream" in answer["error"]

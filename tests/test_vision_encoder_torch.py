@@ -9,7 +9,7 @@ import pytest
 from tests.encoder_checks import rel_err
 from triton_vlm.families import get_family
 
-FAMILIES = ("qwen2_5_vl", "glm4v", "glm_ocr", "glm4v_moe", "minicpmv4_6")
+FAMILIES = ("qwen2_5_vl", "qwen2_vl", "glm4v", "glm_ocr", "glm4v_moe", "minicpmv4_6")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -23,8 +23,8 @@ import json
 import logging
 import time
 import uuid
-from pathlib import Path
 from functools import partial
+from pathlib import Path
 from typing import AsyncIterator, Awaitable, Callable, Iterator, TypeVar
 
 from fastapi import FastAPI, Request
@@ -43,6 +43,7 @@ from triton_vlm.contract.limits import DEFAULT_LIMITS, Limits
 from triton_vlm.errors import InvalidInput
 from triton_vlm.families import detect_family
 from triton_vlm.llm.config import DecoderConfig
+from triton_vlm.llm.engine.grammar import xgrammar_message
 from triton_vlm.tokenizer import load_tokenizer
 
 log = logging.getLogger("triton_vlm")
@@ -218,8 +219,8 @@ def create_app(url: str, checkpoint: str | Path, model_name: str | None = None,
                 try:
                     forced = Guide("tool_choice", "ebnf_grammar",
                                    forced_call_grammar(tools, choice, family.prompt.tool_call_format))
-                except ValueError as error:
-                    raise InvalidRequestField("tool_choice", str(error)) from None
+                except RuntimeError as error:  # xgrammar's, on a `parameters` schema it cannot read
+                    raise InvalidRequestField("tools", f"a function's parameters: {xgrammar_message(error)}") from None
             values = body.values(prompt, images, videos, default_max_tokens, forced) | body.bias_values(vocab_size)
         text = token_text if body.logprobs else None
         shape = partial(Shape, text) if choice == "none" else partial(ToolShape, text, family.prompt.tool_call_format)

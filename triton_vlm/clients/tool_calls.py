@@ -13,8 +13,8 @@ parsed once the answer ends. An answer whose calls do not parse is content, as v
 
 A request's `tool_choice` (`tool_choice`): "auto" (the model may call), "none" (the answer is not
 parsed), "required" or a named function: then the answer is one call, forced by constrained
-decoding (`forced_call_grammar`: the hermes call around a JSON schema of the function's name and
-parameters, an EBNF grammar for the ensemble's `guided_decoding_guide`).
+decoding (`forced_call_grammar`: an EBNF grammar for the ensemble's `guided_decoding_guide` of a
+call in the family's format, its arguments from the function's `parameters` schema).
 """
 from __future__ import annotations
 
@@ -22,7 +22,10 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+if TYPE_CHECKING:
+    import xgrammar
 
 START, END = "<tool_call>", "</tool_call>"
 
@@ -153,19 +156,59 @@ def tool_choice(choice: Any, tools: Sequence[Any]) -> str:
     return choice
 
 
-def forced_call_grammar(tools: Sequence[Any], forced: str, tool_format: str) -> str:
-    """The EBNF grammar of one hermes call to the `forced` function (or, "required", to any of
-    `tools`): `<tool_call>\n` + a JSON object of its name and arguments (its `parameters` schema) +
-    `\n</tool_call>`. ValueError for a format no grammar is written for."""
+def _literal(text: str) -> "xgrammar.Grammar":
     import xgrammar
 
-    if tool_format != "hermes":
-        raise ValueError(f"required or named tool calls are not served in the {tool_format} format")
-    calls = [{"type": "object", "required": ["name", "arguments"], "additionalProperties": False,
-              "properties": {"name": {"const": t["function"]["name"]},
-                             "arguments": t["function"].get("parameters") or {"type": "object"}}}
-             for t in tools if forced == "required" or t["function"]["name"] == forced]
-    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    return str(xgrammar.Grammar.concat(xgrammar.Grammar.from_ebnf(f'root ::= {json.dumps(START + chr(10))}'),
-                                       xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False),
-                                       xgrammar.Grammar.from_ebnf(f'root ::= {json.dumps(chr(10) + END)}')))
+    return xgrammar.Grammar.from_ebnf(f"root ::= {json.dumps(text)}")
+
+
+def _hermes_call(function: dict) -> "xgrammar.Grammar":
+    """`<tool_call>\n` + a JSON object of the function's name and arguments (its `parameters`
+    schema) + `\n</tool_call>`."""
+    import xgrammar
+
+    schema = {"type": "object", "required": ["name", "arguments"], "additionalProperties": False,
+              "properties": {"name": {"const": function["name"]},
+                             "arguments": function.get("parameters") or {"type": "object"}}}
+    return xgrammar.Grammar.concat(_literal(START + "\n"),
+                                   xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False),
+                                   _literal("\n" + END))
+
+
+def _glm45_value(schema: dict) -> "xgrammar.Grammar":
+    """An `<arg_value>` as GLM-4.5's template writes it: a string as it is (here without `<`, so it
+    cannot run into the closing tag; an enum's strings as listed), anything else as JSON."""
+    import xgrammar
+
+    if schema.get("type") == "string" or (schema.get("enum") and all(isinstance(v, str) for v in schema["enum"])):
+        if schema.get("enum"):
+            return xgrammar.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(v) for v in schema["enum"]))
+        return xgrammar.Grammar.from_ebnf("root ::= [^<]*")
+    return xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+
+
+def _glm45_call(function: dict) -> "xgrammar.Grammar":
+    """`<tool_call>NAME\n`, each required argument of its `parameters` schema in their order as
+    `<arg_key>K</arg_key>\n<arg_value>V</arg_value>\n`, `</tool_call>` (the optional ones left out)."""
+    import xgrammar
+
+    parameters = function.get("parameters") or {}
+    properties = parameters.get("properties") or {}
+    parts = [_literal(f"{START}{function['name']}\n")]
+    for key in parameters.get("required") or []:
+        parts += [_literal(f"<arg_key>{key}</arg_key>\n<arg_value>"), _glm45_value(properties.get(key) or {}),
+                  _literal("</arg_value>\n")]
+    return xgrammar.Grammar.concat(*parts, _literal(END))
+
+
+_CALL_GRAMMARS = {"hermes": _hermes_call, "glm45": _glm45_call}
+
+
+def forced_call_grammar(tools: Sequence[Any], forced: str, tool_format: str) -> str:
+    """The EBNF grammar of one call, in `tool_format`, to the `forced` function (or, "required",
+    to any of `tools`), with the arguments its `parameters` schema requires."""
+    import xgrammar
+
+    calls = [_CALL_GRAMMARS[tool_format](t["function"]) for t in tools
+             if forced == "required" or t["function"]["name"] == forced]
+    return str(calls[0] if len(calls) == 1 else xgrammar.Grammar.union(*calls))

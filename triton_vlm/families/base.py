@@ -13,7 +13,7 @@ import numpy as np
 
 from triton_vlm.media.evs import check_rate, retained_tokens
 from triton_vlm.media.frames import View
-from triton_vlm.media.mrope import MediaSpan
+from triton_vlm.media.mrope import MediaSpan, after_max
 from triton_vlm.media.sizing import VisionSettings
 
 
@@ -64,6 +64,10 @@ class Prompt:
     # The image placeholder's named special token and the config key that may give its id (Gemma 3's
     # prompts hold `boi_token`, `<start_of_image>`, which its processor expands into the image run).
     image_placeholder_token: tuple[str, str] = ("image_token", "image_token_id")
+    # Text the expanded prompt holds before every video's media (InternVL's "Frame1: "): put before
+    # each video placeholder in the text, so that it is encoded with the text before it, as the
+    # processor encodes its expanded prompt.
+    video_prefix: str = ""
     # The image and video placeholders are strings of several tokens, found in the prompt's text
     # rather than among its token ids.
     placeholders_in_text: bool = False
@@ -96,7 +100,10 @@ class ProcessorRules:
     # pads it), which is what HF's "append the last index to make the count even" gives. None: every
     # frame is taken, and the sampling options are refused.
     sample_frames: Callable[..., Any] | None = None
-    default_video_fps: float = 2.0
+    # None: the video processor has no rate of its own (Qwen2-VL's): a video is sampled where its
+    # config says `do_sample_frames` (at its `fps` or `num_frames`) or the request gives a rate or a
+    # count, and otherwise every frame is taken (`sample_frames` given neither).
+    default_video_fps: float | None = 2.0
     # Video processor config keys `sample_frames` also takes (as keyword arguments) where the
     # checkpoint sets them.
     video_sampler_keys: tuple[str, ...] = ()
@@ -149,6 +156,9 @@ class ProcessorRules:
     takes_videos: bool = True
     # M-RoPE temporal scale of a video: `video_t_factor(config_json, second_per_grid_ts)`.
     video_t_factor: Callable[[dict, float], float] | None = None
+    # Where the text after a media span starts (`triton_vlm.media.mrope`): the reference's
+    # max + 1 (`after_max`), or transformers' base + max(h', w') (`after_extent`).
+    mrope_text_after: Callable[..., int] = after_max
     # Positions laid out over the whole expanded prompt instead of from the `MediaSpan`s:
     # `prompt_positions(input_ids, kinds, grid_thw, config_json) -> (positions int64 [3, S], delta)`,
     # `kinds` per token 0 text, 1 image, 2 video (HF's `mm_token_type_ids`).
@@ -237,10 +247,10 @@ def _import(path: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-def patch_encoder_dims(config: dict) -> tuple[int, int]:
+def patch_encoder_dims(config: dict, out_key: str = "out_hidden_size") -> tuple[int, int]:
     """`Family.encoder_dims` of towers whose row is one patch of `temporal_patch_size` frames: a row
-    holds in_channels * temporal_patch_size * patch_size^2 pixel values; embeddings are
-    out_hidden_size wide."""
+    holds in_channels * temporal_patch_size * patch_size^2 pixel values; embeddings are as wide as
+    the vision config's `out_key` says (Qwen2-VL's: `hidden_size`)."""
     vision = config["vision_config"]
     patch_dim = vision.get("in_channels", 3) * vision["temporal_patch_size"] * vision["patch_size"] ** 2
-    return patch_dim, vision["out_hidden_size"]
+    return patch_dim, vision[out_key]

@@ -4,7 +4,8 @@
 - text tokens get the same position on all three axes, counting up by one;
 - a media item's tokens get (t, h, w) grid positions offset by the position its first token
   would have had as text; the temporal index is `int(t * t_factor)`;
-- the text after a media item starts at `max(all previous positions) + 1`.
+- the text after a media item starts at `max(all previous positions) + 1` (`after_max`; a family
+  may follow transformers' `after_extent` instead, `ProcessorRules.mrope_text_after`).
 
 With EVS video pruning on (`triton_vlm.media.evs`), the reference recomputes positions once the kept
 tokens are known (vLLM `recompute_mrope_positions`): kept tokens keep their unpruned (t, h, w)
@@ -76,9 +77,22 @@ def _place(seq_len: int, spans: list[MediaSpan], text_after) -> tuple[np.ndarray
     return positions, delta, grids
 
 
-def mrope_positions(seq_len: int, spans: list[MediaSpan]) -> tuple[np.ndarray, int]:
-    """Positions int64 [3, seq_len] and the delta `max(position) + 1 - seq_len`."""
-    positions, delta, _ = _place(seq_len, spans, lambda span, base, grid: int(grid.max()) + 1)
+def after_max(span: MediaSpan, base: int, grid: np.ndarray) -> int:
+    """The reference's rule: the text after a span starts at max(its positions) + 1."""
+    return int(grid.max()) + 1
+
+
+def after_extent(span: MediaSpan, base: int, grid: np.ndarray) -> int:
+    """transformers 5.x's `get_rope_index` (Qwen2-VL): the text after a span starts at its base +
+    max(grid_h, grid_w), its temporal extent not counted. Equal to `after_max` unless the span's
+    last temporal position passes its spatial extent (a long video)."""
+    return base + max(span.grid_h, span.grid_w)
+
+
+def mrope_positions(seq_len: int, spans: list[MediaSpan], text_after=after_max) -> tuple[np.ndarray, int]:
+    """Positions int64 [3, seq_len] and the delta `max(position) + 1 - seq_len`; the text after a
+    span starts where `text_after(span, base, grid)` says."""
+    positions, delta, _ = _place(seq_len, spans, text_after)
     return positions, delta
 
 

@@ -82,6 +82,13 @@ class VisionSettings:
     pan_and_scan_min_crop_size: int = 256
     pan_and_scan_max_num_crops: int = 4
     pan_and_scan_min_ratio_to_activate: float = 1.2
+    # Tiling processors (`GotOcr2ImageProcessor`): an image cut into tiles of `resize_to`, between
+    # `min_patches` and `max_patches` of them.
+    min_patches: int = 1
+    max_patches: int = 12
+    # A video processor's own frame sampling (families whose processors take every frame by
+    # default refuse it where a config turns it on).
+    do_sample_frames: bool = False
 
     @property
     def center_crop(self) -> tuple[int, int] | None:

@@ -105,6 +105,9 @@ class Preprocessor:
         return self._assemble(ids, items, expansions, pixel_values, options.video_pruning_rate)
 
     def _encode(self, text: str) -> np.ndarray:
+        prefix, video = self.family.prompt.video_prefix, self.family.video_placeholder
+        if prefix:
+            text = text.replace(video, prefix + video)
         if not self.family.prompt.placeholders_in_text:
             return np.asarray(self.tokenizer.encode(text).ids, dtype=np.int32)
         marks = {self.family.image_placeholder: IMAGE_MARK, self.family.video_placeholder: VIDEO_MARK}
@@ -317,7 +320,8 @@ class Preprocessor:
         elif rate > 0:
             positions, delta, media = pruned_mrope_positions(input_ids.shape[0], spans)
         else:
-            (positions, delta), media = mrope_positions(input_ids.shape[0], spans), np.zeros((3, 0), np.int64)
+            positions, delta = mrope_positions(input_ids.shape[0], spans, self.family.processor.mrope_text_after)
+            media = np.zeros((3, 0), np.int64)
         return PreprocessOutput(input_ids=input_ids, pixel_values=pixel_values, grid_thw=grids,
                                 mrope_position_ids=positions, mrope_position_delta=delta,
                                 media_position_ids=media, video_pruning_rate=rate, extras=extras)

@@ -138,10 +138,12 @@ class Defaults:
                                     **{"use_image_id": image.use_image_id, **rules.video_settings})
         if image.row_size != video.row_size:
             raise ValueError(f"{checkpoint}: image and video patches differ in size")
-        fps = video_section.get("fps") or None
+        fps, num_frames = video_section.get("fps") or None, video_section.get("num_frames")
+        if rules.default_video_fps is None and not video_section.get("do_sample_frames"):
+            fps = num_frames = None  # a processor without a rate of its own samples only when told to
         sampling = VideoSampling(
-            fps=float(fps) if fps else (None if video_section.get("num_frames") else rules.default_video_fps),
-            num_frames=None if fps else video_section.get("num_frames"),
+            fps=float(fps) if fps else (None if num_frames else rules.default_video_fps),
+            num_frames=None if fps else num_frames,
             min_frames=int(video_section.get("min_frames") or 4),
             max_frames=int(video_section.get("max_frames") or 768),
             cap_pixels_per_frame=bool(video_section.get("cap_pixels_per_frame")),
@@ -211,6 +213,9 @@ class Defaults:
         elif "fps" in opts:
             sampling = dataclasses.replace(sampling, fps=float(opts["fps"]), num_frames=None)
         if "max_frames" in opts:
+            if sampling.fps is None and sampling.num_frames is None:
+                raise InvalidInput(f"mm_options: max_frames does not apply: {self.family.name} takes every frame "
+                                   "of a video unless fps or num_frames is given")
             sampling = dataclasses.replace(sampling, max_frames=opts["max_frames"])
         if "force_packing" in opts:
             sampling = dataclasses.replace(sampling, force_packing=opts["force_packing"])

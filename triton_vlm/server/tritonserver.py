@@ -79,16 +79,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def port_in_use(port: int) -> bool:
-    """Whether something listens on `port` (tritonserver binds every address)."""
-    with socket.socket() as s:
+# What tritonserver binds when not told (its `--grpc-address`, `--http-address`, `--metrics-address`
+# default): every IPv4 address of the machine.
+ANY_HOST = "0.0.0.0"
+
+
+def connect_host(host: str) -> str:
+    """The address a client on this machine reaches a server bound to `host` at (`host:port` form)."""
+    if host in ("", ANY_HOST):
+        return "127.0.0.1"
+    if ":" in host:  # IPv6: the wildcard's loopback, or the address itself, in brackets
+        return "[::1]" if host == "::" else f"[{host}]"
+    return host
+
+
+def port_in_use(port: int, host: str = ANY_HOST) -> bool:
+    """Whether something listens on `port` at `host` (or at an address overlapping it).
+
+    The probe binds with SO_REUSEADDR, as tritonserver's own sockets do: a port whose last server
+    is gone but whose connections are still in TIME_WAIT is free for tritonserver, and so for us;
+    a listening socket still refuses the bind."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind(("0.0.0.0", port))
+            s.bind((host, port))
         except OSError:
             return True
         return False
-
-
 
 
 class TritonServer:
@@ -110,8 +128,9 @@ class TritonServer:
                  metrics_port: int | None = None, log_file: str | Path | None = None, echo: bool = False,
                  extra_args: tuple[str, ...] = (), supervise: bool = False,
                  report: Callable[[str], None] | None = None, admin_key: str | None = None,
-                 retire_s: float = RETIRE_S) -> None:
+                 retire_s: float = RETIRE_S, host: str = ANY_HOST) -> None:
         self.repo = Path(repo).resolve()
+        self.host = host  # what the gRPC, HTTP and metrics endpoints bind
         self.http_port = http_port or free_port()
         self.grpc_port = grpc_port or free_port()
         self.metrics_port = metrics_port or free_port()
@@ -133,23 +152,30 @@ class TritonServer:
 
     @property
     def grpc_url(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
+        return f"{connect_host(self.host)}:{self.grpc_port}"
 
     @property
     def http_url(self) -> str:
-        return f"127.0.0.1:{self.http_port}"
+        return f"{connect_host(self.host)}:{self.http_port}"
 
     @property
     def metrics_url(self) -> str:
-        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+        return f"http://{connect_host(self.host)}:{self.metrics_port}/metrics"
+
+    def bound(self) -> str:
+        """What the endpoints bind, as tritonserver is told it: `gRPC 0.0.0.0:8001, HTTP ...`."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return ", ".join(f"{name} {host}:{port}" for name, port in
+                         (("gRPC", self.grpc_port), ("HTTP", self.http_port), ("metrics", self.metrics_port)))
 
     def command(self, shm_prefix: str) -> list[str]:
         """The server's command line; its stubs' shared-memory regions are named `shm_prefix`..."""
         root = triton_root()
         return [str(root / "bin" / "tritonserver"), f"--model-repository={self.repo}",
                 f"--backend-config=python,shm-region-prefix-name={shm_prefix}",
-                f"--backend-directory={root / 'backends'}", f"--http-port={self.http_port}",
-                f"--grpc-port={self.grpc_port}", f"--metrics-port={self.metrics_port}",
+                f"--backend-directory={root / 'backends'}", f"--http-address={self.host}",
+                f"--http-port={self.http_port}", f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
+                f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
                 "--allow-cpu-metrics=true", f"--exit-timeout-secs={EXIT_TIMEOUT_S - STOP_GRACE_S}", "--log-verbose=0",
                 *admin.restricted_args(self.admin_key),
                 *(("--model-control-mode=explicit", "--load-model=*") if self.supervise else ()), *self.extra_args]
@@ -178,9 +204,9 @@ class TritonServer:
         # Readiness is asked over HTTP: a server already on these ports would answer for ours (and
         # the supervisor would reload *its* models when ours exits), so refuse to start beside it.
         busy = [f"{name} port {port}" for name, port in (("HTTP", self.http_port), ("gRPC", self.grpc_port),
-                                                          ("metrics", self.metrics_port)) if port_in_use(port)]
+                                                          ("metrics", self.metrics_port)) if port_in_use(port, self.host)]
         if busy:
-            raise ServerError(f"{', '.join(busy)} already in use (another server?)")
+            raise ServerError(f"{', '.join(busy)} already in use at {self.host} (another server?)")
         self._start_timeout = timeout
         if self.supervise:  # it watches each start's stubs from the start's launch
             self._supervisor = Supervisor(self, retire_s=self.retire_s)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from triton_vlm.server.admin import ADMIN_HEADER, ADMIN_KEY_ENV
+from triton_vlm.server.tritonserver import ANY_HOST
 
 if TYPE_CHECKING:
     from triton_vlm.repository.options import BuildOptions
@@ -61,7 +62,7 @@ def _serve(args) -> int:
         return 2
     try:
         server = TritonServer(args.repo, args.http_port, args.grpc_port, args.metrics_port, echo=True, supervise=True,
-                              admin_key=args.admin_key or None)
+                              admin_key=args.admin_key or None, host=args.host)
     except ValueError as error:  # the key's rule, never the key
         print(f"triton-vlm serve: --admin-key: {error}", file=sys.stderr)
         return 2
@@ -83,7 +84,7 @@ def _serve(args) -> int:
     if stopping:  # a signal came while the server was starting
         server.forward_signal(stopping[0])
     else:
-        print(f"ready: gRPC {server.grpc_url}, HTTP {server.http_url}, metrics {server.metrics_url}; shared-memory, "
+        print(f"ready: {server.bound()}; shared-memory, "
               f"model-repository, trace and logging APIs " + (f"need the header {ADMIN_HEADER}: <--admin-key>"
                                                                if args.admin_key else "closed (no --admin-key)"),
               file=sys.stderr)
@@ -286,6 +287,8 @@ def parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("serve", help="run tritonserver on a built repository")
     c.add_argument("--repo", required=True)
+    c.add_argument("--host", default=ANY_HOST, help="the address the gRPC, HTTP and metrics endpoints bind (default "
+                   f"{ANY_HOST}, tritonserver's own: every address of this machine; 127.0.0.1: this machine only)")
     c.add_argument("--http-port", type=int, default=8000)
     c.add_argument("--grpc-port", type=int, default=8001)
     c.add_argument("--metrics-port", type=int, default=8002)

@@ -27,8 +27,9 @@ def run_demo(workdir: Path, size: str = "small", family_name: str = DEFAULT_FAMI
     build_repository(checkpoint, repo)
     step("starting tritonserver")
     started = time.perf_counter()
-    with TritonServer(repo, log_file=workdir / "tritonserver.log") as server:
-        step(f"ready in {time.perf_counter() - started:.1f} s (gRPC {server.grpc_url}, HTTP {server.http_url})")
+    # this machine only: the demo's own client is the one that asks
+    with TritonServer(repo, log_file=workdir / "tritonserver.log", host="127.0.0.1") as server:
+        step(f"ready in {time.perf_counter() - started:.1f} s ({server.bound()})")
         videos = [samples.video_bytes(2.0)] if family.processor.takes_videos else []
         prompt = user_prompt(load_chat_template(checkpoint), family, QUESTION, images=1, videos=len(videos))
         step(f"one 640x480 JPEG{' + a 2 s 160x120 H.264 video' * len(videos)} + text, streamed over gRPC:")

@@ -1,5 +1,5 @@
-"""Qwen2.5-VL's processor rules: its placeholder tokens, video frame sampling (Qwen2-VL's) and the
-temporal M-RoPE scale of a video."""
+"""Qwen2-VL's and Qwen2.5-VL's processor rules: their placeholder tokens, video frame sampling
+(`Qwen2VLVideoProcessor`'s) and Qwen2.5-VL's temporal M-RoPE scale of a video."""
 from __future__ import annotations
 
 import math
@@ -13,13 +13,17 @@ def sample_frames(metadata, *, fps: float | None = 2.0, num_frames: int | None =
 
     Differences, where transformers fails: a video shorter than one temporal patch keeps all its
     frames (the patchifier then repeats the last one) instead of dividing by zero, and a
-    `num_frames` that rounds to zero asks for one temporal patch. `num_frames` wins over `fps`.
+    `num_frames` that rounds to zero asks for one temporal patch, and given neither `fps` nor
+    `num_frames` (Qwen2-VL's processor has no rate of its own) every frame is kept. `num_frames`
+    wins over `fps`.
     """
     import torch
 
     from triton_vlm.errors import InvalidInput
 
     total = int(metadata.total_num_frames)
+    if num_frames is None and fps is None:
+        return torch.arange(total).numpy()
     if num_frames is not None:
         wanted = round(num_frames / temporal_patch_size) * temporal_patch_size
         if wanted <= 0:

@@ -21,7 +21,7 @@ from triton_vlm.vision.tower import layers as tower_layers
 from triton_vlm.vision.tower import trt_profile
 from triton_vlm.vision.tower.base import Tower
 
-RMS_EPS = 1e-6  # fixed in the Hugging Face implementation (not a config field)
+NORM_EPS = 1e-6  # fixed in the Hugging Face implementations, Qwen2-VL's too (not a config field)
 METADATA_INPUTS = attention_groups.ROTARY_INPUTS + ("window_index", "window_mask", "window_inverse") + attention_groups.FULL_INPUTS
 
 # The vision-config fields the tower and its metadata read, with Hugging Face's defaults.
@@ -112,11 +112,14 @@ def profile_shapes(settings: dict[str, Any], patches: tuple[int, int, int]) -> t
 # --------------------------------------------------------------------------------------------
 
 class PatchMerger(nn.Module):
-    def __init__(self, cfg: dict[str, Any]):
+    """`ln_q` on each patch (`norm(dim, eps)`: Qwen2.5-VL's RMSNorm, Qwen2-VL's LayerNorm), the
+    merge block's patches side by side, Linear, GELU, Linear."""
+
+    def __init__(self, cfg: dict[str, Any], norm: type[nn.Module] = tower_layers.RMSNorm):
         super().__init__()
         context = cfg["hidden_size"]
         self.hidden = context * cfg["spatial_merge_size"] ** 2
-        self.ln_q = tower_layers.RMSNorm(context, RMS_EPS)
+        self.ln_q = norm(context, NORM_EPS)
         self.mlp = nn.Sequential(nn.Linear(self.hidden, self.hidden), nn.GELU(),
                                  nn.Linear(self.hidden, cfg["out_hidden_size"]))
 
@@ -133,7 +136,7 @@ class Qwen2_5_VLVisionTower(nn.Module):
         self.patch_embed = tower_layers.PatchEmbed(cfg, bias=False)
         self.blocks = nn.ModuleList([
             tower_layers.VisionBlock(cfg["hidden_size"], cfg["num_heads"], cfg["intermediate_size"], cfg["hidden_act"],
-                               RMS_EPS, qkv_bias=True, proj_bias=True, mlp_bias=True)
+                               NORM_EPS, qkv_bias=True, proj_bias=True, mlp_bias=True)
             for _ in range(cfg["depth"])])
         self.merger = PatchMerger(cfg)
 

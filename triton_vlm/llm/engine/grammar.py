@@ -96,7 +96,7 @@ class Grammars:
             else:
                 grammar = compiler.compile_grammar(guide)
         except Exception as error:  # xgrammar's errors (RuntimeError, ValueError, its own) on a guide
-            raise InvalidInput(f"{GUIDE}: {_WHAT[guide_type]}: {_first_line(error)}") from None
+            raise InvalidInput(f"{GUIDE}: {_WHAT[guide_type]}: {xgrammar_message(error)}") from None
         with self._lock:
             self._cache[key] = grammar
             while len(self._cache) > self.cache_size:
@@ -111,7 +111,7 @@ class Grammars:
         return xgr.GrammarMatcher(grammar, override_stop_tokens=sorted(eos_token_ids))
 
 
-def _first_line(error: Exception) -> str:
+def xgrammar_message(error: Exception) -> str:
     """xgrammar's message without its time, source line and check prefixes."""
     text = (str(error).strip() or type(error).__name__).splitlines()[0]
     text = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", text)

@@ -204,15 +204,17 @@ class VisionMLP(nn.Module):
 
 class VisionBlock(nn.Module):
     """Pre-norm block: x + attn(norm1(x)), then x + mlp(norm2(x)). x is the float32 residual stream
-    in every dtype (`residual_stream`)."""
+    in every dtype (`residual_stream`). `norm`: the norms' class, `norm(dim, eps)` (RMSNorm or
+    LayerNorm); `mlp`: the MLP where it is not the SwiGLU `VisionMLP`."""
 
     def __init__(self, dim: int, num_heads: int, mlp_hidden: int, act: str, eps: float, *,
-                 qkv_bias: bool, proj_bias: bool, mlp_bias: bool, qk_norm: bool = False):
+                 qkv_bias: bool, proj_bias: bool, mlp_bias: bool, qk_norm: bool = False,
+                 norm: type[nn.Module] = RMSNorm, mlp: nn.Module | None = None):
         super().__init__()
-        self.norm1 = RMSNorm(dim, eps)
-        self.norm2 = RMSNorm(dim, eps)
+        self.norm1 = norm(dim, eps)
+        self.norm2 = norm(dim, eps)
         self.attn = VisionAttention(dim, num_heads, qkv_bias, proj_bias, eps if qk_norm else None)
-        self.mlp = VisionMLP(dim, mlp_hidden, act, mlp_bias)
+        self.mlp = mlp if mlp is not None else VisionMLP(dim, mlp_hidden, act, mlp_bias)
 
     def forward(self, x, cos, sin, index, mask, inverse, lengths):
         x = x + self.attn(self.norm1(x), cos, sin, index, mask, inverse, lengths)
