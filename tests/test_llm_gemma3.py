@@ -9,6 +9,7 @@ and from the prefix cache (a hit that ends inside an image block).
 from __future__ import annotations
 
 import os
+import re
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -141,3 +142,24 @@ def test_a_chunk_never_ends_inside_a_span():
     assert [chunk_end(seq, e) for e in (4, 5, 6, 20, 21, 29, 31)] == [4, 5, 5, 5, 21, 29, 30]
     seq.num_computed = 8  # a prefix-cache hit inside the first span: the chunk takes the rest of it
     assert [chunk_end(seq, e) for e in (9, 21, 22)] == [21, 21, 22]
+
+
+@pytest.mark.parametrize("key, value, named", [
+    ("attn_logit_softcapping", 50.0, "attn_logit_softcapping"),
+    ("final_logit_softcapping", 30.0, "final_logit_softcapping"),
+    ("use_bidirectional_attention", True, "use_bidirectional_attention"),
+    ("rope_parameters", {"full_attention": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+     "rope_parameters.full_attention.rope_type 'yarn'"),
+    ("hidden_activation", "silu", "hidden_act 'silu'"),
+])
+def test_configs_it_does_not_implement_are_refused_naming_the_key(hf, tmp_path, key, value, named):
+    import json
+    import shutil
+
+    checkpoint = shutil.copytree(hf.checkpoint, tmp_path / "ckpt")
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["text_config"][key] = value
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    with pytest.raises(NotImplementedError, match=re.escape(named)):
+        DecoderConfig.from_checkpoint(checkpoint)
