@@ -11,6 +11,11 @@ step; `forward` is then called by every attention layer with that layer's q, k, 
 - decode rows attend together, one padded and masked SDPA: the query heads of one KV head attend as
   G "query rows" (no K/V repeat for GQA). Their K/V are gathered block by block through the block
   tables, per layer (a transient copy; no second copy of the KV memory is kept).
+Masks are data: a sliding-window layer (`DecoderConfig.kv_windows`) hides the keys `window` or more
+positions back, and in prefill a row inside a bidirectional span (`SeqRows.spans`: a media block of
+a `bidirectional_media` decoder) also sees the span's later tokens (`row_limits`), which the
+scheduler keeps in the row's chunk. Sliding-window layers keep every token's K/V (the block table is
+the sequence's, shared by all layers): their memory is a full layer's.
 
 This backend is plain torch and runs on any device; it is the reference the faster kernels of other
 backends are compared with.

@@ -5,6 +5,8 @@ Every step, oldest request first, `Scheduler.schedule`:
   one token for a decoding sequence, the next chunk of the prompt for one still in prefill;
 - admits waiting requests into the remaining budget (they join the running batch right away),
   reusing cached prompt-prefix blocks when prefix caching is on;
+- never ends a prompt chunk inside a bidirectional span (`chunk_end`: a media block whose tokens
+  see each other), so every row of a span has its whole span in its step or before;
 - takes KV blocks from the block manager as rows need them. When it is out of blocks, a waiting
   request keeps waiting, and a running one that needs a block preempts the newest running sequence
   (its blocks go back; it is recomputed later from its prompt and the tokens it already has, with
