@@ -4,6 +4,8 @@ transformers' `generate` run one request at a time, on the same device and dtype
     HF_HUB_OFFLINE=1 .venv/bin/python bench/decoder.py [--family qwen2_5_vl] [--rounds 2] [--max-tokens 64]
     HF_HUB_OFFLINE=1 .venv/bin/python bench/decoder.py --device cuda --decoder-7b --concurrency 1,16,64 --json out.json
     HF_HUB_OFFLINE=1 .venv/bin/python bench/decoder.py --evs 0.5 [--evs-seconds 60]
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/decoder.py --family qwen3_vl   (or qwen3_vl_moe: Qwen3 decoders)
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/decoder.py --guided --concurrency 16
 
 Checkpoint: the family's `small` random-weight demo checkpoint (default), `--checkpoint DIR`, or
 `--decoder-7b`: a Qwen2.5-VL with the 7B's text stack (28 layers, hidden 3584, 28 query / 4 KV
@@ -21,6 +23,11 @@ words), greedy, `max_tokens` new tokens each. Concurrency 1 runs 4 requests, con
 max(--requests, c), c at a time (closed loop). Throughput is generated tokens / wall time of the
 whole batch of requests; time to first token (TTFT) is from submit to the first token, median over
 the requests of that run.
+
+`--guided`: also each concurrency with every request constrained to JSON lines (`GUIDED`), on the
+same engine and prompts, interleaved with the plain runs, every request of both `max_tokens` long
+(`min_tokens`); its decode time per token against the plain run's (the grammar's per-step cost:
+the bitmask filled per row and applied before sampling).
 
 `--evs Q`: instead, the prefill saved by EVS video pruning (triton_vlm.media.evs). One prompt holding a
 `--evs-seconds` 224x168 video (sampled at 2 fps; the `small` checkpoint's context is 4096 tokens),
@@ -64,6 +71,11 @@ HEAD_DIM_7B, GROUP_7B = 128, 7  # 28 / 4 query heads per KV head
 # throughput at least these multiples of transformers one request at a time.
 GOAL_FLOOR_RATIO = 1.4
 GOAL_X_TRANSFORMERS = {1: 3.0, 64: 20.0}
+# `--guided`: every request constrained to JSON lines of records (as a form reader answers), by a
+# regular expression xgrammar compiles once (cached by the engine); a record may always follow the
+# last, so with min_tokens = max_tokens (both runs) every request generates max_tokens tokens.
+GUIDED = dict(guide_type="regex",
+              guide=r'(\{"name": "[a-z ]{0,12}", "count": [0-9]{1,3}, "seen": (true|false)\}\n)+')
 
 
 @dataclass
@@ -170,15 +182,16 @@ def transformers_process(conn, write: dict | None, ckpt: str, device: str, dtype
         conn.send(run_hf(hf, *job, device))
 
 
-def run_engine(engine, inputs: list, max_tokens: int, concurrency: int, min_tokens: int = 0, **extra) -> Run:
+def run_engine(engine, inputs: list, max_tokens: int, concurrency: int, min_tokens: int = 0,
+               sampling: dict | None = None, **extra) -> Run:
     """`concurrency` requests in flight at a time until all are done (closed loop). Each input is a
     prompt's token ids, the tuple of `Engine.submit`'s (input_ids, embeddings, mrope_position_ids,
-    mrope_position_delta), or a dict of submit's keywords; `extra`, submit's keywords for every
-    input. Emits come after the step's sampled ids reached the host, so their times need no device
-    sync."""
+    mrope_position_delta), or a dict of submit's keywords; `sampling`, more `SamplingParams` fields;
+    `extra`, submit's keywords for every input. Emits come after the step's sampled ids reached the
+    host, so their times need no device sync."""
     from triton_vlm.llm import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, min_tokens=min_tokens)
+    params = SamplingParams(max_tokens=max_tokens, min_tokens=min_tokens, **(sampling or {}))
     slots = threading.Semaphore(concurrency)
     done = threading.Event()
     lock = threading.Lock()
@@ -353,6 +366,8 @@ def main() -> None:
     ap.add_argument("--paged-prefill", action="store_true",
                     help="also an engine whose prompt chunks go through the paged prefill kernel (paged_prefill; "
                          "CUDA only), on the same model, interleaved with the default one in each round")
+    ap.add_argument("--guided", action="store_true",
+                    help="also run every concurrency with each request constrained by a JSON schema (xgrammar)")
     ap.add_argument("--json", help="also write every figure to this file")
     ap.add_argument("--evs", type=float,
                     help="instead: prefill of a video prompt at this EVS pruning rate against q = 0")
@@ -451,7 +466,11 @@ def main() -> None:
         for c in concurrency:
             subset = inputs[:4] if c == 1 else inputs[:max(args.requests, c)]
             for name, each in engines.items():
-                results.setdefault(f"{name}, concurrency {c}", []).append(run_engine(each, subset, args.max_tokens, c))
+                results.setdefault(f"{name}, concurrency {c}", []).append(
+                    run_engine(each, subset, args.max_tokens, c, min_tokens=args.max_tokens if args.guided else 0))
+            if args.guided:
+                results.setdefault(f"engine, guided, concurrency {c}", []).append(
+                    run_engine(engine, subset, args.max_tokens, c, min_tokens=args.max_tokens, sampling=GUIDED))
     for each in engines.values():
         each.shutdown()
     replay_ms = graph_replay_ms(engine, device)
@@ -482,6 +501,17 @@ def main() -> None:
         if name != hf_name:
             print(f"{name:36} " + " ".join(f"{x:6.2f}" for x in run["x_transformers_per_round"]))
 
+    if args.guided:
+        print("\nguided (JSON lines) against unconstrained, same engine and prompts: decode time per token "
+              "(median over requests), tokens per request")
+        for c in concurrency:
+            plain, guided = results[f"engine, concurrency {c}"], results[f"engine, guided, concurrency {c}"]
+            step = [statistics.median([x for r in runs for x in r.decode_per_token]) for runs in (plain, guided)]
+            per_request = [sum(r.tokens for r in runs) / sum(len(r.ttfts) for r in runs) for runs in (plain, guided)]
+            figures.setdefault("guided", {})[c] = dict(decode_ms_per_token=[x * 1000 for x in step],
+                                                       tokens_per_request=per_request, x_decode=step[1] / step[0])
+            print(f"concurrency {c:3d}: {step[0] * 1000:7.2f} -> {step[1] * 1000:7.2f} ms per token "
+                  f"({step[1] / step[0]:.3f}x); {per_request[0]:.1f} -> {per_request[1]:.1f} tokens per request")
     c1 = results.get("engine, concurrency 1")
     if c1 and any(r.decode_per_token for r in c1):
         step = statistics.median([x for r in c1 for x in r.decode_per_token])

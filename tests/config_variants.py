@@ -35,6 +35,7 @@ SIZE_KEYS = frozenset({
     "image_size",
     "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
     "n_routed_experts", "num_experts_per_tok", "n_shared_experts", "moe_intermediate_size", "first_k_dense_replace",
+    "num_local_experts", "decoder_sparse_step", "mlp_only_layers", "num_position_embeddings", "deepstack_visual_indexes",
     "insert_layer_id", "downsample_mode", "image_grid_pinpoints", "vision_feature_layer",
     "vision_feature_select_strategy", "mm_tokens_per_image"})
 GENERATION_IDS = frozenset({"bos_token_id", "eos_token_id", "pad_token_id"})
@@ -245,6 +246,22 @@ def _glm(model_type: str | None = None, files: bool = False) -> Callable[[dict, 
     return vary
 
 
+def _qwen3_vl(config: dict[str, Any], processor: dict[str, Any]) -> None:
+    """Qwen3-VL as published checkpoints may have it: `torch_dtype`, an ignored false
+    `mrope_interleaved` (the model always interleaves), another rope theta and `rms_norm_eps`;
+    `preprocessor_config.json` and `video_preprocessor_config.json` files, other pixel budgets,
+    videos sampled at 1 fps down to 2 frames."""
+    text = config["text_config"]
+    text["rope_parameters"].update(rope_theta=1000000.0, mrope_interleaved=False)
+    text["rms_norm_eps"] = 1e-5
+    _torch_dtype(config)
+    image, video = processor["image_processor"], processor["video_processor"]
+    image["size"] = {"shortest_edge": 8 * 32 * 32, "longest_edge": 96 * 32 * 32}
+    video["size"] = {"shortest_edge": 8 * 32 * 32, "longest_edge": 4 * 48 * 32 * 32}
+    video.update(fps=1, min_frames=2)
+    processor["layout"] = "files"
+
+
 def _minicpmv(config: dict[str, Any], processor: dict[str, Any]) -> None:
     """MiniCPM-V 4.6 / 4.7 / OCR with `mrope_interleaved` false (transformers' Qwen3.5 interleaves
     whatever it says), another `rope_theta`, `partial_rotary_factor` and `mrope_section`, in
@@ -342,6 +359,7 @@ VARIED: dict[str, Callable[[dict, dict], None]] = {
     "qwen2_5_vl": _qwen2_5_vl, "qwen2_vl": _qwen2_vl, "glm4v": _glm(files=True), "glm46v": _glm("glm4v"), "glmga": _glm("glm4v", files=True),
     "glm_ocr": _glm(), "glm4v_moe": _glm(files=True), "minicpmv4_6": _minicpmv, "minicpmv4_7": _minicpmv,
     "minicpm_ocr": _minicpmv, "llava": _llava, "llava_onevision": _llava_onevision, "internvl": _internvl,
+    "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl,
     "gemma3": _gemma3,
 }
 

@@ -27,6 +27,31 @@ def decode_frames(video: bytes) -> tuple[np.ndarray, "VideoMetadata"]:
     return frames, metadata
 
 
+def feature_rows(features) -> list[torch.Tensor]:
+    """Each item's vision rows from `get_image_features` / `get_video_features`: its pooler output,
+    followed by its DeepStack maps where the model gives them (the contract's `embedding_width`)."""
+    maps = getattr(features, "deepstack_features", None) or ()
+    return [torch.cat([item, *item_maps], dim=-1) if item_maps else item
+            for item, *item_maps in zip(features.pooler_output, *maps)]
+
+
+def rows_in_prompt_order(kinds: list[str], out) -> tuple[np.ndarray, np.ndarray]:
+    """The HF processor's pixel rows and grids (images and videos kept apart in `out`) in the order
+    of `kinds` ("image" or "video" per media item of the prompt), as the contract has them."""
+    sources = {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_videos", "video_grid_thw")}
+    done = {"image": (0, 0), "video": (0, 0)}
+    rows, grids = [], []
+    for kind in kinds:
+        pixels_key, grid_key = sources[kind]
+        item, row = done[kind]
+        grid = out[grid_key][item]
+        n = int(grid.prod())
+        rows.append(out[pixels_key][row:row + n].numpy())
+        grids.append(grid.numpy())
+        done[kind] = (item + 1, row + n)
+    return np.concatenate(rows), np.stack(grids)
+
+
 class Oracle:
     def __init__(self, checkpoint: Path) -> None:
         self.checkpoint = Path(checkpoint)
@@ -44,13 +69,12 @@ class Oracle:
         return AutoModelForImageTextToText.from_pretrained(self.checkpoint).eval()
 
     def inputs(self, prompt: str, images: list[bytes] = (), videos: list[bytes] = (),
-               fps: float | None = 2.0, sample: bool = True) -> dict:
+               fps: float | None = 2.0, sample: bool = True, **kwargs) -> dict:
         """The HF processor's output: fps-2 sampling of every video, as our server does by default
         (`fps=None`: the video processor's own rate; `sample=False`: its own choice whether to sample,
-        its config's `do_sample_frames`)."""
+        its config's `do_sample_frames`); `kwargs`: more processor options."""
         from PIL import Image
 
-        kwargs = {}
         if images:
             kwargs["images"] = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
         if videos:
@@ -114,13 +138,13 @@ class EncoderOracle(Oracle):
                 feats = self.model.model.get_image_features(out["pixel_values"], out[self.image_grid_key])
                 pixels.append(self.rows(out["pixel_values"]))
                 grids.append(self.grid(out[self.image_grid_key]))
-                refs.extend(feats.pooler_output)
+                refs.extend(feature_rows(feats))
             if with_video:
                 frames, metadata = decode_frames(samples.video_bytes(seconds=4.0, fps=2))
                 out = self.processor.video_processor(videos=[frames], video_metadata=[metadata], return_tensors="pt")
                 feats = self.model.model.get_video_features(out["pixel_values_videos"], out[self.video_grid_key])
                 pixels.append(self.rows(out["pixel_values_videos"]))
                 grids.append(self.grid(out[self.video_grid_key]))
-                refs.extend(feats.pooler_output)
+                refs.extend(feature_rows(feats))
             self._cache[case] = (np.concatenate(pixels), np.concatenate(grids), torch.cat(refs).numpy())
         return self._cache[case]

@@ -87,17 +87,19 @@ def hf_run(oracle: Oracle, family: str, prompt: str, images, videos) -> dict:
     if positions is not None:
         positions = positions.numpy().reshape(-1, positions.shape[-1])[-3:]
     return dict(input_ids=inputs["input_ids"][0].numpy(), embeds=seen["prompt"]["inputs_embeds"][0],
-                positions=positions,
+                positions=positions, deepstack=seen["prompt"].get("deepstack_visual_embeds"),
                 tokens=out.sequences[0, inputs["input_ids"].shape[1]:].tolist(), logits=out.logits)
 
 
 def assert_prompt_equals_hf(want: dict, input_ids, positions, embeddings, placeholder_ids) -> None:
     """Ids and positions are transformers' (`hf_run`), and so is each embedding row its text model
-    receives where the prompt's placeholders stand."""
+    receives where the prompt's placeholders stand, with its DeepStack maps where it takes them
+    (the contract's `embedding_width`)."""
     np.testing.assert_array_equal(input_ids, want["input_ids"])
     if want["positions"] is not None:
         np.testing.assert_array_equal(positions, np.broadcast_to(want["positions"], positions.shape))
-    reference = want["embeds"][torch.from_numpy(np.isin(input_ids, placeholder_ids))].numpy()
+    reference = want["embeds"][torch.from_numpy(np.isin(input_ids, placeholder_ids))]
+    reference = torch.cat([reference, *(want["deepstack"] or ())], dim=-1).numpy()
     assert embeddings.shape == reference.shape
     assert np.abs(embeddings - reference).max() <= 1e-4 * max(1.0, np.abs(reference).max())
 
@@ -371,7 +373,8 @@ def test_a_text_config_of_its_model_type_alone_reads_as_its_class_fills_it(famil
             text.linear_value_head_dim, text.linear_conv_kernel_dim)
     if ours.moe:
         assert (ours.moe.num_experts, ours.moe.num_experts_per_tok, ours.moe.moe_intermediate_size) == (
-            text.n_routed_experts, text.num_experts_per_tok, text.moe_intermediate_size)
+            getattr(text, "n_routed_experts", None) or text.num_experts, text.num_experts_per_tok,
+            text.moe_intermediate_size)
     assert set(ours.eos_token_ids) == set(np.atleast_1d(config.get("eos_token_id") or []).tolist())
 
 
@@ -386,6 +389,7 @@ def test_every_vision_default_is_its_config_classs():
     from triton_vlm.families.llava import tower as llava
     from triton_vlm.families.minicpmv import tower_v4_6 as minicpmv
     from triton_vlm.families.qwen2_5_vl import tower as qwen2_5_vl
+    from triton_vlm.families.qwen3_vl import tower as qwen3_vl
 
     def same(ours: dict, hf) -> None:
         for key, value in ours.items():
@@ -393,6 +397,8 @@ def test_every_vision_default_is_its_config_classs():
             assert _plain(theirs) == _plain(value), (type(hf).__name__, key)
 
     same(qwen2_5_vl._DEFAULTS, transformers.Qwen2_5_VLVisionConfig())
+    for hf in (transformers.Qwen3VLVisionConfig(), transformers.Qwen3VLMoeVisionConfig()):
+        same(qwen3_vl._DEFAULTS, hf)
     for hf in (transformers.Glm4vVisionConfig(), transformers.Glm4vMoeVisionConfig()):
         same(glm4v._DEFAULTS, hf)
     same(glm4v._OCR_DEFAULTS, transformers.GlmOcrVisionConfig())
@@ -423,6 +429,7 @@ PROCESSOR_CLASSES = {
     "llava": ("CLIPImageProcessor", "SiglipImageProcessor"),
     "llava_onevision": ("LlavaOnevisionImageProcessor", "LlavaOnevisionVideoProcessor"),
     "internvl": ("GotOcr2ImageProcessor", "InternVLVideoProcessor"),
+    **{name: ("Qwen2VLImageProcessor", "Qwen3VLVideoProcessor") for name in ("qwen3_vl", "qwen3_vl_moe")},
 }
 SETTINGS_READ = ("patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std", "resample",
                  "scale_resolution", "max_slice_nums", "slice_mode", "downsample_mode", "use_image_id",

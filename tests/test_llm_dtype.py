@@ -1,6 +1,7 @@
 """The `llm` decoder in bfloat16 against transformers in bfloat16 (`from_pretrained(dtype=torch.bfloat16)`,
-its default sdpa attention) for Qwen2.5-VL, GLM-4.1V, MiniCPM-V 4.6, LLaVA and Gemma 3 (tiny checkpoints, perturbed
-as in tests/test_llm_minicpmv.py), on CPU and, marked `gpu`, on CUDA; the KV pool's bytes per token
+its default sdpa attention) for Qwen2.5-VL, GLM-4.1V, MiniCPM-V 4.6, LLaVA, Qwen3-VL (dense and MoE,
+DeepStack maps added in bfloat16) and Gemma 3 (tiny checkpoints, perturbed as in tests/test_llm_minicpmv.py), on CPU
+and, marked `gpu`, on CUDA; the KV pool's bytes per token
 in bfloat16; and a `--llm-dtype bfloat16` build served by tritonserver.
 
 Inputs come from each family's HF processor; vision rows from the bfloat16 HF model's own
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 from tests.metrics import wait_for
+from tests.oracle import feature_rows
 from tests.test_llm import hf_greedy_with_logits, llm_request, submit
 from tests.test_llm_minicpmv import PROMPTS as MINICPMV_PROMPTS
 from tests.test_llm_minicpmv import perturbed_checkpoint
@@ -35,6 +37,9 @@ FAMILIES = {
     "minicpmv4_6": ("<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n", "<|image_pad|>", None,
                     MINICPMV_PROMPTS["text"]),
     "llava": ("USER: {} ASSISTANT:", "<image>\n", None, "describe the red car on the road"),
+    **{name: ("<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n", "<|vision_start|><|image_pad|><|vision_end|>",
+              "<|vision_start|><|video_pad|><|vision_end|>", "describe the red car on the road")
+       for name in ("qwen3_vl", "qwen3_vl_moe")},
     "gemma3": ("<start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n", "<start_of_image>", None,
                "describe the red car on the road, then the blue one"),
 }
@@ -88,10 +93,10 @@ def bf16(request, checkpoint):
             rows = []
             if "pixel_values" in inputs:  # with the family's grid, if it has one (LLaVA's has none)
                 grids = [on_device[k] for k in ("target_sizes", "image_grid_thw") if k in on_device]
-                rows += model.model.get_image_features(on_device["pixel_values"], *grids).pooler_output
+                rows += feature_rows(model.model.get_image_features(on_device["pixel_values"], *grids))
             if "pixel_values_videos" in inputs:
-                rows += model.model.get_video_features(on_device["pixel_values_videos"],
-                                                       on_device["video_grid_thw"]).pooler_output
+                rows += feature_rows(model.model.get_video_features(on_device["pixel_values_videos"],
+                                                                    on_device["video_grid_thw"]))
             pos = delta = None
             if hasattr(model.model, "get_rope_index"):  # M-RoPE (MiniCPM-V 4.6 and LLaVA: 1-D positions)
                 pos, delta = (t.cpu() for t in model.model.get_rope_index(

@@ -1,7 +1,8 @@
 """Issue #31 on the CPU: the llm split over 2 and 4 ranks (worker processes, gloo) gives the tokens
 and logits of the unsplit model, float32 within 1e-5: Qwen2.5-VL (KV heads split, and at 4 ranks
 replicated), GLM-4.1V (interleaved partial rotary, fused gate_up, one KV head replicated), GLM-4.5V
-(routed experts split by expert, shared experts by width), MiniCPM-V 4.6 (Gated DeltaNet layers
+(routed experts split by expert, shared experts by width), Qwen3-VL-MoE (softmax-routed experts, the
+image rows' DeepStack maps broadcast to every rank), MiniCPM-V 4.6 (Gated DeltaNet layers
 by head, their states per rank, beside gated full attention), MiniCPM-V 4.0 (Llama heads wider
 than the model's width split, LongRoPE) and Gemma 3 (sliding windows, an image block attending both
 ways on every rank), text and image prompts, several
@@ -37,7 +38,7 @@ def checkpoints(tmp_path_factory):
     # MiniCPM-V 4.0's Llama: 2 x 128 wide heads on a 256 wide model, LongRoPE (its tiny demo's 3 heads do not split).
     overrides = {"minicpmv4_0": {"text": {"num_attention_heads": 4, "num_key_value_heads": 2}}}
     return {family: write_demo_checkpoint(family, root / family, "tiny", overrides=overrides.get(family))
-            for family in ("qwen2_5_vl", "glm4v", "glm4v_moe", "minicpmv4_6", "minicpmv4_0", "gemma3")}
+            for family in ("qwen2_5_vl", "glm4v", "glm4v_moe", "minicpmv4_6", "minicpmv4_0", "qwen3_vl_moe", "gemma3")}
 
 
 def requests(engine: Engine) -> list[dict]:
@@ -47,7 +48,7 @@ def requests(engine: Engine) -> list[dict]:
                 mrope_position_delta=None) for p in PROMPTS]
     image = c.placeholder_token_ids[0]
     ids = engine.tokenizer.encode("look at").ids + [image] * 6 + engine.tokenizer.encode("and say").ids
-    rows = torch.randn(6, c.hidden_size, generator=torch.Generator().manual_seed(3)).numpy()
+    rows = torch.randn(6, c.embedding_width, generator=torch.Generator().manual_seed(3)).numpy()
     n = len(ids)
     out.append(dict(input_ids=np.array(ids, np.int32), embeddings=rows,
                     mrope_position_ids=np.broadcast_to(np.arange(n), (3, n)).copy(), mrope_position_delta=np.zeros(1)))
@@ -61,7 +62,7 @@ def generate(engine: Engine, tag: str) -> list[Collector]:
 
 
 @pytest.mark.parametrize("family, ranks", [("qwen2_5_vl", 2), ("qwen2_5_vl", 4), ("glm4v", 2), ("glm4v_moe", 2),
-                                           ("minicpmv4_6", 2), ("minicpmv4_0", 2), ("gemma3", 2)])
+                                           ("minicpmv4_6", 2), ("minicpmv4_0", 2), ("qwen3_vl_moe", 2), ("gemma3", 2)])
 def test_split_model_gives_the_whole_models_tokens_and_logits(checkpoints, family, ranks):
     settings = dict(return_logits=True, max_num_tokens=12, max_running=8)  # prompts of several chunks
     whole = Engine(checkpoints[family], **settings)

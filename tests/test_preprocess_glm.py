@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.oracle import Oracle
+from tests.oracle import Oracle, rows_in_prompt_order
 from triton_vlm.contract.limits import Limits
 from triton_vlm.errors import InvalidInput
 from triton_vlm.families import get_family
@@ -85,18 +85,7 @@ def even(indices) -> list[int]:
 
 def hf_in_prompt_order(text: str, out) -> tuple[np.ndarray, np.ndarray]:
     """The HF processor's pixel rows and grids (images and videos kept apart) in prompt order."""
-    sources = {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_videos", "video_grid_thw")}
-    done = {"image": (0, 0), "video": (0, 0)}
-    rows, grids = [], []
-    for kind in re.findall(r"<\|(image|video)\|>", text):
-        pixels_key, grid_key = sources[kind]
-        item, row = done[kind]
-        grid = out[grid_key][item]
-        n = int(grid.prod())
-        rows.append(out[pixels_key][row:row + n].numpy())
-        grids.append(grid.numpy())
-        done[kind] = (item + 1, row + n)
-    return np.concatenate(rows), np.stack(grids)
+    return rows_in_prompt_order(re.findall(r"<\|(image|video)\|>", text), out)
 
 
 def check_against_hf(pre: Preprocessor, hf: Oracle, text: str, images=(), videos=(), mm_options=None,

@@ -211,6 +211,16 @@ def encoder_inputs(patch_dim: int) -> tuple[TensorSpec, ...]:
             *(extra.spec.as_optional() for extra in EXTRAS))
 
 
+def embedding_width(hidden: int, deepstack_maps: int = 0) -> int:
+    """The width of a row of `embeddings` (the encoder's output, the llm's input: one row per media
+    placeholder token, in the model's dtype, FP32 on a CPU build): the token's input embedding
+    (`hidden` wide) and, where the decoder takes DeepStack feature maps (Qwen3-VL:
+    `vision_config.deepstack_visual_indexes`), each map after it, `hidden` wide each, in that
+    order; the llm adds map i to the token's hidden state after decoder layer i, in prefill. Every
+    stage that carries rows (batching, the encoder cache, EVS `kept_rows`) carries them whole."""
+    return hidden * (1 + deepstack_maps)
+
+
 def encoder_outputs(hidden: int) -> tuple[TensorSpec, ...]:
     return TensorSpec("embeddings", "FP32", (-1, hidden)), KEPT_ROWS
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from triton_vlm.families import gemma3, glm4v, internvl, llava, minicpmv, qwen2_5_vl
+from triton_vlm.families import gemma3, glm4v, internvl, llava, minicpmv, qwen2_5_vl, qwen3_vl
 from triton_vlm.families.base import Family
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
@@ -17,6 +17,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     *minicpmv.FAMILIES,
     *llava.FAMILIES,
     *internvl.FAMILIES,
+    *qwen3_vl.FAMILIES,
     *gemma3.FAMILIES,
 )}
 # The family of `make demo` and of the tools' defaults.

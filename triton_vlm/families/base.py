@@ -145,6 +145,11 @@ class ProcessorRules:
     # More `vision_defaults` by the section's processor class (`image_processor_type`,
     # `video_processor_type`), where the family's checkpoints ship several.
     processor_defaults: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # With the video processor config's `cap_pixels_per_frame`: the settings of a video of n frames
+    # (`video_cap(settings, max_video_tokens, n) -> VisionSettings`); None: Qwen2-VL's per-frame cap
+    # (`triton_vlm.preprocessing.items.frame_settings`). `max_video_tokens` where the config has none.
+    video_cap: Callable[..., Any] | None = None
+    max_video_tokens: int = 128000
     # (min_pixels, max_pixels) of images and of video frames where a processor config gives no size:
     # the family's transformers processor class defaults (Qwen2-VL's here).
     image_size_default: tuple[int, int] = (56 * 56, 28 * 28 * 1280)

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from triton_vlm.contract.tensors import embedding_width
 from triton_vlm.families import DEFAULT_FAMILY, detect_family
 from triton_vlm.llm.layers.linear_attention import LinearAttentionConfig
 from triton_vlm.llm.layers.moe import MoeConfig
@@ -72,6 +73,7 @@ class DecoderConfig:
     text_model_type: str = ""  # `text_config.model_type`: picks the decoder where a family has several
     longrope: LongRope | None = None  # `rope_type` "longrope": its frequency factors and cos/sin scale
     scaling: Scaling = Scaling()  # embedding, residual and logit multipliers (MiniCPM's)
+    deepstack_maps: int = 0  # DeepStack feature maps each vision row carries (`DecoderSpec.deepstack_indexes`)
     # "sliding_attention" layers (`layer_types`) see the keys less than `sliding_window` positions back
     # (Gemma 3's); their rotary has its own theta, and full layers' positions are divided by
     # `rope_linear_factor` (linear scaling).
@@ -84,6 +86,12 @@ class DecoderConfig:
     bidirectional_media: bool = False
 
     @property
+    def embedding_width(self) -> int:
+        """The width of a vision row (`embeddings`): the input embedding, then each DeepStack map
+        (`triton_vlm.contract.tensors.embedding_width`)."""
+        return embedding_width(self.hidden_size, self.deepstack_maps)
+
+    @property
     def scale(self) -> float:
         return self.head_dim ** -0.5 if self.attention_scale is None else self.attention_scale
 
@@ -94,10 +102,9 @@ class DecoderConfig:
 
     @property
     def moe_layers(self) -> tuple[bool, ...]:
-        """Per layer: whether its MLP is the mixture of experts (layers from the MoE config's
-        `first_k_dense_replace` on; none in a dense model)."""
-        first = self.num_layers if self.moe is None else self.moe.first_k_dense_replace
-        return tuple(i >= first for i in range(self.num_layers))
+        """Per layer: whether its MLP is the mixture of experts (`MoeConfig.sparse`; none in a
+        dense model)."""
+        return tuple(self.moe is not None and self.moe.sparse(i) for i in range(self.num_layers))
 
     @property
     def kv_layers(self) -> tuple[int, ...]:
@@ -183,6 +190,10 @@ class DecoderConfig:
                 num_k_heads=int(text["linear_num_key_heads"]), num_v_heads=int(text["linear_num_value_heads"]),
                 k_head_dim=int(text["linear_key_head_dim"]), v_head_dim=int(text["linear_value_head_dim"]),
                 conv_kernel=int(text["linear_conv_kernel_dim"]))
+        deepstack = 0
+        if spec.deepstack_indexes is not None:
+            vision = cfg.get("vision_config") or {}
+            deepstack = len(vision.get("deepstack_visual_indexes", spec.deepstack_indexes) or ())
         moe = MoeConfig.from_text_config(text)
         if moe is not None and spec.moe_layer is None:
             raise NotImplementedError(f"{family.name}: no mixture-of-experts layer registered")
@@ -196,7 +207,7 @@ class DecoderConfig:
             tie_word_embeddings=tied(cfg, text, rules), placeholder_token_ids=placeholders,
             eos_token_ids=tuple(dict.fromkeys(eos)), family=family.name, layer_types=types, linear_attention=linear,
             mrope_interleaved=rules.mrope_interleaved, moe=moe, text_model_type=text_model_type, longrope=longrope,
-            scaling=Scaling.read(text, rules),
+            scaling=Scaling.read(text, rules), deepstack_maps=deepstack,
             sliding_window=int(text["sliding_window"]) if "sliding_attention" in types else None,
             sliding_rope_theta=sliding_theta, rope_linear_factor=linear_factor,
             attention_scale=(float(text[rules.attention_scale_key]) ** -0.5 if rules.attention_scale_key else None),

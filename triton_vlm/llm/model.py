@@ -63,6 +63,14 @@ _VISION_PREFIXES = ("mlp1", "model.merger.", "vpm.", "resampler.", "model.multi_
 
 
 @dataclass
+class DeepStack:
+    """A step's DeepStack maps: the rows of the step that are vision rows of a prompt (prefill only)
+    and, per map, what is added to them after decoder layer i (`DecoderConfig.deepstack_maps`)."""
+    rows: torch.Tensor                 # [R] long
+    maps: torch.Tensor                 # [maps, R, hidden], the model's dtype
+
+
+@dataclass
 class StepBatch:
     """One forward pass's inputs, built once per step by the model runner: the input embeddings of
     every row (prefill chunks and decode tokens of many sequences, one flat batch), their 3-D
@@ -73,6 +81,7 @@ class StepBatch:
     attn: Any                          # the attention backend's metadata
     recurrent: RecurrentRows | None
     logits_rows: torch.Tensor          # [R] long
+    deepstack: DeepStack | None = None  # none: no vision row in the step, or a decoder without DeepStack
 
 
 
@@ -172,14 +181,15 @@ class DecoderModel:
     def placeholder_rows(self, ids: torch.Tensor, embeddings: torch.Tensor | None
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The placeholder mask of `ids` and the vision rows that fill it (None when there are
-        none): one [hidden_size] row per placeholder token, in order, or INVALID_ARG."""
+        none): one row per placeholder token, in order, `embedding_width` wide (the input
+        embedding, then the DeepStack maps), or INVALID_ARG."""
         mask = self.placeholder_mask(ids)
         n_placeholders = int(mask.sum())
         if embeddings is not None and embeddings.numel() == 0:
             embeddings = None
-        if embeddings is not None and (embeddings.ndim != 2 or embeddings.shape[1] != self.config.hidden_size):
-            raise InvalidInput(f"embeddings: shape {list(embeddings.shape)}, expected "
-                               f"[{n_placeholders}, {self.config.hidden_size}]")
+        width = self.config.embedding_width
+        if embeddings is not None and (embeddings.ndim != 2 or embeddings.shape[1] != width):
+            raise InvalidInput(f"embeddings: shape {list(embeddings.shape)}, expected [{n_placeholders}, {width}]")
         n_rows = 0 if embeddings is None else int(embeddings.shape[0])
         if n_rows != n_placeholders:
             raise InvalidInput(f"embeddings: {n_rows} rows given, prompt has {n_placeholders} "
@@ -198,15 +208,18 @@ class DecoderModel:
         for rotary in dict.fromkeys(self.layer_rotary):
             cos, sin = rotary.cos_sin(batch.positions)
             angles[rotary] = cos[:, None], sin[:, None]
-        for layer, li, rotary in zip(self.layers, self.layer_index, self.layer_rotary):
+        deepstack = batch.deepstack
+        for i, (layer, li, rotary) in enumerate(zip(self.layers, self.layer_index, self.layer_rotary)):
             if layer.recurrent:
                 h = layer.forward(h, batch.recurrent, states.conv[li], states.recurrent[li])
-                continue
-            q, k, v, gate = layer.qkv(h)
-            cos, sin = angles[rotary]
-            q, k = rotary.apply(q, cos, sin), rotary.apply(k, cos, sin)
-            attn = attention.forward(li, q, k, v, batch.attn)
-            h = layer.finish(h, attn.view(h.shape[0], c.num_heads * c.head_dim), gate)
+            else:
+                q, k, v, gate = layer.qkv(h)
+                cos, sin = angles[rotary]
+                q, k = rotary.apply(q, cos, sin), rotary.apply(k, cos, sin)
+                attn = attention.forward(li, q, k, v, batch.attn)
+                h = layer.finish(h, attn.view(h.shape[0], c.num_heads * c.head_dim), gate)
+            if deepstack is not None and i < deepstack.maps.shape[0]:  # Qwen3VLTextModel._deepstack_process
+                h = h.index_add(0, deepstack.rows, deepstack.maps[i])
         h = _rms(h.index_select(0, batch.logits_rows), self.norm, c.rms_norm_eps)
         if c.scaling.logits_divisor != 1.0:
             h = h / c.scaling.logits_divisor

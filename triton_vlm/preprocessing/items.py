@@ -123,11 +123,15 @@ def bind_sampler(sample_frames, sampling: VideoSampling, settings: VisionSetting
                    temporal_patch_size=settings.temporal_patch_size, **dict(sampling.extra))
 
 
-def frame_settings(settings: VisionSettings, sampling: VideoSampling, num_frames: int) -> VisionSettings:
-    """The video settings for `num_frames` frames: with transformers' `cap_pixels_per_frame`, each
-    frame gets an even share of the video's pixel budget."""
+def frame_settings(settings: VisionSettings, sampling: VideoSampling, num_frames: int,
+                   cap=None) -> VisionSettings:
+    """The video settings for `num_frames` frames: with transformers' `cap_pixels_per_frame`, the
+    family's `cap` (`ProcessorRules.video_cap`), else Qwen2-VL's: each frame gets an even share of
+    the video's pixel budget."""
     if not sampling.cap_pixels_per_frame:
         return settings
+    if cap is not None:
+        return cap(settings, sampling.max_video_tokens, num_frames)
     factor = settings.factor
     total_pixels = int(sampling.max_video_tokens * factor * factor * 0.9)
     max_pixels = max(min(settings.max_pixels, total_pixels * settings.temporal_patch_size // num_frames),

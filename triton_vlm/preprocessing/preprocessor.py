@@ -224,7 +224,7 @@ class Preprocessor:
 
         def layout(meta) -> FrameLayout:
             n = len(meta.frames_indices)
-            settings = frame_settings(options.video, sampling, n)
+            settings = frame_settings(options.video, sampling, n, self.family.processor.video_cap)
             frame_layout, temporal_ids = self._layout(meta.height, meta.width, settings, name, n), None
             if self.family.processor.pack_frames is not None:
                 try:

@@ -147,7 +147,7 @@ class Defaults:
             min_frames=int(video_section.get("min_frames") or 4),
             max_frames=int(video_section.get("max_frames") or 768),
             cap_pixels_per_frame=bool(video_section.get("cap_pixels_per_frame")),
-            max_video_tokens=int(video_section.get("max_video_tokens") or 128000),
+            max_video_tokens=int(video_section.get("max_video_tokens") or rules.max_video_tokens),
             extra=tuple((key, video_section[key]) for key in rules.video_sampler_keys
                         if video_section.get(key) is not None))
         return cls(family, limits, image, video, sampling, family.pruning_rate(video_pruning_rate, "video_pruning_rate"))

@@ -116,7 +116,8 @@ def gpu_sizes(options: BuildOptions, checkpoint: Path, facts: MachineFacts, gpus
     budget = int(min(total * options.gpu_memory_utilization, free))
     terms = {
         "decoder weights": decoder * llm_dtype_bytes // ranks,
-        f"prompt step ({rows} rows)": rows * (8 * config.hidden_size + 3 * config.intermediate_size // ranks)
+        f"prompt step ({rows} rows)": rows * ((8 + config.deepstack_maps) * config.hidden_size
+                                              + 3 * config.intermediate_size // ranks)
         * llm_dtype_bytes + 2 * options.llm_max_running * config.vocab_size * 4,
         "CUDA graphs": GRAPH_BYTES if options.llm_cuda_graphs == "on" else 0,
         f"vision encoder ({instances} instance(s))": instances * (

@@ -18,7 +18,7 @@ from triton_vlm.llm.engine.scheduler import ScheduledChunk
 from triton_vlm.llm.engine.sequence import Sequence
 from triton_vlm.llm.engine.streaming import IncrementalDetokenizer, TokenLogprobs
 from triton_vlm.llm.layers.linear_attention import RecurrentRows
-from triton_vlm.llm.model import DecoderModel, StepBatch
+from triton_vlm.llm.model import DecoderModel, DeepStack, StepBatch
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ class OtherRanks(Protocol):
     them before it runs here."""
 
     def send(self, h: torch.Tensor, positions: torch.Tensor, seqs: list[SeqRows], recurrent: RecurrentRows | None,
-             logits_rows: torch.Tensor, block_size: int) -> None: ...
+             logits_rows: torch.Tensor, block_size: int, deepstack: DeepStack | None) -> None: ...
 
 
 class ModelRunner:
@@ -73,13 +73,15 @@ class ModelRunner:
             log.info("llm decode: no CUDA graphs for %s (mixture of experts or linear attention)", c.family)
 
     def prepare(self, chunks: list[ScheduledChunk]) -> StepBatch:
-        h, positions, seq_rows, recurrent, logits_rows = self.inputs(chunks)
-        return StepBatch(h, positions, self.attention.build(seq_rows), recurrent, logits_rows)
+        h, positions, seq_rows, recurrent, logits_rows, deepstack = self.inputs(chunks)
+        return StepBatch(h, positions, self.attention.build(seq_rows), recurrent, logits_rows, deepstack)
 
-    def inputs(self, chunks: list[ScheduledChunk]
-               ) -> tuple[torch.Tensor, torch.Tensor, list[SeqRows], RecurrentRows | None, torch.Tensor]:
+    def inputs(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, list[SeqRows],
+                                                             RecurrentRows | None, torch.Tensor, DeepStack | None]:
         """A step's input rows [T, hidden] (token embeddings, vision rows in place), positions [3, T],
-        each sequence's rows, the linear-attention rows, the rows that sample."""
+        each sequence's rows, the linear-attention rows, the rows that sample, and the DeepStack
+        maps of its vision rows (those of the prompt chunks it runs: a chunk served from the prefix
+        cache or run in an earlier step had its maps added there)."""
         T = sum(c.num_tokens for c in chunks)
         ids: list[int] = []
         positions = torch.empty(3, T, dtype=torch.long)
@@ -114,13 +116,20 @@ class ModelRunner:
                 logits_rows.append(row + c.num_tokens - 1)
             row += c.num_tokens
         h = F.embedding(torch.tensor(ids, dtype=torch.long).to(self.device), self.model.embed_tokens)
+        hidden, maps = self.model.config.hidden_size, self.model.config.deepstack_maps
         for rows, emb in vision:
-            h[rows.to(self.device)] = emb.to(self.device, h.dtype)
+            h[rows.to(self.device)] = emb[:, :hidden].to(self.device, h.dtype)
+        deepstack = None
+        if vision and maps:
+            rows = torch.cat([r for r, _ in vision]).to(self.device)
+            stacked = torch.cat([e[:, hidden:] for _, e in vision]).to(self.device, h.dtype)
+            deepstack = DeepStack(rows, stacked.view(-1, maps, hidden).transpose(0, 1).contiguous())
         recurrent = None
         if self.states is not None:
             recurrent = RecurrentRows(torch.tensor(decode_rows, dtype=torch.long).to(self.device),
                                       torch.tensor(decode_slots, dtype=torch.long).to(self.device), prefill)
-        return h, positions.to(self.device), seq_rows, recurrent, torch.tensor(logits_rows, dtype=torch.long).to(self.device)
+        logits_rows = torch.tensor(logits_rows, dtype=torch.long).to(self.device)
+        return h, positions.to(self.device), seq_rows, recurrent, logits_rows, deepstack
 
     def forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """float32 logits [chunks that sample, vocab], on the model's device."""
@@ -128,10 +137,10 @@ class ModelRunner:
             return self.graphs.run(chunks)
         if self.workers is None:
             return self.model.forward(self.prepare(chunks), self.attention, self.states)
-        h, positions, seq_rows, recurrent, logits_rows = self.inputs(chunks)
-        self.workers.send(h, positions, seq_rows, recurrent, logits_rows, self.kv.block_size)
-        return self.model.forward(StepBatch(h, positions, self.attention.build(seq_rows), recurrent, logits_rows),
-                                  self.attention, self.states)
+        h, positions, seq_rows, recurrent, logits_rows, deepstack = self.inputs(chunks)
+        self.workers.send(h, positions, seq_rows, recurrent, logits_rows, self.kv.block_size, deepstack)
+        return self.model.forward(StepBatch(h, positions, self.attention.build(seq_rows), recurrent, logits_rows,
+                                            deepstack), self.attention, self.states)
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list[TokenLogprobs | None]]:
         """The next token of each sequence from its row of `logits` (`NO_TOKEN` for a row whose

@@ -29,7 +29,7 @@ from triton_vlm.llm.distributed.collectives import init_group, loopback_listener
 from triton_vlm.llm.distributed.sharding import Shard
 from triton_vlm.llm.engine.runner import ModelRunner
 from triton_vlm.llm.layers.linear_attention import RecurrentRows
-from triton_vlm.llm.model import DecoderModel, StepBatch
+from triton_vlm.llm.model import DecoderModel, DeepStack, StepBatch
 
 log = logging.getLogger(__name__)
 
@@ -42,25 +42,28 @@ class WorkerGone(RuntimeError):
 
 # ---- one step's message ----------------------------------------------------------------------------
 def send(pipes: list, h: torch.Tensor, positions: torch.Tensor, seqs: list[SeqRows], recurrent: RecurrentRows | None,
-         logits_rows: torch.Tensor, block_size: int) -> None:
-    """Rank 0: a step to the workers: its sequences, their linear-attention rows and state slots
-    and its sampling rows on each worker's pipe, then its input rows h [T, hidden] and positions
-    [3, T] broadcast."""
+         logits_rows: torch.Tensor, block_size: int, deepstack: DeepStack | None = None) -> None:
+    """Rank 0: a step to the workers: its sequences, their linear-attention rows and state slots,
+    its sampling rows and its DeepStack rows on each worker's pipe, then its input rows h [T, hidden],
+    positions [3, T] and DeepStack maps broadcast."""
     tables = [s.blocks[:-(-(s.start + s.n) // block_size)] for s in seqs]
     states = recurrent and (recurrent.decode_rows.tolist(), recurrent.decode_slots.tolist(), recurrent.prefill)
     message = (STEP, h.shape[0], [(s.row, s.n, s.start, t, s.spans) for s, t in zip(seqs, tables)], states,
-               logits_rows.tolist())
+               logits_rows.tolist(), deepstack and (deepstack.rows.tolist(), deepstack.maps.shape[0]))
     for pipe in pipes:
         pipe.send(message)
     dist.broadcast(h.contiguous(), src=0)
     dist.broadcast(positions.contiguous(), src=0)
+    if deepstack is not None:
+        dist.broadcast(deepstack.maps.contiguous(), src=0)
 
 
 def receive(pipe, hidden: int, dtype: torch.dtype, device: torch.device
-            ) -> tuple[torch.Tensor, torch.Tensor, list[SeqRows], RecurrentRows | None, torch.Tensor] | None:
+            ) -> tuple[torch.Tensor, torch.Tensor, list[SeqRows], RecurrentRows | None, torch.Tensor,
+                       DeepStack | None] | None:
     """A worker: the next step rank 0 sends (`send`), None when told to stop or rank 0 is gone."""
     try:
-        command, rows, seqs, states, logits_rows = pipe.recv()
+        command, rows, seqs, states, logits_rows, deepstack_rows = pipe.recv()
     except EOFError:
         return None
     if command == STOP:
@@ -69,10 +72,16 @@ def receive(pipe, hidden: int, dtype: torch.dtype, device: torch.device
     positions = torch.empty((3, rows), dtype=torch.long, device=device)
     dist.broadcast(h, src=0)
     dist.broadcast(positions, src=0)
+    deepstack = None
+    if deepstack_rows:
+        vision_rows, maps = deepstack_rows
+        deepstack = DeepStack(torch.tensor(vision_rows, dtype=torch.long, device=device),
+                              torch.empty((maps, len(vision_rows), hidden), dtype=dtype, device=device))
+        dist.broadcast(deepstack.maps, src=0)
     recurrent = states and RecurrentRows(torch.tensor(states[0], dtype=torch.long, device=device),
                                          torch.tensor(states[1], dtype=torch.long, device=device), states[2])
     return (h, positions, [SeqRows(*seq) for seq in seqs], recurrent,
-            torch.tensor(logits_rows, dtype=torch.long, device=device))
+            torch.tensor(logits_rows, dtype=torch.long, device=device), deepstack)
 
 
 def reset_states(seqs: list[SeqRows], recurrent: RecurrentRows, states) -> None:
@@ -99,10 +108,10 @@ def worker_main(pipe, checkpoint: str, rank: int, world: int, port: int, device:
         dist.barrier()  # loaded: rank 0's `Workers` waits for this
         hidden = model.config.hidden_size
         while (step := receive(pipe, hidden, model.dtype, here)) is not None:
-            h, positions, seqs, recurrent, logits_rows = step
+            h, positions, seqs, recurrent, logits_rows, deepstack = step
             if recurrent is not None:
                 reset_states(seqs, recurrent, runner.states)
-            model.forward(StepBatch(h, positions, runner.attention.build(seqs), recurrent, logits_rows),
+            model.forward(StepBatch(h, positions, runner.attention.build(seqs), recurrent, logits_rows, deepstack),
                           runner.attention, runner.states)
     finally:
         dist.destroy_process_group()
@@ -146,11 +155,11 @@ class Workers:
             raise WorkerGone(f"llm tensor-parallel workers failed to start: {error}") from None
 
     def send(self, h: torch.Tensor, positions: torch.Tensor, seqs: list[SeqRows], recurrent: RecurrentRows | None,
-             logits_rows: torch.Tensor, block_size: int) -> None:
+             logits_rows: torch.Tensor, block_size: int, deepstack: DeepStack | None = None) -> None:
         """A step to every worker (`send`); WorkerGone if one has exited (or exits meanwhile)."""
         self.check()
         try:
-            send(self.pipes, h, positions, seqs, recurrent, logits_rows, block_size)
+            send(self.pipes, h, positions, seqs, recurrent, logits_rows, block_size, deepstack)
         except (RuntimeError, OSError):
             self.check()
             raise

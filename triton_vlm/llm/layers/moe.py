@@ -1,10 +1,13 @@
-"""Mixture-of-experts MLPs (as transformers' `Glm4vMoeTextMoE`): a sigmoid router with a
-score-correction bias and group-limited top-k, routed SwiGLU experts and always-on shared experts.
+"""Mixture-of-experts MLPs: transformers' `Glm4vMoeTextMoE` (a sigmoid router with a
+score-correction bias and group-limited top-k, routed SwiGLU experts and always-on shared experts)
+and Qwen3-VL-MoE's `Qwen3VLMoeTextSparseMoeBlock` (a softmax router whose top-k weights are
+renormalised to sum 1, routed experts only: `SoftmaxMoe`).
 
 Numerics follow transformers in any dtype: router logits, scores and routing weights in float32
 (the correction bias is a float32 buffer whatever the model's dtype); each expert's output is
-multiplied by its float32 routing weight, cast back to the model's dtype and summed with
-`index_add_` in ascending expert order, as transformers' eager experts do.
+multiplied by its float32 routing weight (Qwen3-VL-MoE's: cast to the model's dtype first, as its
+router returns them), cast back to the model's dtype and summed with `index_add_` in ascending
+expert order, as transformers' eager experts do.
 Experts run batched over a step's rows: the rows are grouped by expert and each expert that some
 row chose runs one matmul over all of its rows.
 """
@@ -19,7 +22,8 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True)
 class MoeConfig:
-    """The MoE settings of a text config (`Glm4vMoeTextConfig`'s field names)."""
+    """The MoE settings of a text config (`Glm4vMoeTextConfig`'s field names; Qwen3-MoE's
+    `num_experts`, `decoder_sparse_step` and `mlp_only_layers` read into them)."""
     num_experts: int             # n_routed_experts
     num_experts_per_tok: int     # top-k experts per token
     n_group: int                 # expert groups; each token keeps the best `topk_group` of them
@@ -29,12 +33,32 @@ class MoeConfig:
     moe_intermediate_size: int   # of each routed expert; the shared experts' is n_shared_experts times it
     n_shared_experts: int
     first_k_dense_replace: int   # layers before this index keep a dense MLP
+    decoder_sparse_step: int = 1  # of the others, every n-th layer is sparse ((i + 1) % n == 0) ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... but these, which keep a dense MLP
+
+    def sparse(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is the mixture of experts."""
+        return (layer >= self.first_k_dense_replace and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     @classmethod
     def from_text_config(cls, text: dict[str, Any]) -> "MoeConfig | None":
-        """The MoE settings of a text config; None for a dense model (no `n_routed_experts`)."""
+        """The MoE settings of a text config; None for a dense model (no `n_routed_experts`, nor
+        Qwen3-MoE's `num_experts` / `num_local_experts`: no groups, no shared experts, sparse layers
+        by `decoder_sparse_step` and `mlp_only_layers`)."""
         if not text.get("n_routed_experts"):
-            return None
+            # transformers 5 saves Qwen3-MoE's `num_experts` as `num_local_experts` (its attribute map)
+            experts = text.get("num_local_experts") or text.get("num_experts")
+            if not experts:
+                return None
+            c = cls(num_experts=int(experts), num_experts_per_tok=int(text["num_experts_per_tok"]),
+                    n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0,
+                    moe_intermediate_size=int(text["moe_intermediate_size"]), n_shared_experts=0,
+                    first_k_dense_replace=0, decoder_sparse_step=int(text.get("decoder_sparse_step") or 1),
+                    mlp_only_layers=tuple(int(i) for i in text.get("mlp_only_layers") or ()))
+            if not 1 <= c.num_experts_per_tok <= c.num_experts:
+                raise ValueError(f"config.json: {c.num_experts_per_tok} experts per token of {c.num_experts}")
+            return c
         c = cls(num_experts=int(text["n_routed_experts"]), num_experts_per_tok=int(text["num_experts_per_tok"]),
                 n_group=int(text.get("n_group", 1)), topk_group=int(text.get("topk_group", 1)),
                 norm_topk_prob=bool(text.get("norm_topk_prob", True)),
@@ -139,3 +163,26 @@ class SparseMoe:
         weights, ids = self.route(x)
         return (run_experts(x, ids, weights, self.gate_up, self.down, self.experts)
                 + swiglu(x, self.shared_gate_up, self.shared_down))
+
+
+def softmax_route(x: torch.Tensor, weight: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`Qwen3VLMoeTextTopKRouter`: x [T, hidden] -> (routing weights [T, k] in x's dtype, expert ids
+    [T, k]): softmax of the logits in float32, top k, renormalised to sum 1 (always: the class
+    has no flag), cast back to the logits' dtype."""
+    logits = F.linear(x, weight)
+    top, ids = torch.softmax(logits, dim=-1, dtype=torch.float).topk(k, dim=-1)
+    return (top / top.sum(dim=-1, keepdim=True)).to(logits.dtype), ids
+
+
+class SoftmaxMoe:
+    """`Qwen3VLMoeTextSparseMoeBlock` of one layer: the softmax router (`mlp.gate.weight`) and the
+    routed experts; no shared expert."""
+
+    def __init__(self, w: Callable[[str], torch.Tensor], config: MoeConfig, experts: range):
+        self.c, self.experts = config, experts
+        self.router = w("mlp.gate.weight")
+        self.gate_up, self.down = expert_weights(w, experts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = softmax_route(x, self.router, self.c.num_experts_per_tok)
+        return run_experts(x, ids, weights, self.gate_up, self.down, self.experts)

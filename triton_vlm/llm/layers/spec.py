@@ -35,6 +35,10 @@ class DecoderSpec:
     bidirectional_media: bool = False
     # How its transformers config classes read what config.json leaves out or spells otherwise.
     text: TextRules = field(default_factory=TextRules)
+    # DeepStack (Qwen3-VL): each vision row carries, beside its input embedding, one feature map per
+    # `vision_config.deepstack_visual_indexes` entry (these: the vision config class's default), the
+    # i-th added to the row's hidden state after decoder layer i. None: the rows carry none.
+    deepstack_indexes: tuple[int, ...] | None = None
 
     def layer_class(self, layer_type: str, moe: bool) -> type:
         """The class of a layer of `layer_type` (config `layer_types`) whose MLP is (`moe`) or is

@@ -31,7 +31,7 @@ class TowerEncoder:
         self.tower = get_family(family).tower_class()
         self.settings = settings
         self.patch_dim = int(settings["patch_dim"])
-        self.out_hidden = int(settings["out_hidden_size"])
+        self.out_hidden = self.tower.embedding_width(settings)
         self.tower_merge = int(settings["spatial_merge_size"])
         self.max_patches_per_run = int(max_patches_per_run)
 

@@ -73,6 +73,12 @@ class Tower:
         return cls.ROWS(grid_thw, settings, extras or {})
 
     @classmethod
+    def embedding_width(cls, settings: dict[str, Any]) -> int:
+        """The width of an output row (`triton_vlm.contract.tensors.embedding_width`): the merger's
+        `out_hidden_size`, and a tower that gives DeepStack maps more."""
+        return int(settings["out_hidden_size"])
+
+    @classmethod
     def warmup_grid(cls, settings: dict[str, Any], min_patches: int = 1) -> np.ndarray:
         """grid_thw [1, 3] of the smallest item of at least `min_patches` patches the tower takes (a
         runtime's first run): a square of whole merge blocks."""
