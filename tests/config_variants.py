@@ -37,7 +37,7 @@ SIZE_KEYS = frozenset({
     "n_routed_experts", "num_experts_per_tok", "n_shared_experts", "moe_intermediate_size", "first_k_dense_replace",
     "num_local_experts", "num_experts", "shared_expert_intermediate_size", "decoder_sparse_step", "mlp_only_layers", "num_position_embeddings", "deepstack_visual_indexes",
     "insert_layer_id", "downsample_mode", "image_grid_pinpoints", "vision_feature_layer",
-    "vision_feature_select_strategy"})
+    "vision_feature_select_strategy", "mm_tokens_per_image"})
 GENERATION_IDS = frozenset({"bos_token_id", "eos_token_id", "pad_token_id"})
 # Processor keys that must agree with the model's sizes (patch and tile sizes, tokens per view).
 PROCESSOR_SIZE_KEYS = frozenset({
@@ -45,7 +45,8 @@ PROCESSOR_SIZE_KEYS = frozenset({
     "num_additional_image_tokens", "num_image_tokens", "vision_feature_select_strategy", "image_seq_length"})
 # Processor size dicts that are tile sizes (LLaVA's), not pixel budgets (Qwen's, GLM's).
 TILE_SIZED = ("CLIPImageProcessor", "SiglipImageProcessor", "LlavaOnevisionImageProcessor",
-              "LlavaOnevisionVideoProcessor", "GotOcr2ImageProcessor", "InternVLVideoProcessor")
+              "LlavaOnevisionVideoProcessor", "GotOcr2ImageProcessor", "InternVLVideoProcessor",
+              "Gemma3ImageProcessor")
 
 # Writer shapes of the bare variants: heads wide enough for the text config class's default
 # `mrope_section` (Qwen2.5-VL: [16, 24, 24] of a 128-wide head; GLM: [8, 12, 12] of its rotary
@@ -352,11 +353,29 @@ def _internvl(config: dict[str, Any], processor: dict[str, Any]) -> None:
     processor["layout"] = "files"
 
 
+def _gemma3(config: dict[str, Any], processor: dict[str, Any]) -> None:
+    """Gemma 3 as 4.x configs spell it: `rope_scaling` (linear, another factor) with `rope_theta` and
+    `rope_local_base_freq` beside it, `sliding_window_pattern` instead of `layer_types` (another
+    pattern: 2 sliding to 1 full), no `query_pre_attn_scalar` (its class's 256), another window,
+    `torch_dtype`; the image processor config asking for pan-and-scan (the processor turns it off),
+    other means and deviations, in a `preprocessor_config.json`."""
+    text = config["text_config"]
+    text.pop("rope_parameters")
+    text.update(rope_scaling={"rope_type": "linear", "factor": 4.0}, rope_theta=500000.0, rope_local_base_freq=20000.0,
+                sliding_window_pattern=3, sliding_window=9)
+    for key in ("layer_types", "query_pre_attn_scalar", "_sliding_window_pattern"):
+        text.pop(key, None)
+    _torch_dtype(config)
+    processor["image_processor"].update(do_pan_and_scan=True, image_mean=[0.5, 0.4, 0.3], image_std=[0.2, 0.25, 0.3])
+    processor["layout"] = "files"
+
+
 VARIED: dict[str, Callable[[dict, dict], None]] = {
     "qwen2_5_vl": _qwen2_5_vl, "qwen2_vl": _qwen2_vl, "glm4v": _glm(files=True), "glm46v": _glm("glm4v"), "glmga": _glm("glm4v", files=True),
     "glm_ocr": _glm(), "glm4v_moe": _glm(files=True), "minicpmv4_6": _minicpmv, "minicpmv4_7": _minicpmv,
     "minicpm_ocr": _minicpmv, "llava": _llava, "llava_onevision": _llava_onevision, "internvl": _internvl,
     "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl, "qwen3_5": _qwen3_5, "qwen3_5_moe": _qwen3_5,
+    "gemma3": _gemma3,
 }
 
 

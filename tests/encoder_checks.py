@@ -20,6 +20,22 @@ def rel_err(out, ref) -> float:
     return float(np.abs(out - ref).max() / np.abs(ref).max())
 
 
+def check_batched_whole_views(checkpoint: Path, onnx_path: Path, pixels: np.ndarray, grid: np.ndarray,
+                              ref: np.ndarray) -> None:
+    """Two requests in one batched execution (the server's `BatchedEncoder`, cache on: the repeated
+    view is encoded once) give each request its own rows, through ONNX Runtime and torch; every grid
+    row one view of the same size (LLaVA's, Gemma 3's towers)."""
+    from triton_vlm.vision.batching import BatchedEncoder, EmbeddingCache
+    from triton_vlm.vision.runtime.encoder import VisionEncoder
+    from triton_vlm.vision.runtime.torch_encoder import TorchEncoder
+
+    per_view, rows = pixels.shape[0] // len(grid), ref.shape[0] // len(grid)
+    batch = [(pixels[:2 * per_view], grid[:2], {}), (pixels[per_view:], grid[1:], {})]
+    for back_end in (VisionEncoder(onnx_path), TorchEncoder(checkpoint, "cpu", "float32")):
+        (first, second), _ = BatchedEncoder(back_end, EmbeddingCache(1 << 24)).encode_many(batch)
+        assert rel_err(first, ref[:2 * rows]) <= 1e-4 and rel_err(second, ref[rows:]) <= 1e-4
+
+
 def encoder_models(repo: Path, out: Path) -> Path:
     """A repository at `out` holding only the encoder models of the build `repo`."""
     for name in ENCODER_MODELS:

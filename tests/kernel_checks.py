@@ -22,16 +22,23 @@ def paged(lengths: list[int], block_size: int, num_blocks: int) -> list[SeqRows]
     return seqs
 
 
+def attention_config(heads: int, kv_heads: int, head_dim: int, window: int | None = None) -> SimpleNamespace:
+    """What the attention backends read of a `DecoderConfig`: one layer, full or of a sliding `window`."""
+    return SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, scale=head_dim ** -0.5,
+                           kv_windows=(window,))
+
+
 def check_paged_decode(device: str, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
-                       lengths: list[int], block_size: int, num_blocks: int, splits: int | None = None) -> None:
-    """The paged decode kernel (its context split over `splits` programs, default `num_splits`)
-    against the gathered-SDPA backend. In float32 within 1e-5 (IEEE dot products); in half precision
+                       lengths: list[int], block_size: int, num_blocks: int, splits: int | None = None,
+                       window: int | None = None) -> None:
+    """The paged decode kernel (its context split over `splits` programs, default `num_splits`; the
+    last `window` tokens of each row with a sliding window) against the gathered-SDPA backend. In float32 within 1e-5 (IEEE dot products); in half precision
     its error against a float64 computation from the same inputs is at most twice SDPA's own in that
     dtype (or one ulp of the largest output)."""
     from triton_vlm.llm.attention.cuda import paged_decode_attention
 
     torch.manual_seed(0)
-    config = SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim)
+    config = attention_config(heads, kv_heads, head_dim, window)
     seqs = paged(lengths, block_size, num_blocks)
     kv = KVCache(1, kv_heads, head_dim, num_blocks, block_size, dtype, device)
     kv.k.normal_(), kv.v.normal_()
@@ -43,7 +50,7 @@ def check_paged_decode(device: str, dtype: torch.dtype, heads: int, kv_heads: in
 
     tables, context_lens = (t.to(device) for t in block_tables(seqs, block_size, torch.int32))
     ours = paged_decode_attention(q, kv.k[0], kv.v[0], tables, context_lens, block_size, head_dim ** -0.5,
-                                  splits=splits).double()
+                                  splits=splits, window=window).double()
     ref = reference(kv, q)
     if dtype == torch.float32:
         assert float((ours - ref).abs().max()) <= 1e-5
@@ -56,31 +63,32 @@ def check_paged_decode(device: str, dtype: torch.dtype, heads: int, kv_heads: in
     assert ours_err <= max(2 * ref_err, ulp), (ours_err, ref_err)
 
 
-def step(spans: list[tuple[int, int]], block_size: int, num_blocks: int) -> list[SeqRows]:
-    """A step's rows: one sequence per (start, n), its tokens start .. start + n (n == 1: a decode
-    row), rows one sequence after another, blocks taken from a shuffled pool."""
+def step(spans: list[tuple], block_size: int, num_blocks: int) -> list[SeqRows]:
+    """A step's rows: one sequence per (start, n[, bidirectional spans]), its tokens start .. start + n
+    (n == 1: a decode row), rows one sequence after another, blocks taken from a shuffled pool."""
     order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1)).tolist()
     seqs, row, taken = [], 0, 0
-    for start, n in spans:
+    for start, n, *bidirectional in spans:
         nb = -(-(start + n) // block_size)
-        seqs.append(SeqRows(row, n, start, order[taken:taken + nb]))
+        seqs.append(SeqRows(row, n, start, order[taken:taken + nb], tuple(bidirectional)))
         row, taken = row + n, taken + nb
     return seqs
 
 
 def check_attention_step(device: str, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
-                         spans: list[tuple[int, int]], block_size: int, num_blocks: int) -> None:
+                         spans: list[tuple], block_size: int, num_blocks: int, window: int | None = None) -> None:
     """`PagedPrefillAttention` (every prompt chunk through the paged prefill kernel, decode rows through
-    the paged decode kernel) against `TorchAttention` on one step: each writes the step's K/V into its own
+    the paged decode kernel; with a sliding `window`, and chunks with bidirectional spans) against
+    `TorchAttention` on one step: each writes the step's K/V into its own
     copy of a cache that holds every sequence's earlier tokens, then attends. In float32 within 1e-5;
     in half precision its error against a float64 computation is at most twice SDPA's own in that
     dtype (or one ulp of the largest output)."""
     from triton_vlm.llm.attention.paged_prefill import PagedPrefillAttention
 
     torch.manual_seed(0)
-    config = SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim)
+    config = attention_config(heads, kv_heads, head_dim, window)
     seqs = step(spans, block_size, num_blocks)
-    rows = sum(n for _, n in spans)
+    rows = sum(s[1] for s in spans)
     cache = KVCache(1, kv_heads, head_dim, num_blocks, block_size, dtype, device)
     cache.k.normal_(), cache.v.normal_()
     q = torch.randn(rows, heads, head_dim, device=device, dtype=dtype)

@@ -53,6 +53,27 @@ def test_paged_prefill_kernel_matches_sdpa_in_a_mixed_step(dtype, heads, kv_head
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [5, 40])
+def test_sliding_window_decode_kernel_matches_gathered_sdpa(dtype, window):
+    """A sliding-window layer's decode rows (Gemma 3's): contexts shorter and longer than the window,
+    in one program and split (splits wholly before the window stay empty)."""
+    for splits in (1, 4):
+        check_paged_decode("cpu", dtype, 4, 2, 32, [1, 7, 9, 150], block_size=8, num_blocks=64, splits=splits,
+                           window=window)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 6, 40])
+def test_paged_prefill_kernel_with_bidirectional_spans_and_windows(dtype, window):
+    """Chunks whose rows attend both ways inside spans (Gemma 3's image blocks: a chunk from token 0,
+    one that continues inside a span after a cached prefix, spans longer than the window), full and
+    sliding-window layers, decode rows between them: the prefill and decode kernels against SDPA with
+    `TorchAttention`'s masks."""
+    check_attention_step("cpu", dtype, 4, 2, 32, [(0, 37, (3, 20), (22, 30)), (5, 1), (45, 30, (40, 60), (62, 70)),
+                                                  (0, 8), (9, 1)], block_size=8, num_blocks=64, window=window)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("pairing,head_dim,rotary_dim", [("half", 32, 32), ("interleaved", 32, 16),
                                                          ("half", 40, 20)])
 def test_rotary_kernel_equals_torch(dtype, pairing, head_dim, rotary_dim):

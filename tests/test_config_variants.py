@@ -169,6 +169,32 @@ def variant(request, tmp_path_factory):
     return family, kind, checkpoint, Oracle(checkpoint)
 
 
+def assert_rotary_is_transformers(ours, rotary, text) -> None:
+    """Our rotary frequencies are transformers' rotary's: its one, or one per layer type (the full
+    layers' with linear scaling, the sliding layers' of their own theta, Gemma 3's)."""
+    thetas = {"": (ours.rope_theta, 1.0)} if hasattr(rotary, "inv_freq") else {
+        "full_attention_": (ours.rope_theta, ours.rope_linear_factor),
+        "sliding_attention_": (ours.sliding_rope_theta, 1.0)}
+    for prefix, (theta, factor) in thetas.items():
+        inv_freq = getattr(rotary, prefix + "inv_freq")
+        assert ours.rotary_dim == 2 * inv_freq.numel()
+        torch.testing.assert_close(1.0 / theta ** (torch.arange(0, ours.rotary_dim, 2) / ours.rotary_dim) / factor,
+                                   inv_freq, rtol=1e-6, atol=0)
+    if hasattr(rotary, "inv_freq"):
+        assert ours.rope_theta == text.rope_parameters["rope_theta"]
+    else:
+        assert ours.sliding_window == text.sliding_window
+
+
+def layer_types(ours, text) -> tuple[str, ...]:
+    """transformers' layer types as ours: sliding layers that attend fully (no `use_sliding_window`,
+    no window of ours) as full ones."""
+    types = tuple(getattr(text, "layer_types", None) or ("full_attention",) * ours.num_layers)
+    if ours.sliding_window is None:
+        types = tuple("full_attention" if t == "sliding_attention" else t for t in types)
+    return types
+
+
 def test_decoder_config_reads_what_transformers_builds(variant):
     """The text config as read, field by field, against the model transformers builds from it."""
     from triton_vlm.llm import DecoderConfig
@@ -177,15 +203,12 @@ def test_decoder_config_reads_what_transformers_builds(variant):
     ours, model = DecoderConfig.from_checkpoint(checkpoint), oracle.model
     text = model.config.get_text_config()
     rotary = model.model.language_model.rotary_emb
-    assert ours.rope_theta == rotary.config.rope_parameters["rope_theta"]
-    assert ours.rotary_dim == 2 * rotary.inv_freq.numel()
-    torch.testing.assert_close(1.0 / ours.rope_theta ** (torch.arange(0, ours.rotary_dim, 2) / ours.rotary_dim),
-                               rotary.inv_freq, rtol=1e-6, atol=0)
+    assert_rotary_is_transformers(ours, rotary, text)
     assert ours.rms_norm_eps == text.rms_norm_eps
     assert ours.tie_word_embeddings == model.config.tie_word_embeddings
     assert set(ours.eos_token_ids) == set(np.atleast_1d(model.generation_config.eos_token_id).tolist())
     assert (ours.num_layers, ours.num_kv_heads) == (text.num_hidden_layers, text.num_key_value_heads)
-    assert ours.layer_types == tuple(getattr(text, "layer_types", None) or ("full_attention",) * ours.num_layers)
+    assert ours.layer_types == layer_types(ours, text)
 
 
 def test_pipeline_equals_transformers(variant):
@@ -342,10 +365,10 @@ def test_a_text_config_of_its_model_type_alone_reads_as_its_class_fills_it(famil
             ours.num_kv_heads, ours.head_dim, ours.rms_norm_eps, ours.max_position_embeddings) == (
         text.vocab_size, text.hidden_size, intermediate, text.num_hidden_layers, text.num_attention_heads,
         text.num_key_value_heads, head_dim, text.rms_norm_eps, text.max_position_embeddings)
-    assert (ours.rope_theta, ours.rotary_dim) == (text.rope_parameters["rope_theta"], 2 * rotary.inv_freq.numel())
+    assert_rotary_is_transformers(ours, rotary, text)
     if len(ours.mrope_section) == 3:
         assert list(ours.mrope_section) == list(rotary.mrope_section)
-    assert ours.layer_types == tuple(getattr(text, "layer_types", None) or ("full_attention",) * ours.num_layers)
+    assert ours.layer_types == layer_types(ours, text)
     if ours.linear_attention:
         lin = ours.linear_attention
         assert (lin.num_k_heads, lin.num_v_heads, lin.k_head_dim, lin.v_head_dim, lin.conv_kernel) == (

@@ -48,6 +48,18 @@ def test_paged_prefill_kernel_matches_sdpa_in_a_mixed_step(dtype, heads, kv_head
                          block_size=16, num_blocks=4096)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 64, 1024])
+def test_paged_kernels_with_sliding_windows_and_bidirectional_spans(dtype, window):
+    """Gemma 3's masks at its sizes (8 heads, 4 KV heads of 256): image blocks of 256 tokens seeing
+    each other both ways in prefill (one continuing after a cached prefix), sliding-window layers in
+    prefill and decode, beside full ones."""
+    check_attention_step("cuda", dtype, 8, 4, 256, [(0, 600, (10, 266), (300, 556)), (700, 1), (1000, 300, (900, 1156)),
+                                                    (2048, 1)], block_size=16, num_blocks=4096, window=window)
+    check_paged_decode("cuda", dtype, 8, 4, 256, [1, 15, 300, 1000, 3000], block_size=16, num_blocks=4096,
+                       window=window)
+
+
 @pytest.fixture(scope="module", params=["bfloat16", "float32"])
 def engines(request, tiny_checkpoint):
     """The same model on CUDA, decoding eagerly and from CUDA graphs."""

@@ -1,6 +1,8 @@
 """The `llm` decoder in bfloat16 against transformers in bfloat16 (`from_pretrained(dtype=torch.bfloat16)`,
-its default sdpa attention) for Qwen2.5-VL, GLM-4.1V, MiniCPM-V 4.6, LLaVA and Qwen3-VL (dense and MoE,
-DeepStack maps added in bfloat16) and Qwen3.5-MoE (its shared expert's sigmoid gate in bfloat16) (tiny checkpoints, perturbed as in tests/test_llm_minicpmv.py), on CPU and, marked `gpu`, on CUDA; the KV pool's bytes per token
+its default sdpa attention) for Qwen2.5-VL, GLM-4.1V, MiniCPM-V 4.6, LLaVA, Qwen3-VL (dense and MoE,
+DeepStack maps added in bfloat16), Qwen3.5-MoE (its shared expert's sigmoid gate in bfloat16) and Gemma 3
+(tiny checkpoints, perturbed as in tests/test_llm_minicpmv.py), on CPU and, marked `gpu`, on CUDA; the KV pool's
+bytes per token
 in bfloat16; and a `--llm-dtype bfloat16` build served by tritonserver.
 
 Inputs come from each family's HF processor; vision rows from the bfloat16 HF model's own
@@ -39,6 +41,8 @@ FAMILIES = {
     **{name: ("<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n", "<|vision_start|><|image_pad|><|vision_end|>",
               "<|vision_start|><|video_pad|><|vision_end|>", "describe the red car on the road")
        for name in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5_moe")},
+    "gemma3": ("<start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n", "<start_of_image>", None,
+               "describe the red car on the road, then the blue one"),
 }
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device")])]

@@ -4,8 +4,9 @@ replicated), GLM-4.1V (interleaved partial rotary, fused gate_up, one KV head re
 (routed experts split by expert, shared experts by width), Qwen3-VL-MoE (softmax-routed experts, the
 image rows' DeepStack maps broadcast to every rank), Qwen3.5-MoE (every layer, linear or full
 attention, with routed experts split by expert and the sigmoid-gated shared expert by width), MiniCPM-V 4.6 (Gated DeltaNet layers
-by head, their states per rank, beside gated full attention) and MiniCPM-V 4.0 (Llama heads wider
-than the model's width split, LongRoPE), text and image prompts, several
+by head, their states per rank, beside gated full attention), MiniCPM-V 4.0 (Llama heads wider
+than the model's width split, LongRoPE) and Gemma 3 (sliding windows, an image block attending both
+ways on every rank), text and image prompts, several
 requests at once, prompts in chunks. A killed worker ends the requests with an error naming it,
 and the engine refuses new ones; a decoder that does not split is refused at start (and by the
 build). Behind a real tritonserver (`build --tensor-parallel 2`, the llm's ranks spawned by
@@ -39,7 +40,7 @@ def checkpoints(tmp_path_factory):
     overrides = {"minicpmv4_0": {"text": {"num_attention_heads": 4, "num_key_value_heads": 2}}}
     return {family: write_demo_checkpoint(family, root / family, "tiny", overrides=overrides.get(family))
             for family in ("qwen2_5_vl", "glm4v", "glm4v_moe", "minicpmv4_6", "minicpmv4_0", "qwen3_vl_moe",
-                           "qwen3_5_moe")}
+                           "qwen3_5_moe", "gemma3")}
 
 
 def requests(engine: Engine) -> list[dict]:
@@ -64,7 +65,7 @@ def generate(engine: Engine, tag: str) -> list[Collector]:
 
 @pytest.mark.parametrize("family, ranks", [("qwen2_5_vl", 2), ("qwen2_5_vl", 4), ("glm4v", 2), ("glm4v_moe", 2),
                                            ("minicpmv4_6", 2), ("minicpmv4_0", 2), ("qwen3_vl_moe", 2),
-                                           ("qwen3_5_moe", 2)])
+                                           ("qwen3_5_moe", 2), ("gemma3", 2)])
 def test_split_model_gives_the_whole_models_tokens_and_logits(checkpoints, family, ranks):
     settings = dict(return_logits=True, max_num_tokens=12, max_running=8)  # prompts of several chunks
     whole = Engine(checkpoints[family], **settings)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.encoder_checks import rel_err
+from tests.encoder_checks import check_batched_whole_views, rel_err
 from tests.oracle import Oracle
 from tests.test_preprocess_llava import VARIANTS, hf_rows, llava_checkpoints  # noqa: F401 (fixture)
 from triton_vlm.errors import InvalidInput
@@ -85,19 +85,7 @@ def test_onnx_matches_get_image_features(case, onnx_path, max_patches_per_run):
 
 
 def test_batched_requests_through_both_back_ends(case, onnx_path):
-    """Two requests in one batched execution (the server's `BatchedEncoder`, cache on: the repeated
-    image is encoded once) give each request its own rows."""
-    from triton_vlm.vision.batching import BatchedEncoder, EmbeddingCache
-    from triton_vlm.vision.runtime.encoder import VisionEncoder
-    from triton_vlm.vision.runtime.torch_encoder import TorchEncoder
-
-    checkpoint, pixels, grid, ref = case
-    per_image = pixels.shape[0] // len(grid)
-    rows = ref.shape[0] // len(grid)
-    batch = [(pixels[:2 * per_image], grid[:2], {}), (pixels[per_image:], grid[1:], {})]
-    for back_end in (VisionEncoder(onnx_path), TorchEncoder(checkpoint, "cpu", "float32")):
-        (first, second), _ = BatchedEncoder(back_end, EmbeddingCache(1 << 24)).encode_many(batch)
-        assert rel_err(first, ref[:2 * rows]) <= 1e-4 and rel_err(second, ref[rows:]) <= 1e-4
+    check_batched_whole_views(case[0], onnx_path, *case[1:])
 
 
 def test_a_grid_of_another_size_is_refused(case, onnx_path):

@@ -10,6 +10,10 @@ pixels (a packed frame's temporal id, an image's own size, the
 patches a frame is padded to): `preprocess` gives each, the
 `vision_encoder` front checks it and sends it per patch row to `vision_encoder_batch`, and the
 tower takes it by name (`Tower.EXTRAS`). A new one is a line in `EXTRAS`.
+
+Attention masks take no tensor: a decoder whose media blocks attend both ways in prefill (Gemma 3)
+finds each block as a run of placeholder tokens in `input_ids` (`DecoderConfig.bidirectional_media`),
+and sliding windows come from the checkpoint's config.
 """
 from __future__ import annotations
 
@@ -50,6 +54,7 @@ MEDIA_INPUTS = (
     TensorSpec("text_input", "BYTES", (1,)),
     TensorSpec("images", "BYTES", (-1,), optional=True),
     TensorSpec("videos", "BYTES", (-1,), optional=True),
+    # a JSON object: numbers, and the booleans a family's processor takes (`ProcessorRules.image_flags`)
     TensorSpec("mm_options", "BYTES", (1,), optional=True),
 )
 # Generation controls, read by `SamplingParams.from_inputs` (`triton_vlm.contract.sampling`): ours,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from triton_vlm.families import glm4v, internvl, llava, minicpmv, qwen2_5_vl, qwen3_vl
+from triton_vlm.families import gemma3, glm4v, internvl, llava, minicpmv, qwen2_5_vl, qwen3_vl
 from triton_vlm.families.base import Family
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
@@ -18,6 +18,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     *llava.FAMILIES,
     *internvl.FAMILIES,
     *qwen3_vl.FAMILIES,
+    *gemma3.FAMILIES,
 )}
 # The family of `make demo` and of the tools' defaults.
 DEFAULT_FAMILY = qwen2_5_vl.QWEN2_5_VL.name

@@ -61,6 +61,9 @@ class Prompt:
     named_special_tokens: dict[str, str]
     # Generation stops on these; the first is the tokenizer's eos.
     eos_tokens: tuple[str, ...] = ()
+    # The image placeholder's named special token and the config key that may give its id (Gemma 3's
+    # prompts hold `boi_token`, `<start_of_image>`, which its processor expands into the image run).
+    image_placeholder_token: tuple[str, str] = ("image_token", "image_token_id")
     # Text the expanded prompt holds before every video's media (InternVL's "Frame1: "): put before
     # each video placeholder in the text, so that it is encoded with the text before it, as the
     # processor encodes its expanded prompt.
@@ -118,6 +121,18 @@ class ProcessorRules:
     # `VisionSettings` values where the processor config leaves them out (the processor class's own
     # defaults that its config does not store).
     vision_defaults: dict[str, Any] = field(default_factory=dict)
+    # `VisionSettings` values the processor class sets over whatever its config says (its own
+    # `images_kwargs`, which win over the saved image processor config: Gemma 3's pan-and-scan).
+    processor_settings: dict[str, Any] = field(default_factory=dict)
+    # Boolean `VisionSettings` fields a request may set for its images (`mm_options`, as
+    # transformers' processor keywords: Gemma 3's `do_pan_and_scan`); other families refuse them.
+    image_flags: tuple[str, ...] = ()
+    # The text each image placeholder becomes (`expand_text(media) -> str`), the whole prompt then
+    # encoded in one piece, as processors
+    # that expand placeholders in the text before tokenizing do (Gemma 3's `\n\n` around the image
+    # run merges with its neighbours); None: `expand_media` splices ids. Its spans are none: the
+    # family's positions are the plain 0..S-1.
+    expand_text: Callable[..., str] | None = None
     # `VisionSettings` fields read from the model's config.json (field -> key) where the processor
     # config leaves them out: models that process images in their own code keep these settings there.
     config_settings: dict[str, str] = field(default_factory=dict)

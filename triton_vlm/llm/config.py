@@ -15,8 +15,8 @@ from triton_vlm.contract.tensors import embedding_width
 from triton_vlm.families import DEFAULT_FAMILY, detect_family
 from triton_vlm.llm.layers.linear_attention import LinearAttentionConfig
 from triton_vlm.llm.layers.moe import MoeConfig
-from triton_vlm.llm.text_config import (LongRope, Rope, Scaling, TextRules, context_limit, layer_types, text_section,
-                                        tied)
+from triton_vlm.llm.text_config import (LongRope, Rope, Scaling, TextRules, context_limit, layer_type_ropes, layer_types,
+                                        text_section, tied)
 from triton_vlm.tokenizer import load_tokenizer
 
 
@@ -74,12 +74,31 @@ class DecoderConfig:
     longrope: LongRope | None = None  # `rope_type` "longrope": its frequency factors and cos/sin scale
     scaling: Scaling = Scaling()  # embedding, residual and logit multipliers (MiniCPM's)
     deepstack_maps: int = 0  # DeepStack feature maps each vision row carries (`DecoderSpec.deepstack_indexes`)
+    # "sliding_attention" layers (`layer_types`) see the keys less than `sliding_window` positions back
+    # (Gemma 3's); their rotary has its own theta, and full layers' positions are divided by
+    # `rope_linear_factor` (linear scaling).
+    sliding_window: int | None = None
+    sliding_rope_theta: float | None = None
+    rope_linear_factor: float = 1.0
+    attention_scale: float | None = None  # None: head_dim ** -0.5
+    # In prefill the tokens of one media run (a run of placeholders) attend to each other both ways
+    # (`DecoderSpec.bidirectional_media`).
+    bidirectional_media: bool = False
 
     @property
     def embedding_width(self) -> int:
         """The width of a vision row (`embeddings`): the input embedding, then each DeepStack map
         (`triton_vlm.contract.tensors.embedding_width`)."""
         return embedding_width(self.hidden_size, self.deepstack_maps)
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim ** -0.5 if self.attention_scale is None else self.attention_scale
+
+    @property
+    def kv_windows(self) -> tuple[int | None, ...]:
+        """Per attention layer (the K/V cache's layer index): its sliding window, None for full attention."""
+        return tuple(self.sliding_window if self.layer_types[i] == "sliding_attention" else None for i in self.kv_layers)
 
     @property
     def moe_layers(self) -> tuple[bool, ...]:
@@ -90,7 +109,7 @@ class DecoderConfig:
     @property
     def kv_layers(self) -> tuple[int, ...]:
         """The layers that attend over K/V (the pool holds K/V for these only)."""
-        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
+        return tuple(i for i, t in enumerate(self.layer_types) if t in ("full_attention", "sliding_attention"))
 
     @property
     def recurrent(self) -> bool:
@@ -115,6 +134,17 @@ class DecoderConfig:
         text = text_section(cfg, rules)
 
         rope = Rope.read(text, rules)
+        sliding_theta, linear_factor = None, 1.0
+        if rules.local_rope_theta is not None:  # one rotary per layer type (no M-RoPE)
+            ropes = layer_type_ropes(text, rules)
+            for kind, params in ropes.items():
+                if params.get("rope_type", "default") not in ("default", "linear"):
+                    raise NotImplementedError(f"rope_parameters.{kind}.rope_type {params['rope_type']!r} is not "
+                                              "supported (default, linear)")
+            full = ropes["full_attention"]
+            linear_factor = float(full["factor"]) if full.get("rope_type") == "linear" else 1.0
+            sliding_theta = float(ropes["sliding_attention"]["rope_theta"])
+            rope = Rope("default", float(full["rope_theta"]), 1.0, ())
         if rope.rope_type not in ("default", "longrope") or (rope.rope_type == "longrope" and spec.mrope):
             raise NotImplementedError(f"rope_type {rope.rope_type!r} is not supported (only default M-RoPE, "
                                       "and LongRoPE of 1-D positions)")
@@ -122,8 +152,8 @@ class DecoderConfig:
             raise NotImplementedError("sliding-window attention is not supported")
         if refused := [key for key in spec.refused_flags if text.get(key)]:
             raise NotImplementedError(f"{family.name}: text_config {', '.join(refused)} is not supported")
-        act = text.get("hidden_act", "silu")
-        if act != "silu":
+        act = text.get(rules.activation_key, spec.activation)
+        if act != spec.activation:
             raise NotImplementedError(f"hidden_act {act!r} is not supported")
 
         hidden, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
@@ -145,10 +175,11 @@ class DecoderConfig:
         placeholders = (tuple(int(cfg[k]) for k in spec.placeholder_keys if cfg.get(k) is not None)
                         + _token_ids(root, spec.placeholder_tokens))
         num_layers = int(text["num_hidden_layers"])
-        # without use_sliding_window (refused above) transformers' "sliding_attention" layers attend fully
-        types = tuple("full_attention" if t == "sliding_attention" else t
+        # without use_sliding_window (refused above) transformers' "sliding_attention" layers attend fully,
+        # but in decoders whose sliding layers always slide (`TextRules.sliding_layers`)
+        types = tuple("full_attention" if t == "sliding_attention" and not rules.sliding_layers else t
                       for t in layer_types(text, rules, num_layers))
-        unknown = set(types) - {"full_attention", "linear_attention"}
+        unknown = set(types) - {"full_attention", "linear_attention", "sliding_attention"}
         if len(types) != num_layers or unknown:
             raise ValueError(f"config.json: layer_types {list(types)} for {num_layers} layers")
         linear = None
@@ -179,4 +210,8 @@ class DecoderConfig:
             eos_token_ids=tuple(dict.fromkeys(eos)), family=family.name, layer_types=types, linear_attention=linear,
             mrope_interleaved=rules.mrope_interleaved, moe=moe, text_model_type=text_model_type, longrope=longrope,
             scaling=Scaling.read(text, rules), deepstack_maps=deepstack,
+            sliding_window=int(text["sliding_window"]) if "sliding_attention" in types else None,
+            sliding_rope_theta=sliding_theta, rope_linear_factor=linear_factor,
+            attention_scale=(float(text[rules.attention_scale_key]) ** -0.5 if rules.attention_scale_key else None),
+            bidirectional_media=spec.bidirectional_media,
         )

@@ -130,14 +130,20 @@ class DecoderModel:
         # does transformers, which ties only a head that is missing or equal to the embedding.
         self.lm_head = self.embed_tokens[shard.vocab_rows(c.vocab_size)] if head is None else convert(head)
         if c.scaling.embedding != 1.0:  # every token's embedding scaled (a gather of a scaled table is exact)
-            self.embed_tokens = self.embed_tokens * c.scaling.embedding
+            scale = c.scaling.embedding
+            self.embed_tokens = self.embed_tokens * (torch.tensor(scale, dtype=self.dtype) if c.scaling.embedding_in_dtype
+                                                     else scale)
         self.layers = []
         self.layer_index: list[int] = []  # per layer: its index in the KV cache, or in the StateCache
         for i, (kind, moe) in enumerate(zip(c.layer_types, c.moe_layers)):
             cls = spec.layer_class(kind, moe)
             self.layers.append(cls(lambda name, i=i: w(f"layers.{i}.{name}"), c, shard))
-            self.layer_index.append(sum(1 for t in c.layer_types[:i] if t == kind))
-        self.rotary = Rotary(c, spec.rotary_pairing, self.device, self.dtype)
+            self.layer_index.append(sum(1 for t in c.layer_types[:i] if (t == "linear_attention") == (kind == "linear_attention")))
+        self.rotary = Rotary(c, spec.rotary_pairing, self.device, self.dtype, linear_factor=c.rope_linear_factor)
+        # sliding-window layers with a rotary of their own (Gemma 3's `rope_local_base_freq`)
+        sliding = self.rotary if c.sliding_rope_theta is None else Rotary(
+            c, spec.rotary_pairing, self.device, self.dtype, theta=c.sliding_rope_theta)
+        self.layer_rotary = [sliding if kind == "sliding_attention" else self.rotary for kind in c.layer_types]
 
     @classmethod
     def from_checkpoint(cls, checkpoint_dir: str | Path, *, device: str | torch.device = "cpu",
@@ -198,15 +204,18 @@ class DecoderModel:
         attends per sequence); linear-attention layers run each sequence from its slot of `states`.
         Returns the logits [len(batch.logits_rows), vocab]."""
         c, h = self.config, batch.h
-        cos, sin = self.rotary.cos_sin(batch.positions)
-        cos, sin = cos[:, None], sin[:, None]  # once per pass, not per layer
+        angles = {}  # cos, sin of each distinct rotary, once per pass, not per layer
+        for rotary in dict.fromkeys(self.layer_rotary):
+            cos, sin = rotary.cos_sin(batch.positions)
+            angles[rotary] = cos[:, None], sin[:, None]
         deepstack = batch.deepstack
-        for i, (layer, li) in enumerate(zip(self.layers, self.layer_index)):
+        for i, (layer, li, rotary) in enumerate(zip(self.layers, self.layer_index, self.layer_rotary)):
             if layer.recurrent:
                 h = layer.forward(h, batch.recurrent, states.conv[li], states.recurrent[li])
             else:
                 q, k, v, gate = layer.qkv(h)
-                q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
+                cos, sin = angles[rotary]
+                q, k = rotary.apply(q, cos, sin), rotary.apply(k, cos, sin)
                 attn = attention.forward(li, q, k, v, batch.attn)
                 h = layer.finish(h, attn.view(h.shape[0], c.num_heads * c.head_dim), gate)
             if deepstack is not None and i < deepstack.maps.shape[0]:  # Qwen3VLTextModel._deepstack_process

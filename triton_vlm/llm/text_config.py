@@ -51,6 +51,19 @@ class TextRules:
     sdpa_sliding_window: bool = False
     # MiniCPM's scalings (`Scaling`): its config's `scale_emb`, `scale_depth` and `dim_model_base`.
     mup_scaling: bool = False
+    # Gemma 3's: `sliding_attention` layers hide keys `sliding_window` or more positions back (others'
+    # attend fully without `use_sliding_window`); where `layer_types` is left out, every n-th layer
+    # is full attention and the others sliding (`sliding_window_pattern`, this default; 0: none).
+    sliding_layers: bool = False
+    sliding_window_pattern: int = 0
+    # A rotary per layer type (`rope_parameters` {"full_attention": ..., "sliding_attention": ...}),
+    # this the sliding layers' default theta (`rope_local_base_freq`); None: one rotary.
+    local_rope_theta: float | None = None
+    # The config key of the MLP's activation, and of the attention's scale (its -1/2 power; None:
+    # head_dim's); token embeddings scaled by sqrt(hidden_size) (Gemma's).
+    activation_key: str = "hidden_act"
+    attention_scale_key: str | None = None
+    sqrt_hidden_embedding: bool = False
 
 
 @dataclass(frozen=True)
@@ -62,9 +75,13 @@ class Scaling:
     embedding: float = 1.0
     residual: float = 1.0
     logits_divisor: float = 1.0
+    # The embedding multiplier rounded to the model's dtype first (Gemma's `embed_scale.to(dtype)`).
+    embedding_in_dtype: bool = False
 
     @classmethod
     def read(cls, text: dict[str, Any], rules: TextRules) -> "Scaling":
+        if rules.sqrt_hidden_embedding:
+            return cls(embedding=math.sqrt(int(text["hidden_size"])), embedding_in_dtype=True)
         if not rules.mup_scaling:
             return cls()
         return cls(embedding=float(text["scale_emb"]),
@@ -102,6 +119,9 @@ def layer_types(text: dict[str, Any], rules: TextRules, num_layers: int) -> tupl
     """Each layer's type: the config's `layer_types`, else the class's pattern."""
     if text.get("layer_types"):
         return tuple(text["layer_types"])
+    pattern = int(text.get("sliding_window_pattern") or rules.sliding_window_pattern) if rules.sliding_layers else 0
+    if pattern:
+        return tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers))
     interval = int(text.get("full_attention_interval") or rules.full_attention_interval)
     return tuple("linear_attention" if interval and (i + 1) % interval else "full_attention" for i in range(num_layers))
 
@@ -175,3 +195,16 @@ class Rope:
                    rotary_factor=factor,
                    mrope_section=tuple(int(s) for s in rope.get("mrope_section") or rules.mrope_section),
                    scaling=rope)
+
+
+def layer_type_ropes(text: dict[str, Any], rules: TextRules) -> dict[str, dict[str, Any]]:
+    """Each layer type's rotary parameters where the model has one per type (`rules.local_rope_theta`),
+    as Gemma 3's config class completes them: `rope_parameters[type]`, the older `rope_scaling` over
+    the full layers', `rope_theta` and `rope_local_base_freq` beside them, else the class's thetas."""
+    params = dict(text.get("rope_parameters") or {})
+    full = dict(params.get("full_attention") or {"rope_type": "default"})
+    full.update(text.get("rope_scaling") or {})
+    full.setdefault("rope_theta", text.get("rope_theta", rules.rope_theta))
+    sliding = dict(params.get("sliding_attention") or {"rope_type": "default"})
+    sliding.setdefault("rope_theta", text.get("rope_local_base_freq", rules.local_rope_theta))
+    return {"full_attention": full, "sliding_attention": sliding}

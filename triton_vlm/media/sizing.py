@@ -74,6 +74,14 @@ class VisionSettings:
     pad_to_square: bool = False
     vision_aspect_ratio: str = "anyres_max_9"
     num_image_tokens: int = 0   # an anyres processor's tokens per view
+    # Pan-and-scan (Gemma 3's processor): beside the whole image, up to `pan_and_scan_max_num_crops`
+    # crops along its longer side when that side is at least `pan_and_scan_min_ratio_to_activate`
+    # times the shorter, none of them under `pan_and_scan_min_crop_size` pixels a side; only where
+    # `do_pan_and_scan` (a request's `mm_options`).
+    do_pan_and_scan: bool = False
+    pan_and_scan_min_crop_size: int = 256
+    pan_and_scan_max_num_crops: int = 4
+    pan_and_scan_min_ratio_to_activate: float = 1.2
     # Tiling processors (`GotOcr2ImageProcessor`): an image cut into tiles of `resize_to`, between
     # `min_patches` and `max_patches` of them.
     min_patches: int = 1

@@ -63,7 +63,8 @@ class Preprocessor:
             self._placeholder_pattern = re.compile("(" + "|".join(map(re.escape, placeholders)) + ")")
             self._special_around = _special_tokens_around(self.tokenizer)
         else:
-            self.image_token_id = self._token_id("image_token_id", named["image_token"])
+            name, key = self.family.prompt.image_placeholder_token
+            self.image_token_id = self._token_id(key, named[name])
             # A family that takes no videos may have no video token in its tokenizer.
             self.video_token_id = (self._token_id("video_token_id", named["video_token"])
                                    if self.family.processor.takes_videos else VIDEO_MARK)
@@ -91,11 +92,15 @@ class Preprocessor:
                  mm_options: dict | str | bytes | None = None) -> PreprocessOutput:
         images, videos = list(images or []), list(videos or [])
         options = self.defaults.request(parse_mm_options(mm_options), len(images))
-        ids = self._prompt_ids(_text_input(text), len(images), len(videos))
+        text = _text_input(text)
+        ids = self._prompt_ids(text, len(images), len(videos))
         items = self._items(ids, self._item_bytes(images, videos))
         items = map_items(lambda item: self._plan(item, options), items)
         self._check_frame_patches(items)
-        expansions = self._expansions(ids, items, options.video_pruning_rate)
+        if self.family.processor.expand_text is not None:
+            ids, expansions = self._text_expanded(text, items), []
+        else:
+            expansions = self._expansions(ids, items, options.video_pruning_rate)
         pixel_values = self._pixels(items)
         return self._assemble(ids, items, expansions, pixel_values, options.video_pruning_rate)
 
@@ -245,23 +250,41 @@ class Preprocessor:
         return dataclasses.replace(item, **chosen, video_file=video_file, planned=planned, frames=frames,
                                    num_frames=len(meta.frames_indices), t_factor=t_factor, timestamps=meta.timestamps)
 
+    def _media_layout(self, item: Item, rate: float) -> MediaLayout:
+        """What the family's expansion sees of a planned item (`rate`: the request's EVS pruning)."""
+        return MediaLayout(video=item.video, index=item.index,
+                           token=self.video_token_id if item.video else self.image_token_id,
+                           grids=item.grids, views=item.layout.views, num_frames=item.num_frames,
+                           settings=item.settings, timestamps=item.timestamps, t_factor=item.t_factor,
+                           pruning_rate=rate if item.video else 0.0, source=item.probed)
+
     def _expansions(self, ids: np.ndarray, items: list[Item], rate: float) -> list[tuple[np.ndarray, list[MediaSpan]]]:
         """What each placeholder token becomes (media tokens, and for some families per-frame
         markers and timestamps), known from the grids alone: the prompt's real length is checked
         before anything is decoded into the output."""
-        expansions = []
-        for item in items:
-            media = MediaLayout(video=item.video, index=item.index,
-                                token=self.video_token_id if item.video else self.image_token_id,
-                                grids=item.grids, views=item.layout.views, num_frames=item.num_frames,
-                                settings=item.settings, timestamps=item.timestamps, t_factor=item.t_factor,
-                                pruning_rate=rate if item.video else 0.0, source=item.probed)
-            expansions.append(self.family.processor.expand_media(media, self._vocab_id, self._encode_pieces))
+        expansions = [self.family.processor.expand_media(self._media_layout(item, rate), self._vocab_id,
+                                                         self._encode_pieces) for item in items]
         n_tokens = int(ids.shape[0]) - len(items) + sum(int(e.shape[0]) for e, _ in expansions)
         if n_tokens > self.limits.max_prompt_tokens:
             raise InvalidInput(f"text_input: prompt is {n_tokens} tokens after expanding media, exceeds "
                                f"max_prompt_tokens={self.limits.max_prompt_tokens}")
         return expansions
+
+    def _text_expanded(self, text: str, items: list[Item]) -> np.ndarray:
+        """The prompt's ids where each image placeholder is first replaced in the text by what the
+        family's `expand_text` makes of it (put before the text if it holds none), then encoded whole."""
+        placeholder = self.family.image_placeholder
+        if placeholder not in text:
+            text = placeholder * len(items) + text
+        pieces = text.split(placeholder)
+        expanded = [pieces[0]]
+        for item, following in zip(items, pieces[1:]):
+            expanded += [self.family.processor.expand_text(self._media_layout(item, 0.0)), following]
+        ids = np.asarray(self.tokenizer.encode("".join(expanded)).ids, dtype=np.int32)
+        if ids.shape[0] > self.limits.max_prompt_tokens:
+            raise InvalidInput(f"text_input: prompt is {ids.shape[0]} tokens after expanding media, exceeds "
+                               f"max_prompt_tokens={self.limits.max_prompt_tokens}")
+        return ids
 
     def _pixels(self, items: list[Item]) -> np.ndarray:
         """Phase 2, once the output buffer exists: the rest is decoded and written straight into it,

@@ -16,8 +16,11 @@ from triton_vlm.errors import InvalidInput
 from triton_vlm.families.base import Family, ProcessorRules
 from triton_vlm.media.sizing import VisionSettings
 
+# Boolean options: `VisionSettings` fields of the images, honoured by the families that list them
+# (`ProcessorRules.image_flags`).
+MM_OPTION_FLAGS = ("do_pan_and_scan",)
 MM_OPTION_KEYS = ("min_pixels", "max_pixels", "fps", "num_frames", "max_frames", "force_packing",
-                  "video_pruning_rate")
+                  "video_pruning_rate") + MM_OPTION_FLAGS
 
 
 def parse_mm_options(raw: dict | str | bytes | None) -> dict:
@@ -76,6 +79,7 @@ def vision_settings(section: dict, size_default: tuple[int, int], rules: Process
         values["shortest_edge"] = int(size["shortest_edge"])
     if size.get("height") and size.get("width"):
         values["resize_to"] = (int(size["height"]), int(size["width"]))
+    values.update(rules.processor_settings)
     return dataclasses.replace(base, min_pixels=int(min_pixels), max_pixels=int(max_pixels), **values)
 
 
@@ -161,6 +165,12 @@ class Defaults:
                 rate = self.family.pruning_rate(opts.pop("video_pruning_rate"), "mm_options: video_pruning_rate")
             except ValueError as error:
                 raise InvalidInput(str(error)) from None
+        flags = {k: opts.pop(k) for k in MM_OPTION_FLAGS if k in opts}
+        for key, value in flags.items():
+            if not isinstance(value, bool):
+                raise InvalidInput(f"mm_options: {key} must be a boolean (true or false)")
+            if key not in self.family.processor.image_flags:
+                raise InvalidInput(f"mm_options: {key} does not apply: {self.family.name}'s processor has no {key}")
         for key, value in opts.items():
             if key == "fps":
                 ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
@@ -209,6 +219,8 @@ class Defaults:
             sampling = dataclasses.replace(sampling, max_frames=opts["max_frames"])
         if "force_packing" in opts:
             sampling = dataclasses.replace(sampling, force_packing=opts["force_packing"])
+        if flags:
+            image = dataclasses.replace(image, **flags)
         if images > 1 and self.family.processor.several_images_settings:
             image = dataclasses.replace(image, **self.family.processor.several_images_settings)
         return RequestOptions(image, video, sampling, rate)

@@ -11,13 +11,18 @@ step; `forward` is then called by every attention layer with that layer's q, k, 
 - decode rows attend together, one padded and masked SDPA: the query heads of one KV head attend as
   G "query rows" (no K/V repeat for GQA). Their K/V are gathered block by block through the block
   tables, per layer (a transient copy; no second copy of the KV memory is kept).
+Masks are data: a sliding-window layer (`DecoderConfig.kv_windows`) hides the keys `window` or more
+positions back, and in prefill a row inside a bidirectional span (`SeqRows.spans`: a media block of
+a `bidirectional_media` decoder) also sees the span's later tokens (`row_limits`), which the
+scheduler keeps in the row's chunk. Sliding-window layers keep every token's K/V (the block table is
+the sequence's, shared by all layers): their memory is a full layer's.
 
 This backend is plain torch and runs on any device; it is the reference the faster kernels of other
 backends are compared with.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -28,19 +33,58 @@ from triton_vlm.llm.attention.cache import KVCache, token_slots
 
 @dataclass(frozen=True)
 class SeqRows:
-    """One sequence's rows in a step: batch rows `row .. row + n` are its tokens `start .. start + n`."""
+    """One sequence's rows in a step: batch rows `row .. row + n` are its tokens `start .. start + n`.
+    `spans`: the token ranges [a, b) of the sequence whose tokens attend to each other both ways in
+    prefill (`DecoderConfig.bidirectional_media`); the scheduler never ends a chunk inside one."""
     row: int
     n: int
     start: int
     blocks: list[int]   # the sequence's block table
+    spans: tuple[tuple[int, int], ...] = ()
+
+
+def row_limits(s: SeqRows) -> torch.Tensor | None:
+    """One past the last token each row of a prefill chunk sees [n] long: its own token's next,
+    or the end of the bidirectional span it lies in; None when every row is plain causal."""
+    limit = None
+    for a, b in s.spans:
+        lo, hi = max(a, s.start), min(b, s.start + s.n)
+        if lo < hi:
+            if limit is None:
+                limit = torch.arange(s.start + 1, s.start + s.n + 1)
+            limit[lo - s.start:hi - s.start] = b
+    return limit
+
+
+def visible(positions: torch.Tensor, limit: torch.Tensor, length: int, window: int | None) -> torch.Tensor:
+    """[rows, length] which of the tokens 0 .. length - 1 each row (its token at `positions`) sees:
+    below its `limit`, and with a sliding `window` more than `position - window`."""
+    t = torch.arange(length)[None, :]
+    seen = t < limit[:, None]
+    return seen if window is None else seen & (t > positions[:, None] - window)
 
 
 @dataclass
 class PrefillMeta:
     row: int
     n: int
+    start: int
     slots: torch.Tensor | None   # [start + n] slots of the tokens it attends to; None when start == 0
-    mask: torch.Tensor | None    # [n, start + n] which of them each row sees; None: causal over its rows
+    limit: torch.Tensor | None   # [n] one past the last token each row sees (`row_limits`); None: causal
+    masks: dict = field(default_factory=dict)  # by sliding window (None: full), built once per step
+
+    def mask(self, window: int | None, device: torch.device) -> torch.Tensor | None:
+        """[n, start + n] which tokens each row sees; None: causal over the chunk's own rows."""
+        length = self.start + self.n
+        if window is not None and window >= length:
+            window = None  # hides nothing
+        if self.start == 0 and self.limit is None and window is None:
+            return None
+        if window not in self.masks:
+            positions = torch.arange(self.start, length)
+            limit = positions + 1 if self.limit is None else self.limit
+            self.masks[window] = visible(positions, limit, length, window).to(device)
+        return self.masks[window]
 
 
 @dataclass
@@ -49,6 +93,20 @@ class GatheredDecode:
     rows: torch.Tensor          # [B] batch rows of the decode tokens
     mask: torch.Tensor          # [B, 1, 1, L] which of the L gathered tokens each sees
     block_ids: torch.Tensor     # [B * blocks] the blocks to gather, B block tables padded to one length
+    lengths: torch.Tensor | None = None  # [B] tokens each row attends to (its own included)
+    masks: dict = field(default_factory=dict)  # `mask` by sliding window, built once per step
+
+    def windowed(self, window: int | None) -> tuple[torch.Tensor, int]:
+        """`mask` less the tokens `window` or more positions before each row's own, from the first
+        token some row sees on; and that token's index."""
+        if window is None:
+            return self.mask, 0
+        if window not in self.masks:
+            t = torch.arange(self.mask.shape[-1], device=self.mask.device)
+            lengths = self.lengths.to(t.device)
+            first = max(0, int((lengths - window).min()))
+            self.masks[window] = (self.mask & (t >= lengths[:, None] - window)[:, None, None, :])[..., first:], first
+        return self.masks[window]
 
 
 @dataclass
@@ -96,7 +154,9 @@ class TorchAttention:
     def __init__(self, config, kv: KVCache):
         self.kv = kv
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        self.scale = config.head_dim ** -0.5
+        self.scale = config.scale
+        # per attention layer (its K/V index): its sliding window, None for full attention
+        self.windows: tuple[int | None, ...] = config.kv_windows
         # where decode K and V are gathered, reused by every layer and step (grown on demand): a fresh
         # tensor per layer costs page faults on the CPU at every step
         self._gathered = kv.k.new_empty(0, 0), kv.v.new_empty(0, 0)
@@ -128,12 +188,8 @@ class TorchAttention:
         device = self.kv.k.device
         prefills = []
         for s in chunks:
-            if s.start:
-                slots = token_slots(s.blocks, s.start + s.n, self.kv.block_size)
-                seen = torch.arange(s.start + s.n)[None, :] <= (s.start + torch.arange(s.n))[:, None]
-                prefills.append(PrefillMeta(s.row, s.n, slots.to(device), seen.to(device)))
-            else:
-                prefills.append(PrefillMeta(s.row, s.n, None, None))
+            slots = token_slots(s.blocks, s.start + s.n, self.kv.block_size).to(device) if s.start else None
+            prefills.append(PrefillMeta(s.row, s.n, s.start, slots, row_limits(s)))
         return prefills
 
     def decode_metadata(self, decode: list[SeqRows]) -> GatheredDecode:
@@ -143,15 +199,19 @@ class TorchAttention:
         # as long as the longest context, not its last block: one sequence alone attends over exactly
         # its tokens (SDPA's reduction, and so its rounding, is that of an unpaged cache)
         mask = (torch.arange(int(lengths.max()))[None, :] < lengths[:, None])[:, None, None, :]
-        return GatheredDecode(decode_rows(decode).to(device), mask.to(device), table.reshape(-1).to(device))
+        return GatheredDecode(decode_rows(decode).to(device), mask.to(device), table.reshape(-1).to(device),
+                              lengths.to(device))
 
     def decode(self, layer: int, q: torch.Tensor, meta: GatheredDecode) -> torch.Tensor:
         """The decode rows' attention: queries q [B, heads, d] over their blocks -> [B, heads, d]."""
         B, H, KVH, d = q.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         L = meta.mask.shape[-1]
-        kd, vd = (t.view(B, -1, KVH, d)[:, :L].transpose(1, 2)
+        # with a sliding window, from the first token any row sees: one sequence alone attends over
+        # exactly its window (as a sliding cache holds it)
+        mask, first = meta.windowed(self.windows[layer])
+        kd, vd = (t.view(B, -1, KVH, d)[:, first:L].transpose(1, 2)
                   for t in self._gather(self.kv.k[layer], self.kv.v[layer], meta.block_ids))
-        o = F.scaled_dot_product_attention(q.view(B, KVH, H // KVH, d), kd, vd, attn_mask=meta.mask, scale=self.scale)
+        o = F.scaled_dot_product_attention(q.view(B, KVH, H // KVH, d), kd, vd, attn_mask=mask, scale=self.scale)
         return o.reshape(B, H, d)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -182,7 +242,8 @@ class TorchAttention:
                 keys, values = kp.index_select(0, p.slots).transpose(0, 1), vp.index_select(0, p.slots).transpose(0, 1)
             else:
                 keys, values = k[a:a + n].transpose(0, 1), v[a:a + n].transpose(0, 1)
+            mask = p.mask(self.windows[layer], q.device)
             o = F.scaled_dot_product_attention(q[a:a + n].transpose(0, 1)[None], keys[None], values[None],
-                                               attn_mask=p.mask, is_causal=p.mask is None, scale=self.scale,
+                                               attn_mask=mask, is_causal=mask is None, scale=self.scale,
                                                enable_gqa=KVH != H)
             out[a:a + n] = o[0].transpose(0, 1)

@@ -28,6 +28,13 @@ from triton_vlm.llm.attention.base import PagedDecode, SeqRows, TorchAttention, 
 from triton_vlm.llm.layers.cuda_ops import pow2
 
 TOKENS = 64  # context tokens per iteration of the kernel's loop
+# The kernels' window of a full-attention layer: longer than any context (a sliding-window layer
+# passes its own, `DecoderConfig.kv_windows`).
+NO_WINDOW = 1 << 30
+
+
+def kernel_window(window: int | None) -> int:
+    return NO_WINDOW if window is None else int(window)
 
 
 @functools.cache
@@ -46,9 +53,9 @@ def num_splits(programs: int, device: torch.device) -> int:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, block_size: int, scale: float,
-                           splits: int | None = None) -> torch.Tensor:
+                           splits: int | None = None, window: int | None = None) -> torch.Tensor:
     """q [B, heads, d] (one query token per row) attending over its row's first `context_lens[row]`
-    tokens in the paged cache: k_cache, v_cache [slots, kv_heads, d] (one layer of `KVCache`),
+    tokens (the last `window` of them with a sliding window) in the paged cache: k_cache, v_cache [slots, kv_heads, d] (one layer of `KVCache`),
     block_tables [B, max_blocks] int32 -> [B, heads, d] in q's dtype. `splits`: the context splits
     per (row, KV head), `num_splits` by default (CUDA's; the interpreter's tests name theirs)."""
     B, H, D = q.shape
@@ -63,7 +70,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     from triton_vlm.llm.attention.kernels import paged_decode as decode
 
     decode[(B, KVH, splits)](
-        q, k_cache, v_cache, out, parts, block_tables, context_lens, scale,
+        q, k_cache, v_cache, out, parts, block_tables, context_lens, scale, kernel_window(window),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0),
         G=H // KVH, G_PAD=pow2(H // KVH, 16), D=D, D_PAD=pow2(D, 16), BLOCK_SIZE=block_size, TOKENS=TOKENS,
@@ -84,4 +91,4 @@ class TritonAttention(TorchAttention):
 
     def decode(self, layer: int, q: torch.Tensor, meta: PagedDecode) -> torch.Tensor:
         return paged_decode_attention(q, self.kv.k[layer], self.kv.v[layer], meta.block_tables, meta.context_lens,
-                                      self.kv.block_size, self.scale)
+                                      self.kv.block_size, self.scale, window=self.windows[layer])

@@ -11,14 +11,16 @@ import triton.language as tl
 
 
 @triton.jit
-def attend_tile(q, k_ptr, v_ptr, table_ptr, first, end, position, mx, total, acc, scale, stride_kslot, head_offset,
+def attend_tile(q, k_ptr, v_ptr, table_ptr, first, end, low, high, mx, total, acc, scale, stride_kslot, head_offset,
                 d, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr, IEEE: tl.constexpr):
     """One step of flash attention's online softmax for the query rows `q` [M, D_PAD] over the
     tokens `first .. first + TOKENS` (those below `end`) of a sequence whose block table starts at
     `table_ptr`: a token's slot is `table[t // BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE`, and row m
-    sees the tokens up to `position[m]`. Returns the running max, sum and unnormalised output;
-    scores and statistics in float32, IEEE dot products in float32, the probabilities cast to the
-    cache's dtype otherwise (as SDPA's flash and memory-efficient kernels do)."""
+    sees the tokens `low[m] .. high[m] - 1` (a sliding window's start, the end of its causal or
+    bidirectional reach). Returns the running max, sum and unnormalised output; scores and
+    statistics in float32, IEEE dot products in float32, the probabilities cast to the cache's dtype
+    otherwise (as SDPA's flash and memory-efficient kernels do). A row that has seen no token yet
+    keeps max -inf, sum 0 and output 0."""
     token = first + tl.arange(0, TOKENS)
     valid = token < end
     block = tl.load(table_ptr + token // BLOCK_SIZE, mask=valid, other=0)
@@ -30,10 +32,12 @@ def attend_tile(q, k_ptr, v_ptr, table_ptr, first, end, position, mx, total, acc
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
-    s = tl.where(valid[None, :] & (token[None, :] <= position[:, None]), s * scale, float("-inf"))
+    seen = valid[None, :] & (token[None, :] >= low[:, None]) & (token[None, :] < high[:, None])
+    s = tl.where(seen, s * scale, float("-inf"))
     m_new = tl.maximum(mx, tl.max(s, 1))
-    alpha = tl.exp(mx - m_new)
-    p = tl.exp(s - m_new[:, None])
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(mx - m_safe)
+    p = tl.exp(s - m_safe[:, None])
     total = total * alpha + tl.sum(p, 1)
     v = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0)
     if IEEE:
@@ -44,12 +48,13 @@ def attend_tile(q, k_ptr, v_ptr, table_ptr, first, end, position, mx, total, acc
 
 
 @triton.jit
-def paged_decode(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, block_tables, context_lens, scale,
+def paged_decode(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, block_tables, context_lens, scale, window,
                  stride_qb, stride_qh, stride_kslot, stride_khead, stride_ob, stride_oh, stride_bt,
                  G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                  BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr):
     """One program per (decode row, KV head, context split): the G query heads of the KV head as one
-    [G, d] tile over the split's share of the row's context."""
+    [G, d] tile over the split's share of the row's context: its last `window` tokens (a sliding-window
+    layer's; `cuda.NO_WINDOW` for full attention)."""
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -63,12 +68,14 @@ def paged_decode(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, block_tables, context_l
     heads = kv_head * G + g
     q_mask = (g < G)[:, None] & (d < D)[None, :]
     q = tl.load(q_ptr + row * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
-    position = tl.full([G_PAD], 0, tl.int32) + length - 1  # the row's own token, the last it sees
+    first = tl.maximum(length - window, 0)  # the first token the row sees
+    high = tl.full([G_PAD], 0, tl.int32) + length  # the row's own token is the last it sees
+    low = tl.full([G_PAD], 0, tl.int32) + first
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     total = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-    for start in range(begin, end, TOKENS):
-        m, total, acc = attend_tile(q, k_ptr, v_ptr, block_tables + row * stride_bt, start, end, position, m, total,
+    for start in range(tl.maximum(begin, first // TOKENS * TOKENS), end, TOKENS):
+        m, total, acc = attend_tile(q, k_ptr, v_ptr, block_tables + row * stride_bt, start, end, low, high, m, total,
                                     acc, scale, stride_kslot, kv_head * stride_khead, d, D, BLOCK_SIZE, TOKENS, IEEE)
     if SPLITS == 1:
         tl.store(out_ptr + row * stride_ob + heads[:, None] * stride_oh + d[None, :],
@@ -100,12 +107,14 @@ def combine(part_ptr, out_ptr, stride_ob, stride_oh, heads, D: tl.constexpr, D_P
 
 @triton.jit
 def paged_prefill(q_ptr, k_ptr, v_ptr, out_ptr, block_tables, chunk_row, chunk_len, chunk_start,
-                  tile_chunk, tile_offset, scale, stride_qt, stride_qh, stride_kslot, stride_khead,
+                  tile_chunk, tile_offset, row_limit, scale, window, stride_qt, stride_qh, stride_kslot, stride_khead,
                   stride_ot, stride_oh, stride_bt,
                   G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, D: tl.constexpr,
                   D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr, IEEE: tl.constexpr):
     """One program per (query tile, KV head): `BLOCK_Q` query rows of one chunk times the G query
-    heads of the KV head, over the chunk's sequence up to the tile's last position."""
+    heads of the KV head, over the chunk's sequence up to the furthest `row_limit` of its rows (one
+    past the last token a batch row sees: its own, or its bidirectional span's last), each row from
+    `window` tokens before its own on (a sliding-window layer's; `cuda.NO_WINDOW` for full attention)."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     chunk = tl.load(tile_chunk + tile)
@@ -121,14 +130,18 @@ def paged_prefill(q_ptr, k_ptr, v_ptr, out_ptr, block_tables, chunk_row, chunk_l
     q_mask = ((qi < n) & (g < G))[:, None] & (d < D)[None, :]
     q_offsets = (row0 + qi).to(tl.int64)[:, None] * stride_qt + (kv_head * G + g)[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0)
-    position = start + qi  # every row sees token 0 at least: no row's softmax is empty
-    end = start + tl.minimum(offset + BLOCK_Q, n)  # one past the tile's last position
+    position = start + qi  # every row sees its own token at least: no row's softmax is empty
+    high = tl.load(row_limit + row0 + qi, mask=qi < n, other=0)
+    low = tl.maximum(position - window + 1, 0)
+    end = tl.max(high, 0)  # one past the last token any row of the tile sees
+    begin = tl.maximum(start + offset - window + 1, 0) // TOKENS * TOKENS
     mx = tl.full([BLOCK_Q * G_PAD], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_Q * G_PAD], tl.float32)
     acc = tl.zeros([BLOCK_Q * G_PAD, D_PAD], tl.float32)
-    for first in range(0, end, TOKENS):
-        mx, total, acc = attend_tile(q, k_ptr, v_ptr, block_tables + chunk * stride_bt, first, end, position, mx,
+    for first in range(begin, end, TOKENS):
+        mx, total, acc = attend_tile(q, k_ptr, v_ptr, block_tables + chunk * stride_bt, first, end, low, high, mx,
                                      total, acc, scale, stride_kslot, kv_head * stride_khead, d, D, BLOCK_SIZE,
                                      TOKENS, IEEE)
     out_offsets = (row0 + qi).to(tl.int64)[:, None] * stride_ot + (kv_head * G + g)[:, None] * stride_oh + d[None, :]
+    total = tl.where(total == 0, 1.0, total)  # the tile's padding rows (past the chunk) see nothing
     tl.store(out_ptr + out_offsets, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)

@@ -5,7 +5,9 @@ SGLang's `extend_attention`), with no gathered copy of the context and no explic
 A step's chunk c is `chunk_len[c]` query rows starting at batch row `chunk_row[c]`, its sequence's
 tokens `chunk_start[c] ..`; its K/V are already in the cache (the backend writes a step's K/V
 before attending), so query i (token `chunk_start + i`) attends to the tokens `0 .. chunk_start + i`
-of its block table: the cached part unmasked, the chunk itself causal, one rule (token <= position).
+of its block table: the cached part unmasked, the chunk itself causal, one rule (token <= position);
+a row inside a bidirectional span (`SeqRows.spans`) sees up to the span's last token instead
+(`row_limit`), and on a sliding-window layer only the tokens less than its window before its own.
 
 One program per (query tile, KV head): a tile is `block_q` query rows of one chunk times the G
 query heads sharing the KV head, one [block_q * G, d] tile against each K/V tile (GQA without
@@ -24,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from triton_vlm.llm.attention.base import SeqRows
-from triton_vlm.llm.attention.cuda import TritonAttention
+from triton_vlm.llm.attention.base import SeqRows, row_limits
+from triton_vlm.llm.attention.cuda import TritonAttention, kernel_window
 from triton_vlm.llm.layers.cuda_ops import pow2
 
 TOKENS = 32  # context tokens per iteration of the kernel's loop
@@ -40,6 +42,7 @@ class PagedPrefill:
     chunk_start: torch.Tensor   # [C] token index (position in its sequence) of each chunk's first query
     tile_chunk: torch.Tensor    # [tiles] the chunk of each query tile
     tile_offset: torch.Tensor   # [tiles] the tile's first query row within its chunk
+    row_limit: torch.Tensor     # [rows] per batch row of a chunk: one past the last token it sees (`row_limits`)
 
 
 def prefill_metadata(chunks: list[SeqRows], block_size: int, block_q: int, device: torch.device) -> PagedPrefill:
@@ -52,7 +55,11 @@ def prefill_metadata(chunks: list[SeqRows], block_size: int, block_q: int, devic
     columns = [[s.row for s in chunks], [s.n for s in chunks], [s.start for s in chunks],
                [c for c, _ in tiles], [o for _, o in tiles]]
     row, n, start, tile_chunk, tile_offset = (torch.tensor(v, dtype=torch.int32).to(device) for v in columns)
-    return PagedPrefill(tables.to(device), row, n, start, tile_chunk, tile_offset)
+    limit = torch.zeros(max(s.row + s.n for s in chunks), dtype=torch.int32)
+    for s in chunks:
+        spans = row_limits(s)
+        limit[s.row:s.row + s.n] = torch.arange(s.start + 1, s.start + s.n + 1) if spans is None else spans
+    return PagedPrefill(tables.to(device), row, n, start, tile_chunk, tile_offset, limit.to(device))
 
 
 def tile_rows(heads: int, kv_heads: int, block_m: int = 64) -> int:
@@ -61,11 +68,13 @@ def tile_rows(heads: int, kv_heads: int, block_m: int = 64) -> int:
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedPrefill,
-                            block_size: int, scale: float, out: torch.Tensor, block_q: int) -> None:
+                            block_size: int, scale: float, out: torch.Tensor, block_q: int,
+                            window: int | None = None) -> None:
     """Write into `out` [T, heads, d] the attention of every chunk row of `meta` (the step's q
     [T, heads, d]) over its sequence's tokens up to its own in the paged cache k_cache, v_cache
     [slots, kv_heads, d] (one layer of `KVCache`, the chunks' K/V already written); `block_q`:
-    `tile_rows`, as `meta`'s tiles were cut. Other rows of `out` are left as they are."""
+    `tile_rows`, as `meta`'s tiles were cut; `window`: a sliding-window layer's (None: full attention).
+    Other rows of `out` are left as they are."""
     T, H, D = q.shape
     KVH = k_cache.shape[1]
     tiles = meta.tile_chunk.shape[0]
@@ -78,7 +87,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     G = H // KVH
     paged_prefill[(tiles, KVH)](
         q, k_cache, v_cache, out, meta.block_tables, meta.chunk_row, meta.chunk_len, meta.chunk_start,
-        meta.tile_chunk, meta.tile_offset, scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        meta.tile_chunk, meta.tile_offset, meta.row_limit, scale, kernel_window(window), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         out.stride(0), out.stride(1), meta.block_tables.stride(0),
         G=G, G_PAD=pow2(G), BLOCK_Q=block_q, D=D, D_PAD=pow2(D, 16), BLOCK_SIZE=block_size, TOKENS=TOKENS,
         IEEE=q.dtype == torch.float32, num_warps=4)
@@ -99,4 +108,4 @@ class PagedPrefillAttention(TritonAttention):
                 out: torch.Tensor) -> None:
         if prefills is not None:
             paged_prefill_attention(q, self.kv.k[layer], self.kv.v[layer], prefills, self.kv.block_size, self.scale,
-                                    out, self.block_q)
+                                    out, self.block_q, self.windows[layer])

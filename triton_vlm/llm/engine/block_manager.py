@@ -132,8 +132,10 @@ class BlockManager:
 
 
 def block_keys(input_ids: torch.Tensor, positions: torch.Tensor, embeddings: torch.Tensor | None,
-               placeholder_mask: torch.Tensor, block_size: int) -> list[bytes]:
-    """Chained keys of the full blocks of a prompt (see the module docstring)."""
+               placeholder_mask: torch.Tensor, block_size: int, spans: tuple[tuple[int, int], ...] = ()) -> list[bytes]:
+    """Chained keys of the full blocks of a prompt (see the module docstring). A block that holds
+    part of a bidirectional span (`spans`: its tokens' K/V depend on the span's later tokens too)
+    also hashes the span's embedding rows past the block."""
     n = int(input_ids.numel())
     keys, prev = [], b""
     rows_before = torch.cumsum(placeholder_mask.long(), 0) - placeholder_mask.long()
@@ -145,7 +147,8 @@ def block_keys(input_ids: torch.Tensor, positions: torch.Tensor, embeddings: tor
         h = hashlib.blake2b(prev, digest_size=16)
         h.update(ids[start:end].numpy().tobytes())
         h.update(pos[:, start:end].contiguous().numpy().tobytes())
-        m = int(placeholder_mask[start:end].sum())
+        reach = max([end] + [b for a, b in spans if a < end and b > end])
+        m = int(placeholder_mask[start:reach].sum())
         if m and emb is not None:
             first = int(rows_before[start])
             h.update(emb[first:first + m].contiguous().view(torch.uint8).numpy().tobytes())

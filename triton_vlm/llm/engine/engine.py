@@ -193,7 +193,7 @@ class Engine:
                        embeddings=prompt.embeddings, emb_index=prompt.emb_index, positions=prompt.positions,
                        delta=prompt.delta, params=prompt.params, emit=emit, is_cancelled=is_cancelled,
                        generator=make_generator(prompt.params.seed, self.runner.device),
-                       detok=IncrementalDetokenizer(self.tokenizer, tail), keys=prompt.keys,
+                       detok=IncrementalDetokenizer(self.tokenizer, tail), keys=prompt.keys, spans=prompt.spans,
                        queued_since=self.clock(),
                        grammar=None if prompt.grammar is None else
                        self.grammars.matcher(prompt.grammar, prompt.params.eos_token_ids),

@@ -37,7 +37,8 @@ def fork(parent: Sequence, blocks: BlockManager, recurrent: bool, tokenizer, dev
             delta=parent.delta, params=parent.params, emit=parent.emit, is_cancelled=parent.is_cancelled,
             generator=make_generator(None if seed is None else seed + index, device),
             detok=IncrementalDetokenizer(tokenizer, parent.detok.ids), arrival=parent.arrival, keys=parent.keys,
-            blocks=list(shared), num_computed=len(shared) * blocks.block_size, index=index, group=group,
+            spans=parent.spans, blocks=list(shared), num_computed=len(shared) * blocks.block_size, index=index,
+            group=group,
             grammar=None if parent.grammar is None else parent.grammar.fork()))
     group.running += group.to_fork
     group.to_fork = 0

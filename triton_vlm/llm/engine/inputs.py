@@ -36,6 +36,7 @@ class Prompt:
     keys: list[bytes]                    # prefix-cache keys of full prompt blocks ([] without the cache)
     params: SamplingParams               # as this model applies them (`SamplingParams.for_model`)
     grammar: "xgrammar.CompiledGrammar | None" = None  # the guide's, where the request has one
+    spans: tuple[tuple[int, int], ...] = ()  # bidirectional media runs (`media_spans`)
 
 
 def as_tensor(value: Any, name: str, dtype: torch.dtype) -> torch.Tensor:
@@ -46,6 +47,13 @@ def as_tensor(value: Any, name: str, dtype: torch.dtype) -> torch.Tensor:
         return torch.as_tensor(np.asarray(value), dtype=dtype)
     except Exception:
         raise InvalidInput(f"{name}: not a numeric array") from None
+
+
+def media_spans(mask: torch.Tensor) -> tuple[tuple[int, int], ...]:
+    """The runs [a, b) of consecutive placeholder tokens of a prompt (`mask` [n] bool): each media
+    block (an image, a pan-and-scan crop) that a `bidirectional_media` decoder attends both ways."""
+    edges = torch.diff(torch.cat([mask.new_zeros(1), mask, mask.new_zeros(1)]).to(torch.int8)).nonzero()[:, 0]
+    return tuple(zip(edges[0::2].tolist(), edges[1::2].tolist()))
 
 
 def completed_positions(pos: torch.Tensor, mask: torch.Tensor, media_position_ids: Any,
@@ -107,11 +115,12 @@ class InputProcessor:
         if emb is not None:
             emb_index = torch.full((n,), -1, dtype=torch.long)
             emb_index[mask] = torch.arange(emb.shape[0])
-        keys = block_keys(ids, pos, emb, mask, self.block_size) if self.prefix_caching else []
+        spans = media_spans(mask) if self.model.config.bidirectional_media else ()
+        keys = block_keys(ids, pos, emb, mask, self.block_size, spans) if self.prefix_caching else []
         if emb is not None:  # keyed by the float32 rows above; cast once for the model
             emb = emb.to(self.model.device, self.model.dtype)
         grammar = None if params.guide_type is None else self.grammars.compile(params.guide_type, params.guide)
-        return Prompt(ids, pos, delta, emb, emb_index, keys, params, grammar)
+        return Prompt(ids, pos, delta, emb, emb_index, keys, params, grammar, spans)
 
     def _check_room(self, n: int, max_tokens: int) -> None:
         """The prompt and its answer fit the context and the KV cache pool."""

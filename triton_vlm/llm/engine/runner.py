@@ -101,7 +101,7 @@ class ModelRunner:
             if e > n:
                 first = max(a, n)
                 positions[:, row + first - a:row + c.num_tokens] = torch.arange(first, e) + seq.delta
-            seq_rows.append(SeqRows(row, c.num_tokens, a, seq.blocks))
+            seq_rows.append(SeqRows(row, c.num_tokens, a, seq.blocks, seq.spans if a < n else ()))
             if self.states is not None:
                 if seq.state is None:
                     raise ValueError("a decoder with linear-attention layers needs a state slot per sequence")
@@ -166,6 +166,7 @@ def prompt_logits(model: DecoderModel, input_ids: torch.Tensor, embeddings: torc
                   positions: torch.Tensor) -> torch.Tensor:
     """The last prompt position's float32 logits [vocab] through a scratch runner (tests, tools)."""
     from triton_vlm.llm.engine.block_manager import BlockManager
+    from triton_vlm.llm.engine.inputs import media_spans
     from triton_vlm.llm.engine.sampling import SamplingParams
 
     ids = input_ids.reshape(-1).long()
@@ -182,6 +183,6 @@ def prompt_logits(model: DecoderModel, input_ids: torch.Tensor, embeddings: torc
     seq = Sequence("prompt", n, ids.tolist(), emb, emb_index, positions, 0, SamplingParams(max_tokens=1),
                    emit=lambda out: None, is_cancelled=lambda: False, generator=torch.Generator(),
                    detok=IncrementalDetokenizer(None, []), blocks=blocks.allocate(blocks.num_blocks),
-                   state=blocks.allocate_state())
+                   state=blocks.allocate_state(), spans=media_spans(mask) if model.config.bidirectional_media else ())
     runner = ModelRunner(model, blocks.num_blocks, blocks.block_size)
     return runner.forward([ScheduledChunk.of(seq, n)])[0]

@@ -5,6 +5,8 @@ Every step, oldest request first, `Scheduler.schedule`:
   one token for a decoding sequence, the next chunk of the prompt for one still in prefill;
 - admits waiting requests into the remaining budget (they join the running batch right away),
   reusing cached prompt-prefix blocks when prefix caching is on;
+- never ends a prompt chunk inside a bidirectional span (`chunk_end`: a media block whose tokens
+  see each other), so every row of a span has its whole span in its step or before;
 - takes KV blocks from the block manager as rows need them. When it is out of blocks, a waiting
   request keeps waiting, and a running one that needs a block preempts the newest running sequence
   (its blocks go back; it is recomputed later from its prompt and the tokens it already has, with
@@ -54,6 +56,16 @@ class ScheduledChunk:
     def is_decode(self) -> bool:
         """One generated token's row, sampling the next: the rows a CUDA graph replays."""
         return self.num_tokens == 1 and self.start >= self.seq.prompt_len and self.samples
+
+
+def chunk_end(seq: Sequence, end: int) -> int:
+    """`end`, unless it would cut one of the sequence's bidirectional spans (whose tokens all see
+    each other: a chunk holds the whole rest of one): then the span's start, or where the chunk
+    starts inside the span (a prefix-cache hit), the span's end, past the step's budget."""
+    for a, b in seq.spans:
+        if a < end < b:
+            return a if a > seq.num_computed else b
+    return end
 
 
 def decoding(seq: Sequence) -> bool:
@@ -126,7 +138,7 @@ class Scheduler:
                 break
             if seq not in self.running or not takes(seq):  # preempted meanwhile, or not this step's kind
                 continue
-            end = min(len(seq.tokens), seq.num_computed + budget)
+            end = chunk_end(seq, min(len(seq.tokens), seq.num_computed + budget))
             if self._grow(seq, end, planned, out):
                 out.chunks.append(ScheduledChunk.of(seq, end))
                 planned.add(seq)
@@ -137,7 +149,7 @@ class Scheduler:
             if fresh and seq.keys:  # reuse cached prompt blocks; at least one token is computed
                 seq.blocks = self.blocks.lookup(seq.keys[:(len(seq.tokens) - 1) // self.blocks.block_size])
                 seq.num_computed = len(seq.blocks) * self.blocks.block_size
-            end = min(len(seq.tokens), seq.num_computed + budget)
+            end = chunk_end(seq, min(len(seq.tokens), seq.num_computed + budget))
             got = self.blocks.allocate(self.blocks.blocks_for(end) - len(seq.blocks))
             if got is None:  # out of blocks: it keeps waiting, first in line
                 if fresh:

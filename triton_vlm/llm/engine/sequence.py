@@ -48,6 +48,8 @@ class Sequence:
     detok: "IncrementalDetokenizer"
     arrival: int = 0
     keys: list[bytes] = field(default_factory=list)   # prefix-cache keys of full prompt blocks
+    # prompt token ranges [a, b) attending to each other both ways in prefill (`media_spans`)
+    spans: tuple[tuple[int, int], ...] = ()
     blocks: list[int] = field(default_factory=list)   # block table
     state: int | None = None          # recurrent-state slot while running
     num_computed: int = 0             # tokens whose K/V are in the blocks

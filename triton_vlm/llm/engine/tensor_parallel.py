@@ -48,7 +48,7 @@ def send(pipes: list, h: torch.Tensor, positions: torch.Tensor, seqs: list[SeqRo
     positions [3, T] and DeepStack maps broadcast."""
     tables = [s.blocks[:-(-(s.start + s.n) // block_size)] for s in seqs]
     states = recurrent and (recurrent.decode_rows.tolist(), recurrent.decode_slots.tolist(), recurrent.prefill)
-    message = (STEP, h.shape[0], [(s.row, s.n, s.start, t) for s, t in zip(seqs, tables)], states,
+    message = (STEP, h.shape[0], [(s.row, s.n, s.start, t, s.spans) for s, t in zip(seqs, tables)], states,
                logits_rows.tolist(), deepstack and (deepstack.rows.tolist(), deepstack.maps.shape[0]))
     for pipe in pipes:
         pipe.send(message)

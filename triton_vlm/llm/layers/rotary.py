@@ -50,7 +50,9 @@ class Rotary:
     divides each frequency by its factor and scales cos and sin."""
 
     def __init__(self, config: DecoderConfig, pairing: type, device: torch.device = torch.device("cpu"),
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, theta: float | None = None, linear_factor: float = 1.0):
+        """`theta`: the base (default the config's `rope_theta`); `linear_factor`: linear scaling, every
+        frequency divided by it (transformers' "linear" rope type)."""
         r = self.rotary_dim = config.rotary_dim
         sign, freq = pairing.tables(r)
         section = config.mrope_section
@@ -60,11 +62,13 @@ class Rotary:
                                        torch.where((j % 3 == 2) & (j < 3 * section[2]), 2, 0))
         else:
             axis_of_freq = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(section)])
-        base = config.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float) / r)
+        base = (config.rope_theta if theta is None else theta) ** (torch.arange(0, r, 2, dtype=torch.float) / r)
         # LongRoPE: each frequency divided by its short factor (positions end before the long ones
         # apply, `DecoderConfig.from_checkpoint`), cos and sin scaled by the attention factor.
         longrope = config.longrope
         inv_freq = 1.0 / (base if longrope is None else torch.tensor(longrope.short_factor, dtype=torch.float) * base)
+        if linear_factor != 1.0:
+            inv_freq = inv_freq / linear_factor
         self.scale = 1.0 if longrope is None else longrope.attention_factor
         self.axis, self.inv_freq, self.sign = (t.to(device) for t in (axis_of_freq[freq], inv_freq[freq], sign))
         self.dtype = dtype

@@ -31,6 +31,10 @@ class DecoderSpec:
     mrope: bool = True
     # Text config flags this decoder does not implement: a checkpoint that sets one is refused.
     refused_flags: tuple[str, ...] = ()
+    # The MLP activation its layers implement (config `TextRules.activation_key`; others refused).
+    activation: str = "silu"
+    # In prefill the tokens of one media run attend to each other both ways (Gemma 3's image blocks).
+    bidirectional_media: bool = False
     # How its transformers config classes read what config.json leaves out or spells otherwise.
     text: TextRules = field(default_factory=TextRules)
     # DeepStack (Qwen3-VL): each vision row carries, beside its input embedding, one feature map per
