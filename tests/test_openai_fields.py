@@ -106,6 +106,8 @@ HONOURED: dict[str, tuple[Any, Check]] = {
     "logprobs": (True, lambda sent, r: sent["return_log_probs"] is True
                  and [c["logprob"] for c in r.json()["choices"][0]["logprobs"]["content"]] == LOGPROBS),
     "logit_bias": ({"42": 5, "7": -100}, lambda sent, r: _bias(sent) == {42: 5.0, 7: -100.0}),
+    # (false keeps an answer's first tool call: test_tool_calls.py)
+    "parallel_tool_calls": (False, lambda sent, r: r.json()["choices"][0]["message"]["content"] == "Hello"),
     "n": (2, lambda sent, r: sent["num_return_sequences"] == 2
           and [(c["index"], c["message"]["content"]) for c in r.json()["choices"]] == [(0, "Hello"), (1, "Hello")]),
     "response_format": ({"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}},
@@ -136,7 +138,7 @@ def _guide(sent: dict) -> tuple[str | None, str | None]:
                  for k in ("guided_decoding_guide_type", "guided_decoding_guide"))
 # accepted and unused, as vLLM does; the request is the plain one
 NO_OPS = {"user": "u-1", "metadata": {"k": "v"}, "safety_identifier": "h", "prompt_cache_key": "k",
-          "parallel_tool_calls": True, "store": False, "service_tier": "auto"}
+          "store": False, "service_tier": "auto"}
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 REFUSED = {
     "top_logprobs": 2,  # (without logprobs: honoured with it, test_chat_top_logprobs_...)
@@ -389,3 +391,23 @@ def test_guided_decoding_refuses_by_field(fields, param, message):
 @pytest.mark.parametrize("bias", [{"x": 1}, {"999999": 1}, {"3": 101}])
 def test_a_logit_bias_off_the_vocabulary_or_range_is_refused(api, bias):
     _expect_refused(_chat(api, logit_bias=bias)[0], "logit_bias")
+
+
+@pytest.mark.parametrize("extra, param", [
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"properties": "x"}}}],
+          tool_choice="required"), "tools"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"required": [["a"]]}}}],
+          tool_choice="required"), "tools"),
+    (dict(tools=[{"type": "function", "function": {"name": f"f{i}", "parameters": {"description": "x" * 4000}}}
+                 for i in range(80)]), "tools"),  # past max_guide_chars
+    (dict(logit_bias={"\u00b2": 1}), "logit_bias"),  # a digit, not an ASCII one
+])
+def test_malformed_tools_and_bias_keys_are_400s_naming_the_field(api, extra, param):
+    _expect_refused(_chat(api, **extra)[0], param)
+
+
+def test_an_assistant_tool_call_that_is_not_an_object_is_a_400(api):
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": "x"}]}]
+    response = api.post("/v1/chat/completions", json={"model": MODEL, "messages": messages})
+    assert response.status_code == 400 and "tool_calls[0].function: must be an object" in response.text

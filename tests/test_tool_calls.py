@@ -125,3 +125,15 @@ def test_forced_calls_a_random_model_writes_parse_and_fit_the_schema(tiny_checkp
         content, (call,) = parse_tool_calls("".join(pieces), tool_format)
         assert content == "" and call.name in schemas, "".join(pieces)
         jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+
+
+@pytest.mark.parametrize("parallel, calls", [(True, 2), (False, 1)])
+def test_parallel_tool_calls_false_keeps_the_first_call(parallel, calls):
+    from triton_vlm.clients.openai_responses import ToolShape
+
+    whole = ToolShape(None, "hermes", parallel=parallel).choice(HERMES, [], None, "stop")
+    assert [c["function"]["name"] for c in whole["message"]["tool_calls"]] == ["get_weather", "get_time"][:calls]
+    streamed = ToolShape(None, "hermes", parallel=parallel)
+    streamed.delta(HERMES, [1], None, None)
+    last = streamed.delta("", [], None, "stop")
+    assert len(last["delta"]["tool_calls"]) == calls and last["finish_reason"] == "tool_calls"

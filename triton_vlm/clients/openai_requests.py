@@ -15,6 +15,7 @@ and what each field does: every field is honoured, accepted as a no-op, or refus
 """
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, ClassVar, Literal
 
 import numpy as np
@@ -23,13 +24,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from triton_vlm.clients.client import request_values
 from triton_vlm.clients.guided import GUIDED_FIELDS, Guide, InvalidRequestField, guided_decoding
 from triton_vlm.clients.tool_calls import tool_choice, tool_names
-from triton_vlm.contract.sampling import MAX_RETURN_SEQUENCES, MAX_TOP_LOG_PROBS
+from triton_vlm.contract.sampling import MAX_GUIDE_CHARS, MAX_RETURN_SEQUENCES, MAX_TOP_LOG_PROBS
 
 # Fields accepted and unused, on both endpoints.
-NO_OPS = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key", "parallel_tool_calls"})
+NO_OPS = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key"})
 # name -> (the values accepted, why no other): OpenAI's fields, then vLLM's extensions.
 _COMMON: dict[str, tuple[tuple[Any, ...], str]] = {
-    "best_of": ((None, 1), "one sequence per request"),
+    "best_of": ((None, 1), "no ranking of extra sequences; ask for n of them with n"),
     "store": ((None, False), "nothing is stored"),
     "service_tier": ((None, "auto", "default"), "one service tier"),
     "use_beam_search": ((None, False), "no beam search"),
@@ -171,7 +172,7 @@ class SamplingRequest(BaseModel):
             return {}
         bias = np.zeros(vocab_size, np.float32)
         for key, value in self.logit_bias.items():
-            if not key.isdigit() or int(key) >= vocab_size or not -100 <= value <= 100:
+            if not (key.isascii() and key.isdigit()) or int(key) >= vocab_size or not -100 <= value <= 100:
                 raise InvalidRequestField("logit_bias", f"{key!r}: {value!r}: keys are token ids in [0, {vocab_size}), "
                                           "values biases in [-100, 100]")
             bias[int(key)] = value
@@ -210,13 +211,18 @@ class ChatRequest(SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOG_PROBS)
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # false: an answer's first call only
 
     def tool_choice_of(self) -> str:
-        """`tool_calls.tool_choice` of the request's tools, or InvalidRequestField naming the field."""
+        """`tool_calls.tool_choice` of the request's tools, or InvalidRequestField naming the field.
+        The tools are bounded as a guide is (`MAX_GUIDE_CHARS`): a forced call's grammar is made of them."""
         try:
             tool_names(self.tools or [])
         except ValueError as error:
             raise InvalidRequestField("tools", str(error)) from None
+        if self.tools and len(json.dumps(self.tools)) > MAX_GUIDE_CHARS:
+            raise InvalidRequestField("tools", f"{len(json.dumps(self.tools))} characters of JSON exceed "
+                                               f"max_guide_chars={MAX_GUIDE_CHARS}")
         try:
             return tool_choice(self.tool_choice, self.tools or [])
         except ValueError as error:

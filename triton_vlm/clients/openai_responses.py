@@ -109,15 +109,21 @@ class ToolShape(Shape):
     before them its content; streamed, the content as it comes and the calls with the last chunk.
     An answer whose calls do not parse is all content."""
 
-    def __init__(self, token_text: Callable[[int], str] | None, tool_format: str, index: int = 0) -> None:
+    def __init__(self, token_text: Callable[[int], str] | None, tool_format: str, index: int = 0,
+                 parallel: bool = True) -> None:
         super().__init__(token_text, index)
         self.stream = ToolCallStream(tool_format)
+        self.parallel = parallel  # `parallel_tool_calls`; false: the first call only
+
+    def _calls(self, calls: list) -> list:
+        return calls if self.parallel else calls[:1]
 
     def choice(self, text: str, ids: list[int], logprobs: Logprobs | None, finish_reason: str | None) -> dict:
         try:
             content, calls = parse_tool_calls(text, self.stream.format)
         except ToolCallError:
             content, calls = text, []
+        calls = self._calls(calls)
         message = {"role": "assistant", "content": content or (None if calls else "")}
         if calls:
             message["tool_calls"], finish_reason = [c.as_openai() for c in calls], "tool_calls"
@@ -131,6 +137,7 @@ class ToolShape(Shape):
             rest, calls = self.stream.finish()
         except ToolCallError:
             rest, calls = self.stream.text[self.stream.sent:], []
+        calls = self._calls(calls)
         delta: dict[str, Any] = {"content": rest} if rest else {}
         if calls:
             delta["tool_calls"], finish_reason = [c.as_openai(i) for i, c in enumerate(calls)], "tool_calls"

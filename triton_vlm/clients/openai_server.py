@@ -23,6 +23,7 @@ import json
 import logging
 import time
 import uuid
+import functools
 from functools import partial
 from pathlib import Path
 from typing import AsyncIterator, Awaitable, Callable, Iterator, TypeVar
@@ -40,10 +41,10 @@ from triton_vlm.clients.openai_requests import (ChatRequest, CompletionRequest, 
 from triton_vlm.clients.openai_responses import APIError, Shape, TextShape, ToolShape, answer, collect, events, first
 from triton_vlm.clients.tool_calls import forced_call_grammar
 from triton_vlm.contract.limits import DEFAULT_LIMITS, Limits
+from triton_vlm.contract.sampling import MAX_GUIDE_CHARS, xgrammar_message
 from triton_vlm.errors import InvalidInput
 from triton_vlm.families import detect_family
 from triton_vlm.llm.config import DecoderConfig
-from triton_vlm.llm.engine.grammar import xgrammar_message
 from triton_vlm.tokenizer import load_tokenizer
 
 log = logging.getLogger("triton_vlm")
@@ -91,16 +92,33 @@ def _tool_fields(message: Message, i: int) -> dict:
     if message.tool_calls:
         calls = []
         for j, call in enumerate(message.tool_calls):
-            function = dict(call.get("function") or {})
+            function = call.get("function") or {}
+            if not isinstance(function, dict):
+                raise APIError(400, f"messages[{i}].tool_calls[{j}].function: must be an object",
+                               param=f"messages[{i}].tool_calls")
+            function = dict(function)
             if isinstance(function.get("arguments"), str):
                 try:
                     function["arguments"] = json.loads(function["arguments"])
-                except json.JSONDecodeError:
+                except (json.JSONDecodeError, RecursionError):
                     raise APIError(400, f"messages[{i}].tool_calls[{j}].function.arguments: not JSON",
                                    param=f"messages[{i}].tool_calls") from None
             calls.append({**call, "function": function})
         fields["tool_calls"] = calls
     return fields
+
+
+def _forced_grammar(tools: list, choice: str, tool_format: str) -> str:
+    """`forced_call_grammar`, or InvalidRequestField naming `tools` where xgrammar cannot read a
+    function's `parameters` or the grammar is longer than the ensemble takes (`MAX_GUIDE_CHARS`)."""
+    try:
+        grammar = forced_call_grammar(tools, choice, tool_format)
+    except RuntimeError as error:  # xgrammar's
+        raise InvalidRequestField("tools", f"a function's parameters: {xgrammar_message(error)}") from None
+    if len(grammar) > MAX_GUIDE_CHARS:
+        raise InvalidRequestField("tools", f"the forced call's grammar, {len(grammar)} characters, exceeds "
+                                           f"max_guide_chars={MAX_GUIDE_CHARS}")
+    return grammar
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
@@ -178,7 +196,8 @@ def create_app(url: str, checkpoint: str | Path, model_name: str | None = None,
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "triton-vlm"}]}
 
-    def token_text(token_id: int) -> str:
+    @functools.lru_cache(maxsize=1 << 16)
+    def token_text(token_id: int) -> str:  # (each alternative of each step decodes one id)
         return tokenizer.decode([token_id], skip_special_tokens=False)
 
     def served(body: SamplingRequest) -> None:
@@ -215,15 +234,13 @@ def create_app(url: str, checkpoint: str | Path, model_name: str | None = None,
             except InvalidInput as error:
                 raise APIError(400, str(error), param="messages") from None
             forced = None
-            if choice not in ("auto", "none"):
-                try:
-                    forced = Guide("tool_choice", "ebnf_grammar",
-                                   forced_call_grammar(tools, choice, family.prompt.tool_call_format))
-                except RuntimeError as error:  # xgrammar's, on a `parameters` schema it cannot read
-                    raise InvalidRequestField("tools", f"a function's parameters: {xgrammar_message(error)}") from None
+            if choice not in ("auto", "none"):  # (off the event loop: other clients' streams go on)
+                forced = Guide("tool_choice", "ebnf_grammar",
+                               await asyncio.to_thread(_forced_grammar, tools, choice, family.prompt.tool_call_format))
             values = body.values(prompt, images, videos, default_max_tokens, forced) | body.bias_values(vocab_size)
         text = token_text if body.logprobs else None
-        shape = partial(Shape, text) if choice == "none" else partial(ToolShape, text, family.prompt.tool_call_format)
+        shape = partial(Shape, text) if choice == "none" else partial(
+            ToolShape, text, family.prompt.tool_call_format, parallel=body.parallel_tool_calls is not False)
         return await complete(request, values, body, "chatcmpl", shape)
 
     @app.post("/v1/completions")

@@ -104,7 +104,7 @@ class ToolCallStream:
 
     def feed(self, delta: str) -> str:
         self.text += delta
-        first = self.text.find(START)
+        first = self.text.find(START, self.sent)  # (what was sent holds no call's start)
         if first >= 0:
             end = first
         else:  # hold back a tail that could still become `<tool_call>`
@@ -132,8 +132,15 @@ def tool_names(tools: Sequence[Any]) -> list[str]:
                 or not isinstance(function.get("name"), str) or not function["name"]:
             raise ValueError(f"tools[{i}]: must be {{'type': 'function', 'function': {{'name': ..., 'parameters': "
                              f"...}}}}, got {tool!r}")
-        if not isinstance(function.get("parameters", {}), dict):
+        parameters = function.get("parameters", {})
+        if not isinstance(parameters, dict):
             raise ValueError(f"tools[{i}].function.parameters: must be a JSON schema (an object)")
+        if not isinstance(parameters.get("properties", {}), dict) \
+                or not all(isinstance(p, dict) for p in parameters.get("properties", {}).values()):
+            raise ValueError(f"tools[{i}].function.parameters.properties: must map names to JSON schemas")
+        required = parameters.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise ValueError(f"tools[{i}].function.parameters.required: must be a list of names")
         names.append(function["name"])
     return names
 

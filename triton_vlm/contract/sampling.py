@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
@@ -67,6 +68,13 @@ def _text(inputs: Mapping[str, Any], name: str) -> str | None:
 
 def _show(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def xgrammar_message(error: Exception) -> str:
+    """xgrammar's message without its time, source line and check prefixes."""
+    text = (str(error).strip() or type(error).__name__).splitlines()[0]
+    text = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", text)
+    return re.sub(r"^Check failed: .*? is false: ", "", text)[:500]
 
 
 @dataclass

@@ -18,14 +18,13 @@ which are the tokens its matcher has accepted, so the matcher's state is the one
 from __future__ import annotations
 
 import os
-import re
 import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import torch
 
-from triton_vlm.contract.sampling import GUIDE
+from triton_vlm.contract.sampling import GUIDE, xgrammar_message
 from triton_vlm.errors import InvalidInput
 from triton_vlm.tokenizer import SentencePieceTokenizer
 
@@ -109,13 +108,6 @@ class Grammars:
         import xgrammar as xgr
 
         return xgr.GrammarMatcher(grammar, override_stop_tokens=sorted(eos_token_ids))
-
-
-def xgrammar_message(error: Exception) -> str:
-    """xgrammar's message without its time, source line and check prefixes."""
-    text = (str(error).strip() or type(error).__name__).splitlines()[0]
-    text = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", text)
-    return re.sub(r"^Check failed: .*? is false: ", "", text)[:500]
 
 
 def bitmask(matchers: Sequence["xgrammar.GrammarMatcher | None"], vocab_size: int
