@@ -114,7 +114,8 @@ class SamplingParams:
     guide_type: str | None = None
     guide: str | None = None
     # tensorrtllm_backend's `embedding_bias`: float32 [vocab], added to the logits before any other
-    # control (OpenAI's `logit_bias` as a dense row); None: none.
+    # control (OpenAI's `logit_bias` as a dense row); None: none. The llm engine keeps it as a tensor on
+    # the logits' device (checked here first).
     embedding_bias: Any = None
     # Set by `for_model` when the engine takes the request.
     eos_token_ids: frozenset[int] = frozenset()

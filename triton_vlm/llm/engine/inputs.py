@@ -90,6 +90,8 @@ class InputProcessor:
             raise TypeError("params must be a SamplingParams")
         vocab_size = self.model.config.vocab_size
         params = params.for_model(vocab_size, self.eos_token_ids, self.encode)
+        if params.embedding_bias is not None:  # on the logits' device once, not at every step
+            params.embedding_bias = torch.from_numpy(params.embedding_bias).to(self.model.device)
         ids = as_tensor(input_ids, "input_ids", torch.long).reshape(-1) if input_ids is not None else None
         if ids is None or ids.numel() == 0:
             raise InvalidInput("input_ids: empty prompt")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -67,11 +66,12 @@ def _penalized(scores: torch.Tensor, params: Sequence[SamplingParams],
 
 
 def _biased(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """The rows that carry an `embedding_bias` plus it (a new tensor: the raw logits stay as they are)."""
+    """The rows that carry an `embedding_bias` plus it (a new tensor: the raw logits stay as they are).
+    The engine's requests carry it as a tensor on the logits' device already (`InputProcessor`)."""
     rows = [i for i, p in enumerate(params) if p.embedding_bias is not None]
     if not rows:
         return scores
-    bias = torch.from_numpy(np.stack([params[i].embedding_bias for i in rows])).to(scores.device)
+    bias = torch.stack([torch.as_tensor(params[i].embedding_bias) for i in rows]).to(scores.device)
     return scores.index_add(0, _on(rows, torch.long, scores.device), bias)
 
 
@@ -205,8 +205,5 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: Sequence[in
     index = _on(rows, torch.long, logits.device)
     picked = tokens[index].clamp(min=0)[:, None]
     logprobs = torch.log_softmax(logits[index].float(), dim=-1)
-    best = torch.topk(logprobs, top, dim=-1, sorted=True) if top else None
-    if best is None:
-        empty = logprobs.new_zeros(len(rows), 0)
-        return logprobs.gather(1, picked)[:, 0], empty, empty.long()
+    best = torch.topk(logprobs, top, dim=-1, sorted=True)  # (top 0: empty [rows, 0])
     return logprobs.gather(1, picked)[:, 0], best.values, best.indices

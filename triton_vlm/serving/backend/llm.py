@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import threading
+from functools import partial
 from typing import Any, Callable
 
 from triton_vlm.contract.messages import LLMRequest, scalar
@@ -105,9 +106,10 @@ class LLMModel:
                 request_id = f"llm-{self._next_id}"
         builder = ResponseBuilder(params, llm.stream, num_input_tokens=int(llm.input_ids.size),
                                   requested=frozenset(request.requested_output_names()))
-        emit = _Emitter(sender, builder, tagged, lambda: self.engine.cancel(request_id, early=False))
+        cancel = partial(self.engine.cancel, request_id, early=False)
+        emit = _Emitter(sender, builder, tagged, cancel)
         # from here on only the outbox's thread touches the sender (a refusal's response too)
-        self.outbox.watch(emit, sender.is_cancelled, lambda: self.engine.cancel(request_id, early=False))
+        self.outbox.watch(emit, sender.is_cancelled, cancel)
         try:
             self.engine.submit(request_id, llm.input_ids, llm.embeddings, llm.mrope_position_ids,
                                llm.mrope_position_delta, params=params,
