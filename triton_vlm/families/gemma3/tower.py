@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn as nn
 
@@ -93,7 +92,3 @@ class Gemma3Tower(llava.LlavaTower):
     module = Gemma3VisionTower
     ROWS = staticmethod(processor.embedding_rows)
     vision_settings = staticmethod(vision_settings)
-
-    @classmethod
-    def warmup_grid(cls, settings: dict[str, Any], min_patches: int = 1) -> np.ndarray:
-        return llava.LlavaTower.warmup_grid(settings, min_patches)

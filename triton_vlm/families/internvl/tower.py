@@ -33,6 +33,7 @@ from triton_vlm.families.llava.tower import LlavaTower
 from triton_vlm.vision.tower import attention_groups
 from triton_vlm.vision.tower import config as tower_config
 from triton_vlm.vision.tower import layers as tower_layers
+from triton_vlm.vision.tower.siglip import SiglipMLP
 
 # `InternVLVisionConfig`'s defaults, and `InternVLConfig`'s own fields'.
 VISION_DEFAULTS: dict[str, Any] = dict(
@@ -125,24 +126,14 @@ class Attention(nn.Module):
         return self.projection_layer(out.reshape(n, dim))
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: dict[str, Any]):
-        super().__init__()
-        self.fc1 = nn.Linear(cfg["hidden_size"], cfg["intermediate_size"])
-        self.fc2 = nn.Linear(cfg["intermediate_size"], cfg["hidden_size"])
-        self.act = tower_layers.activation(cfg["hidden_act"])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
 class Layer(nn.Module):
     """x + λ1 ∘ Attn(norm(x)), then x + λ2 ∘ MLP(norm(x)), over the float32 residual stream."""
 
     def __init__(self, cfg: dict[str, Any]):
         super().__init__()
         dim = cfg["hidden_size"]
-        self.attention, self.mlp = Attention(cfg), MLP(cfg)
+        self.attention = Attention(cfg)
+        self.mlp = SiglipMLP(cfg["hidden_size"], cfg["intermediate_size"], cfg["hidden_act"])
         self.layernorm_before, self.layernorm_after = _norm(cfg, dim), _norm(cfg, dim)
         self.lambda_1, self.lambda_2 = nn.Parameter(torch.ones(dim)), nn.Parameter(torch.ones(dim))
 

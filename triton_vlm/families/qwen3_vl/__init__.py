@@ -10,21 +10,14 @@ without DeepStack (`tower.Qwen3_5Tower`), and the Qwen3.5 hybrid decoder (`decod
 from functools import partial
 
 from triton_vlm.contract.tensors import embedding_width
-from triton_vlm.families.base import Family, ProcessorRules, Prompt, patch_encoder_dims
-from triton_vlm.families.qwen3_vl.processor import (IMAGE_PAD, MAX_VIDEO_TOKENS, VIDEO_DEFAULTS, VIDEO_PAD,
-                                                    VIDEO_SIZE_DEFAULT, VISION_END, VISION_START, expand_media,
+from triton_vlm.families.base import Family, ProcessorRules, patch_encoder_dims
+# Qwen2.5-VL's prompt: its placeholders, special tokens, eos and tool call format
+from triton_vlm.families.qwen2_5_vl import PROMPT
+from triton_vlm.families.qwen3_vl.processor import (MAX_VIDEO_TOKENS, VIDEO_DEFAULTS, VIDEO_SIZE_DEFAULT, expand_media,
                                                     resize_rule, sample_frames, video_cap)
 
 # `Qwen3VLVisionConfig`'s default `deepstack_visual_indexes`.
 DEEPSTACK_INDEXES = (8, 16, 24)
-
-PROMPT = Prompt(
-    image_placeholder=VISION_START + IMAGE_PAD + VISION_END,
-    video_placeholder=VISION_START + VIDEO_PAD + VISION_END,
-    special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>", VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD),
-    named_special_tokens={"image_token": IMAGE_PAD, "video_token": VIDEO_PAD,
-                          "vision_start_token": VISION_START, "vision_end_token": VISION_END},
-    eos_tokens=("<|im_end|>", "<|endoftext|>"), tool_call_format="hermes")
 
 PROCESSOR = ProcessorRules(
     sample_frames=sample_frames, default_video_fps=2.0, resize_rule=resize_rule, expand_media=expand_media,

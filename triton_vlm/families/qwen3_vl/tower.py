@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 
 from triton_vlm.contract.tensors import embedding_width
+from triton_vlm.families.qwen3_vl import DEEPSTACK_INDEXES
 from triton_vlm.vision.tower import attention_groups
 from triton_vlm.vision.tower import config as tower_config
 from triton_vlm.vision.tower import layers as tower_layers
@@ -44,7 +45,7 @@ LN_EPS = 1e-6  # fixed in the Hugging Face implementation (not a config field)
 _DEFAULTS: dict[str, Any] = dict(
     depth=27, hidden_size=1152, hidden_act="gelu_pytorch_tanh", intermediate_size=4304, num_heads=16,
     in_channels=3, patch_size=16, spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=3584,
-    num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24], rope_theta=10000.0,
+    num_position_embeddings=2304, deepstack_visual_indexes=list(DEEPSTACK_INDEXES), rope_theta=10000.0,
 )
 
 
@@ -142,22 +143,6 @@ class VisionMLP(nn.Module):
         return self.linear_fc2(self.act_fn(self.linear_fc1(x)))
 
 
-class VisionBlock(nn.Module):
-    """Pre-norm block with LayerNorms and a plain MLP; x is the float32 residual stream."""
-
-    def __init__(self, cfg: dict[str, Any]):
-        super().__init__()
-        dim = cfg["hidden_size"]
-        self.norm1 = tower_layers.LayerNorm(dim, eps=LN_EPS)
-        self.norm2 = tower_layers.LayerNorm(dim, eps=LN_EPS)
-        self.attn = tower_layers.VisionAttention(dim, cfg["num_heads"], qkv_bias=True, proj_bias=True)
-        self.mlp = VisionMLP(dim, cfg["intermediate_size"], cfg["hidden_act"])
-
-    def forward(self, x, cos, sin, index, mask, inverse, lengths):
-        x = x + self.attn(self.norm1(x), cos, sin, index, mask, inverse, lengths)
-        return x + self.mlp(self.norm2(x))
-
-
 class PatchMerger(nn.Module):
     """LayerNorm per patch then 2x2 concatenated (`use_postshuffle_norm` False: the final merger),
     or concatenated then LayerNorm over the four (True: a DeepStack merger); fc1, GELU, fc2."""
@@ -184,7 +169,11 @@ class Qwen3VLVisionTower(nn.Module):
         super().__init__()
         self.patch_embed = tower_layers.PatchEmbed(cfg, bias=True)
         self.pos_embed = nn.Embedding(cfg["num_position_embeddings"], cfg["hidden_size"])
-        self.blocks = nn.ModuleList([VisionBlock(cfg) for _ in range(cfg["depth"])])
+        dim, hidden, act = cfg["hidden_size"], cfg["intermediate_size"], cfg["hidden_act"]
+        self.blocks = nn.ModuleList([  # LayerNorms and a plain MLP of HF's `linear_fc1` / `linear_fc2`
+            tower_layers.VisionBlock(dim, cfg["num_heads"], hidden, act, LN_EPS, qkv_bias=True, proj_bias=True,
+                                     mlp_bias=True, norm=tower_layers.LayerNorm, mlp=VisionMLP(dim, hidden, act))
+            for _ in range(cfg["depth"])])
         self.merger = PatchMerger(cfg, postshuffle=False)
         self.deepstack_visual_indexes = list(cfg["deepstack_visual_indexes"])
         self.deepstack_merger_list = nn.ModuleList([PatchMerger(cfg, postshuffle=True)
