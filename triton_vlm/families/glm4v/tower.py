@@ -89,9 +89,7 @@ def encoder_metadata(grid_thw: np.ndarray, settings: dict[str, Any]) -> dict[str
     m = settings["spatial_merge_size"]
     grid = attention_groups.check_grid(grid_thw, m)
     inv_freq = attention_groups.rotary_inv_freq(settings["head_dim"], settings["rope_theta"])
-    parts = [tuple(np.tile(a, (t, 1)) if t > 1 else a for a in layout)
-             for t, _, _, _, layout in attention_groups.item_layouts(grid, lambda h, w: _frame_layout(h, w, m, inv_freq))]
-    cos, sin, pos = (np.concatenate(column) for column in zip(*parts))
+    cos, sin, pos = attention_groups.per_frame_tables(grid, lambda h, w: _frame_layout(h, w, m, inv_freq))
     return dict(rotary_cos=cos, rotary_sin=sin, pos_grid=pos, **attention_groups.frame_groups(grid))
 
 

@@ -57,10 +57,8 @@ def encoder_metadata(grid_thw: np.ndarray, settings: dict[str, Any]) -> dict[str
     m = settings["spatial_merge_size"]
     grid = attention_groups.check_grid(grid_thw, m)
     inv_freq = attention_groups.rotary_inv_freq(settings["head_dim"], settings["rope_theta"])
-    layouts = attention_groups.item_layouts(
+    cos, sin = attention_groups.per_frame_tables(
         grid, lambda h, w: attention_groups.rotary_tables(*attention_groups.patch_positions(h, w, m), inv_freq))
-    parts = [tuple(np.tile(a, (t, 1)) if t > 1 else a for a in layout) for t, _, _, _, layout in layouts]
-    cos, sin = (np.concatenate(column) for column in zip(*parts))
     return dict(rotary_cos=cos, rotary_sin=sin, **attention_groups.frame_groups(grid))
 
 

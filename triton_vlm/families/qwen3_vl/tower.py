@@ -115,9 +115,8 @@ def encoder_metadata(grid_thw: np.ndarray, settings: dict[str, Any]) -> dict[str
     m = settings["spatial_merge_size"]
     grid = attention_groups.check_grid(grid_thw, m)
     inv_freq = attention_groups.rotary_inv_freq(settings["head_dim"], settings["rope_theta"])
-    layouts = attention_groups.item_layouts(grid, lambda h, w: _frame_layout(h, w, m, settings["pos_side"], inv_freq))
-    parts = [tuple(np.tile(a, (t, 1)) if t > 1 else a for a in layout) for t, _, _, _, layout in layouts]
-    cos, sin, index, weight = (np.concatenate(column) for column in zip(*parts))
+    cos, sin, index, weight = attention_groups.per_frame_tables(
+        grid, lambda h, w: _frame_layout(h, w, m, settings["pos_side"], inv_freq))
     return dict(rotary_cos=cos, rotary_sin=sin, pos_index=index, pos_weight=weight,
                 **attention_groups.frame_groups(grid))
 

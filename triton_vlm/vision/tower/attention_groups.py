@@ -75,6 +75,14 @@ def item_layouts(grid: np.ndarray, layout: Callable[[int, int], Layout]
     return items
 
 
+def per_frame_tables(grid: np.ndarray, layout: Callable[[int, int], Layout]) -> tuple[np.ndarray, ...]:
+    """The tables of `layout(h, w)` (each [rows of one frame, ...]) for every frame of every item
+    of `grid`, in patch order: each frame size laid out once (`item_layouts`)."""
+    parts = [tuple(np.tile(a, (t, 1)) if t > 1 else a for a in tables)
+             for t, _, _, _, tables in item_layouts(grid, layout)]
+    return tuple(np.concatenate(column) for column in zip(*parts))
+
+
 def check_grid(grid_thw: np.ndarray, merge: int) -> np.ndarray:
     """`grid_thw` as int64 [M, 3], M >= 1, h and w multiples of `merge`."""
     grid = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
