@@ -62,6 +62,8 @@ def chunk_end(seq: Sequence, end: int) -> int:
     """`end`, unless it would cut one of the sequence's bidirectional spans (whose tokens all see
     each other: a chunk holds the whole rest of one): then the span's start, or where the chunk
     starts inside the span (a prefix-cache hit), the span's end, past the step's budget."""
+    if not seq.spans or seq.num_computed >= seq.spans[-1][1]:  # (in order: a decode has them all behind it)
+        return end
     for a, b in seq.spans:
         if a < end < b:
             return a if a > seq.num_computed else b
