@@ -67,6 +67,19 @@ def random_model(model_class, config, shape: dict[str, Any], seed: int):
         torch.set_default_dtype(default)
 
 
+def perturb(model, seed: int, scale: Callable[[str, Any], float]) -> None:
+    """Noise (standard normal from a generator seeded `seed` + 1, times `scale(name, parameter)`) added
+    to the parameters for which the scale is not 0: those a random init leaves constant (biases at
+    zero, norms at one), which would hide a wrong bias or norm from the tests."""
+    import torch
+
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(seed + 1)
+        for name, p in model.named_parameters():
+            if factor := scale(name, p):
+                p.add_(torch.randn(p.shape, generator=gen).to(p) * factor)
+
+
 def chat_template(*, prefix: str, message_start: str, message_end: str, image: str, video: str,
                   generation_prompt: str) -> str:
     """A Jinja chat template reduced to what the demo needs: text, image and video content parts.

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from triton_vlm.families.demo import Demo, chat_template, random_model
+from triton_vlm.families.demo import Demo, chat_template, perturb, random_model
 from triton_vlm.families.gemma3 import GEMMA3
 from triton_vlm.families.gemma3 import processor as gemma3
 
@@ -49,7 +49,6 @@ def add_bos(tokenizer) -> None:
 
 
 def _write(out: Path, shape: dict[str, Any], tokenizer, seed: int) -> None:
-    import torch
     from transformers import (Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessor, Gemma3Processor,
                               GenerationConfig)
 
@@ -65,11 +64,8 @@ def _write(out: Path, shape: dict[str, Any], tokenizer, seed: int) -> None:
         eoi_token_index=ids[gemma3.EOI], image_token_index=ids[gemma3.IMAGE_TOKEN],
         bos_token_id=ids[gemma3.BOS], eos_token_id=eos, pad_token_id=ids[gemma3.PAD])
     model = random_model(Gemma3ForConditionalGeneration, config, shape, seed)
-    with torch.no_grad():  # biases start at zero and (1 + w) norms at w = 0, the projection at zero: move them
-        gen = torch.Generator().manual_seed(seed + 1)
-        for name, p in model.named_parameters():
-            if p.ndim == 1 or "mm_input_projection" in name:
-                p.add_(torch.randn(p.shape, generator=gen).to(p) * (0.1 if p.ndim == 1 else 0.2))
+    # biases start at zero and (1 + w) norms at w = 0, the projection at zero: move them
+    perturb(model, seed, lambda name, p: 0.1 if p.ndim == 1 else 0.2 if "mm_input_projection" in name else 0)
     model.generation_config = GenerationConfig(bos_token_id=ids[gemma3.BOS], eos_token_id=eos,
                                                pad_token_id=ids[gemma3.PAD], do_sample=False)
     model.save_pretrained(out)

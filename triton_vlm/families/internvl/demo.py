@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from triton_vlm.families.demo import Demo, chat_template, random_model
+from triton_vlm.families.demo import Demo, chat_template, perturb, random_model
 from triton_vlm.families.internvl import INTERNVL
 from triton_vlm.families.internvl import processor as ivl
 
@@ -42,7 +42,6 @@ def _write(out: Path, shape: dict[str, Any], tokenizer, seed: int) -> None:
     """Write a random-weight InternVL checkpoint (`InternVLForConditionalGeneration`,
     `InternVLProcessor` with its GotOcr2 image and InternVL video processors, saved as
     transformers' conversion script saves them: `crop_to_patches` false, ImageNet mean and std)."""
-    import torch
     from transformers import (GenerationConfig, GotOcr2ImageProcessor, InternVLConfig,
                               InternVLForConditionalGeneration, InternVLProcessor, InternVLVideoProcessor)
 
@@ -58,12 +57,9 @@ def _write(out: Path, shape: dict[str, Any], tokenizer, seed: int) -> None:
     config = InternVLConfig(text_config=text, vision_config=vision, image_token_id=ids[ivl.IMAGE_TOKEN],
                             image_seq_length=(side // patch // 2) ** 2, tie_word_embeddings=False)
     model = random_model(InternVLForConditionalGeneration, config, shape, seed)
-    with torch.no_grad():  # biases, norms, layer scales, the class token and positions start constant: move them
-        gen = torch.Generator().manual_seed(seed + 1)
-        for name, p in model.named_parameters():
-            if ("vision_tower" in name or "multi_modal_projector" in name) and (p.ndim == 1 or "_token" in name
-                                                                              or "position" in name):
-                p.add_(torch.randn(p.shape, generator=gen).to(p) * 0.1)
+    # biases, norms, layer scales, the class token and positions start constant: move them
+    perturb(model, seed, lambda name, p: 0.1 if ("vision_tower" in name or "multi_modal_projector" in name)
+            and (p.ndim == 1 or "_token" in name or "position" in name) else 0)
     model.generation_config = GenerationConfig(eos_token_id=ids[ivl.EOS], pad_token_id=ids[ivl.PAD], do_sample=False)
     model.save_pretrained(out)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from triton_vlm.families.demo import Demo, chat_template, random_model
+from triton_vlm.families.demo import Demo, chat_template, perturb, random_model
 from triton_vlm.families.llava import LLAVA, LLAVA_ONEVISION
 from triton_vlm.families.llava import onevision as ov
 from triton_vlm.families.llava import processor as llava
@@ -111,7 +111,6 @@ def _write_llava_onevision(out: Path, shape: dict[str, Any], tokenizer, seed: in
     """Write a random-weight LLaVA-OneVision checkpoint (`LlavaOnevisionForConditionalGeneration`,
     `LlavaOnevisionProcessor` with its image and video processors) that transformers loads offline:
     SigLIP tower, the last layer's features ("full"), Qwen2 decoder."""
-    import torch
     from transformers import (GenerationConfig, LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration,
                               LlavaOnevisionImageProcessor, LlavaOnevisionProcessor,
                               LlavaOnevisionVideoProcessor)
@@ -129,11 +128,9 @@ def _write_llava_onevision(out: Path, shape: dict[str, Any], tokenizer, seed: in
         vision_aspect_ratio=shape["vision_aspect_ratio"], tie_word_embeddings=False,
     )
     model = random_model(LlavaOnevisionForConditionalGeneration, config, shape, seed)
-    with torch.no_grad():  # SigLIP's biases start at zero and its norms at one: move them
-        gen = torch.Generator().manual_seed(seed + 1)
-        for name, p in model.named_parameters():
-            if p.ndim == 1 and ("vision_tower" in name or "multi_modal_projector" in name):
-                p.add_(torch.randn(p.shape, generator=gen).to(p) * 0.1)
+    # SigLIP's biases start at zero and its norms at one: move them
+    perturb(model, seed, lambda name, p: 0.1 if p.ndim == 1 and ("vision_tower" in name
+                                                                 or "multi_modal_projector" in name) else 0)
     model.generation_config = GenerationConfig(eos_token_id=ids[ov.EOS], pad_token_id=ids[ov.PAD], do_sample=False)
     model.save_pretrained(out)
 
